@@ -1,0 +1,253 @@
+"""Embedded MQTT broker: the zero-setup default for ``sfl-coord serve`` without ``--broker``.
+
+Why embedded: a first-time user should be able to run the coordinator and a few
+agents on one laptop without installing Mosquitto. For real deployments (many
+boards, TLS, auth) point everyone at a Mosquitto broker instead (see
+``install/mosquitto.conf``).
+
+amqtt is asyncio-based; the coordinator is thread-based (paho). So the broker
+runs on its own daemon thread with its own event loop, and ``start()`` only
+returns once a TCP connect to the listener succeeds, so callers can connect
+right away.
+
+amqtt has no maximum packet size of its own (it reads the MQTT "remaining
+length" and then ``readexactly``), so multi-MB tensors pass; ``max_message_bytes``
+is kept for interface parity with Mosquitto and documented, not enforced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+__all__ = ["EmbeddedBroker"]
+
+
+def __getattr__(name: str) -> Any:
+    # amqtt loads plugins by dotted path; resolve this one lazily (see below).
+    if name == "CleanDisconnectPlugin":
+        return _clean_disconnect_plugin_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+log = logging.getLogger(__name__)
+
+# amqtt logs every connection at INFO and packet dumps at DEBUG; a training
+# run makes thousands of these, so keep it at WARNING unless the user opts in.
+_NOISY_LOGGERS = ("amqtt", "transitions")
+
+
+class _DropProbeNoise(logging.Filter):
+    """Drop amqtt's complaints about TCP connections that close before sending CONNECT.
+
+    Our own readiness probe (and any health check or port scan) does exactly that;
+    amqtt reports it at ERROR level, which would look like a fault to users.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("No data to decode MQTT packet fixed header" in msg
+                    or "Can't read first packet as CONNECT" in msg)
+
+
+_PROBE_FILTER = _DropProbeNoise()
+
+
+def _quiet_amqtt_logging() -> None:
+    for name in _NOISY_LOGGERS:
+        lg = logging.getLogger(name)
+        if lg.level == logging.NOTSET or lg.level < logging.WARNING:
+            lg.setLevel(logging.WARNING)
+    broker_log = logging.getLogger("amqtt.broker")
+    if _PROBE_FILTER not in broker_log.filters:
+        broker_log.addFilter(_PROBE_FILTER)
+
+
+@functools.lru_cache(maxsize=1)
+def _clean_disconnect_plugin_class() -> type:
+    """Build the amqtt plugin lazily so importing this module never requires amqtt."""
+    from amqtt.mqtt.disconnect import DisconnectPacket
+    from amqtt.plugins.base import BasePlugin
+
+    class CleanDisconnectPlugin(BasePlugin):  # type: ignore[type-arg]
+        """Work around an amqtt 0.12.1 race that publishes the last will on a CLEAN disconnect.
+
+        amqtt handles DISCONNECT in a separate task; when the client closes its socket
+        right after sending DISCONNECT (paho does), the reader sees EOF first, cancels
+        that task and treats the session as lost, so the will ("agent offline") goes
+        out although the agent left politely. This hook sees every packet before the
+        reader loop continues and clears the session's will flag on DISCONNECT, which
+        is exactly what MQTT 3.1.1 §3.14.4 requires the server to do.
+        """
+
+        async def on_mqtt_packet_received(self, *, packet: Any, session: Any = None) -> None:
+            if session is not None and isinstance(packet, DisconnectPacket):
+                session.will_flag = False
+
+    return CleanDisconnectPlugin
+
+
+class EmbeddedBroker:
+    """amqtt broker on a background thread with its own asyncio loop."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 max_message_bytes: int = 64 * 2**20) -> None:
+        if not (0 <= int(port) <= 65535):
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self.host = host
+        self._requested_port = int(port)
+        self.max_message_bytes = int(max_message_bytes)
+        self._port: int | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._broker: Any = None
+        self._stop_event: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    # -- public API ---------------------------------------------------------
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("EmbeddedBroker not started; call start() first")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"mqtt://{host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._ready.is_set()
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
+        """Start the broker; return once it accepts TCP connections.
+
+        Raises RuntimeError with the reason (port in use, amqtt missing, ...).
+        """
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("EmbeddedBroker already started")
+            try:
+                import amqtt.broker  # noqa: F401  (fail early with a clear message)
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"embedded MQTT broker needs the 'amqtt' package ({exc}); "
+                    "pip install amqtt, or pass --broker mqtt://host:1883") from exc
+            _quiet_amqtt_logging()
+            self._ready.clear()
+            self._error = None
+            self._thread = threading.Thread(target=self._run, name="sfl-embedded-broker", daemon=True)
+            self._thread.start()
+        deadline = time.monotonic() + timeout
+        self._ready.wait(timeout)
+        if self._error is not None or not self._ready.is_set():
+            reason = (f"{type(self._error).__name__}: {self._error}" if self._error is not None
+                      else f"not listening after {timeout:.1f} s")
+            self.stop()
+            raise RuntimeError(
+                f"embedded MQTT broker failed to start on {self.host}:{self._requested_port}: {reason}")
+        # The listener is bound; confirm a real TCP connect works before returning.
+        last: OSError | None = None
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.host, self.port), timeout=1.0):
+                    return self
+            except OSError as exc:
+                last = exc
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(
+            f"embedded MQTT broker on {self.host}:{self._port} does not accept connections: {last}")
+
+    def stop(self) -> None:
+        """Shut the broker down and join its thread. Safe to call repeatedly."""
+        with self._lock:
+            thread = self._thread
+            self._thread = None
+        if thread is None:
+            return
+        # start() may still be in progress on the broker thread; wait until the loop
+        # and its stop event exist (or the thread failed) before signalling it.
+        self._ready.wait(timeout=15)
+        loop, ev = self._loop, self._stop_event
+        if loop is not None and ev is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # loop already closed
+                pass
+        thread.join(timeout=15)
+        if thread.is_alive():
+            log.warning("embedded MQTT broker thread did not stop within 15 s")
+        self._ready.clear()
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals ------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return {
+            "listeners": {"default": {"type": "tcp", "bind": f"{host}:{self._requested_port}",
+                                      "max_connections": 0}},
+            # Only anonymous auth: no $SYS plugin (periodic noise), no topic checking,
+            # no event/packet logger plugins (they log per packet).
+            "plugins": {
+                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+                f"{__name__}.CleanDisconnectPlugin": {},
+            },
+        }
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
+            if self._error is None:
+                self._error = exc
+            if self._ready.is_set():
+                log.error("embedded MQTT broker crashed: %s", exc)
+            self._ready.set()  # wake start() so it reports the error
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            except Exception:  # noqa: BLE001
+                pass
+            loop.close()
+
+    async def _serve(self) -> None:
+        from amqtt.broker import Broker
+
+        self._stop_event = asyncio.Event()
+        broker = Broker(self._config())
+        self._broker = broker
+        await broker.start()
+        try:
+            self._port = self._bound_port(broker)
+            self._ready.set()
+            await self._stop_event.wait()
+        finally:
+            try:
+                await asyncio.wait_for(broker.shutdown(), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - shutdown is best effort
+                log.debug("embedded broker shutdown: %s", exc)
+
+    def _bound_port(self, broker: Any) -> int:
+        """Actual listening port (differs from the requested one when it was 0)."""
+        try:
+            server = broker._servers["default"].instance  # amqtt keeps no public accessor
+            return int(server.sockets[0].getsockname()[1])
+        except Exception:  # noqa: BLE001
+            if self._requested_port:
+                return self._requested_port
+            raise RuntimeError("cannot determine the port amqtt bound to")

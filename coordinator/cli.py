@@ -1,0 +1,262 @@
+"""``sfl-coord``: serve a run over MQTT, simulate a fleet, run the demo, inspect models and runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sfl_core.accounting import format_cost_table, model_costs
+from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
+from sfl_core.data import DatasetError, load_dataset
+from sfl_core.models import MODEL_NAMES, build_model
+
+from coordinator import state as ckpt
+from coordinator.clock import VirtualClock, WallClock
+from coordinator.console import RunDisplay, summary_table
+from coordinator.engine import RoundEngine
+from coordinator.server_trainer import pick_device
+
+app = typer.Typer(help="Split federated learning coordinator.", no_args_is_help=True, add_completion=False)
+console = Console(stderr=True)
+log = logging.getLogger("sfl.coord")
+
+DEMO_CONFIG = "runs/demo.yaml"
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _load(config: Path, rounds: Optional[int], output: Optional[Path]) -> RunConfig:
+    try:
+        cfg = load_run_config(config)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2)
+    import dataclasses
+    if rounds is not None:
+        cfg = dataclasses.replace(cfg, rounds=rounds)
+    if output is not None:
+        cfg = dataclasses.replace(cfg, output_dir=str(output))
+    return cfg
+
+
+def _out_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.output_dir) if cfg.output_dir else Path("runs") / cfg.run_id
+
+
+def _dataset(cfg: RunConfig):
+    try:
+        return load_dataset(cfg.data.dataset, cfg.data.root)
+    except DatasetError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2)
+
+
+def _prepare_out_dir(out: Path, resume: bool) -> None:
+    if not resume and (out / ckpt.METRICS_FILE).exists():
+        # never silently mix two runs' metrics: keep the old ones aside
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for name in (ckpt.METRICS_FILE, ckpt.STATE_FILE, ckpt.MODEL_FILE):
+            if (out / name).exists():
+                (out / name).rename(out / f"{name}.{stamp}")
+        console.print(f"[yellow]{out} held an earlier run; its files were renamed with suffix .{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def run_info_body(cfg: RunConfig, data) -> dict:
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    return {"model": cfg.model, "dataset": cfg.data.dataset, "input_shape": list(data.input_shape),
+            "num_classes": data.num_classes, "splits": list(model.split_points),
+            "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},
+            "num_agents": cfg.num_agents}
+
+
+def serve_run(cfg: RunConfig, broker: Optional[str], *, resume: bool = False, device: str = "auto",
+              quiet: bool = False, on_broker=None) -> tuple[list[dict], RoundEngine]:
+    """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``."""
+    from coordinator.broker import EmbeddedBroker
+    from coordinator.mqtt_transport import MqttTransport
+
+    data = _dataset(cfg)
+    out = _out_dir(cfg)
+    _prepare_out_dir(out, resume)
+    embedded = None
+    if broker is None:
+        embedded = EmbeddedBroker(host=os.environ.get("SFL_BROKER_HOST", "127.0.0.1")).start()
+        broker = embedded.url
+        console.print(f"embedded MQTT broker listening at {broker}")
+    if on_broker is not None:
+        on_broker(broker)
+    transport = MqttTransport(broker, cfg.run_id)
+    try:
+        transport.start()
+        transport.publish_run_info(run_info_body(cfg, data))
+        with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
+            engine = RoundEngine(cfg, transport, WallClock(), (data.x_test, data.y_test),
+                                 input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
+                                 device=pick_device(device), on_event=display, resume=resume)
+            history = engine.run()
+        if transport.rejected:
+            console.print(f"[yellow]{transport.rejected} invalid message(s) were rejected (see the log)")
+        return history, engine
+    finally:
+        transport.close()
+        if embedded is not None:
+            embedded.stop()
+
+
+@app.command()
+def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YAML (see profiles/runs/)."),
+          broker: Optional[str] = typer.Option(None, help="MQTT broker URL, e.g. mqtt://host:1883. "
+                                               "Default: start an embedded broker on 127.0.0.1."),
+          resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
+          rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
+          output: Optional[Path] = typer.Option(None, help="Override the output directory."),
+          device: str = typer.Option("auto", help="Server-portion device: auto, cpu, cuda, cuda:1 ..."),
+          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """Coordinate a real deployment: agents connect through the MQTT broker."""
+    _setup_logging(verbose)
+    cfg = _load(config, rounds, output)
+    history, engine = serve_run(cfg, broker, resume=resume, device=device)
+    console.print(summary_table(history, engine.registry))
+    console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
+
+
+@app.command()
+def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config YAML."),
+             rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
+             output: Optional[Path] = typer.Option(None, help="Override the output directory."),
+             resume: bool = typer.Option(False, "--resume"),
+             device: str = typer.Option("auto", help="Server-portion device."),
+             quiet: bool = typer.Option(False, "--quiet", "-q"),
+             verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """Simulate the fleet in this process with a virtual clock (SPEC §3 times from the profiles)."""
+    _setup_logging(verbose)
+    cfg = _load(config, rounds, output)
+    history, engine = simulate_run(cfg, resume=resume, device=device, quiet=quiet)
+    console.print(summary_table(history, engine.registry))
+    console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
+
+
+def simulate_run(cfg: RunConfig, *, resume: bool = False, device: str = "auto",
+                 quiet: bool = True) -> tuple[list[dict], RoundEngine]:
+    """The same engine as ``serve``, with in-process agents and a virtual clock."""
+    from coordinator.inprocess import build_fleet
+
+    data = _dataset(cfg)
+    out = _out_dir(cfg)
+    _prepare_out_dir(out, resume)
+    transport = build_fleet(cfg, data)
+    with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
+        engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
+                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
+                             device=pick_device(device), on_event=display, resume=resume)
+        history = engine.run()
+    return history, engine
+
+
+@app.command()
+def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Default: profiles/runs/demo.yaml."),
+         rounds: Optional[int] = typer.Option(None, help="Override the number of rounds."),
+         output: Optional[Path] = typer.Option(None, help="Override the output directory."),
+         verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """Zero-setup demo: embedded broker + coordinator + one emulated agent process per fleet member."""
+    _setup_logging(verbose)
+    cfg = _load(config or default_profiles_dir() / DEMO_CONFIG, rounds, output)
+    procs: list[subprocess.Popen] = []
+    logs_dir = _out_dir(cfg) / "agent-logs"
+
+    def launch(broker_url: str) -> None:
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        for i, profile in enumerate(cfg.agent_profiles()):
+            cmd = [sys.executable, "-m", "edge_agent.cli", "start", "--profile", profile, "--broker", broker_url,
+                   "--run", cfg.run_id, "--index", str(i), "--agent-id", f"agent-{i}", "--emulate"]
+            if cfg.data.root:
+                cmd += ["--data", cfg.data.root]
+            log_file = open(logs_dir / f"agent-{i}.log", "w")
+            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT))
+        console.print(f"started {len(procs)} agent processes (logs in {logs_dir})")
+
+    t0 = time.monotonic()
+    try:
+        history, engine = serve_run(cfg, None, on_broker=launch)
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=10)
+    console.print(summary_table(history, engine.registry))
+    codes = [p.returncode for p in procs]
+    console.print(f"demo finished in {time.monotonic() - t0:.1f} s wall; agent exit codes {codes}; "
+                  f"metrics in {_out_dir(cfg) / ckpt.METRICS_FILE}")
+    if any(codes):
+        raise typer.Exit(1)
+
+
+@app.command()
+def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(MODEL_NAMES)}; default all."),
+           input_shape: str = typer.Option("3,32,32", help="Per-sample input shape, e.g. 1,28,28."),
+           classes: int = typer.Option(10)) -> None:
+    """Per split point: client parameters/bytes, client and server FLOPs, activation bytes."""
+    shape = tuple(int(v) for v in input_shape.split(","))
+    for name in [model] if model else MODEL_NAMES:
+        if name == "cnn1d" and len(shape) != 2:
+            continue
+        if name != "cnn1d" and len(shape) != 3:
+            continue
+        m = build_model(name, shape, classes)
+        console.print(f"[bold]{name}[/] input {shape}, {classes} classes")
+        print(format_cost_table(model_costs(name, shape, classes), m.block_names))
+
+
+@app.command()
+def profiles() -> None:
+    """List the device profiles shipped in profiles/devices/."""
+    from sfl_core.config import load_profile
+    table = Table(title=f"device profiles ({default_profiles_dir() / 'devices'})")
+    for col in ("name", "FLOP/s", "uplink B/s", "downlink B/s", "latency s"):
+        table.add_column(col)
+    for name in list_profiles():
+        p = load_profile(name)
+        table.add_row(name, f"{p.compute_flops:.3g}", f"{p.link_bytes_per_s:.3g}", f"{p.downlink_bytes_per_s:.3g}",
+                      f"{p.latency_s:g}")
+    console.print(table)
+
+
+@app.command()
+def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo.")) -> None:
+    """Print a run's checkpoint state and its per-round metrics."""
+    metrics = ckpt.read_metrics(run_dir)
+    if not metrics:
+        console.print(f"[red]no metrics in {run_dir}")
+        raise typer.Exit(1)
+    table = Table(title=str(run_dir))
+    for col in ("round", "accuracy", "test loss", "round s", "elapsed s", "waiting s", "bytes up", "bytes down"):
+        table.add_column(col, justify="right")
+    for m in metrics:
+        table.add_row(str(m["round"]), f"{m['accuracy']:.4f}", f"{m['test_loss']:.4f}", f"{m['round_time_s']:.2f}",
+                      f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}", str(m["bytes_up"]), str(m["bytes_down"]))
+    console.print(table)
+    state_file = run_dir / ckpt.STATE_FILE
+    if state_file.exists():
+        st = json.loads(state_file.read_text())
+        console.print(f"checkpoint after round {st['round']} (model {st['model']}, split {st['split']})")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,61 @@
+"""Wall and virtual clocks: the only thing, besides the transport, that differs between
+a deployment (``sfl-coord serve``) and a simulation (``sfl-coord simulate``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from sfl_core import timing
+
+
+class WallClock:
+    """Times are what the coordinator measures: assignment sent -> weights received."""
+
+    virtual = False
+
+    def __init__(self, offset_s: float = 0.0):
+        self._start = time.monotonic() - offset_s
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def restore(self, elapsed_s: float) -> None:
+        self._start = time.monotonic() - elapsed_s
+
+    def agent_time(self, *, measured_s: float, **_: float) -> float:
+        return measured_s
+
+    def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:
+        return wall_s
+
+
+class VirtualClock:
+    """Times follow SPEC §3 from the agent's profile, its FLOPs and its real encoded bytes."""
+
+    virtual = True
+
+    def __init__(self, offset_s: float = 0.0):
+        self._t = offset_s
+
+    @property
+    def elapsed(self) -> float:
+        return self._t
+
+    def restore(self, elapsed_s: float) -> None:
+        self._t = elapsed_s
+
+    def agent_time(self, *, measured_s: float, client_flops: float, server_flops: float, bytes_up: float,
+                   bytes_down: float, profile: dict, server_flops_per_s: float, messages: int) -> float:
+        return timing.agent_round_time(
+            client_flops=client_flops, server_flops=server_flops, bytes_up=bytes_up, bytes_down=bytes_down,
+            client_flops_per_s=profile["compute_flops"], server_flops_per_s=server_flops_per_s,
+            uplink_bytes_per_s=profile["link_bytes_per_s"], downlink_bytes_per_s=profile["downlink_bytes_per_s"],
+            latency_s=profile.get("latency_s", 0.0), messages=messages,
+        ).total_s
+
+    def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:
+        t = timing.round_time(agent_times)
+        self._t += t
+        return t

@@ -1,0 +1,76 @@
+"""Terminal display of a run: progress while it trains, a summary table when it ends."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordinator.registry import Registry
+
+
+class RunDisplay:
+    """Turns engine events into a progress bar and one line per round."""
+
+    def __init__(self, total_rounds: int, *, console: Optional[Console] = None, quiet: bool = False):
+        self.console = console or Console(stderr=True)
+        self.quiet = quiet
+        self.total = total_rounds
+        self._progress: Optional[Progress] = None
+        self._task = None
+
+    def __enter__(self) -> "RunDisplay":
+        if not self.quiet:
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                                      console=self.console, transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("rounds", total=self.total, status="waiting for agents")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def __call__(self, event: str, data: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        p, t = self._progress, self._task
+        if event == "waiting":
+            p.update(t, status=f"waiting for agents: {data['registered']}/{data['needed']}")
+        elif event == "registered":
+            p.update(t, status=f"agent {data['agent']} registered ({data['online']} online)")
+        elif event == "round_start":
+            p.update(t, status=f"round {data['round']}: {len(data['agents'])} agents")
+        elif event == "step":
+            p.update(t, status=f"round {data['round']} step {data['step']}/{data['of']} loss {data['loss']:.3f}")
+        elif event == "agent_dropped":
+            p.console.print(f"[yellow]dropped {data['agent']}: {data['reason']}")
+        elif event == "round_end":
+            p.advance(t)
+            p.console.print(f"round {data['round']:>3}  accuracy {data['accuracy']:.4f}  test loss "
+                            f"{data['test_loss']:.4f}  round {data['round_time_s']:.2f} s ({data['clock']})  "
+                            f"up {_mb(data['bytes_up'])}  down {_mb(data['bytes_down'])}")
+            p.update(t, status=f"accuracy {data['accuracy']:.3f}")
+
+
+def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
+    """Accuracy, time and bytes: the numbers a user compares runs by."""
+    title = "run summary"
+    if history:
+        last = history[-1]
+        title = (f"final accuracy {last['accuracy']:.4f} after {last['round']} rounds, "
+                 f"{last['elapsed_s']:.1f} s ({last['clock']} clock)")
+    table = Table(title=title)
+    for col in ("agent", "profile", "rounds", "compute s", "bytes up", "bytes down"):
+        table.add_column(col, justify="right" if col not in ("agent", "profile") else "left")
+    for a in sorted(registry.agents.values(), key=lambda i: i.index):
+        table.add_row(a.agent_id, str(a.profile.get("name", "?")), str(a.rounds), f"{a.compute_s:.2f}",
+                      _mb(a.bytes_up), _mb(a.bytes_down))
+    return table
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"

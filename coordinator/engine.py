@@ -1,0 +1,390 @@
+"""The round engine: one implementation for deployments and simulations.
+
+It talks to agents only through a :class:`Transport` (MQTT or in-process) and measures time
+only through a clock (wall or virtual). Everything else — selection, assignment, the
+merged server step, aggregation, evaluation, metrics, checkpoints — lives here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from sfl_core import protocol, timing, wire
+from sfl_core.accounting import model_costs
+from sfl_core.aggregation import weighted_average
+from sfl_core.assignment import Assignment
+from sfl_core.config import RunConfig
+from sfl_core.models import SplitModel, build_model
+from sfl_core.protocol import Message
+
+from coordinator import state as ckpt
+from coordinator.registry import Registry
+from coordinator.server_trainer import ServerTrainer
+
+log = logging.getLogger("sfl.coord")
+
+RETRY_S = 5.0
+"""Seconds after which the last message to an agent that reports itself idle is sent again."""
+
+
+class Transport(Protocol):
+    def send(self, agent_id: str, msg: Message) -> int:
+        """Deliver ``msg`` to one agent; return the bytes it took on the wire."""
+
+    def poll(self, timeout: float) -> Optional[Message]:
+        """Next validated message from any agent, or None after ``timeout`` seconds."""
+
+
+class Clock(Protocol):
+    virtual: bool
+
+    @property
+    def elapsed(self) -> float: ...
+
+    def restore(self, elapsed_s: float) -> None: ...
+
+    def agent_time(self, **kwargs: Any) -> float: ...
+
+    def end_round(self, agent_times: list[float], wall_s: float) -> float: ...
+
+
+Event = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class _RoundAgent:
+    """Book-keeping for one selected agent during a round."""
+
+    info_id: str
+    assignment: Assignment
+    started: float = field(default_factory=time.monotonic)
+    last_heard: float = field(default_factory=time.monotonic)
+    last_sent: Optional[Message] = None
+    last_sent_at: float = field(default_factory=time.monotonic)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    compute_s: float = 0.0
+    finished_at: float = 0.0
+    messages: int = 0
+
+
+class RoundEngine:
+    def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
+                 *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
+                 device: torch.device | str = "cpu", on_event: Optional[Event] = None, resume: bool = False):
+        self.cfg = cfg
+        self.transport = transport
+        self.clock = clock
+        self.x_test, self.y_test = test_set
+        self.input_shape = tuple(input_shape)
+        self.num_classes = num_classes
+        self.out_dir = Path(out_dir)
+        self.device = torch.device(device)
+        self.on_event = on_event or (lambda _e, _d: None)
+        self.registry = Registry(num_classes)
+        self._seq = protocol.Sequencer()
+        torch.manual_seed(cfg.seed)
+        self.model: SplitModel = build_model(cfg.model, self.input_shape, num_classes).to(self.device)
+        self.costs = model_costs(cfg.model, self.input_shape, num_classes)
+        self.split = self.model.num_blocks if cfg.strategy == "fedavg" else (cfg.split or self.model.default_split)
+        self.model.check_split(self.split)
+        self.server = ServerTrainer(self.model.server(self.split), mode=cfg.server_mode, lr=cfg.lr,
+                                    momentum=cfg.momentum, device=self.device)
+        self.start_round = 1
+        self.history: list[dict[str, Any]] = []
+        if resume:
+            self._resume()
+
+    # ================================================================ public
+    def run(self) -> list[dict[str, Any]]:
+        """Wait for the fleet, run the remaining rounds, tell agents to stop."""
+        try:
+            self.wait_for_agents()
+            for r in range(self.start_round, self.cfg.rounds + 1):
+                self.run_round(r)
+        finally:
+            self.shutdown_agents("run finished")
+        return self.history
+
+    def wait_for_agents(self) -> None:
+        need = self.cfg.min_agents or self.cfg.num_agents
+        deadline = time.monotonic() + self.cfg.register_timeout_s
+        self.on_event("waiting", {"registered": len(self.registry.online()), "needed": need})
+        while len(self.registry.online()) < need:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.registry.online())} of {need} agents registered within "
+                                   f"{self.cfg.register_timeout_s:.0f} s")
+            msg = self.transport.poll(0.2)
+            if msg is not None:
+                self._dispatch(msg, None)
+
+    def run_round(self, r: int) -> dict[str, Any]:
+        wall0 = time.monotonic()
+        selected = self.select(r)
+        self.on_event("round_start", {"round": r, "agents": selected})
+        agents = {a: _RoundAgent(a, self._assignment()) for a in selected}
+        self.server.begin_round(selected)
+        client_state = self.model.client_state(self.split)
+        weights_body = wire.encode_state(client_state, self.cfg.zstd_level)
+        for a, ra in agents.items():
+            self._send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                   ra.assignment.to_body(weights_body), round=r, seq=self._seq.next()))
+        losses: list[float] = []
+        if self.cfg.strategy != "fedavg":
+            for k in range(self.cfg.local_iters):
+                acts = self._collect(agents, "activations", r, k)
+                if not acts:
+                    break
+                batches = {a: self._batch(agents[a], m) for a, m in acts.items()}
+                for a in [a for a, b in batches.items() if b is None]:
+                    self._drop(agents, a, "sent invalid activations")
+                    del batches[a]
+                if not batches:
+                    break
+                grads, loss = self.server.step(batches)
+                losses.append(loss)
+                for a, g in grads.items():
+                    self._send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                  {"g": wire.encode_tensor(g, self.cfg.codec, self.cfg.zstd_level)},
+                                                  round=r, step=k, seq=self._seq.next()))
+                self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
+        uploads = self._collect(agents, "weights", r, self.cfg.local_iters - 1)
+        record = self._aggregate_and_record(r, agents, uploads, losses, time.monotonic() - wall0)
+        return record
+
+    def select(self, r: int) -> list[str]:
+        """Uniform random selection, seeded per round so a resumed run selects the same agents."""
+        online = sorted(a.agent_id for a in self.registry.online())
+        if not online:
+            raise RuntimeError("no agent is online")
+        k = min(self.cfg.per_round or len(online), len(online))
+        return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(online, k))
+
+    def shutdown_agents(self, reason: str) -> None:
+        for a in list(self.registry.agents):
+            try:
+                self.transport.send(a, Message("shutdown", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                               {"reason": reason}, seq=self._seq.next()))
+            except Exception as exc:  # a dead agent must not stop the others from hearing it
+                log.warning("could not tell %s to shut down: %s", a, exc)
+
+    # ================================================================ internals
+    def _assignment(self) -> Assignment:
+        cost = self.costs[self.split]
+        shape = cost.activation_shape if self.cfg.strategy != "fedavg" else (self.num_classes,)
+        return Assignment(model=self.cfg.model, strategy=self.cfg.strategy, split=self.split, width=0,
+                          batch_size=self.cfg.batch_size, lr=self.cfg.lr, momentum=self.cfg.momentum,
+                          tau=self.cfg.local_iters, codec=self.cfg.codec, zstd_level=self.cfg.zstd_level,
+                          activation_shape=tuple(shape))
+
+    def _send(self, ra: _RoundAgent, msg: Message) -> None:
+        n = self.transport.send(ra.info_id, msg)
+        ra.bytes_down += n
+        ra.messages += 1
+        ra.last_sent, ra.last_sent_at = msg, time.monotonic()
+
+    def _collect(self, agents: dict[str, _RoundAgent], kind: str, r: int, k: int) -> dict[str, Message]:
+        """Gather one message of ``kind`` for (r, k) from every agent still in the round.
+
+        Duplicates of earlier steps mean our reply was lost: resend it. An agent silent
+        for ``step_timeout_s`` (heartbeats count) is dropped and the round goes on.
+        """
+        got: dict[str, Message] = {}
+        while True:
+            waiting = [a for a in agents if a not in got]
+            if not waiting:
+                return got
+            msg = self.transport.poll(0.1)
+            if msg is not None:
+                ra = agents.get(msg.sender)
+                if ra is not None:
+                    ra.last_heard = time.monotonic()
+                if msg.type in ("activations", "weights"):
+                    self._training_message(msg, agents, kind, r, k, got)
+                elif msg.type == "heartbeat" and ra is not None and msg.sender not in got:
+                    self._maybe_resend(ra, msg)
+                else:
+                    self._dispatch(msg, agents)
+            now = time.monotonic()
+            for a in waiting:
+                ra = agents.get(a)
+                if ra is not None and now - ra.last_heard > self.cfg.step_timeout_s:
+                    self._drop(agents, a, f"silent for {self.cfg.step_timeout_s:.0f} s")
+
+    def _maybe_resend(self, ra: _RoundAgent, heartbeat: Message) -> None:
+        """An agent that says it is idle while we wait for it lost our last message: resend it.
+
+        A busy agent (computing, e.g. an emulated slow device) is left alone.
+        """
+        self.registry.seen(ra.info_id)
+        if heartbeat.body["state"] == "busy" or ra.last_sent is None:
+            return
+        if time.monotonic() - ra.last_sent_at > RETRY_S:
+            log.info("%s is idle while we wait for it: resending %s", ra.info_id, ra.last_sent.type)
+            self.transport.send(ra.info_id, ra.last_sent)
+            ra.last_sent_at = time.monotonic()
+
+    def _training_message(self, msg: Message, agents: dict[str, _RoundAgent], kind: str, r: int, k: int,
+                          got: dict[str, Message]) -> None:
+        a = msg.sender
+        ra = agents.get(a)
+        if ra is None:
+            log.warning("rejected %s from %s: not selected for round %d", msg.type, a, r)
+            return
+        if msg.type == kind and msg.round == r and msg.step == k:
+            if a in got:
+                return  # duplicate of what we already hold
+            ra.bytes_up += msg.wire_bytes
+            ra.messages += 1
+            ra.compute_s = float(msg.body["compute_s"])
+            if kind == "weights":
+                ra.finished_at = time.monotonic()
+            got[a] = msg
+        elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind == "weights")):
+            if ra.last_sent is not None:  # our reply to it was lost: send it again
+                self.transport.send(a, ra.last_sent)
+                ra.last_sent_at = time.monotonic()
+        else:
+            log.warning("rejected %s (round %d step %d) from %s: expected %s for round %d step %d",
+                        msg.type, msg.round, msg.step, a, kind, r, k)
+
+    def _batch(self, ra: _RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Validate activations against the assignment before they touch the server model."""
+        b = ra.assignment.batch_size
+        try:
+            x = wire.decode_tensor(msg.body["x"], shape=(b, *ra.assignment.activation_shape),
+                                   dtypes=("float32", "float16"))
+            y = wire.decode_tensor(msg.body["y"], shape=(b,), dtypes=("int64",))
+            if not torch.isfinite(x).all():
+                raise wire.WireError("activations contain NaN or Inf")
+            if y.min() < 0 or y.max() >= self.num_classes:
+                raise wire.WireError(f"labels outside 0..{self.num_classes - 1}")
+        except wire.WireError as exc:
+            log.warning("rejected activations from %s: %s", ra.info_id, exc)
+            return None
+        return x, y
+
+    def _drop(self, agents: dict[str, _RoundAgent], agent_id: str, why: str) -> None:
+        log.warning("dropping %s from the round: %s", agent_id, why)
+        agents.pop(agent_id, None)
+        self.server.drop(agent_id)
+        self.on_event("agent_dropped", {"agent": agent_id, "reason": why})
+
+    def _dispatch(self, msg: Message, agents: Optional[dict[str, _RoundAgent]]) -> None:
+        """Messages outside the training exchange: registration, liveness."""
+        if msg.type == "register":
+            try:
+                info = self.registry.register(msg)
+            except wire.WireError as exc:
+                log.warning("rejected registration of %s: %s", msg.sender, exc)
+                self.transport.send(msg.sender, Message("reject", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                        {"reason": str(exc)}, seq=self._seq.next()))
+                return
+            if agents is not None and msg.sender in agents:
+                self._drop(agents, msg.sender, "re-registered mid-round (restarted)")
+            self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                    {"message": f"registered as agent {info.index}"},
+                                                    seq=self._seq.next()))
+            self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
+        elif msg.type == "status":
+            self.registry.set_online(msg.sender, msg.body["online"])
+            self.on_event("status", {"agent": msg.sender, "online": msg.body["online"]})
+        elif msg.type == "heartbeat":
+            self.registry.seen(msg.sender)
+        elif msg.sender not in self.registry.agents:
+            log.warning("rejected %s from unknown agent %s", msg.type, msg.sender)
+        else:
+            log.info("ignored %s from %s outside its round", msg.type, msg.sender)
+
+    # ================================================================ round end
+    def _aggregate_and_record(self, r: int, agents: dict[str, _RoundAgent], uploads: dict[str, Message],
+                              losses: list[float], wall_s: float) -> dict[str, Any]:
+        reference = self.model.client_state(self.split)
+        states, weights, fed_losses = [], [], []
+        for a, msg in uploads.items():
+            try:
+                states.append(wire.decode_state(msg.body["weights"], reference))
+            except wire.WireError as exc:
+                log.warning("rejected weights from %s: %s", a, exc)
+                continue
+            weights.append(float(self.registry.agents[a].num_samples))
+            if msg.body["loss"] == msg.body["loss"]:  # not NaN
+                fed_losses.append(float(msg.body["loss"]))
+        server_weights = {a: float(self.registry.agents[a].num_samples) for a in uploads}
+        self.server.end_round(server_weights)
+        if states:
+            self.model.load_state_dict({k: v.to(self.device) for k, v in weighted_average(states, weights).items()},
+                                       strict=False)
+        accuracy, test_loss = self.evaluate()
+        cost = self.costs[self.split]
+        per_agent, times = {}, []
+        for a, ra in agents.items():
+            if a not in uploads:
+                continue
+            info = self.registry.agents[a]
+            samples = ra.assignment.batch_size * ra.assignment.tau
+            t = self.clock.agent_time(
+                measured_s=ra.finished_at - ra.started, client_flops=cost.client_flops * samples,
+                server_flops=cost.server_flops * samples, bytes_up=ra.bytes_up, bytes_down=ra.bytes_down,
+                profile=info.profile, server_flops_per_s=self.cfg.server_flops, messages=ra.messages)
+            times.append(t)
+            info.rounds += 1
+            info.bytes_up += ra.bytes_up
+            info.bytes_down += ra.bytes_down
+            info.compute_s += ra.compute_s
+            per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4), "bytes_up": ra.bytes_up,
+                            "bytes_down": ra.bytes_down, "split": ra.assignment.split,
+                            "batch_size": ra.assignment.batch_size}
+        round_s = self.clock.end_round(times, wall_s)
+        train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
+        record = {
+            "round": r, "accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
+            "round_time_s": round(round_s, 4), "elapsed_s": round(self.clock.elapsed, 4),
+            "clock": "virtual" if self.clock.virtual else "wall", "wall_s": round(wall_s, 4),
+            "waiting_s": round(timing.waiting_time(times), 4),
+            "bytes_up": sum(p["bytes_up"] for p in per_agent.values()),
+            "bytes_down": sum(p["bytes_down"] for p in per_agent.values()),
+            "selected": sorted(agents), "completed": sorted(uploads), "agents": per_agent,
+        }
+        self.history.append(record)
+        ckpt.append_metrics(self.out_dir, record)
+        ckpt.save(self.out_dir, self.model.state_dict(), {
+            "round": r, "elapsed_s": self.clock.elapsed, "model": self.cfg.model, "run": self.cfg.run_id,
+            "split": self.split, "registry": self.registry.to_json()})
+        self.on_event("round_end", record)
+        return record
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 1024) -> tuple[float, float]:
+        """Accuracy and mean loss of the full global model on the held-out test set."""
+        self.model.eval()
+        correct, total_loss = 0, 0.0
+        for i in range(0, len(self.y_test), batch_size):
+            x = self.x_test[i:i + batch_size].to(self.device)
+            y = self.y_test[i:i + batch_size].to(self.device)
+            logits = self.model(x)
+            total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+        self.model.train()
+        n = max(len(self.y_test), 1)
+        return correct / n, total_loss / n
+
+    def _resume(self) -> None:
+        model_state, st = ckpt.load(self.out_dir)
+        if st.get("model") != self.cfg.model:
+            raise ValueError(f"checkpoint in {self.out_dir} is for model {st.get('model')!r}, config says {self.cfg.model!r}")
+        self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
+        self.start_round = int(st["round"]) + 1
+        self.registry.load_totals(st.get("registry", {}))
+        self.clock.restore(float(st.get("elapsed_s", 0.0)))
+        ckpt.truncate_metrics(self.out_dir, int(st["round"]))
+        self.history = ckpt.read_metrics(self.out_dir)
+        log.info("resuming %s after round %d", self.cfg.run_id, st["round"])

@@ -1,0 +1,73 @@
+"""In-process transport: agents live in the coordinator's process (fleet simulation).
+
+Messages still go through the real encoder and validator, so byte counts and codec costs
+are exactly those of a deployment; only the broker and the network are absent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Optional
+
+import torch
+
+from sfl_core import protocol, wire
+from sfl_core.config import RunConfig, load_profile
+from sfl_core.data import Dataset
+from sfl_core.partition import partition_indices
+from sfl_core.protocol import Message
+
+from edge_agent.agent import AgentCore, LocalData
+
+log = logging.getLogger("sfl.sim")
+
+
+class InProcessTransport:
+    def __init__(self, run_id: str, agents: dict[str, AgentCore]):
+        self.run_id = run_id
+        self.agents = agents
+        self._inbox: deque[Message] = deque()
+
+    def deliver_from_agent(self, msg: Message) -> None:
+        """Queue a message as if it had arrived from the broker (encoded, then validated)."""
+        payload = msg.encode()
+        self._inbox.append(protocol.decode(payload, run=self.run_id, allowed=protocol.AGENT_TYPES))
+
+    def send(self, agent_id: str, msg: Message) -> int:
+        payload = msg.encode()
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            return len(payload)
+        try:
+            replies = agent.handle(protocol.decode(payload, run=self.run_id, allowed=protocol.COORD_TYPES))
+        except wire.WireError as exc:
+            log.warning("agent %s rejected %s: %s", agent_id, msg.type, exc)
+            replies = []
+        for reply in replies:
+            self.deliver_from_agent(reply)
+        return len(payload)
+
+    def poll(self, timeout: float) -> Optional[Message]:
+        return self._inbox.popleft() if self._inbox else None
+
+
+def build_fleet(cfg: RunConfig, data: Dataset) -> InProcessTransport:
+    """Create every agent of the config with its own shard and queue their registrations."""
+    n = cfg.num_agents
+    shards = partition_indices(data.y_train.numpy(), n, cfg.data.partition, alpha=cfg.data.alpha,
+                               seed=cfg.data.seed, num_classes=data.num_classes)
+    agents: dict[str, AgentCore] = {}
+    transport = InProcessTransport(cfg.run_id, agents)
+    for i, profile_name in enumerate(cfg.agent_profiles()):
+        profile = load_profile(profile_name)
+        idx = torch.as_tensor(shards[i], dtype=torch.long)
+        local = LocalData(data.x_train[idx], data.y_train[idx], data.num_classes)
+        agent_id = f"sim-{i:03d}"
+        agents[agent_id] = AgentCore(agent_id, cfg.run_id, local, data.input_shape, seed=cfg.seed * 1000 + i)
+        transport.deliver_from_agent(Message(
+            "register", cfg.run_id, agent_id, round=0, seq=1,
+            body={"index": i, "profile": protocol.profile_body(profile), "measured": {}, "label_counts": local.label_counts(),
+                  "num_samples": len(local), "emulate": True, "resume": {}}))
+    return transport
+

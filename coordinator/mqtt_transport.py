@@ -1,0 +1,102 @@
+"""The coordinator's side of the MQTT transport.
+
+Runs on paho's network thread: reassembles chunks, validates every message (envelope,
+schema, run id, sender == topic), answers link probes at once (an agent measures its
+round-trip time against them, so they must not wait behind training work), and queues
+the rest for the round engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import uuid
+from typing import Any, Optional
+
+from sfl_core import protocol, wire
+from sfl_core.protocol import COORDINATOR_ID, Message
+
+from edge_agent.mqtt_link import MqttLink
+
+log = logging.getLogger("sfl.coord.mqtt")
+
+MAX_PROBE_REPLY = 4 * 2**20
+
+
+class MqttTransport:
+    def __init__(self, url: str, run_id: str, *, max_bytes: int = wire.MAX_MESSAGE_BYTES,
+                 chunk_bytes: int = wire.CHUNK_BYTES):
+        self.run_id = protocol.check_id("run id", run_id)
+        self.max_bytes = max_bytes
+        self.chunk_bytes = chunk_bytes
+        self._queue: "queue.Queue[Message]" = queue.Queue()
+        self._reassembler = wire.Reassembler(max_bytes)
+        self._seq = protocol.Sequencer()
+        self.rejected = 0
+        self.link = MqttLink(url, f"sfl-coord-{run_id}", self._on_message,
+                             subscriptions=[protocol.up_wildcard(run_id), protocol.status_wildcard(run_id)])
+
+    def start(self, timeout: float = 10.0) -> "MqttTransport":
+        self.link.connect(timeout)
+        return self
+
+    def publish_run_info(self, body: dict[str, Any]) -> None:
+        """Retained, so an agent that starts later still learns what to train."""
+        msg = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=self._seq.next())
+        self.link.publish(protocol.info_topic(self.run_id), msg.encode(), retain=True)
+
+    def close(self) -> None:
+        try:
+            # clear the retained run description: the run is over
+            self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
+        finally:
+            self.link.close()
+
+    # --------------------------------------------------------------- Transport
+    def send(self, agent_id: str, msg: Message) -> int:
+        payload = msg.encode()
+        topic = protocol.down_topic(self.run_id, agent_id)
+        for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12], self.chunk_bytes):
+            if not self.link.publish(topic, piece):
+                log.warning("publish of %s to %s timed out (broker unreachable?)", msg.type, agent_id)
+        return len(payload)
+
+    def poll(self, timeout: float) -> Optional[Message]:
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    # --------------------------------------------------------------- network thread
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        agent = protocol.agent_from_topic(topic)
+        try:
+            if not payload:
+                return  # a cleared retained message
+            whole = self._reassembler.feed(topic, payload)
+            if whole is None:
+                return
+            msg = protocol.decode(whole, run=self.run_id, max_bytes=self.max_bytes, allowed=protocol.AGENT_TYPES)
+            if msg.sender != agent:
+                raise wire.WireError(f"sender {msg.sender!r} does not match topic agent {agent!r}")
+            is_status = topic.startswith(f"sfl/{self.run_id}/status/")
+            if is_status != (msg.type == "status"):
+                raise wire.WireError(f"{msg.type} not allowed on {topic}")
+        except wire.WireError as exc:
+            self.rejected += 1
+            log.warning("rejected message on %s: %s", topic, exc)
+            return
+        if msg.type == "probe":
+            self._answer_probe(msg)
+            return
+        self._queue.put(msg)
+
+    def _answer_probe(self, msg: Message) -> None:
+        n = msg.body["reply_bytes"]
+        if not 0 <= n <= MAX_PROBE_REPLY:
+            self.rejected += 1
+            log.warning("rejected probe from %s: reply_bytes %d outside 0..%d", msg.sender, n, MAX_PROBE_REPLY)
+            return
+        ack = Message("probe_ack", self.run_id, COORDINATOR_ID, {"nonce": msg.body["nonce"], "pad": bytes(n)},
+                      seq=self._seq.next())
+        self.send(msg.sender, ack)

@@ -1,0 +1,80 @@
+"""Who is in the fleet: registered agents, their profiles, measurements and label counts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sfl_core import wire
+from sfl_core.protocol import Message
+
+PROFILE_FIELDS = ("compute_flops", "link_bytes_per_s", "downlink_bytes_per_s", "latency_s")
+
+
+@dataclass
+class AgentInfo:
+    agent_id: str
+    index: int
+    profile: dict[str, Any]
+    measured: dict[str, Any]
+    label_counts: list[int]
+    num_samples: int
+    online: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    rounds: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    compute_s: float = 0.0
+
+
+class Registry:
+    def __init__(self, num_classes: int):
+        self.num_classes = num_classes
+        self.agents: dict[str, AgentInfo] = {}
+
+    def register(self, msg: Message) -> AgentInfo:
+        """Validate a ``register`` body and add or refresh the agent (re-registration keeps its totals)."""
+        b = msg.body
+        counts = b["label_counts"]
+        if len(counts) != self.num_classes or not all(isinstance(c, int) and c >= 0 for c in counts):
+            raise wire.WireError(f"register.label_counts: expected {self.num_classes} non-negative ints")
+        if sum(counts) != b["num_samples"] or b["num_samples"] <= 0:
+            raise wire.WireError("register.num_samples must be positive and equal the sum of label_counts")
+        prof = b["profile"]
+        for key in PROFILE_FIELDS:
+            v = prof.get(key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (key != "latency_s" and v <= 0):
+                raise wire.WireError(f"register.profile.{key}: expected a positive number, got {v!r}")
+        old = self.agents.get(msg.sender)
+        info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=dict(prof), measured=dict(b["measured"]),
+                         label_counts=list(counts), num_samples=b["num_samples"])
+        if old is not None:
+            info.rounds, info.bytes_up, info.bytes_down, info.compute_s = old.rounds, old.bytes_up, old.bytes_down, old.compute_s
+        self.agents[msg.sender] = info
+        return info
+
+    def seen(self, agent_id: str) -> None:
+        info = self.agents.get(agent_id)
+        if info is not None:
+            info.last_seen = time.monotonic()
+
+    def set_online(self, agent_id: str, online: bool) -> None:
+        info = self.agents.get(agent_id)
+        if info is not None:
+            info.online = online
+            if online:
+                info.last_seen = time.monotonic()
+
+    def online(self) -> list[AgentInfo]:
+        return [a for a in self.agents.values() if a.online]
+
+    def to_json(self) -> dict[str, Any]:
+        return {a: {k: v for k, v in asdict(i).items() if k != "last_seen"} for a, i in self.agents.items()}
+
+    def load_totals(self, data: dict[str, Any]) -> None:
+        """After --resume, agents re-register; their running totals come from the checkpoint."""
+        for a, d in data.items():
+            info = AgentInfo(**{k: v for k, v in d.items() if k in AgentInfo.__dataclass_fields__})
+            info.online = False
+            self.agents[a] = info

@@ -1,0 +1,229 @@
+"""The agent's protocol state machine, independent of any transport.
+
+``AgentCore.handle(message) -> replies`` is all a transport needs: the MQTT runner feeds it
+messages from the broker, the in-process simulation feeds it messages directly. Keeping
+the state machine free of I/O is what lets one round engine drive both.
+
+Exactly-once training under retransmission: each (round, step) gradient is applied at most
+once. A duplicate assignment or gradient (the coordinator retransmits when it suspects a
+loss) is answered by re-sending the last reply, never by training again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from sfl_core import protocol, wire
+from sfl_core.accounting import model_costs
+from sfl_core.assignment import Assignment
+from sfl_core.models import SplitModel, build_model
+from sfl_core.protocol import Message
+
+log = logging.getLogger("sfl.agent")
+
+ComputeHook = Callable[[float, float], float]
+"""(flops just done, seconds they took) -> seconds to report; emulation sleeps in here."""
+
+
+@dataclass
+class LocalData:
+    """The agent's private shard; it never leaves the device."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def label_counts(self) -> list[int]:
+        return torch.bincount(self.y, minlength=self.num_classes).tolist()
+
+
+class BatchSampler:
+    """Reshuffled epochs over the shard, seeded so a run is reproducible."""
+
+    def __init__(self, n: int, seed: int):
+        self._n = n
+        self._gen = torch.Generator().manual_seed(seed)
+        self._order = torch.randperm(n, generator=self._gen)
+        self._pos = 0
+
+    def next(self, batch_size: int) -> torch.Tensor:
+        idx: list[torch.Tensor] = []
+        have = 0
+        while have < batch_size:
+            if self._pos >= self._n:
+                self._order = torch.randperm(self._n, generator=self._gen)
+                self._pos = 0
+            take = min(batch_size - have, self._n - self._pos)
+            idx.append(self._order[self._pos:self._pos + take])
+            self._pos += take
+            have += take
+        return torch.cat(idx) if len(idx) > 1 else idx[0]
+
+
+class AgentCore:
+    def __init__(self, agent_id: str, run_id: str, data: LocalData, input_shape: tuple[int, ...],
+                 *, seed: int = 0, compute_hook: Optional[ComputeHook] = None):
+        self.agent_id = protocol.check_id("agent id", agent_id)
+        self.run_id = run_id
+        self.data = data
+        self.input_shape = tuple(input_shape)
+        self._sampler = BatchSampler(len(data), seed)
+        self._compute_hook = compute_hook
+        self._seq = protocol.Sequencer()
+        self._models: dict[str, SplitModel] = {}
+        # per-round state
+        self.round = -1
+        self.step = -1
+        self._assign: Optional[Assignment] = None
+        self._client: Optional[torch.nn.Module] = None
+        self._opt: Optional[torch.optim.Optimizer] = None
+        self._out: Optional[torch.Tensor] = None
+        self._flops_per_sample = 0.0
+        self._compute_s = 0.0
+        self._last_reply: Optional[Message] = None
+        self._assign_seq = -1
+        self.rounds_done = 0
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, msg: Message) -> list[Message]:
+        """Apply one coordinator message; return the replies to send (possibly none)."""
+        if msg.type == "assign":
+            return self._on_assign(msg)
+        if msg.type == "gradients":
+            return self._on_gradients(msg)
+        log.debug("agent %s ignores %s", self.agent_id, msg.type)
+        return []
+
+    def last_reply(self) -> Optional[Message]:
+        """What to retransmit when the coordinator has gone quiet."""
+        return self._last_reply
+
+    # ------------------------------------------------------------------ assign
+    def _on_assign(self, msg: Message) -> list[Message]:
+        if msg.round < self.round or (msg.round == self.round and msg.seq == self._assign_seq):
+            log.info("duplicate assignment for round %d: re-sending last reply", msg.round)
+            return self._resend()
+        # same round with a new seq: the coordinator restarted the round (e.g. after --resume)
+        a = Assignment.from_body(msg.body)
+        model = self._model(a.model)
+        model.check_split(a.split)
+        if a.strategy == "fedavg" and a.split != model.num_blocks:
+            raise wire.WireError("assign.split: fedavg needs the whole model on the agent")
+        client = model.client(a.split)
+        state = wire.decode_state(msg.body["weights"], model.client_state(a.split))
+        model.load_state_dict(state, strict=False)
+        self._assign, self._client = a, client
+        self._client.train()
+        self._opt = torch.optim.SGD(client.parameters(), lr=a.lr, momentum=a.momentum)
+        self._flops_per_sample = model_costs(a.model, self.input_shape, self.data.num_classes)[a.split].client_flops
+        self.round, self.step, self._compute_s, self._assign_seq = msg.round, -1, 0.0, msg.seq
+        if a.strategy == "fedavg":
+            return self._remember([self._train_locally()])
+        return self._remember([self._forward_next()])
+
+    # ------------------------------------------------------------------ split training
+    def _forward_next(self) -> Message:
+        assert self._assign is not None and self._client is not None
+        self.step += 1
+        idx = self._sampler.next(self._assign.batch_size)
+        x, y = self.data.x[idx], self.data.y[idx]
+        t0 = time.perf_counter()
+        out = self._client(x)
+        self._out = out
+        # forward is about a third of forward+backward FLOPs; the rest is charged at backward
+        self._charge(self._flops_per_sample * len(idx) / 3, time.perf_counter() - t0)
+        if tuple(out.shape[1:]) != self._assign.activation_shape:
+            raise RuntimeError(f"client output {tuple(out.shape[1:])} != assigned {self._assign.activation_shape}")
+        return self._msg("activations", step=self.step, body={
+            "x": wire.encode_tensor(out, self._assign.codec, self._assign.zstd_level),
+            "y": wire.encode_tensor(y.to(torch.int64), "fp32", self._assign.zstd_level),
+            "compute_s": self._compute_s,
+        })
+
+    def _on_gradients(self, msg: Message) -> list[Message]:
+        a = self._assign
+        if a is None or msg.round != self.round or self._out is None:
+            if msg.round <= self.round:
+                return self._resend()  # late duplicate: our reply may have been lost
+            raise wire.WireError(f"gradients for round {msg.round} without an assignment")
+        if msg.step < self.step:
+            return self._resend()      # already applied: never apply a gradient twice
+        if msg.step > self.step:
+            raise wire.WireError(f"gradients for step {msg.step}, expected {self.step}")
+        g = wire.decode_tensor(msg.body["g"], shape=tuple(self._out.shape), dtypes=("float32", "float16"))
+        if not torch.isfinite(g).all():
+            raise wire.WireError("gradients contain NaN or Inf")
+        t0 = time.perf_counter()
+        assert self._opt is not None
+        self._opt.zero_grad(set_to_none=True)
+        self._out.backward(g)
+        self._opt.step()
+        self._out = None
+        self._charge(self._flops_per_sample * g.shape[0] * 2 / 3, time.perf_counter() - t0)
+        if self.step + 1 < a.tau:
+            return self._remember([self._forward_next()])
+        return self._remember([self._weights_message(loss=float("nan"))])
+
+    # ------------------------------------------------------------------ fedavg
+    def _train_locally(self) -> Message:
+        """FedAvg baseline: tau SGD steps on the whole model, loss computed on the device."""
+        assert self._assign is not None and self._client is not None and self._opt is not None
+        total = 0.0
+        for _ in range(self._assign.tau):
+            idx = self._sampler.next(self._assign.batch_size)
+            t0 = time.perf_counter()
+            self._opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(self._client(self.data.x[idx]), self.data.y[idx])
+            loss.backward()
+            self._opt.step()
+            self._charge(self._flops_per_sample * len(idx), time.perf_counter() - t0)
+            total += float(loss)
+        self.step = self._assign.tau - 1
+        return self._weights_message(loss=total / self._assign.tau)
+
+    # ------------------------------------------------------------------ helpers
+    def _weights_message(self, loss: float) -> Message:
+        assert self._assign is not None
+        model = self._models[self._assign.model]
+        self._assign_done()
+        return self._msg("weights", step=self.step, body={
+            "weights": wire.encode_state(model.client_state(self._assign.split), self._assign.zstd_level),
+            "num_samples": len(self.data),
+            "compute_s": self._compute_s,
+            "loss": loss,
+        })
+
+    def _assign_done(self) -> None:
+        self.rounds_done += 1
+
+    def _charge(self, flops: float, seconds: float) -> None:
+        if self._compute_hook is not None:
+            seconds = self._compute_hook(flops, seconds)
+        self._compute_s += seconds
+
+    def _model(self, name: str) -> SplitModel:
+        if name not in self._models:
+            torch.manual_seed(0)  # structure only; the weights arrive with the assignment
+            self._models[name] = build_model(name, self.input_shape, self.data.num_classes)
+        return self._models[name]
+
+    def _msg(self, mtype: str, *, step: int, body: dict) -> Message:
+        return Message(type=mtype, run=self.run_id, sender=self.agent_id, body=body,
+                       round=self.round, step=step, seq=self._seq.next())
+
+    def _remember(self, replies: list[Message]) -> list[Message]:
+        if replies:
+            self._last_reply = replies[-1]
+        return replies
+
+    def _resend(self) -> list[Message]:
+        return [self._last_reply] if self._last_reply is not None else []

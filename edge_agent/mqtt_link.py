@@ -1,0 +1,266 @@
+"""The one paho-mqtt wrapper that both the agent and the coordinator use.
+
+Why a wrapper: paho's defaults are wrong for this product in small ways that
+cost a training run — the first connect does not retry with a clear message,
+subscriptions vanish after a reconnect with a clean session, a QoS-1 publish
+returns before the broker has the bytes (so transfer timings would be
+meaningless), and an exception in a message callback can kill paho's network
+thread. ``MqttLink`` fixes exactly those things and nothing more.
+
+Threading: paho runs its network loop on its own thread (``loop_start``).
+``on_message`` and the reconnect callbacks run on that thread. ``publish`` called
+*from* that thread cannot wait for its PUBACK (the thread that would receive it
+is the one waiting), so there it only enqueues and returns True.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+
+from sfl_core.broker_url import BrokerAddress, parse_broker_url
+
+__all__ = ["MqttLink"]
+
+log = logging.getLogger(__name__)
+
+_SUB_QOS = 1
+
+
+class MqttLink:
+    """Thin paho-mqtt 2.x (CallbackAPIVersion.VERSION2) client: connect, auto-reconnect with
+    backoff, re-subscribe on every (re)connect, QoS-1 publish that waits for PUBACK."""
+
+    def __init__(self, url: str, client_id: str, on_message: Callable[[str, bytes], None],
+                 subscriptions: Sequence[str] = (),
+                 will: tuple[str, bytes, bool] | None = None,
+                 keepalive: float = 15, clean_start: bool = True) -> None:
+        self.address: BrokerAddress = parse_broker_url(url)
+        if not client_id:
+            raise ValueError("MqttLink needs a non-empty client_id (brokers use it to tell clients apart)")
+        self.client_id = client_id
+        self._on_message_cb = on_message
+        self._subscriptions: list[str] = list(dict.fromkeys(subscriptions))
+        self._keepalive = max(1, int(round(keepalive)))
+        self._reconnect_cbs: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()          # connected AND subscriptions acknowledged
+        self._conn_result = threading.Event()    # any CONNACK (success or failure) seen
+        self._conn_error: str | None = None
+        self._pending_sub_mid: int | None = None
+        self._pending_reconnect = False
+        self._ever_connected = False
+        self._closed = False
+        self._loop_running = False
+        self._paho_thread_id: int | None = None
+
+        c = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
+                        clean_session=clean_start, protocol=mqtt.MQTTv311)
+        c.reconnect_delay_set(min_delay=0.2, max_delay=5)  # type: ignore[arg-type]  # paho accepts floats
+        c.max_inflight_messages_set(100)
+        c.max_queued_messages_set(0)                      # 0 = unlimited
+        if self.address.username:
+            c.username_pw_set(self.address.username, self.address.password)
+        if self.address.tls:
+            c.tls_set()                                   # system CA bundle
+        if will is not None:
+            w_topic, w_payload, w_retain = will
+            c.will_set(w_topic, bytes(w_payload), qos=1, retain=bool(w_retain))
+        c.on_connect = self._handle_connect
+        c.on_disconnect = self._handle_disconnect
+        c.on_subscribe = self._handle_subscribe
+        c.on_message = self._handle_message
+        self._client = c
+
+    # -- public API ---------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.address.url()
+
+    @property
+    def connected(self) -> bool:
+        return self._client.is_connected()
+
+    def connect(self, timeout: float = 10.0) -> None:
+        """Connect, start paho's loop thread, and wait until subscriptions are acknowledged.
+
+        Raises ConnectionError("cannot reach MQTT broker at <url>: <reason>") on failure;
+        after that the link is stopped and ``connect`` may be called again.
+        """
+        if self._closed:
+            raise RuntimeError("MqttLink is closed")
+        deadline = time.monotonic() + timeout
+        self._conn_error = None
+        self._conn_result.clear()
+        self._client.connect_timeout = max(0.5, timeout)
+        try:
+            self._client.connect(self.address.host, self.address.port, keepalive=self._keepalive)
+        except (OSError, ValueError) as exc:  # refused, DNS, TLS handshake, timeout
+            raise ConnectionError(f"cannot reach MQTT broker at {self.url}: {exc}") from exc
+        self._client.loop_start()
+        self._loop_running = True
+        remaining = max(0.0, deadline - time.monotonic())
+        if not self._conn_result.wait(remaining) or self._conn_error is not None:
+            reason = self._conn_error or f"no CONNACK within {timeout:.1f} s"
+            self._stop_loop()
+            raise ConnectionError(f"cannot reach MQTT broker at {self.url}: {reason}")
+        remaining = max(0.0, deadline - time.monotonic())
+        if not self._ready.wait(remaining):
+            self._stop_loop()
+            raise ConnectionError(
+                f"cannot reach MQTT broker at {self.url}: subscriptions not acknowledged within {timeout:.1f} s")
+
+    def wait_connected(self, timeout: float) -> bool:
+        """True once connected and (re)subscribed; False if that does not happen within ``timeout``."""
+        return self._ready.wait(timeout)
+
+    def subscribe(self, topic: str) -> None:
+        """Add a subscription that is kept across reconnects (QoS 1)."""
+        with self._lock:
+            if topic in self._subscriptions:
+                return
+            self._subscriptions.append(topic)
+        if self.connected:
+            self._client.subscribe(topic, qos=_SUB_QOS)
+
+    def add_reconnect_callback(self, fn: Callable[[], None]) -> None:
+        """``fn()`` runs on paho's thread after every successful reconnect (not the first
+        connect), once the re-subscriptions are acknowledged. Use it to re-announce state."""
+        self._reconnect_cbs.append(fn)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                timeout: float | None = 30.0) -> bool:
+        """Publish and, for QoS ≥ 1, wait until the broker acknowledged it.
+
+        While disconnected the message stays queued in paho and is sent after the
+        reconnect; this call waits for that, up to ``timeout`` (None = forever).
+        Returns False on timeout — the message may still be delivered later
+        (QoS 1 is at-least-once, so receivers must tolerate duplicates anyway).
+        Never raises on a transient drop.
+        """
+        if self._closed:
+            raise RuntimeError("MqttLink is closed")
+        if isinstance(payload, memoryview):
+            payload = payload.tobytes()
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:  # cannot happen with an unlimited queue
+            log.error("MQTT publish to %s refused: outgoing queue full", topic)
+            return False
+        if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+            log.warning("MQTT publish to %s failed: %s", topic, mqtt.error_string(info.rc))
+            return False
+        if threading.get_ident() == self._paho_thread_id:
+            return True  # waiting here would block the thread that receives the PUBACK
+        if qos == 0:
+            return True
+        return self._wait_published(info, timeout)
+
+    def close(self) -> None:
+        """Disconnect cleanly (DISCONNECT sent, so the broker does NOT publish the will) and
+        stop the loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ready.clear()
+        self._stop_loop()
+
+    def __enter__(self) -> "MqttLink":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------
+    def _stop_loop(self) -> None:
+        try:
+            self._client.disconnect()
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.debug("MQTT disconnect: %s", exc)
+        if self._loop_running:
+            self._client.loop_stop()
+            self._loop_running = False
+
+    @staticmethod
+    def _wait_published(info: mqtt.MQTTMessageInfo, timeout: float | None) -> bool:
+        # MQTTMessageInfo.wait_for_publish() raises at once when the message was queued
+        # while disconnected (rc=NO_CONN) even though paho sends it after reconnecting,
+        # so wait on the same condition it uses ourselves.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cond = info._condition  # noqa: SLF001 - paho 2.x MQTTMessageInfo internals
+        with cond:
+            while not info._published:  # noqa: SLF001
+                if deadline is None:
+                    cond.wait(1.0)
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                cond.wait(min(left, 1.0))
+        return True
+
+    def _note_thread(self) -> None:
+        self._paho_thread_id = threading.get_ident()
+
+    def _handle_connect(self, client: mqtt.Client, userdata: object, flags: object,
+                        reason_code: object, properties: object) -> None:
+        self._note_thread()
+        if getattr(reason_code, "is_failure", False):
+            self._conn_error = f"broker refused the connection: {reason_code}"
+            log.warning("MQTT %s: %s", self.url, self._conn_error)
+            self._conn_result.set()
+            return
+        reconnect = self._ever_connected
+        self._ever_connected = True
+        if reconnect:
+            log.info("MQTT reconnected to %s", self.url)
+        with self._lock:
+            subs = list(self._subscriptions)
+        if subs:
+            rc, mid = client.subscribe([(t, _SUB_QOS) for t in subs])
+            if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                self._pending_sub_mid = mid
+                self._pending_reconnect = reconnect
+            else:
+                log.warning("MQTT re-subscribe failed: %s", mqtt.error_string(rc))
+        else:
+            self._mark_ready(reconnect)
+        self._conn_result.set()
+
+    def _handle_subscribe(self, client: mqtt.Client, userdata: object, mid: int,
+                          reason_codes: list, properties: object) -> None:
+        self._note_thread()
+        failed = [str(rc) for rc in reason_codes if getattr(rc, "is_failure", False)]
+        if failed:
+            log.error("MQTT broker rejected subscription(s): %s", ", ".join(failed))
+        if mid == self._pending_sub_mid:
+            self._pending_sub_mid = None
+            self._mark_ready(self._pending_reconnect)
+
+    def _mark_ready(self, reconnect: bool) -> None:
+        self._ready.set()
+        if not reconnect:
+            return
+        for fn in list(self._reconnect_cbs):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - never kill paho's thread
+                log.exception("MQTT reconnect callback %r failed", fn)
+
+    def _handle_disconnect(self, client: mqtt.Client, userdata: object, flags: object,
+                           reason_code: object, properties: object) -> None:
+        self._note_thread()
+        self._ready.clear()
+        if not self._closed and getattr(reason_code, "is_failure", False):
+            log.warning("MQTT connection to %s lost (%s); reconnecting", self.url, reason_code)
+
+    def _handle_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        self._note_thread()
+        try:
+            self._on_message_cb(msg.topic, msg.payload)
+        except Exception:  # noqa: BLE001 - a bad message must not kill paho's thread
+            log.exception("MQTT message handler failed for topic %s", msg.topic)

@@ -1,0 +1,39 @@
+"""Weighted averaging of model states (FedAvg-style; weights are data or batch sizes)."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+
+def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+    """Average each key over the states that hold it, weighted by ``weights``.
+
+    Keys need not be identical across states: a layer is averaged over exactly its holders,
+    which is what layer-wise aggregation over mixed split points needs. Integer buffers
+    (BatchNorm's ``num_batches_tracked``) are counters, not parameters: the weighted mean
+    is rounded back to an integer.
+    """
+    if len(states) != len(weights) or not states:
+        raise ValueError("need one weight per state and at least one state")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+    keys: list[str] = []
+    for s in states:
+        keys.extend(k for k in s if k not in keys)
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        holders = [(s[key], w) for s, w in zip(states, weights) if key in s]
+        total = sum(w for _, w in holders)
+        if total <= 0:
+            holders = [(t, 1.0) for t, _ in holders]
+            total = float(len(holders))
+        ref = holders[0][0]
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for t, w in holders:
+            if t.shape != ref.shape:
+                raise ValueError(f"{key}: shapes differ across states ({tuple(t.shape)} vs {tuple(ref.shape)})")
+            acc += t.detach().to(torch.float64).cpu() * (w / total)
+        out[key] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
+    return out

@@ -1,0 +1,61 @@
+"""What the coordinator asks of one agent for one round, and its validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sfl_core import wire
+
+STRATEGIES = ("sfl", "fedavg")
+MAX_BATCH = 4096
+MAX_TAU = 10_000
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One round's instructions. ``split == num_blocks`` means the whole model runs on the
+    agent (FedAvg); ``width == 0`` means no bottleneck layer."""
+
+    model: str
+    strategy: str
+    split: int
+    width: int
+    batch_size: int
+    lr: float
+    momentum: float
+    tau: int
+    codec: str
+    zstd_level: int
+    activation_shape: tuple[int, ...]
+
+    def to_body(self, weights: dict[str, Any]) -> dict[str, Any]:
+        return {"model": self.model, "strategy": self.strategy, "split": self.split, "width": self.width,
+                "batch_size": self.batch_size, "lr": float(self.lr), "momentum": float(self.momentum),
+                "tau": self.tau, "codec": self.codec, "zstd_level": self.zstd_level,
+                "activation_shape": list(self.activation_shape), "weights": weights}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> "Assignment":
+        """Range-check every field; the schema check in :mod:`sfl_core.protocol` did the types."""
+        def bad(field: str, why: str) -> wire.WireError:
+            return wire.WireError(f"assign.{field}: {why}")
+        if body["strategy"] not in STRATEGIES:
+            raise bad("strategy", f"{body['strategy']!r} not one of {STRATEGIES}")
+        if body["codec"] not in wire.CODECS:
+            raise bad("codec", f"{body['codec']!r} not one of {wire.CODECS}")
+        if not 1 <= body["batch_size"] <= MAX_BATCH:
+            raise bad("batch_size", f"{body['batch_size']} outside 1..{MAX_BATCH}")
+        if not 1 <= body["tau"] <= MAX_TAU:
+            raise bad("tau", f"{body['tau']} outside 1..{MAX_TAU}")
+        if not 0 < body["lr"] <= 10 or not 0 <= body["momentum"] < 1:
+            raise bad("lr", "learning rate must be in (0, 10] and momentum in [0, 1)")
+        if not 0 <= body["zstd_level"] <= 22:
+            raise bad("zstd_level", "must be in 0..22")
+        shape = body["activation_shape"]
+        if not all(isinstance(d, int) and d > 0 for d in shape) or len(shape) > 6:
+            raise bad("activation_shape", f"bad shape {shape}")
+        return cls(model=body["model"], strategy=body["strategy"], split=body["split"], width=body["width"],
+                   batch_size=body["batch_size"], lr=float(body["lr"]), momentum=float(body["momentum"]),
+                   tau=body["tau"], codec=body["codec"], zstd_level=body["zstd_level"],
+                   activation_shape=tuple(shape))

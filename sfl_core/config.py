@@ -1,0 +1,533 @@
+"""Device profiles and run configurations: YAML in, frozen dataclasses out.
+
+Why a hand-written validator and not ``yaml.safe_load`` + ``**kwargs``: run files are
+written by people, often on a device over SSH, and a typo (``local_iter: 20``) that is
+silently ignored costs a whole training run. So every key is checked, every number is
+range-checked, and every error names the file, the field path (``fleet[1].count``) and
+what was expected. Numbers arrive as strings surprisingly often (PyYAML reads ``5e9`` as a
+string because YAML 1.1 floats need a dot), so numeric strings are accepted for numbers.
+
+Nothing here touches the network; loading a run file reads only YAML files.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, NoReturn, Sequence
+
+import yaml
+
+from sfl_core.protocol import check_id
+from sfl_core.partition import SCHEMES
+from sfl_core.wire import CODECS
+
+__all__ = [
+    "CODECS",
+    "ConfigError",
+    "DataConfig",
+    "DeviceProfile",
+    "FleetEntry",
+    "PARTITIONS",
+    "RunConfig",
+    "SERVER_MODES",
+    "STRATEGIES",
+    "default_profiles_dir",
+    "list_profiles",
+    "load_profile",
+    "load_run_config",
+    "profile_from_dict",
+    "run_config_from_dict",
+    "run_config_to_dict",
+]
+
+STRATEGIES = ("sfl", "fedavg")
+"""Training strategies a run may name (the mechanisms of SPEC §4–7 extend this tuple)."""
+SERVER_MODES = ("merged", "per_agent")
+"""'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1."""
+PARTITIONS = SCHEMES
+"""How the training set is split over agents (SPEC §9)."""
+
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
+class ConfigError(ValueError):
+    """A profile or run file is invalid.
+
+    The message always names the file, the field path and what was expected, e.g.
+    ``profiles/runs/demo.yaml: field 'rounds': expected a positive integer, got 'ten'``.
+    """
+
+
+# ------------------------------------------------------------------------ dataclasses
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the timing model (SPEC §3) needs to know about one kind of device."""
+
+    name: str
+    compute_flops: float  # sustained FLOP/s for training (fp32)
+    link_bytes_per_s: float  # uplink rate, bytes/s
+    downlink_bytes_per_s: float | None = None  # None -> link_bytes_per_s (always a float after init)
+    latency_s: float = 0.0  # one-way latency
+    memory_bytes: float | None = None
+    description: str = ""
+    source: str = ""  # where the numbers come from
+
+    def __post_init__(self) -> None:
+        # Most links are quoted as one number; a symmetric link is the honest default.
+        if self.downlink_bytes_per_s is None:
+            object.__setattr__(self, "downlink_bytes_per_s", self.link_bytes_per_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (msgpack/YAML friendly); ``profile_from_dict`` reads it back."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class FleetEntry:
+    """``count`` agents of one device profile (a profile name, or an absolute YAML path)."""
+
+    profile: str
+    count: int
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "digits"
+    root: str | None = None  # relative paths are relative to the working directory
+    partition: str = "iid"
+    alpha: float = 0.5  # Dirichlet concentration; only used when partition == 'dirichlet'
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run. Field meanings are documented at the top of profiles/runs/demo.yaml."""
+
+    run_id: str = "demo"  # YAML key 'run'; used in MQTT topics, so [A-Za-z0-9_-] only
+    model: str = "small_cnn"
+    data: DataConfig = field(default_factory=DataConfig)
+    fleet: tuple[FleetEntry, ...] = ()
+    rounds: int = 5
+    per_round: int | None = None  # agents selected per round; None = all
+    min_agents: int | None = None  # agents to wait for before round 1; None = fleet size
+    strategy: str = "sfl"
+    server_mode: str = "merged"
+    split: int | None = None  # None = the model's default split point
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    local_iters: int = 10  # tau
+    codec: str = "fp32"
+    zstd_level: int = 3
+    seed: int = 0
+    server_flops: float = 5e10
+    step_timeout_s: float = 60.0
+    register_timeout_s: float = 300.0
+    output_dir: str | None = None  # None -> runs/<run_id>
+
+    @property
+    def num_agents(self) -> int:
+        return sum(e.count for e in self.fleet)
+
+    @property
+    def resolved_output_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.run_id
+
+    def agent_profiles(self) -> list[str]:
+        """Profile of every agent index: fleet entries expanded in file order."""
+        return [e.profile for e in self.fleet for _ in range(e.count)]
+
+
+# ------------------------------------------------------------------------ field checks
+
+_Fail = Callable[[str], NoReturn]
+_Conv = Callable[[Any, _Fail], Any]
+
+
+def _number(v: Any) -> float | int | None:
+    """int/float as is, numeric strings ('5e9', '1_000') parsed; bools and NaN/inf rejected."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, str):
+        s = v.strip().replace("_", "")
+        try:
+            return int(s)
+        except ValueError:
+            pass
+        try:
+            x = float(s)
+        except ValueError:
+            return None
+        return x if math.isfinite(x) else None
+    return None
+
+
+def _float(lo: float | None = None, lo_open: bool = True, hi: float | None = None,
+           hi_open: bool = False, what: str = "a number") -> _Conv:
+    def conv(v: Any, fail: _Fail) -> float:
+        x = _number(v)
+        if x is None:
+            fail(what)
+        x = float(x)
+        if lo is not None and (x < lo or (lo_open and x == lo)):
+            fail(what)
+        if hi is not None and (x > hi or (hi_open and x == hi)):
+            fail(what)
+        return x
+    return conv
+
+
+def _int(lo: int, hi: int | None = None, what: str = "an integer") -> _Conv:
+    def conv(v: Any, fail: _Fail) -> int:
+        x = _number(v)
+        if x is None or (isinstance(x, float) and not x.is_integer()):
+            fail(what)
+        x = int(x)
+        if x < lo or (hi is not None and x > hi):
+            fail(what)
+        return x
+    return conv
+
+
+_pos_float = _float(0.0, what="a positive number")
+_nonneg_float = _float(0.0, lo_open=False, what="a non-negative number")
+_pos_int = _int(1, what="a positive integer")
+_nonneg_int = _int(0, what="a non-negative integer")
+
+
+def _str(v: Any, fail: _Fail) -> str:
+    if not isinstance(v, str) or not v.strip():
+        fail("a non-empty string")
+    return v
+
+
+def _text(v: Any, fail: _Fail) -> str:
+    """Free text (descriptions); empty is fine, but a number or list is a mistake."""
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        fail("a string")
+    return v
+
+
+def _ident(v: Any, fail: _Fail) -> str:
+    try:
+        return check_id("run", v)
+    except ValueError:
+        fail("1-64 characters of letters, digits, '-' or '_' (it becomes an MQTT topic level)")
+
+
+def _enum(*choices: str) -> _Conv:
+    def conv(v: Any, fail: _Fail) -> str:
+        if v not in choices:
+            fail("one of " + ", ".join(repr(c) for c in choices))
+        return v
+    return conv
+
+
+def _opt(conv: _Conv) -> _Conv:
+    """``None`` (YAML ``null`` or ``~``) means 'use the automatic value'."""
+    def wrapped(v: Any, fail: _Fail) -> Any:
+        return None if v is None else conv(v, fail)
+    return wrapped
+
+
+def _path(prefix: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{prefix}[{key}]"
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _failer(source: str, path: str, value: Any) -> _Fail:
+    def fail(expected: str) -> NoReturn:
+        raise ConfigError(f"{source}: field '{path}': expected {expected}, got {value!r}")
+    return fail
+
+
+def _check_mapping(d: Any, allowed: Sequence[str], source: str, prefix: str) -> dict[str, Any]:
+    if not isinstance(d, Mapping):
+        where = f"field '{prefix}'" if prefix else "top level"
+        raise ConfigError(f"{source}: {where}: expected a mapping (key: value lines), got {d!r}")
+    for k in d:
+        if not isinstance(k, str) or k not in allowed:
+            close = difflib.get_close_matches(str(k), allowed, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{source}: field '{_path(prefix, str(k))}': unknown key{hint} "
+                f"(expected one of: {', '.join(allowed)})"
+            )
+    return dict(d)
+
+
+def _convert(d: dict[str, Any], spec: Mapping[str, _Conv], source: str, prefix: str) -> dict[str, Any]:
+    out = {}
+    for key, value in d.items():
+        path = _path(prefix, key)
+        out[key] = spec[key](value, _failer(source, path, value))
+    return out
+
+
+# ------------------------------------------------------------------------ YAML reading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    mapping: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in mapping
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"unhashable key {key!r}", key_node.start_mark) from None
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+        mapping[key] = loader.construct_object(value_node, deep=deep)
+    return mapping
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: Path) -> Any:
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot read: {exc}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}: line {mark.line + 1}, column {mark.column + 1}" if mark else source
+        problem = exc.problem or exc.context or "syntax error"
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+
+
+# ------------------------------------------------------------------------ device profiles
+
+_PROFILE_SPEC: dict[str, _Conv] = {
+    "name": _str,
+    "compute_flops": _pos_float,
+    "link_bytes_per_s": _pos_float,
+    "downlink_bytes_per_s": _opt(_pos_float),
+    "latency_s": _nonneg_float,
+    "memory_bytes": _opt(_pos_float),
+    "description": _text,
+    "source": _text,
+}
+_PROFILE_REQUIRED = ("compute_flops", "link_bytes_per_s")
+
+
+def default_profiles_dir() -> Path:
+    """The repo's ``profiles/`` directory; ``SFL_PROFILES_DIR`` overrides it (installed copies)."""
+    env = os.environ.get("SFL_PROFILES_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "profiles"
+
+
+def _search_dirs(search_dirs: Sequence[Path] | None) -> list[Path]:
+    if search_dirs is None:
+        return [default_profiles_dir() / "devices"]
+    return [Path(d) for d in search_dirs]
+
+
+def profile_from_dict(d: Any, source: str = "<dict>", default_name: str | None = None) -> DeviceProfile:
+    """Validate a profile mapping (a YAML file's content, or one sent by an agent)."""
+    d = _check_mapping({} if d is None else d, list(_PROFILE_SPEC), source, "")
+    for key in _PROFILE_REQUIRED:
+        if key not in d:
+            raise ConfigError(f"{source}: field '{key}': expected a positive number, but it is missing")
+    values = _convert(d, _PROFILE_SPEC, source, "")
+    if "name" not in values:
+        if default_name is None:
+            raise ConfigError(f"{source}: field 'name': expected a non-empty string, but it is missing")
+        values["name"] = default_name
+    return DeviceProfile(**values)
+
+
+def _looks_like_path(name_or_path: str) -> bool:
+    return name_or_path.endswith(_YAML_SUFFIXES) or "/" in name_or_path or os.sep in name_or_path
+
+
+def list_profiles(search_dirs: Sequence[Path] | None = None) -> list[str]:
+    """Names of the profiles found in ``search_dirs`` (file stems), sorted, without repeats."""
+    names: set[str] = set()
+    for d in _search_dirs(search_dirs):
+        if d.is_dir():
+            names.update(p.stem for p in d.iterdir() if p.suffix in _YAML_SUFFIXES and p.is_file())
+    return sorted(names)
+
+
+def load_profile(name_or_path: str, search_dirs: Sequence[Path] | None = None) -> DeviceProfile:
+    """A YAML path, or a name looked up as ``<dir>/<name>.yaml`` (first dir that has it wins)."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ConfigError(f"<profile>: expected a profile name or path, got {name_or_path!r}")
+    if _looks_like_path(name_or_path):
+        path = Path(name_or_path)
+        return profile_from_dict(_read_yaml(path), str(path), default_name=path.stem)
+    dirs = _search_dirs(search_dirs)
+    for d in dirs:
+        for suffix in _YAML_SUFFIXES:
+            path = d / f"{name_or_path}{suffix}"
+            if path.is_file():
+                prof = profile_from_dict(_read_yaml(path), str(path), default_name=name_or_path)
+                if prof.name != name_or_path:
+                    # Otherwise a fleet entry 'jetson-nano' could silently become another device.
+                    raise ConfigError(f"{path}: field 'name': expected {name_or_path!r} "
+                                      f"(the file name), got {prof.name!r}")
+                return prof
+    available = list_profiles(dirs)
+    close = difflib.get_close_matches(name_or_path, available, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(
+        f"{name_or_path}: unknown device profile{hint} (looked in "
+        f"{', '.join(str(d) for d in dirs)}; available: {', '.join(available) or 'none'})"
+    )
+
+
+# ------------------------------------------------------------------------ run configs
+
+_DATA_SPEC: dict[str, _Conv] = {
+    "dataset": _str,
+    "root": _opt(_str),
+    "partition": _enum(*PARTITIONS),
+    "alpha": _pos_float,
+    "seed": _nonneg_int,
+}
+
+_RUN_SPEC: dict[str, _Conv] = {
+    "run": _ident,
+    "model": _str,
+    "data": lambda v, fail: v,  # checked by _data()
+    "fleet": lambda v, fail: v,  # checked by _fleet()
+    "rounds": _pos_int,
+    "per_round": _opt(_pos_int),
+    "min_agents": _opt(_pos_int),
+    "strategy": _enum(*STRATEGIES),
+    "server_mode": _enum(*SERVER_MODES),
+    "split": _opt(_pos_int),
+    "batch_size": _pos_int,
+    "lr": _pos_float,
+    "momentum": _float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"),
+    "local_iters": _pos_int,
+    "codec": _enum(*CODECS),
+    "zstd_level": _int(0, 22, what="an integer from 0 (no compression) to 22"),
+    "seed": _nonneg_int,
+    "server_flops": _pos_float,
+    "step_timeout_s": _pos_float,
+    "register_timeout_s": _pos_float,
+    "output_dir": _opt(_str),
+}
+_YAML_TO_ATTR = {"run": "run_id"}
+
+
+def _data(v: Any, source: str) -> DataConfig:
+    d = _check_mapping({} if v is None else v, list(_DATA_SPEC), source, "data")
+    return DataConfig(**_convert(d, _DATA_SPEC, source, "data"))
+
+
+def _resolve_profile_path(p: str, base_dir: Path | None) -> str:
+    """Relative profile paths: next to the run file first, then the working directory."""
+    path = Path(p)
+    if path.is_absolute():
+        return str(path)
+    if base_dir is not None and (base_dir / path).is_file():
+        return str((base_dir / path).resolve())
+    return str(path.resolve())
+
+
+def _fleet(v: Any, source: str, base_dir: Path | None,
+           search_dirs: Sequence[Path] | None) -> tuple[FleetEntry, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise ConfigError(f"{source}: field 'fleet': expected a list of "
+                          f"{{profile: NAME, count: N}} entries, got {v!r}")
+    entries = []
+    for i, item in enumerate(v):
+        prefix = f"fleet[{i}]"
+        if isinstance(item, str):  # shorthand: '- jetson-nano' means one agent
+            item = {"profile": item}
+        d = _check_mapping(item, ["profile", "count"], source, prefix)
+        if "profile" not in d:
+            raise ConfigError(f"{source}: field '{prefix}.profile': expected a device profile "
+                              f"name or YAML path, but it is missing")
+        name = _str(d["profile"], _failer(source, f"{prefix}.profile", d["profile"]))
+        count = _pos_int(d.get("count", 1), _failer(source, f"{prefix}.count", d.get("count")))
+        if _looks_like_path(name):
+            name = _resolve_profile_path(name, base_dir)
+        try:
+            load_profile(name, search_dirs)  # fail now, not when agent 37 starts
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: field '{prefix}.profile': expected a known device "
+                              f"profile: {exc}") from None
+        entries.append(FleetEntry(profile=name, count=count))
+    return tuple(entries)
+
+
+def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None = None,
+                         search_dirs: Sequence[Path] | None = None) -> RunConfig:
+    """Validate a run mapping (YAML keys) and resolve every fleet profile.
+
+    ``base_dir`` anchors relative profile paths in ``fleet`` (the run file's directory).
+    """
+    d = _check_mapping({} if d is None else d, list(_RUN_SPEC), source, "")
+    values = _convert(d, _RUN_SPEC, source, "")
+    kwargs: dict[str, Any] = {_YAML_TO_ATTR.get(k, k): v for k, v in values.items()}
+    kwargs["data"] = _data(d.get("data"), source)
+    kwargs["fleet"] = _fleet(d.get("fleet"), source, base_dir, search_dirs)
+    cfg = RunConfig(**kwargs)
+
+    n = cfg.num_agents
+    if n == 0 and cfg.min_agents is None:
+        raise ConfigError(f"{source}: field 'fleet': expected at least one "
+                          f"{{profile: NAME, count: N}} entry (or set 'min_agents' for "
+                          f"agents that bring their own profile), got {d.get('fleet')!r}")
+    if n and cfg.min_agents is not None and cfg.min_agents > n:
+        raise ConfigError(f"{source}: field 'min_agents': expected at most the fleet size "
+                          f"{n}, got {cfg.min_agents!r}")
+    pool = n or cfg.min_agents or 0
+    if cfg.per_round is not None and cfg.per_round > pool:
+        raise ConfigError(f"{source}: field 'per_round': expected at most {pool} "
+                          f"(the number of agents), got {cfg.per_round!r}")
+    return cfg
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and validate a run YAML file, resolving every fleet profile (fails early)."""
+    path = Path(path)
+    return run_config_from_dict(_read_yaml(path), str(path), base_dir=path.parent)
+
+
+def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """YAML-keyed plain dict of ``cfg`` (for run records); ``run_config_from_dict`` reads it back."""
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "data":
+            value = {g.name: getattr(value, g.name) for g in fields(value)}
+        elif f.name == "fleet":
+            value = [{"profile": e.profile, "count": e.count} for e in value]
+        out["run" if f.name == "run_id" else f.name] = value
+    return out

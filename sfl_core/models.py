@@ -1,0 +1,414 @@
+"""Splittable model zoo.
+
+Every model is a :class:`SplitModel`: an ordered list of blocks. A split point ``s``
+puts ``blocks[:s]`` (the *client portion* ``Wc``) on the agent and ``blocks[s:]``
+(the *server portion* ``Ws``) on the coordinator. Keeping the model as a flat list of
+coarse blocks (one conv layer / residual block / depthwise-separable block each) is what
+makes per-split accounting, layer-wise aggregation and mixed split points trivial: the
+state-dict key ``blocks.<i>.…`` tells you which side owns a tensor.
+
+All image models accept ``(C, H, W)`` inputs, in particular ``(1, 8, 8)`` (sklearn
+digits), ``(1, 28, 28)`` (MNIST / Fashion-MNIST) and ``(3, 32, 32)`` (CIFAR). They only
+downsample (max-pool or stride 2) while the spatial size is still > 1, and size their
+classifier from a dry run (or use adaptive average pooling), so small inputs never
+collapse to zero size. ``cnn1d`` takes ``(channels, length)`` sensor windows, e.g.
+``(9, 128)`` for UCI HAR.
+
+Construction is deterministic given ``torch.manual_seed`` set by the caller (the dry runs
+feed zeros and consume no randomness).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SplitModel", "MODEL_NAMES", "build_model"]
+
+
+class SplitModel(nn.Module):
+    """A model as an ordered list of blocks; split point ``s`` puts ``blocks[:s]`` on the
+    agent and ``blocks[s:]`` on the server.
+
+    ``split_points`` are the *proper* cuts (``1 <= s <= num_blocks - 1``). In addition
+    ``s == num_blocks`` is always accepted: the whole model on the agent (FedAvg).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        blocks: list[nn.Module],
+        split_points: Sequence[int],
+        default_split: int,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        block_names: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if len(blocks) < 1:
+            raise ValueError(f"{name}: a SplitModel needs at least one block")
+        self.name = name
+        self.blocks = nn.ModuleList(blocks)
+        n = len(blocks)
+        pts = tuple(sorted(set(int(s) for s in split_points)))
+        bad = [s for s in pts if not 1 <= s <= n - 1]
+        if bad:
+            raise ValueError(f"{name}: split points {bad} outside 1..{n - 1} for {n} blocks")
+        self.split_points: tuple[int, ...] = pts
+        if block_names is None:
+            block_names = tuple(f"block{i}" for i in range(n))
+        if len(block_names) != n:
+            raise ValueError(f"{name}: {len(block_names)} block names for {n} blocks")
+        self.block_names: tuple[str, ...] = tuple(block_names)
+        self.input_shape: tuple[int, ...] = tuple(int(d) for d in input_shape)
+        self.num_classes = int(num_classes)
+        self.check_split(default_split)
+        self.default_split = int(default_split)
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def valid_splits(self) -> tuple[int, ...]:
+        """Proper split points plus ``num_blocks`` (whole model on the agent)."""
+        return self.split_points + (self.num_blocks,)
+
+    def check_split(self, s: int) -> None:
+        """Raise ``ValueError`` unless ``s`` is a proper split point or ``num_blocks``."""
+        ok = isinstance(s, numbers.Integral) and not isinstance(s, bool) and int(s) in self.valid_splits
+        if not ok:
+            raise ValueError(
+                f"model {self.name!r}: invalid split point {s!r}; valid split points are "
+                f"{list(self.valid_splits)} ({self.num_blocks} = whole model on the agent)"
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def client(self, s: int) -> nn.Sequential:
+        """``blocks[:s]`` as a Sequential sharing the SAME module objects (no copy)."""
+        self.check_split(s)
+        return nn.Sequential(*self.blocks[: int(s)])
+
+    def server(self, s: int) -> nn.Sequential:
+        """``blocks[s:]`` sharing module objects; empty Sequential for ``s == num_blocks``."""
+        self.check_split(s)
+        return nn.Sequential(*self.blocks[int(s):])
+
+    # ------------------------------------------------------------------ state
+    @staticmethod
+    def _block_index(key: str) -> int:
+        # keys look like "blocks.3.conv.weight"
+        return int(key.split(".", 2)[1])
+
+    def client_keys(self, s: int) -> list[str]:
+        """State-dict keys (parameters AND buffers) belonging to ``blocks[:s]``."""
+        self.check_split(s)
+        return [k for k in self.state_dict() if self._block_index(k) < int(s)]
+
+    def server_keys(self, s: int) -> list[str]:
+        """State-dict keys (parameters AND buffers) belonging to ``blocks[s:]``."""
+        self.check_split(s)
+        return [k for k in self.state_dict() if self._block_index(k) >= int(s)]
+
+    def client_state(self, s: int) -> dict[str, Tensor]:
+        """Subset of ``state_dict()`` for ``blocks[:s]`` (detached, same key names)."""
+        keys = set(self.client_keys(s))
+        return {k: v.detach() for k, v in self.state_dict().items() if k in keys}
+
+    def server_state(self, s: int) -> dict[str, Tensor]:
+        """Subset of ``state_dict()`` for ``blocks[s:]`` (detached, same key names)."""
+        keys = set(self.server_keys(s))
+        return {k: v.detach() for k, v in self.state_dict().items() if k in keys}
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, splits={list(self.valid_splits)}, default_split={self.default_split}"
+
+
+# ====================================================================== helpers
+
+
+def _check_image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    if len(input_shape) != 3:
+        raise ValueError(
+            f"model {name!r} expects an image input shape (channels, height, width), got {input_shape!r}"
+        )
+    c, h, w = input_shape
+    return c, h, w
+
+
+def _dry_run_shape(block: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-sample output shape of ``block`` for per-sample input ``shape``.
+
+    Runs in eval mode on zeros (BatchNorm with batch 1 would refuse train mode) and
+    restores the mode, so it neither consumes randomness nor touches running stats.
+    """
+    was_training = block.training
+    block.eval()
+    try:
+        with torch.no_grad():
+            out = block(torch.zeros(1, *shape))
+    finally:
+        block.train(was_training)
+    return tuple(out.shape[1:])
+
+
+def _can_downsample(shape: tuple[int, ...]) -> bool:
+    """True while every spatial dim is > 1 (pooling a size-1 dim would break or be a no-op)."""
+    return all(d > 1 for d in shape[1:])
+
+
+class _Builder:
+    """Accumulates named blocks while tracking the per-sample activation shape."""
+
+    def __init__(self, input_shape: tuple[int, ...]) -> None:
+        self.shape = tuple(input_shape)
+        self.blocks: list[nn.Module] = []
+        self.names: list[str] = []
+
+    def add(self, name: str, block: nn.Module) -> None:
+        self.shape = _dry_run_shape(block, self.shape)
+        self.blocks.append(block)
+        self.names.append(name)
+
+    @property
+    def channels(self) -> int:
+        return self.shape[0]
+
+    @property
+    def flat(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def finish(self, name: str, default_split: int, input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+        n = len(self.blocks)
+        return SplitModel(
+            name, self.blocks, range(1, n), default_split, input_shape, num_classes, block_names=self.names
+        )
+
+
+def _conv_bn_relu(cin: int, cout: int, shape: tuple[int, ...], *, pool: bool, bn: bool = True,
+                  kernel: int = 3) -> nn.Sequential:
+    layers: dict[str, nn.Module] = {
+        "conv": nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=not bn),
+    }
+    if bn:
+        layers["bn"] = nn.BatchNorm2d(cout)
+    layers["relu"] = nn.ReLU(inplace=False)
+    if pool and _can_downsample(shape):
+        layers["pool"] = nn.MaxPool2d(2)
+    return nn.Sequential(OrderedDict(layers))
+
+
+def _classifier(in_features: int, num_classes: int, *, avgpool: bool, dims: int = 2) -> nn.Sequential:
+    layers: dict[str, nn.Module] = {}
+    if avgpool:
+        layers["avgpool"] = nn.AdaptiveAvgPool2d(1) if dims == 2 else nn.AdaptiveAvgPool1d(1)
+    layers["flatten"] = nn.Flatten()
+    layers["linear"] = nn.Linear(in_features, num_classes)
+    return nn.Sequential(OrderedDict(layers))
+
+
+# ====================================================================== models
+
+
+def small_cnn(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """Tiny CNN for tests and demos: conv16 | conv32+pool | fc64 | fc. Default split 2
+    (after the pooled conv stage: smallest activation before the dense layers)."""
+    c, _, _ = _check_image_shape("small_cnn", input_shape)
+    b = _Builder(input_shape)
+    b.add("conv1", nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU()))
+    b.add("conv2", _conv_bn_relu(16, 32, b.shape, pool=True, bn=False))
+    b.add("fc1", nn.Sequential(nn.Flatten(), nn.Linear(b.flat, 64), nn.ReLU()))
+    b.add("fc", _classifier(64, num_classes, avgpool=False))
+    return b.finish("small_cnn", 2, input_shape, num_classes)
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block (two 3x3 convs + BN) with a 1x1-conv projection shortcut when
+    the shape changes (option B)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+def resnet8(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """CIFAR ResNet-8 in the He et al. 6n+2 family with n = 1 (the variant used by FedML
+    and S2FL-style SFL papers): 3x3 stem (16 ch) | layer1 16 | layer2 32 (/2) |
+    layer3 64 (/2) | avgpool+fc. ~78k parameters. Default split 2 (stem + layer1)."""
+    c, _, _ = _check_image_shape("resnet8", input_shape)
+    b = _Builder(input_shape)
+    b.add("stem", nn.Sequential(nn.Conv2d(c, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()))
+    for i, width in enumerate((16, 32, 64), start=1):
+        stride = 2 if (i > 1 and _can_downsample(b.shape)) else 1
+        b.add(f"layer{i}", BasicBlock(b.channels, width, stride))
+    b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
+    return b.finish("resnet8", 2, input_shape, num_classes)
+
+
+_VGG_CFG: dict[str, list[int | str]] = {
+    "vgg11": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "vgg16": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
+}
+
+
+def _vgg(name: str, input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """CIFAR VGG with BatchNorm: one block per conv layer (conv+BN+ReLU, plus the
+    following max-pool if any), then avgpool+flatten+Linear(512, classes) — the compact
+    classifier CIFAR variants use. Default split 1 (after the first conv)."""
+    _check_image_shape(name, input_shape)
+    cfg = _VGG_CFG[name]
+    b = _Builder(input_shape)
+    k = 0
+    for i, v in enumerate(cfg):
+        if v == "M":
+            continue
+        pool = i + 1 < len(cfg) and cfg[i + 1] == "M"
+        k += 1
+        b.add(f"conv{k}", _conv_bn_relu(b.channels, int(v), b.shape, pool=pool))
+    b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
+    return b.finish(name, 1, input_shape, num_classes)
+
+
+def vgg11(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    return _vgg("vgg11", input_shape, num_classes)
+
+
+def vgg16(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    return _vgg("vgg16", input_shape, num_classes)
+
+
+def alexnet(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """CIFAR AlexNet: 5 conv blocks (64/192/384/256/256, 3x3, ReLU, pools after 1, 2, 5;
+    no BN, like the original) and a 512-512 classifier sized from a dry run.
+    Default split 1 (after conv1+pool)."""
+    _check_image_shape("alexnet", input_shape)
+    b = _Builder(input_shape)
+    for i, (width, pool) in enumerate(((64, True), (192, True), (384, False), (256, False), (256, True)), 1):
+        b.add(f"conv{i}", _conv_bn_relu(b.channels, width, b.shape, pool=pool, bn=False))
+    b.add("fc1", nn.Sequential(nn.Flatten(), nn.Linear(b.flat, 512), nn.ReLU()))
+    b.add("fc2", nn.Sequential(nn.Linear(512, 512), nn.ReLU()))
+    b.add("fc", _classifier(512, num_classes, avgpool=False))
+    return b.finish("alexnet", 1, input_shape, num_classes)
+
+
+class DepthwiseSeparable(nn.Module):
+    """MobileNet v1 block: depthwise 3x3 conv + BN + ReLU, pointwise 1x1 conv + BN + ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(cin, cin, 3, stride=stride, padding=1, groups=cin, bias=False)
+        self.bn1 = nn.BatchNorm2d(cin)
+        self.pw = nn.Conv2d(cin, cout, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.relu(self.bn1(self.dw(x)))
+        return self.relu(self.bn2(self.pw(x)))
+
+
+_MOBILENET_CFG: list[tuple[int, int]] = [
+    (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
+    (512, 1), (512, 1), (512, 1), (512, 1), (512, 1), (1024, 2), (1024, 1),
+]
+
+
+def mobilenet_v1(input_shape: tuple[int, ...], num_classes: int, width_mult: float = 1.0) -> SplitModel:
+    """CIFAR MobileNet v1: 3x3 stem (stride 1) then 13 depthwise-separable blocks
+    (one block each), avgpool+fc. ``width_mult`` scales all channel counts.
+    Default split 2 (stem + first dw block)."""
+    c, _, _ = _check_image_shape("mobilenet_v1", input_shape)
+    if width_mult <= 0:
+        raise ValueError(f"mobilenet_v1: width_mult must be > 0, got {width_mult}")
+
+    def w(ch: int) -> int:
+        return max(1, int(round(ch * width_mult)))
+
+    b = _Builder(input_shape)
+    b.add("stem", nn.Sequential(nn.Conv2d(c, w(32), 3, padding=1, bias=False), nn.BatchNorm2d(w(32)), nn.ReLU()))
+    for i, (width, stride) in enumerate(_MOBILENET_CFG, start=1):
+        st = stride if _can_downsample(b.shape) else 1
+        b.add(f"dw{i}", DepthwiseSeparable(b.channels, w(width), st))
+    b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
+    return b.finish("mobilenet_v1", 2, input_shape, num_classes)
+
+
+def cnn1d(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """1-D CNN for sensor windows ``(channels, length)``, e.g. UCI HAR ``(9, 128)``:
+    conv64 k5 | conv128 k5 | conv128 k3 (each BN+ReLU+pool/2 while length > 1) |
+    avgpool+fc100 | fc. Default split 1 (after the first conv)."""
+    if len(input_shape) != 2:
+        raise ValueError(
+            f"model 'cnn1d' expects a sensor input shape (channels, length), got {input_shape!r}"
+        )
+    b = _Builder(input_shape)
+    for i, (width, k) in enumerate(((64, 5), (128, 5), (128, 3)), start=1):
+        layers: dict[str, nn.Module] = {
+            "conv": nn.Conv1d(b.channels, width, k, padding=k // 2, bias=False),
+            "bn": nn.BatchNorm1d(width),
+            "relu": nn.ReLU(),
+        }
+        if _can_downsample(b.shape):
+            layers["pool"] = nn.MaxPool1d(2)
+        b.add(f"conv{i}", nn.Sequential(OrderedDict(layers)))
+    b.add("fc1", nn.Sequential(nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(b.channels, 100), nn.ReLU()))
+    b.add("fc", _classifier(100, num_classes, avgpool=False))
+    return b.finish("cnn1d", 1, input_shape, num_classes)
+
+
+_BUILDERS: dict[str, Callable[[tuple[int, ...], int], SplitModel]] = {
+    "small_cnn": small_cnn,
+    "resnet8": resnet8,
+    "vgg11": vgg11,
+    "vgg16": vgg16,
+    "alexnet": alexnet,
+    "mobilenet_v1": mobilenet_v1,
+    "cnn1d": cnn1d,
+}
+
+MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet8", "vgg11", "vgg16", "alexnet", "mobilenet_v1", "cnn1d")
+
+
+def build_model(name: str, input_shape: Sequence[int], num_classes: int) -> SplitModel:
+    """Build model ``name`` for per-sample ``input_shape`` and ``num_classes`` outputs.
+
+    Raises ``ValueError`` for an unknown name (listing :data:`MODEL_NAMES`), a malformed
+    input shape, an input shape of the wrong rank for the model, or ``num_classes < 1``.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)}")
+    try:
+        shape = tuple(int(d) for d in input_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"model {name!r}: input_shape must be a sequence of ints, got {input_shape!r}") from None
+    if not shape or any(d < 1 for d in shape) or any(int(d) != d for d in input_shape):
+        raise ValueError(f"model {name!r}: input_shape must be positive ints, got {input_shape!r}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
+        raise ValueError(f"model {name!r}: num_classes must be an int >= 1, got {num_classes!r}")
+    return _BUILDERS[name](shape, int(num_classes))

@@ -1,0 +1,167 @@
+"""Message types and topic layout of the agent <-> coordinator protocol.
+
+The full description for third-party agent authors is ``docs/protocol.md``; this module is
+its executable form. Every message is a msgpack envelope (:mod:`sfl_core.wire`) whose
+``body`` is checked here against a per-type schema before any field is used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sfl_core import wire
+
+# ---------------------------------------------------------------- topics
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Run and agent ids become MQTT topic levels, so wildcards and slashes are forbidden."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ValueError(f"{kind} {value!r} must be 1-64 characters of letters, digits, '-' or '_'")
+    return value
+
+
+def up_topic(run: str, agent: str) -> str:
+    """Agent -> coordinator. The agent id in the topic must equal the envelope's sender."""
+    return f"sfl/{run}/up/{agent}"
+
+
+def down_topic(run: str, agent: str) -> str:
+    """Coordinator -> one agent."""
+    return f"sfl/{run}/down/{agent}"
+
+
+def status_topic(run: str, agent: str) -> str:
+    """Retained online/offline flag; the offline value is the agent's MQTT last will."""
+    return f"sfl/{run}/status/{agent}"
+
+
+def info_topic(run: str) -> str:
+    """Retained description of the run (model, data set, partition) that agents read first."""
+    return f"sfl/{run}/info"
+
+
+def up_wildcard(run: str) -> str:
+    return f"sfl/{run}/up/+"
+
+
+def status_wildcard(run: str) -> str:
+    return f"sfl/{run}/status/+"
+
+
+def agent_from_topic(topic: str) -> str:
+    return topic.rsplit("/", 1)[-1]
+
+
+# ---------------------------------------------------------------- messages
+
+# type -> {field: python type(s)}; every listed field is required, others are rejected.
+_NUM = (int, float)
+SCHEMAS: dict[str, dict[str, Any]] = {
+    # agent -> coordinator
+    "register": {"index": int, "profile": dict, "measured": dict, "label_counts": list,
+                 "num_samples": int, "emulate": bool, "resume": dict},
+    "probe": {"nonce": int, "pad": bytes, "reply_bytes": int},
+    "activations": {"x": dict, "y": dict, "compute_s": _NUM},
+    "weights": {"weights": dict, "num_samples": int, "compute_s": _NUM, "loss": _NUM},
+    "heartbeat": {"state": str},
+    "status": {"online": bool},
+    # coordinator -> agent
+    "accepted": {"message": str},
+    "reject": {"reason": str},
+    "probe_ack": {"nonce": int, "pad": bytes},
+    "assign": {"model": str, "strategy": str, "split": int, "width": int, "batch_size": int,
+               "lr": _NUM, "momentum": _NUM, "tau": int, "codec": str, "zstd_level": int,
+               "activation_shape": list, "weights": dict},
+    "gradients": {"g": dict},
+    "shutdown": {"reason": str},
+    "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
+                 "splits": list, "partition": dict, "num_agents": int},
+}
+AGENT_TYPES = frozenset({"register", "probe", "activations", "weights", "heartbeat", "status"})
+COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "gradients", "shutdown", "run_info"})
+COORDINATOR_ID = "coordinator"
+
+
+@dataclass
+class Message:
+    """One protocol message. ``round``/``step`` order the training exchange and make
+    duplicates detectable: a receiver applies each (round, step) at most once."""
+
+    type: str
+    run: str
+    sender: str
+    body: dict[str, Any] = field(default_factory=dict)
+    round: int = 0
+    step: int = 0
+    seq: int = 0
+    wire_bytes: int = 0
+    """Size of the payload this message arrived in (set by :func:`decode`), for byte accounting."""
+
+    def encode(self) -> bytes:
+        return wire.pack({"v": wire.PROTOCOL_VERSION, "type": self.type, "run": self.run,
+                          "sender": self.sender, "seq": self.seq, "round": self.round,
+                          "step": self.step, "body": self.body})
+
+
+def validate_body(mtype: str, body: dict[str, Any]) -> None:
+    schema = SCHEMAS.get(mtype)
+    if schema is None:
+        raise wire.WireError(f"unknown message type {mtype!r}")
+    missing = [k for k in schema if k not in body]
+    if missing:
+        raise wire.WireError(f"{mtype}: missing field(s) {missing}")
+    extra = [k for k in body if k not in schema]
+    if extra:
+        raise wire.WireError(f"{mtype}: unexpected field(s) {extra}")
+    for key, typ in schema.items():
+        val = body[key]
+        if isinstance(val, bool) and typ is not bool:
+            raise wire.WireError(f"{mtype}.{key}: expected {typ}, got bool")
+        if not isinstance(val, typ):
+            raise wire.WireError(f"{mtype}.{key}: expected {getattr(typ, '__name__', typ)}, got {type(val).__name__}")
+
+
+def decode(payload: bytes, *, run: str, max_bytes: int = wire.MAX_MESSAGE_BYTES,
+           allowed: frozenset[str] | None = None) -> Message:
+    """Envelope + schema validation. Raises :class:`wire.WireError` with the reason."""
+    env = wire.unpack(payload, max_bytes)
+    if env["run"] != run:
+        raise wire.WireError(f"message for run {env['run']!r}, this is run {run!r}")
+    if allowed is not None and env["type"] not in allowed:
+        raise wire.WireError(f"message type {env['type']!r} not accepted here")
+    if env["round"] < 0 or env["step"] < 0 or env["seq"] < 0:
+        raise wire.WireError("negative round/step/seq")
+    validate_body(env["type"], env["body"])
+    return Message(type=env["type"], run=env["run"], sender=env["sender"], body=env["body"],
+                   round=env["round"], step=env["step"], seq=env["seq"], wire_bytes=len(payload))
+
+
+class Sequencer:
+    """Per-sender strictly increasing sequence numbers (thread-safe).
+
+    Starting from the wall clock in microseconds keeps them increasing across process
+    restarts, so a peer can tell a retransmission (same seq) from a restarted sender.
+    """
+
+    def __init__(self, start: int | None = None):
+        self._it = itertools.count(time.time_ns() // 1000 if start is None else start)
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            return next(self._it)
+
+
+def profile_body(profile: Any) -> dict[str, Any]:
+    """The device-profile fields sent in ``register`` (what the coordinator's timing model needs)."""
+    return {"name": profile.name, "compute_flops": float(profile.compute_flops),
+            "link_bytes_per_s": float(profile.link_bytes_per_s),
+            "downlink_bytes_per_s": float(profile.downlink_bytes_per_s), "latency_s": float(profile.latency_s)}

@@ -1,0 +1,303 @@
+"""MQTT plumbing against real brokers: URL parsing, MqttLink, EmbeddedBroker, Mosquitto.
+
+Both brokers are exercised with the same tests (parametrized) because the
+coordinator may run on either: Mosquitto in production, amqtt in zero-setup mode.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from coordinator.broker import EmbeddedBroker
+from edge_agent.mqtt_link import MqttLink
+from sfl_core.broker_url import BrokerAddress, parse_broker_url
+
+REPO = Path(__file__).resolve().parents[1]
+BROKERS = ["mosquitto", "embedded_broker"]
+
+
+# ---------------------------------------------------------------- URL parsing
+@pytest.mark.parametrize("url, expected", [
+    ("mqtt://broker.lan", BrokerAddress("broker.lan", 1883)),
+    ("mqtt://broker.lan:1884", BrokerAddress("broker.lan", 1884)),
+    ("tcp://10.0.0.5:1883", BrokerAddress("10.0.0.5", 1883)),
+    ("mqtts://broker.example.org", BrokerAddress("broker.example.org", 8883, tls=True)),
+    ("mqtts://h:9999", BrokerAddress("h", 9999, tls=True)),
+    ("mqtt://alice:s3cret@h:1883", BrokerAddress("h", 1883, username="alice", password="s3cret")),
+    ("mqtt://alice@h", BrokerAddress("h", 1883, username="alice")),
+    ("mqtt://al%40ce:p%3Aw@h", BrokerAddress("h", 1883, username="al@ce", password="p:w")),
+    ("localhost:1883", BrokerAddress("localhost", 1883)),
+    ("  192.168.1.2  ", BrokerAddress("192.168.1.2", 1883)),
+    ("mqtt://[::1]:1885", BrokerAddress("::1", 1885)),
+])
+def test_parse_broker_url_accepts(url: str, expected: BrokerAddress) -> None:
+    assert parse_broker_url(url) == expected
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("", "empty"),
+    ("http://h:80", "scheme"),
+    ("mqtt://h:notaport", "port"),
+    ("mqtt://h:70000", "port"),
+    ("mqtt://h:0", "port"),
+    ("mqtt://:1883", "host"),
+    ("mqtt://h:1883/some/path", "path"),
+    ("mqtt://:pw@h", "user"),
+])
+def test_parse_broker_url_rejects(url: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        parse_broker_url(url)
+
+
+def test_broker_address_url_hides_password() -> None:
+    addr = parse_broker_url("mqtts://bob:hunter2@h:8884")
+    assert addr.url() == "mqtts://bob@h:8884"
+    assert "hunter2" not in repr(addr)
+    assert parse_broker_url(addr.url()).port == 8884
+    assert BrokerAddress("::1", 1883).url() == "mqtt://[::1]:1883"
+
+
+# ---------------------------------------------------------------- helpers
+class Inbox:
+    """Collects (topic, payload) from an MqttLink callback for assertions."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[tuple[str, bytes]] = queue.Queue()
+
+    def __call__(self, topic: str, payload: bytes) -> None:
+        self.q.put((topic, payload))
+
+    def get(self, timeout: float = 10.0) -> tuple[str, bytes]:
+        return self.q.get(timeout=timeout)
+
+    def drain(self, n: int, timeout: float = 10.0) -> list[tuple[str, bytes]]:
+        deadline = time.monotonic() + timeout
+        return [self.q.get(timeout=max(0.01, deadline - time.monotonic())) for _ in range(n)]
+
+
+def _link(url: str, cid: str, subs=(), on_message=None, **kw) -> MqttLink:
+    link = MqttLink(url, cid, on_message or (lambda t, p: None), subscriptions=subs, **kw)
+    link.connect(timeout=10)
+    return link
+
+
+@pytest.fixture(params=BROKERS)
+def broker(request):
+    return request.getfixturevalue(request.param)
+
+
+# ---------------------------------------------------------------- round trips
+def test_round_trip_2mib_payload(broker) -> None:
+    inbox = Inbox()
+    sub = _link(broker.url, "sub", ["t/big/#"], inbox)
+    pub = _link(broker.url, "pub")
+    try:
+        payload = os.urandom(2 * 2**20)
+        assert pub.publish("t/big/x", payload, timeout=20) is True
+        topic, got = inbox.get(timeout=20)
+        assert topic == "t/big/x"
+        assert got == payload
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_hundred_small_messages_arrive_in_order(broker) -> None:
+    inbox = Inbox()
+    sub = _link(broker.url, "sub", ["t/seq"], inbox)
+    pub = _link(broker.url, "pub")
+    try:
+        for i in range(100):
+            assert pub.publish("t/seq", i.to_bytes(4, "big"), timeout=10)
+        got = [int.from_bytes(p, "big") for _, p in inbox.drain(100, timeout=15)]
+        assert got == list(range(100))
+        assert inbox.q.empty()
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_retained_message_reaches_late_subscriber(broker) -> None:
+    pub = _link(broker.url, "pub")
+    try:
+        assert pub.publish("t/status/a1", b"online", retain=True)
+        inbox = Inbox()
+        late = _link(broker.url, "late", ["t/status/+"], inbox)
+        try:
+            assert inbox.get(timeout=10) == ("t/status/a1", b"online")
+        finally:
+            late.close()
+    finally:
+        pub.close()
+
+
+_WILL_CHILD = """
+import sys, time
+from edge_agent.mqtt_link import MqttLink
+link = MqttLink(sys.argv[1], "dying-agent", lambda t, p: None,
+                will=("t/status/dying-agent", b"offline", True), keepalive=5)
+link.connect(timeout=10)
+assert link.publish("t/status/dying-agent", b"online", retain=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_last_will_sent_when_client_dies_but_not_on_close(broker) -> None:
+    inbox = Inbox()
+    watcher = _link(broker.url, "watcher", ["t/status/#"], inbox)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", _WILL_CHILD, broker.url], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        assert inbox.get(timeout=10) == ("t/status/dying-agent", b"online")
+        child.send_signal(signal.SIGKILL)   # no DISCONNECT: the broker must publish the will
+        child.wait(timeout=5)
+        assert inbox.get(timeout=10) == ("t/status/dying-agent", b"offline")
+
+        # A clean close() sends DISCONNECT, so that will must NOT be published.
+        polite = _link(broker.url, "polite", will=("t/status/polite", b"offline", False))
+        polite.close()
+        polite.close()  # idempotent
+        with pytest.raises(queue.Empty):
+            inbox.get(timeout=1.0)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        watcher.close()
+
+    # the will was retained: a late subscriber sees the agent as offline
+    late_inbox = Inbox()
+    late = _link(broker.url, "late", ["t/status/dying-agent"], late_inbox)
+    try:
+        assert late_inbox.get(timeout=10) == ("t/status/dying-agent", b"offline")
+    finally:
+        late.close()
+
+
+def test_handler_exception_does_not_kill_link(embedded_broker) -> None:
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def handler(topic: str, payload: bytes) -> None:
+        if payload == b"boom":
+            raise RuntimeError("handler bug")
+        got.append(payload)
+        done.set()
+
+    sub = _link(embedded_broker.url, "sub", ["t/x"], handler)
+    pub = _link(embedded_broker.url, "pub")
+    try:
+        assert pub.publish("t/x", b"boom")
+        assert pub.publish("t/x", b"fine")
+        assert done.wait(10)
+        assert got == [b"fine"]
+        assert sub.connected
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_publish_from_callback_thread_does_not_deadlock(embedded_broker) -> None:
+    """The coordinator answers requests from inside on_message; that must not block paho."""
+    inbox = Inbox()
+    holder: dict[str, MqttLink] = {}
+
+    def echo(topic: str, payload: bytes) -> None:
+        holder["srv"].publish("t/reply", payload)
+
+    holder["srv"] = _link(embedded_broker.url, "srv", ["t/req"], echo)
+    cli = _link(embedded_broker.url, "cli", ["t/reply"], inbox)
+    try:
+        assert cli.publish("t/req", b"ping")
+        assert inbox.get(timeout=10) == ("t/reply", b"ping")
+    finally:
+        cli.close()
+        holder["srv"].close()
+
+
+# ---------------------------------------------------------------- failures and reconnects
+def test_connect_failure_names_the_broker() -> None:
+    port = free_port()
+    link = MqttLink(f"mqtt://127.0.0.1:{port}", "nobody", lambda t, p: None)
+    with pytest.raises(ConnectionError, match=f"cannot reach MQTT broker at mqtt://127.0.0.1:{port}"):
+        link.connect(timeout=2)
+    link.close()
+
+
+def test_reconnect_resubscribes_and_publish_waits_through_outage(mosquitto) -> None:
+    inbox = Inbox()
+    reconnects: list[float] = []
+    sub = _link(mosquitto.url, "sub", ["t/after"], inbox)
+    sub.add_reconnect_callback(lambda: reconnects.append(time.monotonic()))
+    pub = _link(mosquitto.url, "pub")
+    try:
+        mosquitto.stop()
+        deadline = time.monotonic() + 5
+        while (sub.connected or pub.connected) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not sub.connected and not pub.connected
+
+        # publish during the outage: must block (not raise) and succeed after the restart
+        result: dict[str, object] = {}
+
+        def outage_publish() -> None:
+            t0 = time.monotonic()
+            result["ok"] = pub.publish("t/during", b"queued", timeout=20)
+            result["took"] = time.monotonic() - t0
+
+        th = threading.Thread(target=outage_publish)
+        th.start()
+        time.sleep(1.0)
+        assert th.is_alive(), "publish returned while the broker was down"
+        # and a short timeout during the outage returns False instead of raising
+        assert pub.publish("t/during", b"x", timeout=0.3) is False
+
+        mosquitto.start()
+        th.join(timeout=20)
+        assert result.get("ok") is True
+        assert result["took"] >= 1.0
+
+        assert sub.wait_connected(15) and pub.wait_connected(15)
+        assert len(reconnects) >= 1
+        assert pub.publish("t/after", b"hello again", timeout=10)
+        assert inbox.get(timeout=10) == ("t/after", b"hello again")
+    finally:
+        pub.close()
+        sub.close()
+
+
+# ---------------------------------------------------------------- embedded broker lifecycle
+def test_embedded_broker_lifecycle() -> None:
+    with EmbeddedBroker() as b:
+        assert b.url.startswith("mqtt://127.0.0.1:") and b.port > 0
+        with socket.create_connection(("127.0.0.1", b.port), timeout=2):
+            pass
+        port = b.port
+    b.stop()  # idempotent
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_embedded_broker_port_in_use_raises() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        b = EmbeddedBroker(port=port)
+        with pytest.raises(RuntimeError, match=str(port)):
+            b.start(timeout=5)
+        b.stop()

@@ -1,0 +1,319 @@
+"""Tests for sfl_core.config: shipped profiles/run files load, and bad input fails loudly."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sfl_core.config import (
+    ConfigError,
+    DeviceProfile,
+    RunConfig,
+    default_profiles_dir,
+    list_profiles,
+    load_profile,
+    load_run_config,
+    profile_from_dict,
+    run_config_from_dict,
+    run_config_to_dict,
+)
+
+PROFILES = default_profiles_dir()
+RUN_FILES = sorted((PROFILES / "runs").glob("*.yaml"))
+DEVICE_FILES = sorted((PROFILES / "devices").glob("*.yaml"))
+
+S2FL_COMPUTE = {"low": 5e9, "mid": 1e10, "high": 2e10}
+S2FL_LINK = {"low": 1e6, "mid": 2e6, "high": 5e6}
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def minimal_run(**extra: object) -> dict:
+    d = {"run": "t", "fleet": [{"profile": "s2fl-low-low", "count": 2}]}
+    d.update(extra)
+    return d
+
+
+# ------------------------------------------------------------------ shipped files
+
+
+def test_profiles_dir_is_the_repo_one():
+    assert PROFILES == Path(__file__).resolve().parent.parent / "profiles"
+    assert {"demo.yaml", "sim-100.yaml", "fedavg-demo.yaml", "splitfed-v1-demo.yaml"} <= {
+        p.name for p in RUN_FILES}
+
+
+@pytest.mark.parametrize("path", DEVICE_FILES, ids=lambda p: p.stem)
+def test_every_device_profile_loads_by_name_and_path(path: Path):
+    by_name = load_profile(path.stem)
+    by_path = load_profile(str(path))
+    assert by_name == by_path
+    assert by_name.name == path.stem
+    assert by_name.compute_flops > 0 and by_name.link_bytes_per_s > 0
+    assert by_name.source, "every shipped profile must say where its numbers come from"
+    # every number line in the file carries a comment saying where it comes from
+    for line in path.read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if key in ("compute_flops", "link_bytes_per_s", "latency_s", "memory_bytes"):
+            assert "#" in line, f"{path.name}: '{key}' has no source comment"
+
+
+def test_s2fl_table1_classes_are_exact():
+    names = set(list_profiles())
+    for c, flops in S2FL_COMPUTE.items():
+        for lk, rate in S2FL_LINK.items():
+            p = load_profile(f"s2fl-{c}-{lk}")
+            assert (p.compute_flops, p.link_bytes_per_s, p.downlink_bytes_per_s) == (flops, rate, rate)
+    server = load_profile("s2fl-server")
+    assert (server.compute_flops, server.link_bytes_per_s) == (5e10, 1e7)
+    assert {"jetson-nano", "jetson-tx2", "jetson-xavier-nx", "jetson-agx-xavier", "rpi4"} <= names
+    # real boards are ordered as their vendor peaks are
+    flops = [load_profile(n).compute_flops for n in
+             ("rpi4", "jetson-nano", "jetson-tx2", "jetson-xavier-nx", "jetson-agx-xavier")]
+    assert flops == sorted(flops)
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: p.stem)
+def test_every_run_config_loads_and_documents_every_field(path: Path):
+    cfg = load_run_config(path)
+    assert cfg.run_id == path.stem
+    assert cfg.num_agents == len(cfg.agent_profiles()) > 0
+    header = path.read_text().split("\nrun:", 1)[0]
+    yaml_keys = [k for k in run_config_to_dict(cfg)]
+    data_keys = [f.name for f in dataclasses.fields(cfg.data)]
+    for key in yaml_keys + data_keys:
+        assert f"# {key}:" in header or f"#   {key}:" in header, f"{path.name}: '{key}' undocumented"
+
+
+def test_demo_and_baselines_content():
+    demo = load_run_config(PROFILES / "runs" / "demo.yaml")
+    assert (demo.model, demo.data.dataset, demo.data.partition, demo.data.alpha) == (
+        "small_cnn", "digits", "dirichlet", 0.5)
+    assert demo.num_agents == 4 and len(set(demo.agent_profiles())) == 4
+    assert (demo.rounds, demo.local_iters, demo.batch_size, demo.lr) == (5, 10, 16, 0.05)
+    assert (demo.strategy, demo.server_mode) == ("sfl", "merged")
+    fedavg = load_run_config(PROFILES / "runs" / "fedavg-demo.yaml")
+    sfv1 = load_run_config(PROFILES / "runs" / "splitfed-v1-demo.yaml")
+    assert fedavg.strategy == "fedavg"
+    assert (sfv1.strategy, sfv1.server_mode) == ("sfl", "per_agent")
+    for other in (fedavg, sfv1):
+        assert other.fleet == demo.fleet and other.data == demo.data
+
+
+def test_sim100_composition():
+    cfg = load_run_config(PROFILES / "runs" / "sim-100.yaml")
+    assert cfg.num_agents == 100 and cfg.per_round == 10
+    assert (cfg.model, cfg.data.dataset, cfg.data.alpha) == ("resnet8", "fashion-mnist", 0.5)
+    counts = {e.profile: e.count for e in cfg.fleet}
+    assert set(counts) == {f"s2fl-{c}-{lk}" for c in S2FL_COMPUTE for lk in S2FL_LINK}
+    assert max(counts.values()) - min(counts.values()) <= 1
+    # the data root is relative to the repo root, where the real data set lives
+    assert (PROFILES.parent / cfg.data.root / "train-labels-idx1-ubyte.gz").is_file()
+
+
+# ------------------------------------------------------------------ semantics
+
+
+def test_agent_profiles_expansion_order_and_defaults():
+    cfg = run_config_from_dict({
+        "fleet": [{"profile": "jetson-nano", "count": 2}, "rpi4",
+                  {"profile": "s2fl-low-low", "count": 3}]})
+    assert cfg.agent_profiles() == ["jetson-nano"] * 2 + ["rpi4"] + ["s2fl-low-low"] * 3
+    assert cfg.num_agents == 6
+    assert cfg.run_id == "demo" and cfg.per_round is None and cfg.min_agents is None
+    assert cfg.resolved_output_dir == Path("runs/demo")
+    assert dataclasses.replace(cfg, rounds=7).rounds == 7
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rounds = 3  # type: ignore[misc]
+
+
+def test_numeric_strings_parse(tmp_path: Path):
+    p = write(tmp_path, "nums.yaml", """\
+        fleet: [{profile: s2fl-low-low, count: "2"}]
+        server_flops: 5e9
+        lr: 1e-2
+        rounds: 1e1
+        step_timeout_s: "2_5"
+        data: {alpha: 5e-1}
+        """)
+    cfg = load_run_config(p)
+    assert cfg.server_flops == 5e9 and isinstance(cfg.server_flops, float)
+    assert cfg.lr == 0.01 and cfg.rounds == 10 and isinstance(cfg.rounds, int)
+    assert cfg.step_timeout_s == 25.0 and cfg.data.alpha == 0.5 and cfg.fleet[0].count == 2
+    prof = profile_from_dict({"compute_flops": "5e9", "link_bytes_per_s": 1e6}, default_name="x")
+    assert prof == DeviceProfile("x", 5e9, 1e6, 1e6)
+
+
+def test_round_trip_through_dict():
+    cfg = load_run_config(PROFILES / "runs" / "sim-100.yaml")
+    assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
+    prof = load_profile("jetson-tx2")
+    assert profile_from_dict(prof.to_dict()) == prof
+
+
+def test_downlink_defaults_to_uplink_and_can_differ(tmp_path: Path):
+    p = write(tmp_path, "asym.yaml", """\
+        compute_flops: 1e9
+        link_bytes_per_s: 1e5
+        downlink_bytes_per_s: 4e5
+        """)
+    prof = load_profile(str(p))
+    assert prof.name == "asym" and prof.downlink_bytes_per_s == 4e5
+    assert DeviceProfile("a", 1.0, 2.0).downlink_bytes_per_s == 2.0
+
+
+def test_fleet_profile_by_relative_path(tmp_path: Path):
+    write(tmp_path, "board.yaml", "name: myboard\ncompute_flops: 3e9\nlink_bytes_per_s: 1e6\n")
+    run = write(tmp_path, "run.yaml", "fleet: [{profile: board.yaml, count: 2}, ./board.yaml]\n")
+    cfg = load_run_config(run)
+    assert cfg.num_agents == 3
+    assert all(Path(p).is_absolute() for p in cfg.agent_profiles())
+    assert load_profile(cfg.agent_profiles()[0]).name == "myboard"
+
+
+def test_env_var_overrides_profiles_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "devices").mkdir()
+    write(tmp_path / "devices", "only.yaml", "compute_flops: 1e9\nlink_bytes_per_s: 1e6\n")
+    monkeypatch.setenv("SFL_PROFILES_DIR", str(tmp_path))
+    assert default_profiles_dir() == tmp_path
+    assert list_profiles() == ["only"]
+    assert load_profile("only").compute_flops == 1e9
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_unknown_key_suggests(tmp_path: Path):
+    p = write(tmp_path, "typo.yaml", """\
+        fleet: [{profile: s2fl-low-low}]
+        local_iter: 20
+        """)
+    with pytest.raises(ConfigError) as e:
+        load_run_config(p)
+    msg = str(e.value)
+    assert "typo.yaml" in msg and "'local_iter'" in msg and "did you mean 'local_iters'" in msg
+
+
+def test_unknown_nested_key_has_full_path(tmp_path: Path):
+    p = write(tmp_path, "nested.yaml", """\
+        fleet:
+          - {profile: s2fl-low-low}
+          - {profile: rpi4, cont: 2}
+        """)
+    with pytest.raises(ConfigError, match=r"nested\.yaml: field 'fleet\[1\]\.cont'.*did you mean 'count'"):
+        load_run_config(p)
+    with pytest.raises(ConfigError, match=r"field 'data\.partiton'.*did you mean 'partition'"):
+        run_config_from_dict(minimal_run(data={"partiton": "iid"}), "x.yaml")
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("rounds", "ten", "a positive integer"),
+    ("rounds", 0, "a positive integer"),
+    ("rounds", 2.5, "a positive integer"),
+    ("rounds", True, "a positive integer"),
+    ("lr", -0.1, "a positive number"),
+    ("lr", [1], "a positive number"),
+    ("momentum", 1.0, "a number in [0, 1)"),
+    ("strategy", "fedprox", "one of 'sfl', 'fedavg'"),
+    ("server_mode", "split", "one of 'merged', 'per_agent'"),
+    ("codec", "int8", "one of 'fp32', 'fp16'"),
+    ("zstd_level", 23, "0 (no compression) to 22"),
+    ("run", "a/b", "letters, digits"),
+    ("server_flops", "nan", "a positive number"),
+    ("model", 3, "a non-empty string"),
+])
+def test_wrong_type_or_range(key: str, value: object, expected: str):
+    with pytest.raises(ConfigError) as e:
+        run_config_from_dict(minimal_run(**{key: value}), "profiles/runs/bad.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"profiles/runs/bad.yaml: field '{key}': expected ")
+    assert expected in msg and repr(value) in msg
+
+
+def test_fleet_count_error_names_index(tmp_path: Path):
+    p = write(tmp_path, "cnt.yaml", "fleet: [{profile: rpi4}, {profile: rpi4, count: -1}]\n")
+    with pytest.raises(ConfigError, match=r"cnt\.yaml: field 'fleet\[1\]\.count': expected a positive integer, got -1"):
+        load_run_config(p)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="field 'per_round': expected at most 2"):
+        run_config_from_dict(minimal_run(per_round=3), "r.yaml")
+    with pytest.raises(ConfigError, match="field 'min_agents': expected at most the fleet size 2"):
+        run_config_from_dict(minimal_run(min_agents=5), "r.yaml")
+    with pytest.raises(ConfigError, match="r.yaml: field 'fleet': expected at least one"):
+        run_config_from_dict({"run": "t"}, "r.yaml")
+    # agents that bring their own profiles: no fleet, but min_agents
+    assert run_config_from_dict({"min_agents": 3}).num_agents == 0
+
+
+def test_missing_file(tmp_path: Path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=r"nope\.yaml: file not found"):
+        load_run_config(missing)
+    with pytest.raises(ConfigError, match=r"nope\.yaml: file not found"):
+        load_profile(str(missing))
+
+
+def test_bad_yaml_syntax_reports_line(tmp_path: Path):
+    p = write(tmp_path, "broken.yaml", "run: demo\nfleet: [{profile: rpi4}\nrounds: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(p)
+    msg = str(e.value)
+    assert "broken.yaml" in msg and "invalid YAML" in msg and "line 3" in msg
+
+
+def test_duplicate_key_is_an_error(tmp_path: Path):
+    p = write(tmp_path, "dup.yaml", "fleet: [rpi4]\nrounds: 3\nrounds: 4\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml: line 3.*duplicate key 'rounds'"):
+        load_run_config(p)
+
+
+def test_top_level_must_be_mapping(tmp_path: Path):
+    p = write(tmp_path, "list.yaml", "- rpi4\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml: top level: expected a mapping"):
+        load_run_config(p)
+
+
+def test_unknown_profile_name_in_fleet(tmp_path: Path):
+    p = write(tmp_path, "fleet.yaml", "fleet: [{profile: s2fl-low-low}, {profile: jetson-nan0, count: 2}]\n")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(p)
+    msg = str(e.value)
+    assert "fleet.yaml" in msg and "'fleet[1].profile'" in msg
+    assert "did you mean 'jetson-nano'" in msg and "s2fl-high-high" in msg  # lists what exists
+
+
+def test_unknown_profile_name_direct():
+    with pytest.raises(ConfigError, match="unknown device profile.*available: .*rpi4"):
+        load_profile("no-such-board")
+
+
+def test_profile_errors(tmp_path: Path):
+    p = write(tmp_path, "dev.yaml", "compute_flops: fast\nlink_bytes_per_s: 1e6\n")
+    with pytest.raises(ConfigError, match=r"dev\.yaml: field 'compute_flops': expected a positive number, got 'fast'"):
+        load_profile(str(p))
+    p = write(tmp_path, "dev2.yaml", "link_bytes_per_s: 1e6\n")
+    with pytest.raises(ConfigError, match=r"dev2\.yaml: field 'compute_flops'.*missing"):
+        load_profile(str(p))
+    p = write(tmp_path, "dev3.yaml", "compute_flop: 1e9\nlink_bytes_per_s: 1e6\n")
+    with pytest.raises(ConfigError, match=r"dev3\.yaml: field 'compute_flop'.*did you mean 'compute_flops'"):
+        load_profile(str(p))
+    # a file found by name must carry that name, or a fleet entry could silently change device
+    (tmp_path / "d").mkdir()
+    write(tmp_path / "d", "a.yaml", "name: b\ncompute_flops: 1e9\nlink_bytes_per_s: 1e6\n")
+    with pytest.raises(ConfigError, match=r"a\.yaml: field 'name': expected 'a'"):
+        load_profile("a", [tmp_path / "d"])
+
+
+def test_defaults_match_dataclass():
+    # a run dict with only a fleet gets exactly the documented dataclass defaults
+    cfg = run_config_from_dict({"fleet": ["rpi4"]})
+    assert dataclasses.replace(cfg, fleet=()) == RunConfig()
