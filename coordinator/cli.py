@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -85,7 +84,7 @@ def run_info_body(cfg: RunConfig, data) -> dict:
 
 
 def serve_run(cfg: RunConfig, broker: Optional[str], *, resume: bool = False, device: str = "auto",
-              quiet: bool = False, on_broker=None) -> tuple[list[dict], RoundEngine]:
+              quiet: bool = False, on_broker=None, listen: str = "127.0.0.1:0") -> tuple[list[dict], RoundEngine]:
     """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``."""
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import MqttTransport
@@ -95,7 +94,8 @@ def serve_run(cfg: RunConfig, broker: Optional[str], *, resume: bool = False, de
     _prepare_out_dir(out, resume)
     embedded = None
     if broker is None:
-        embedded = EmbeddedBroker(host=os.environ.get("SFL_BROKER_HOST", "127.0.0.1")).start()
+        host, _, port = listen.rpartition(":")
+        embedded = EmbeddedBroker(host=host or "127.0.0.1", port=int(port or 0)).start()
         broker = embedded.url
         console.print(f"embedded MQTT broker listening at {broker}")
     if on_broker is not None:
@@ -122,15 +122,18 @@ def serve_run(cfg: RunConfig, broker: Optional[str], *, resume: bool = False, de
 def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YAML (see profiles/runs/)."),
           broker: Optional[str] = typer.Option(None, help="MQTT broker URL, e.g. mqtt://host:1883. "
                                                "Default: start an embedded broker on 127.0.0.1."),
+          listen: str = typer.Option("0.0.0.0:1883", help="Where the embedded broker listens (HOST:PORT) "
+                                     "when no --broker is given."),
           resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
           rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
           output: Optional[Path] = typer.Option(None, help="Override the output directory."),
           device: str = typer.Option("auto", help="Server-portion device: auto, cpu, cuda, cuda:1 ..."),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
           verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Coordinate a real deployment: agents connect through the MQTT broker."""
     _setup_logging(verbose)
     cfg = _load(config, rounds, output)
-    history, engine = serve_run(cfg, broker, resume=resume, device=device)
+    history, engine = serve_run(cfg, broker, resume=resume, device=device, listen=listen, quiet=quiet)
     console.print(summary_table(history, engine.registry))
     console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
 

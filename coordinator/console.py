@@ -50,9 +50,9 @@ class RunDisplay:
             p.console.print(f"[yellow]dropped {data['agent']}: {data['reason']}")
         elif event == "round_end":
             p.advance(t)
-            p.console.print(f"round {data['round']:>3}  accuracy {data['accuracy']:.4f}  test loss "
-                            f"{data['test_loss']:.4f}  round {data['round_time_s']:.2f} s ({data['clock']})  "
-                            f"up {_mb(data['bytes_up'])}  down {_mb(data['bytes_down'])}")
+            p.console.print(f"round {data['round']:>3}  acc {data['accuracy']:.4f}  loss {data['test_loss']:.3f}  "
+                            f"{data['round_time_s']:.2f} s {data['clock']}  up {_mb(data['bytes_up'])} "
+                            f"down {_mb(data['bytes_down'])}", soft_wrap=True)
             p.update(t, status=f"accuracy {data['accuracy']:.3f}")
 
 

@@ -91,6 +91,7 @@ class RoundEngine:
         self.on_event = on_event or (lambda _e, _d: None)
         self.registry = Registry(num_classes)
         self._seq = protocol.Sequencer()
+        self._last_seq: dict[str, int] = {}
         torch.manual_seed(cfg.seed)
         self.model: SplitModel = build_model(cfg.model, self.input_shape, num_classes).to(self.device)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
@@ -108,6 +109,8 @@ class RoundEngine:
         """Wait for the fleet, run the remaining rounds, tell agents to stop."""
         try:
             self.wait_for_agents()
+            if self.start_round == 1:
+                self._record_initial()
             for r in range(self.start_round, self.cfg.rounds + 1):
                 self.run_round(r)
         finally:
@@ -239,6 +242,12 @@ class RoundEngine:
         if ra is None:
             log.warning("rejected %s from %s: not selected for round %d", msg.type, a, r)
             return
+        # seq equal to the last one is a retransmission (handled below); older is a replay
+        last = self._last_seq.get(a, -1)
+        if msg.seq < last:
+            log.warning("rejected replayed %s from %s: seq %d is older than %d", msg.type, a, msg.seq, last)
+            return
+        self._last_seq[a] = msg.seq
         if msg.type == kind and msg.round == r and msg.step == k:
             if a in got:
                 return  # duplicate of what we already hold
@@ -361,6 +370,16 @@ class RoundEngine:
             "split": self.split, "registry": self.registry.to_json()})
         self.on_event("round_end", record)
         return record
+
+    def _record_initial(self) -> None:
+        """Round 0: the untrained model's accuracy, so curves start at time zero."""
+        accuracy, test_loss = self.evaluate()
+        record = {"round": 0, "accuracy": accuracy, "test_loss": test_loss, "train_loss": None,
+                  "round_time_s": 0.0, "elapsed_s": 0.0, "clock": "virtual" if self.clock.virtual else "wall",
+                  "wall_s": 0.0, "waiting_s": 0.0, "bytes_up": 0, "bytes_down": 0, "selected": [],
+                  "completed": [], "agents": {}}
+        self.history.append(record)
+        ckpt.append_metrics(self.out_dir, record)
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 1024) -> tuple[float, float]:

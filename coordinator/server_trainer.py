@@ -54,8 +54,9 @@ class ServerTrainer:
             self._copies = {"*": self.server}
         else:
             self._copies = {a: copy.deepcopy(self.server) for a in agent_ids}
+        # FedAvg leaves the server portion empty: nothing to optimise
         self._opts = {k: torch.optim.SGD(m.parameters(), lr=self.lr, momentum=self.momentum)
-                      for k, m in self._copies.items()}
+                      for k, m in self._copies.items() if any(True for _ in m.parameters())}
 
     def step(self, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float]:
         """One local iteration for the agents in ``batches``; returns their gradients and the loss."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -17,7 +18,8 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
     """
     if len(states) != len(weights) or not states:
         raise ValueError("need one weight per state and at least one state")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
+    # NaN slips through "< 0" and "<= 0" comparisons, so finiteness is checked explicitly
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
     keys: list[str] = []
     for s in states:

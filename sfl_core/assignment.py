@@ -48,12 +48,18 @@ class Assignment:
             raise bad("batch_size", f"{body['batch_size']} outside 1..{MAX_BATCH}")
         if not 1 <= body["tau"] <= MAX_TAU:
             raise bad("tau", f"{body['tau']} outside 1..{MAX_TAU}")
-        if not 0 < body["lr"] <= 10 or not 0 <= body["momentum"] < 1:
-            raise bad("lr", "learning rate must be in (0, 10] and momentum in [0, 1)")
+        if not 0 < body["lr"] <= 10:  # also rejects NaN
+            raise bad("lr", f"{body['lr']} outside (0, 10]")
+        if not 0 <= body["momentum"] < 1:
+            raise bad("momentum", f"{body['momentum']} outside [0, 1)")
+        if body["split"] < 1:
+            raise bad("split", f"{body['split']} must be >= 1 (the model checks its own upper bound)")
+        if body["width"] < 0:
+            raise bad("width", f"{body['width']} must be >= 0 (0 = no bottleneck)")
         if not 0 <= body["zstd_level"] <= 22:
             raise bad("zstd_level", "must be in 0..22")
         shape = body["activation_shape"]
-        if not all(isinstance(d, int) and d > 0 for d in shape) or len(shape) > 6:
+        if len(shape) > 6 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
             raise bad("activation_shape", f"bad shape {shape}")
         return cls(model=body["model"], strategy=body["strategy"], split=body["split"], width=body["width"],
                    batch_size=body["batch_size"], lr=float(body["lr"]), momentum=float(body["momentum"]),

@@ -7,7 +7,6 @@ its executable form. Every message is a msgpack envelope (:mod:`sfl_core.wire`) 
 
 from __future__ import annotations
 
-import itertools
 import re
 import threading
 import time
@@ -23,7 +22,8 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 def check_id(kind: str, value: str) -> str:
     """Run and agent ids become MQTT topic levels, so wildcards and slashes are forbidden."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    # fullmatch, not match: with match, "$" also accepts a trailing newline ("agent\n")
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ValueError(f"{kind} {value!r} must be 1-64 characters of letters, digits, '-' or '_'")
     return value
 
@@ -147,17 +147,24 @@ def decode(payload: bytes, *, run: str, max_bytes: int = wire.MAX_MESSAGE_BYTES,
 class Sequencer:
     """Per-sender strictly increasing sequence numbers (thread-safe).
 
-    Starting from the wall clock in microseconds keeps them increasing across process
-    restarts, so a peer can tell a retransmission (same seq) from a restarted sender.
+    Each number is at least the wall clock in nanoseconds, which keeps them increasing
+    across process restarts, so a peer can tell a retransmission (same seq) from a
+    restarted sender. Why nanoseconds: a counter started from a microsecond clock runs
+    ahead of it in a burst (Python issues several numbers per microsecond), and a sender
+    restarted right after would reuse numbers; no Python loop issues one per nanosecond.
+    Values stay below 2**63 until the year 2262. With an explicit ``start`` it is a plain
+    counter (deterministic, for tests).
     """
 
     def __init__(self, start: int | None = None):
-        self._it = itertools.count(time.time_ns() // 1000 if start is None else start)
+        self._clock = start is None
+        self._last = (time.time_ns() if start is None else start) - 1
         self._lock = threading.Lock()
 
     def next(self) -> int:
         with self._lock:
-            return next(self._it)
+            self._last = max(self._last + 1, time.time_ns()) if self._clock else self._last + 1
+            return self._last
 
 
 def profile_body(profile: Any) -> dict[str, Any]:

@@ -85,11 +85,12 @@ def decode_tensor(
         raise WireError(f"tensor: dtype {name!r} not allowed; expected one of {sorted(_DTYPES)}")
     if dtypes is not None and name not in dtypes:
         raise WireError(f"tensor: dtype {name} not allowed here; expected one of {list(dtypes)}")
-    if not isinstance(dims, list) or not all(isinstance(d, int) and d >= 0 for d in dims) or len(dims) > 8:
+    if not isinstance(dims, list) or len(dims) > 8 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise WireError(f"tensor: bad shape {dims!r}")
     if shape is not None:
         if len(shape) != len(dims) or any(e is not None and e != d for e, d in zip(shape, dims)):
-            want = tuple("*" if e is None else e for e in shape)
+            want = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ("," if len(shape) == 1 else "") + ")"
             raise WireError(f"tensor: shape {tuple(dims)} does not match expected {want}")
     if not isinstance(data, bytes) or not isinstance(z, bool):
         raise WireError("tensor: 'data' must be bytes and 'z' a bool")
@@ -97,13 +98,7 @@ def decode_tensor(
     nbytes = math.prod(dims) * np_dtype.itemsize
     if nbytes > max_bytes:
         raise WireError(f"tensor: {nbytes} bytes exceeds the limit of {max_bytes}")
-    if z:
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=nbytes)
-        except zstandard.ZstdError as exc:
-            raise WireError(f"tensor: zstd data is corrupt: {exc}") from None
-    else:
-        raw = data
+    raw = _decompress(data, nbytes) if z else data
     if len(raw) != nbytes:
         raise WireError(f"tensor: {len(raw)} bytes of data for shape {tuple(dims)} {name} (expected {nbytes})")
     arr = np.frombuffer(raw, dtype=np_dtype).reshape(dims)
@@ -111,6 +106,28 @@ def decode_tensor(
     if as_float32 and out.dtype == torch.float16:
         out = out.float()
     return out
+
+
+def _decompress(data: bytes, nbytes: int) -> bytes:
+    """Decompress at most ``nbytes``.
+
+    Why the header check: when a frame declares its content size, ``zstandard`` allocates
+    that size and ignores ``max_output_size``, so a few KiB of crafted zeros could make us
+    allocate gigabytes. The declared size must equal what the shape implies.
+    """
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise WireError(f"tensor: zstd data is corrupt: {exc}") from None
+    if declared >= 0 and declared != nbytes:
+        raise WireError(f"tensor: zstd frame declares {declared} bytes, the shape implies {nbytes}")
+    if declared < 0 and nbytes == 0:
+        # max_output_size=0 would mean "unbounded"; an empty tensor needs no data anyway
+        raise WireError("tensor: zstd frame without content size for an empty tensor")
+    try:
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=nbytes)
+    except zstandard.ZstdError as exc:
+        raise WireError(f"tensor: zstd data is corrupt or larger than its shape: {exc}") from None
 
 
 def encode_state(state: Mapping[str, torch.Tensor], zstd_level: int = 3) -> dict[str, Any]:

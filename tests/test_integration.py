@@ -1,0 +1,216 @@
+"""End-to-end runs: real coordinator and agent processes over a real MQTT broker, and the simulation.
+
+Each multi-process test starts `sfl-coord serve` and several `sfl-agent start` processes
+exactly as a user would (via `python -m`), on the offline 'digits' data set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+import yaml
+
+from sfl_core import protocol, wire
+from sfl_core.protocol import Message
+
+from conftest import free_port, wait_port
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = ["s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high"]
+
+
+def write_config(tmp_path: Path, run: str, **overrides) -> Path:
+    cfg = {
+        "run": run, "model": "small_cnn",
+        "data": {"dataset": "digits", "partition": "iid", "seed": 0},
+        "fleet": [{"profile": p, "count": 1} for p in PROFILES],
+        "rounds": 2, "strategy": "sfl", "server_mode": "merged", "batch_size": 16, "lr": 0.05,
+        "momentum": 0.5, "local_iters": 10, "step_timeout_s": 20, "register_timeout_s": 90,
+        "output_dir": str(tmp_path / "out"),
+    }
+    cfg.update(overrides)
+    path = tmp_path / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_coord(config: Path, tmp_path: Path, *args: str, name: str = "coord") -> subprocess.Popen:
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--quiet",
+                             "--verbose", *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def start_agents(broker: str, run: str, tmp_path: Path, n: int = 3, emulate: bool = True) -> list[subprocess.Popen]:
+    procs = []
+    for i in range(n):
+        log = open(tmp_path / f"agent-{i}.log", "w")
+        cmd = [sys.executable, "-m", "edge_agent.cli", "start", "--profile", PROFILES[i % len(PROFILES)],
+               "--broker", broker, "--run", run, "--index", str(i), "--agent-id", f"a{i}", "--verbose"]
+        if emulate:
+            cmd.append("--emulate")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def metrics(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "out" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("*.log")))
+
+
+def test_multiprocess_mosquitto(mosquitto, tmp_path):
+    """Coordinator + 3 agent processes over Mosquitto: 2 rounds, accuracy rises, bytes accounted, clean exit."""
+    config = write_config(tmp_path, "mp")
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "mp", tmp_path)
+    codes = finish([coord, *agents], timeout=180)
+    assert codes == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == [0, 1, 2]
+    assert m[2]["accuracy"] > m[0]["accuracy"] + 0.2, m
+    for r in m[1:]:
+        assert r["clock"] == "wall" and len(r["completed"]) == 3
+        for a in r["agents"].values():
+            assert a["bytes_up"] > 0 and a["bytes_down"] > 0 and a["compute_s"] > 0
+        assert r["bytes_up"] == sum(a["bytes_up"] for a in r["agents"].values())
+    # activations of 10 steps x 16 samples x (32*4*4 fp32) dominate the uplink, after zstd
+    assert m[1]["bytes_up"] > 3 * 10 * 16 * 32 * 4 * 4 * 4 * 0.3
+    assert (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_embedded_broker_and_resume(tmp_path):
+    """No --broker: the coordinator starts its own broker. Then --resume continues the run."""
+    port = free_port()
+    url = f"mqtt://127.0.0.1:{port}"
+    config = write_config(tmp_path, "emb", rounds=1)
+    coord = start_coord(config, tmp_path, "--listen", f"127.0.0.1:{port}")
+    assert wait_port("127.0.0.1", port, 30), logs(tmp_path)
+    agents = start_agents(url, "emb", tmp_path, emulate=False)
+    assert finish([coord, *agents], timeout=120) == [0, 0, 0, 0], logs(tmp_path)
+    first = metrics(tmp_path)
+    assert [r["round"] for r in first] == [0, 1]
+
+    coord = start_coord(config, tmp_path, "--listen", f"127.0.0.1:{port}", "--resume", "--rounds", "2",
+                        name="coord-resume")
+    assert wait_port("127.0.0.1", port, 30), logs(tmp_path)
+    agents = start_agents(url, "emb", tmp_path, emulate=False)
+    assert finish([coord, *agents], timeout=120) == [0, 0, 0, 0], logs(tmp_path)
+    second = metrics(tmp_path)
+    assert [r["round"] for r in second] == [0, 1, 2]
+    assert second[1] == first[1]  # round 1 kept, not redone
+
+
+def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
+    """Garbage, oversized, wrong-version, spoofed, unknown-agent and replayed messages are rejected with a
+    logged reason; an agent killed mid-run is dropped after the timeout; the run still completes."""
+    config = write_config(tmp_path, "bad", rounds=3, step_timeout_s=6)
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "bad", tmp_path)
+
+    attacker = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="attacker")
+    attacker.connect("127.0.0.1", mosquitto.port)
+    attacker.loop_start()
+    captured: list[bytes] = []
+    attacker.on_message = lambda c, u, m: captured.append(m.payload)
+    attacker.subscribe(protocol.up_topic("bad", "a0"), qos=1)
+    up = protocol.up_topic("bad", "a0")
+
+    def send(topic: str, payload: bytes) -> None:
+        attacker.publish(topic, payload, qos=1).wait_for_publish(5)
+
+    deadline = time.monotonic() + 90
+    while sum(b"activations" in p for p in captured) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert captured, logs(tmp_path)
+    send(up, b"\x00\x01garbage")                                                   # not msgpack
+    send(up, b"\xc5" + b"x" * 100)                                                 # truncated msgpack
+    env = wire.unpack(next(p for p in captured if b"activations" in p))
+    replay = Message(env["type"], env["run"], env["sender"], env["body"], round=env["round"],
+                     step=env["step"], seq=env["seq"]).encode()
+    send(up, replay)                                                               # replayed activations
+    send(up, wire.pack({**env, "v": 99}))                                          # wrong protocol version
+    bad_shape = dict(env["body"], x=wire.encode_tensor(__import__("torch").zeros(3, 3)))
+    send(up, Message("activations", "bad", "a0", bad_shape, round=env["round"], step=99, seq=1).encode())
+    send(protocol.up_topic("bad", "a1"), replay)                                   # sender != topic (spoofing)
+    send(protocol.up_topic("bad", "intruder"),
+         Message("activations", "bad", "intruder", env["body"], round=1, seq=1).encode())  # unknown agent
+    send(up, b"\x80" * (wire.MAX_MESSAGE_BYTES + 10))                              # oversized
+    attacker.loop_stop()
+    attacker.disconnect()
+
+    time.sleep(1.0)
+    agents[2].send_signal(signal.SIGKILL)                                          # vanishes mid-run
+    codes = finish([coord, agents[0], agents[1]], timeout=150)
+    assert codes == [0, 0, 0], logs(tmp_path)
+    text = (tmp_path / "coord.log").read_text()
+    for reason in ("not a msgpack message", "rejected replayed activations from a0", "protocol version 99", "does not match topic agent",
+                   "rejected activations from intruder", "dropping a2"):
+        assert reason in text, f"missing log line with {reason!r}\n{text[-4000:]}"
+    m = metrics(tmp_path)
+    assert m[-1]["round"] == 3 and "a2" not in m[-1]["completed"]
+    assert len(m[-1]["completed"]) == 2
+
+
+def test_broker_restart_mid_run(mosquitto, tmp_path):
+    """Mosquitto goes away for a few seconds mid-run: everybody reconnects and the run completes."""
+    config = write_config(tmp_path, "rs", rounds=3, local_iters=10, step_timeout_s=40)
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "rs", tmp_path)
+    out = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out.exists() and len(out.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    assert out.exists(), logs(tmp_path)
+    mosquitto.stop()
+    time.sleep(3)
+    mosquitto.start()
+    codes = finish([coord, *agents], timeout=150)
+    assert codes == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == [0, 1, 2, 3]
+    assert all(len(r["completed"]) == 3 for r in m[1:]), m
+
+
+def test_simulation_virtual_clock(tmp_path):
+    """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (SPEC §3)."""
+    from coordinator.cli import simulate_run
+    from sfl_core.config import load_run_config
+
+    cfg_path = write_config(tmp_path, "sim", rounds=3, fleet=[{"profile": "s2fl-low-low", "count": 2},
+                                                              {"profile": "s2fl-high-high", "count": 2}])
+    history, engine = simulate_run(load_run_config(cfg_path), device="cpu")
+    assert [r["round"] for r in history] == [0, 1, 2, 3]
+    assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.3
+    r1 = history[1]
+    assert r1["clock"] == "virtual"
+    times = {a: v["time_s"] for a, v in r1["agents"].items()}
+    low = [t for a, t in times.items() if engine.registry.agents[a].profile["name"] == "s2fl-low-low"]
+    high = [t for a, t in times.items() if engine.registry.agents[a].profile["name"] == "s2fl-high-high"]
+    assert min(low) > 2 * max(high)            # 4x slower compute and 5x slower link
+    assert r1["round_time_s"] == pytest.approx(max(times.values()), rel=1e-3)
+    assert history[-1]["elapsed_s"] == pytest.approx(sum(r["round_time_s"] for r in history), rel=1e-3)

@@ -1,0 +1,206 @@
+"""Protocol layer: every message type's schema, run/type filtering, ids and sequence numbers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sfl_core import protocol, wire
+from sfl_core.protocol import Message
+from sfl_core.wire import WireError
+
+RUN = "run-1"
+
+_T = wire.encode_tensor(torch.ones(2, 3))
+VALID_BODIES = {
+    "register": {"index": 0, "profile": {"name": "pi4", "compute_flops": 1e9}, "measured": {},
+                 "label_counts": [1, 2, 3], "num_samples": 6, "emulate": False, "resume": {}},
+    "probe": {"nonce": 7, "pad": b"\0" * 16, "reply_bytes": 32},
+    "activations": {"x": _T, "y": wire.encode_tensor(torch.tensor([1, 0])), "compute_s": 0.5},
+    "weights": {"weights": wire.encode_state({"w": torch.zeros(2)}), "num_samples": 10,
+                "compute_s": 1, "loss": 2.3},
+    "heartbeat": {"state": "idle"},
+    "status": {"online": True},
+    "accepted": {"message": "welcome"},
+    "reject": {"reason": "full"},
+    "probe_ack": {"nonce": 7, "pad": b"\1" * 32},
+    "assign": {"model": "small_cnn", "strategy": "sfl", "split": 2, "width": 0, "batch_size": 16,
+               "lr": 0.05, "momentum": 0.0, "tau": 3, "codec": "fp16", "zstd_level": 3,
+               "activation_shape": [32, 4, 4], "weights": {}},
+    "gradients": {"g": _T},
+    "shutdown": {"reason": "done"},
+    "run_info": {"model": "small_cnn", "dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10,
+                 "splits": [1, 2, 3], "partition": {"kind": "iid"}, "num_agents": 4},
+}
+
+# for each type, one value of the wrong type per field
+_WRONG = {int: "1", float: "x", str: 5, dict: [1], list: {"a": 1}, bytes: "text", bool: 1}
+
+
+def test_bodies_cover_every_schema():
+    assert set(VALID_BODIES) == set(protocol.SCHEMAS)
+    assert protocol.AGENT_TYPES | protocol.COORD_TYPES == set(protocol.SCHEMAS)
+    assert not protocol.AGENT_TYPES & protocol.COORD_TYPES
+
+
+@pytest.mark.parametrize("mtype", sorted(protocol.SCHEMAS))
+def test_round_trip_every_type(mtype):
+    msg = Message(type=mtype, run=RUN, sender="agent-1", body=VALID_BODIES[mtype], round=3, step=2, seq=99)
+    payload = msg.encode()
+    out = protocol.decode(payload, run=RUN)
+    assert (out.type, out.run, out.sender, out.round, out.step, out.seq) == (mtype, RUN, "agent-1", 3, 2, 99)
+    assert out.body == msg.body
+    assert out.wire_bytes == len(payload)
+
+
+@pytest.mark.parametrize("mtype", sorted(protocol.SCHEMAS))
+def test_missing_field_named(mtype):
+    for key in protocol.SCHEMAS[mtype]:
+        body = {k: v for k, v in VALID_BODIES[mtype].items() if k != key}
+        with pytest.raises(WireError, match=rf"{mtype}: missing field\(s\) \['{key}'\]"):
+            protocol.decode(Message(mtype, RUN, "a", body).encode(), run=RUN)
+
+
+@pytest.mark.parametrize("mtype", sorted(protocol.SCHEMAS))
+def test_extra_field_named(mtype):
+    body = {**VALID_BODIES[mtype], "sneaky": 1}
+    with pytest.raises(WireError, match=rf"{mtype}: unexpected field\(s\) \['sneaky'\]"):
+        protocol.decode(Message(mtype, RUN, "a", body).encode(), run=RUN)
+
+
+@pytest.mark.parametrize("mtype", sorted(protocol.SCHEMAS))
+def test_ill_typed_field_named(mtype):
+    for key, typ in protocol.SCHEMAS[mtype].items():
+        first = typ[0] if isinstance(typ, tuple) else typ
+        body = {**VALID_BODIES[mtype], key: _WRONG[first]}
+        with pytest.raises(WireError, match=rf"{mtype}\.{key}: expected"):
+            protocol.decode(Message(mtype, RUN, "a", body).encode(), run=RUN)
+
+
+def test_bool_rejected_for_numbers_and_numbers_for_bool():
+    body = {**VALID_BODIES["assign"], "batch_size": True}
+    with pytest.raises(WireError, match="assign.batch_size: expected .* got bool"):
+        protocol.decode(Message("assign", RUN, "c", body).encode(), run=RUN)
+    body = {**VALID_BODIES["assign"], "lr": False}
+    with pytest.raises(WireError, match="assign.lr"):
+        protocol.decode(Message("assign", RUN, "c", body).encode(), run=RUN)
+    with pytest.raises(WireError, match="status.online"):
+        protocol.decode(Message("status", RUN, "a", {"online": 1}).encode(), run=RUN)
+
+
+def test_int_accepted_where_number_expected():
+    body = {**VALID_BODIES["assign"], "lr": 1, "momentum": 0}
+    assert protocol.decode(Message("assign", RUN, "c", body).encode(), run=RUN).body["lr"] == 1
+
+
+def test_unknown_type_rejected():
+    with pytest.raises(WireError, match="unknown message type 'hello'"):
+        protocol.decode(Message("hello", RUN, "a", {}).encode(), run=RUN)
+
+
+def test_wrong_run_rejected():
+    payload = Message("heartbeat", "other-run", "a", {"state": "x"}).encode()
+    with pytest.raises(WireError, match="for run 'other-run'"):
+        protocol.decode(payload, run=RUN)
+
+
+def test_allowed_filter():
+    payload = Message("assign", RUN, "c", VALID_BODIES["assign"]).encode()
+    assert protocol.decode(payload, run=RUN, allowed=protocol.COORD_TYPES).type == "assign"
+    with pytest.raises(WireError, match="'assign' not accepted here"):
+        protocol.decode(payload, run=RUN, allowed=protocol.AGENT_TYPES)
+
+
+@pytest.mark.parametrize("field", ["round", "step", "seq"])
+def test_negative_counters_rejected(field):
+    msg = Message("heartbeat", RUN, "a", {"state": "x"})
+    setattr(msg, field, -1)
+    with pytest.raises(WireError, match="negative"):
+        protocol.decode(msg.encode(), run=RUN)
+
+
+def test_envelope_errors_surface_through_decode():
+    with pytest.raises(WireError, match="msgpack"):
+        protocol.decode(b"\xc1garbage", run=RUN)
+    with pytest.raises(WireError, match="exceeds the limit"):
+        protocol.decode(Message("heartbeat", RUN, "a", {"state": "x" * 500}).encode(), run=RUN, max_bytes=100)
+
+
+# ------------------------------------------------------------------ ids and topics
+
+
+@pytest.mark.parametrize("value", ["a", "agent-01", "A_b-9", "x" * 64])
+def test_check_id_accepts(value):
+    assert protocol.check_id("agent id", value) == value
+
+
+@pytest.mark.parametrize("value", ["", "a/b", "a+", "#", "x" * 65, "a b", "agent\n", "é", None, 5])
+def test_check_id_rejects(value):
+    with pytest.raises(ValueError, match="agent id"):
+        protocol.check_id("agent id", value)
+
+
+def test_topics():
+    assert protocol.up_topic("r", "a1") == "sfl/r/up/a1"
+    assert protocol.down_topic("r", "a1") == "sfl/r/down/a1"
+    assert protocol.status_topic("r", "a1") == "sfl/r/status/a1"
+    assert protocol.info_topic("r") == "sfl/r/info"
+    assert protocol.up_wildcard("r") == "sfl/r/up/+"
+    assert protocol.status_wildcard("r") == "sfl/r/status/+"
+    assert protocol.agent_from_topic(protocol.up_topic("r", "a1")) == "a1"
+
+
+# ------------------------------------------------------------------ sequence numbers
+
+
+def test_sequencer_strictly_increasing_across_restart():
+    # A burst from the first "process", then an immediate restart: the new sender's
+    # numbers must still be higher, or a peer would take them for retransmissions.
+    for _ in range(3):
+        first = protocol.Sequencer()
+        seqs = [first.next() for _ in range(20_000)]
+        assert all(b > a for a, b in zip(seqs, seqs[1:]))
+        second = protocol.Sequencer()
+        assert second.next() > seqs[-1]
+
+
+def test_sequencer_explicit_start_is_a_counter():
+    s = protocol.Sequencer(start=10)
+    assert [s.next() for _ in range(3)] == [10, 11, 12]
+
+
+def test_sequencer_thread_safe():
+    s = protocol.Sequencer()
+    out: list[int] = []
+    lock = threading.Lock()
+
+    def work():
+        got = [s.next() for _ in range(2000)]
+        with lock:
+            out.extend(got)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(out)) == 8000
+
+
+def test_sequence_numbers_fit_msgpack_int64():
+    seq = protocol.Sequencer().next()
+    assert 0 < seq < 2**63
+    msg = Message("heartbeat", RUN, "a", {"state": "x"}, seq=seq)
+    assert protocol.decode(msg.encode(), run=RUN).seq == seq
+
+
+def test_profile_body():
+    class P:
+        name, compute_flops, link_bytes_per_s, downlink_bytes_per_s, latency_s = "pi", 5e9, 1e6, 2e6, 0.01
+
+    body = protocol.profile_body(P())
+    assert body == {"name": "pi", "compute_flops": 5e9, "link_bytes_per_s": 1e6,
+                    "downlink_bytes_per_s": 2e6, "latency_s": 0.01}
+    assert all(isinstance(v, float) for k, v in body.items() if k != "name")
