@@ -33,6 +33,8 @@ log = logging.getLogger("sfl.coord")
 
 RETRY_S = 5.0
 """Seconds after which the last message to an agent that reports itself idle is sent again."""
+MAX_RESENDS = 3
+"""An agent that stays idle through this many resends (it rejects what we send) is dropped."""
 
 
 class Transport(Protocol):
@@ -74,6 +76,7 @@ class _RoundAgent:
     compute_s: float = 0.0
     finished_at: float = 0.0
     messages: int = 0
+    resends: int = 0
 
 
 class RoundEngine:
@@ -90,8 +93,8 @@ class RoundEngine:
         self.device = torch.device(device)
         self.on_event = on_event or (lambda _e, _d: None)
         self.registry = Registry(num_classes)
-        self._seq = protocol.Sequencer()
         self._last_seq: dict[str, int] = {}
+        self._reg_seq: dict[str, int] = {}
         torch.manual_seed(cfg.seed)
         self.model: SplitModel = build_model(cfg.model, self.input_shape, num_classes).to(self.device)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
@@ -139,7 +142,7 @@ class RoundEngine:
         weights_body = wire.encode_state(client_state, self.cfg.zstd_level)
         for a, ra in agents.items():
             self._send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                   ra.assignment.to_body(weights_body), round=r, seq=self._seq.next()))
+                                   ra.assignment.to_body(weights_body), round=r, seq=protocol.next_seq()))
         losses: list[float] = []
         if self.cfg.strategy != "fedavg":
             for k in range(self.cfg.local_iters):
@@ -157,7 +160,7 @@ class RoundEngine:
                 for a, g in grads.items():
                     self._send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
                                                   {"g": wire.encode_tensor(g, self.cfg.codec, self.cfg.zstd_level)},
-                                                  round=r, step=k, seq=self._seq.next()))
+                                                  round=r, step=k, seq=protocol.next_seq()))
                 self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         uploads = self._collect(agents, "weights", r, self.cfg.local_iters - 1)
         record = self._aggregate_and_record(r, agents, uploads, losses, time.monotonic() - wall0)
@@ -175,7 +178,7 @@ class RoundEngine:
         for a in list(self.registry.agents):
             try:
                 self.transport.send(a, Message("shutdown", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                               {"reason": reason}, seq=self._seq.next()))
+                                               {"reason": reason}, seq=protocol.next_seq()))
             except Exception as exc:  # a dead agent must not stop the others from hearing it
                 log.warning("could not tell %s to shut down: %s", a, exc)
 
@@ -213,7 +216,7 @@ class RoundEngine:
                 if msg.type in ("activations", "weights"):
                     self._training_message(msg, agents, kind, r, k, got)
                 elif msg.type == "heartbeat" and ra is not None and msg.sender not in got:
-                    self._maybe_resend(ra, msg)
+                    self._maybe_resend(agents, ra, msg)
                 else:
                     self._dispatch(msg, agents)
             now = time.monotonic()
@@ -222,7 +225,7 @@ class RoundEngine:
                 if ra is not None and now - ra.last_heard > self.cfg.step_timeout_s:
                     self._drop(agents, a, f"silent for {self.cfg.step_timeout_s:.0f} s")
 
-    def _maybe_resend(self, ra: _RoundAgent, heartbeat: Message) -> None:
+    def _maybe_resend(self, agents: dict[str, _RoundAgent], ra: _RoundAgent, heartbeat: Message) -> None:
         """An agent that says it is idle while we wait for it lost our last message: resend it.
 
         A busy agent (computing, e.g. an emulated slow device) is left alone.
@@ -231,9 +234,13 @@ class RoundEngine:
         if heartbeat.body["state"] == "busy" or ra.last_sent is None:
             return
         if time.monotonic() - ra.last_sent_at > RETRY_S:
+            if ra.resends >= MAX_RESENDS:
+                self._drop(agents, ra.info_id, f"idle after {MAX_RESENDS} resends of {ra.last_sent.type}")
+                return
             log.info("%s is idle while we wait for it: resending %s", ra.info_id, ra.last_sent.type)
             self.transport.send(ra.info_id, ra.last_sent)
             ra.last_sent_at = time.monotonic()
+            ra.resends += 1
 
     def _training_message(self, msg: Message, agents: dict[str, _RoundAgent], kind: str, r: int, k: int,
                           got: dict[str, Message]) -> None:
@@ -253,6 +260,7 @@ class RoundEngine:
                 return  # duplicate of what we already hold
             ra.bytes_up += msg.wire_bytes
             ra.messages += 1
+            ra.resends = 0
             ra.compute_s = float(msg.body["compute_s"])
             if kind == "weights":
                 ra.finished_at = time.monotonic()
@@ -290,18 +298,23 @@ class RoundEngine:
     def _dispatch(self, msg: Message, agents: Optional[dict[str, _RoundAgent]]) -> None:
         """Messages outside the training exchange: registration, liveness."""
         if msg.type == "register":
+            if self._reg_seq.get(msg.sender) == msg.seq:  # a re-sent registration: our ack was lost
+                self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                        {"message": "already registered"}, seq=protocol.next_seq()))
+                return
             try:
                 info = self.registry.register(msg)
             except wire.WireError as exc:
                 log.warning("rejected registration of %s: %s", msg.sender, exc)
                 self.transport.send(msg.sender, Message("reject", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                        {"reason": str(exc)}, seq=self._seq.next()))
+                                                        {"reason": str(exc)}, seq=protocol.next_seq()))
                 return
+            self._reg_seq[msg.sender] = msg.seq
             if agents is not None and msg.sender in agents:
                 self._drop(agents, msg.sender, "re-registered mid-round (restarted)")
             self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
                                                     {"message": f"registered as agent {info.index}"},
-                                                    seq=self._seq.next()))
+                                                    seq=protocol.next_seq()))
             self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
         elif msg.type == "status":
             self.registry.set_online(msg.sender, msg.body["online"])

@@ -31,7 +31,6 @@ class MqttTransport:
         self.chunk_bytes = chunk_bytes
         self._queue: "queue.Queue[Message]" = queue.Queue()
         self._reassembler = wire.Reassembler(max_bytes)
-        self._seq = protocol.Sequencer()
         self.rejected = 0
         self.link = MqttLink(url, f"sfl-coord-{run_id}", self._on_message,
                              subscriptions=[protocol.up_wildcard(run_id), protocol.status_wildcard(run_id)])
@@ -42,7 +41,7 @@ class MqttTransport:
 
     def publish_run_info(self, body: dict[str, Any]) -> None:
         """Retained, so an agent that starts later still learns what to train."""
-        msg = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=self._seq.next())
+        msg = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=protocol.next_seq())
         self.link.publish(protocol.info_topic(self.run_id), msg.encode(), retain=True)
 
     def close(self) -> None:
@@ -98,5 +97,5 @@ class MqttTransport:
             log.warning("rejected probe from %s: reply_bytes %d outside 0..%d", msg.sender, n, MAX_PROBE_REPLY)
             return
         ack = Message("probe_ack", self.run_id, COORDINATOR_ID, {"nonce": msg.body["nonce"], "pad": bytes(n)},
-                      seq=self._seq.next())
+                      seq=protocol.next_seq())
         self.send(msg.sender, ack)

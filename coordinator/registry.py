@@ -41,6 +41,8 @@ class Registry:
             raise wire.WireError(f"register.label_counts: expected {self.num_classes} non-negative ints")
         if sum(counts) != b["num_samples"] or b["num_samples"] <= 0:
             raise wire.WireError("register.num_samples must be positive and equal the sum of label_counts")
+        if b["index"] < 0:
+            raise wire.WireError(f"register.index must be >= 0, got {b['index']}")
         prof = b["profile"]
         for key in PROFILE_FIELDS:
             v = prof.get(key)

@@ -78,7 +78,6 @@ class AgentCore:
         self.input_shape = tuple(input_shape)
         self._sampler = BatchSampler(len(data), seed)
         self._compute_hook = compute_hook
-        self._seq = protocol.Sequencer()
         self._models: dict[str, SplitModel] = {}
         # per-round state
         self.round = -1
@@ -142,7 +141,8 @@ class AgentCore:
         # forward is about a third of forward+backward FLOPs; the rest is charged at backward
         self._charge(self._flops_per_sample * len(idx) / 3, time.perf_counter() - t0)
         if tuple(out.shape[1:]) != self._assign.activation_shape:
-            raise RuntimeError(f"client output {tuple(out.shape[1:])} != assigned {self._assign.activation_shape}")
+            raise wire.WireError(f"assign.activation_shape {self._assign.activation_shape} does not match this "
+                                 f"model's client output {tuple(out.shape[1:])}")
         return self._msg("activations", step=self.step, body={
             "x": wire.encode_tensor(out, self._assign.codec, self._assign.zstd_level),
             "y": wire.encode_tensor(y.to(torch.int64), "fp32", self._assign.zstd_level),
@@ -186,7 +186,7 @@ class AgentCore:
             loss.backward()
             self._opt.step()
             self._charge(self._flops_per_sample * len(idx), time.perf_counter() - t0)
-            total += float(loss)
+            total += loss.item()
         self.step = self._assign.tau - 1
         return self._weights_message(loss=total / self._assign.tau)
 
@@ -218,7 +218,7 @@ class AgentCore:
 
     def _msg(self, mtype: str, *, step: int, body: dict) -> Message:
         return Message(type=mtype, run=self.run_id, sender=self.agent_id, body=body,
-                       round=self.round, step=step, seq=self._seq.next())
+                       round=self.round, step=step, seq=protocol.next_seq())
 
     def _remember(self, replies: list[Message]) -> list[Message]:
         if replies:

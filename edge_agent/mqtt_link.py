@@ -11,6 +11,12 @@ Threading: paho runs its network loop on its own thread (``loop_start``).
 ``on_message`` and the reconnect callbacks run on that thread. ``publish`` called
 *from* that thread cannot wait for its PUBACK (the thread that would receive it
 is the one waiting), so there it only enqueues and returns True.
+
+Keep ``on_message`` short: paho sends the PUBACK, answers keep-alive pings and
+reads further messages only after it returns. A handler that trains or runs a
+server forward/backward should put the message on a queue for a worker thread;
+otherwise the broker may drop the connection (no PINGREQ within 1.5 × keepalive)
+and amqtt stops waiting for the PUBACK after 5 s.
 """
 
 from __future__ import annotations
@@ -158,7 +164,11 @@ class MqttLink:
             return True  # waiting here would block the thread that receives the PUBACK
         if qos == 0:
             return True
-        return self._wait_published(info, timeout)
+        if self._wait_published(info, timeout):
+            return True
+        log.warning("MQTT publish to %s (%d bytes) not acknowledged within %.1f s (connected=%s)",
+                    topic, len(payload), timeout or 0.0, self.connected)
+        return False
 
     def close(self) -> None:
         """Disconnect cleanly (DISCONNECT sent, so the broker does NOT publish the will) and

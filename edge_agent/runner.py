@@ -4,9 +4,10 @@ Lifecycle: connect -> read the retained run description -> load only this device
 -> measure compute and link -> register -> serve assignments until ``shutdown``.
 
 Resilience: paho reconnects by itself and :class:`MqttLink` re-subscribes; what can be lost
-is a message in flight, so after ``retry_s`` of silence mid-round the agent re-sends its
-last reply and the coordinator answers duplicates with its last message. Gradients are
-applied at most once per (round, step) by :class:`AgentCore`.
+is a message in flight. Recovery is driven by the coordinator: when the agent's heartbeat
+says "idle" while the coordinator waits for it, the coordinator re-sends its last message,
+and the agent answers a duplicate by re-sending its last reply. Gradients are applied at
+most once per (round, step) by :class:`AgentCore`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class AgentOptions:
     seed: int = 0
     heartbeat_s: float = 2.0
     retry_s: float = 5.0
+    """Registration is re-sent after this long without an answer."""
     wait_s: float = 600.0
     """How long to wait for the coordinator's run description / acceptance."""
 
@@ -71,7 +73,6 @@ class AgentRunner:
         self._run_info: Optional[Message] = None
         self._run_info_ready = threading.Event()
         self._reassembler = wire.Reassembler()
-        self._seq = protocol.Sequencer()
         self._stop = threading.Event()
         self.core: Optional[AgentCore] = None
         self._busy = False
@@ -176,14 +177,18 @@ class AgentRunner:
                 "label_counts": self.core.data.label_counts(), "num_samples": len(self.core.data),
                 "emulate": self.o.emulate, "resume": {"rounds_done": self.core.rounds_done}}
         deadline = time.monotonic() + self.o.wait_s
+        register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
         while time.monotonic() < deadline:
-            self._publish(self._msg("register", body))
+            self._publish(register)
             try:
                 reply = self._inbox.get(timeout=self.o.retry_s)
             except queue.Empty:
                 continue
             if reply.type == "accepted":
                 log.info("registered: %s", reply.body["message"])
+                return
+            if reply.type == "assign":  # our 'accepted' was lost but we are in: keep the assignment
+                self._inbox.put(reply)
                 return
             if reply.type == "reject":
                 raise AgentError(f"registration rejected: {reply.body['reason']}")
@@ -193,19 +198,11 @@ class AgentRunner:
 
     def _serve(self) -> None:
         assert self.core is not None
-        last_activity = time.monotonic()
         while not self._stop.is_set():
             try:
                 msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
-                pending = self.core.last_reply()
-                if pending is not None and pending.type != "weights" and time.monotonic() - last_activity > self.o.retry_s:
-                    log.info("no answer for %.0f s: resending %s (round %d step %d)", self.o.retry_s,
-                             pending.type, pending.round, pending.step)
-                    self._publish(pending)
-                    last_activity = time.monotonic()
                 continue
-            last_activity = time.monotonic()
             if msg.type == "shutdown":
                 log.info("coordinator says stop: %s", msg.body["reason"])
                 return
@@ -224,7 +221,6 @@ class AgentRunner:
                 log.warning("rejected %s (round %d step %d): %s", msg.type, msg.round, msg.step, exc)
             finally:
                 self._busy = False
-            last_activity = time.monotonic()
 
     # ================================================================ network
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -274,4 +270,4 @@ class AgentRunner:
 
     def _msg(self, mtype: str, body: dict) -> Message:
         rnd = self.core.round if self.core and self.core.round >= 0 else 0
-        return Message(mtype, self.o.run_id, self.o.agent_id, body, round=rnd, seq=self._seq.next())
+        return Message(mtype, self.o.run_id, self.o.agent_id, body, round=rnd, seq=protocol.next_seq())

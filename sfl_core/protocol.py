@@ -172,3 +172,12 @@ def profile_body(profile: Any) -> dict[str, Any]:
     return {"name": profile.name, "compute_flops": float(profile.compute_flops),
             "link_bytes_per_s": float(profile.link_bytes_per_s),
             "downlink_bytes_per_s": float(profile.downlink_bytes_per_s), "latency_s": float(profile.latency_s)}
+
+
+_PROCESS_SEQUENCER = Sequencer()
+
+
+def next_seq() -> int:
+    """The process-wide sequence: every message a process sends is numbered from one counter,
+    so ``seq`` is strictly increasing per sender even when several components send."""
+    return _PROCESS_SEQUENCER.next()

@@ -97,7 +97,7 @@ def test_demo_and_baselines_content():
     assert (demo.model, demo.data.dataset, demo.data.partition, demo.data.alpha) == (
         "small_cnn", "digits", "dirichlet", 0.5)
     assert demo.num_agents == 4 and len(set(demo.agent_profiles())) == 4
-    assert (demo.rounds, demo.local_iters, demo.batch_size, demo.lr) == (5, 10, 16, 0.05)
+    assert demo.rounds <= 10 and demo.batch_size <= 32  # the demo must stay quick on 2 cores
     assert (demo.strategy, demo.server_mode) == ("sfl", "merged")
     fedavg = load_run_config(PROFILES / "runs" / "fedavg-demo.yaml")
     sfv1 = load_run_config(PROFILES / "runs" / "splitfed-v1-demo.yaml")
@@ -105,6 +105,9 @@ def test_demo_and_baselines_content():
     assert (sfv1.strategy, sfv1.server_mode) == ("sfl", "per_agent")
     for other in (fedavg, sfv1):
         assert other.fleet == demo.fleet and other.data == demo.data
+        # baselines differ from the demo only in strategy / server mode, so their results compare
+        assert (other.rounds, other.local_iters, other.batch_size, other.lr, other.momentum) == (
+            demo.rounds, demo.local_iters, demo.batch_size, demo.lr, demo.momentum)
 
 
 def test_sim100_composition():

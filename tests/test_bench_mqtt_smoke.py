@@ -1,0 +1,102 @@
+"""Smoke test of the two MQTT benchmarks (bench/data_plane.py, bench/round.py).
+
+Runs each script with ``--quick`` as a user would (a subprocess) against a Mosquitto this
+test starts through ``bench/brokers.py``, and checks that the JSON it writes has the keys
+and the internal consistency the report relies on. The numbers themselves are not
+asserted (performance is measured in bench/, not in timed tests) except for physics a
+working product cannot violate: an emulated round cannot beat the SPEC §3 time of the
+profiles it emulates, and a chunked message must really be chunked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _load_brokers():
+    # by file path: putting bench/ on sys.path would let its 'common' shadow other modules
+    spec = importlib.util.spec_from_file_location("sfl_bench_brokers", BENCH / "brokers.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+brokers = _load_brokers()
+
+
+@pytest.fixture(scope="module")
+def bench_broker():
+    if brokers.find_mosquitto() is None:
+        if os.environ.get("SFL_REQUIRE_MOSQUITTO") == "1":
+            pytest.fail(brokers.MOSQUITTO_MISSING)
+        pytest.skip(brokers.MOSQUITTO_MISSING)
+    with brokers.MosquittoBroker() as b:
+        yield b
+
+
+def _run(script: str, out: Path, *args: str, timeout: float = 120) -> dict:
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    path = out / f"{Path(script).stem}.json"
+    assert path.exists(), proc.stdout[-2000:]
+    return json.loads(path.read_text())
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_data_plane_quick(bench_broker, tmp_path):
+    doc = _run("data_plane.py", tmp_path, "--broker", bench_broker.url, "--data", "digits",
+               "--cases", "16KiB", "2MiB")
+    assert doc["benchmark"] == "data_plane" and doc["quick"] is True
+    assert doc["broker_url"] == bench_broker.url
+    assert [c["case"] for c in doc["cases"]] == ["16KiB", "2MiB"]
+    for c in doc["cases"]:
+        for side in ("raw", "product"):
+            s = c[side]
+            for key in ("msgs_per_s", "mb_per_s", "latency_ms_p50", "latency_ms_p90", "publish_ms_p50"):
+                assert _positive(s[key]), (side, key, s)
+            assert s["latency_ms_p90"] >= s["latency_ms_p50"] >= s["latency_ms_min"]
+            assert s["mb_per_s"] == pytest.approx(s["msgs_per_s"] * c["payload_bytes"] / 1e6)
+        assert c["ratio"]["throughput"] == pytest.approx(c["product"]["msgs_per_s"] / c["raw"]["msgs_per_s"])
+        assert c["ratio"]["latency_p50"] == pytest.approx(c["product"]["latency_ms_p50"] / c["raw"]["latency_ms_p50"])
+    small, big = doc["cases"]
+    # batch sizes were picked to hit the target encoded size
+    assert 0.5 * 16 * 1024 < small["payload_bytes"] < 2 * 16 * 1024 and small["chunks"] == 1
+    assert 0.5 * 2 * 2**20 < big["payload_bytes"] < 2 * 2 * 2**20
+    assert big["chunks"] == math.ceil(big["payload_bytes"] / doc["chunk_bytes"]) >= 2
+
+
+def test_round_quick(bench_broker, tmp_path):
+    doc = _run("round.py", tmp_path, "--broker", bench_broker.url)
+    assert doc["benchmark"] == "round" and doc["quick"] is True
+    (w,) = doc["workloads"]
+    assert w["model"] == "small_cnn" and w["server_mode"] == "merged"
+    assert [r["round"] for r in w["rounds_detail"]] == list(range(1, w["rounds"] + 1))
+    for r in w["rounds_detail"]:
+        assert set(r["agents"]) == {f"a{i}" for i in range(len(w["profiles"]))}
+        assert r["bound_s"] == pytest.approx(max(a["bound_s"] for a in r["agents"].values()))
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["bound_s"])
+        for a in r["agents"].values():
+            assert a["bytes_up"] > 0 and a["bytes_down"] > 0
+            assert a["bound_s"] == pytest.approx(a["bound_client_s"] + a["bound_transfer_s"] + a["bound_server_s"])
+        # emulated devices sleep at least their profile's compute and transfer time
+        assert r["ratio"] > 0.9, r
+    later = w["rounds_detail"][1:]
+    assert w["mean_ratio_excl_round1"] == pytest.approx(sum(r["ratio"] for r in later) / len(later))

@@ -1,0 +1,78 @@
+"""Smoke tests for the bench scripts: each runs with ``--quick`` in a subprocess, exactly as
+a user would start it, and must write a JSON result with the expected structure.
+
+Why a subprocess: the scripts are entry points (``python bench/<name>.py``), so argument
+parsing, the ``sys.path`` set-up and the file they write are part of what is tested.
+Numbers are NOT asserted beyond sanity (finite, positive): performance is measured in
+bench/, not asserted in timed tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+FASHION = Path("/work/shared/datasets/fashion-mnist")
+# real data when this machine has it, else the bundled digits (still real images)
+DATA = str(FASHION) if FASHION.is_dir() else "digits"
+
+
+def _run(script: str, out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, str(BENCH / script), "--quick", "--out", str(out), "--data", DATA, *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    files = list(out.glob("*.json"))
+    assert len(files) == 1, f"expected one JSON file in {out}, found {files}"
+    doc = json.loads(files[0].read_text())
+    assert "wrote" in proc.stdout
+    for key in ("benchmark", "command", "machine", "config", "reference", "results"):
+        assert key in doc, f"{files[0].name} lacks {key!r}"
+    for key in ("torch", "device_name", "cpu_count", "git_commit"):
+        assert key in doc["machine"]
+    assert doc["results"], "no results"
+    return doc
+
+
+def test_codec_quick(tmp_path: Path) -> None:
+    doc = _run("codec.py", tmp_path)
+    assert doc["benchmark"] == "codec"
+    rows = doc["results"]
+    settings = {(r["codec"], r["zstd_level"]) for r in rows}
+    assert {("fp32", 0), ("fp16", 0), ("fp32", 1), ("fp16", 1)} <= settings
+    for r in rows:
+        for key in ("act_bytes_per_sample", "grad_bytes_per_sample", "act_ratio", "grad_ratio", "encode_MBps",
+                    "decode_MBps", "memcpy_MBps", "encode_vs_memcpy", "decode_vs_memcpy",
+                    "act_max_rel_err", "grad_max_rel_err"):
+            assert math.isfinite(r[key]) and r[key] >= 0, (key, r[key])
+        assert r["encode_MBps"] > 0 and r["memcpy_MBps"] > 0
+    by = {(r["codec"], r["zstd_level"]): r for r in rows}
+    # fp32 uncompressed is lossless and ~raw size; fp16 halves it and is lossy but close
+    assert by["fp32", 0]["act_max_rel_err"] == 0 and by["fp32", 0]["grad_max_rel_err"] == 0
+    assert 0.95 < by["fp32", 0]["act_ratio"] <= 1.0
+    assert 1.9 < by["fp16", 0]["act_ratio"] <= 2.0
+    assert 0 < by["fp16", 0]["act_max_rel_err"] < 1e-2
+
+
+def test_server_quick(tmp_path: Path) -> None:
+    doc = _run("server.py", tmp_path, "--device", "cpu")
+    assert doc["benchmark"] == "server-cpu"
+    assert doc["config"]["device"] == "cpu"
+    for r in doc["results"]:
+        assert set(r["variants"]) == {"plain", "plain+io", "merged", "per_agent"}
+        for v in r["variants"].values():
+            assert v["steps_per_s"] > 0 and math.isfinite(v["samples_per_s"])
+        assert r["variants"]["plain"]["vs_plain"] == pytest.approx(1.0)
+        assert r["merged_vs_plain"] > 0
+
+
+def test_server_rejects_bad_input_shape(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "server.py"), "--quick", "--out", str(tmp_path), "--input-shape", "3,x"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "3,x" in proc.stderr
