@@ -61,7 +61,7 @@ def start(profile: str = typer.Option(..., "--profile", "-p", help="Device profi
 
 
 @app.command()
-def measure(model: str = typer.Option("small_cnn", help=f"One of {', '.join(MODEL_NAMES)}."),
+def profile(model: str = typer.Option("small_cnn", help=f"One of {', '.join(MODEL_NAMES)}."),
             input_shape: str = typer.Option("1,28,28", help="Per-sample input shape."),
             classes: int = typer.Option(10),
             batch_size: int = typer.Option(16)) -> None:
