@@ -150,7 +150,8 @@ def device_name(device: torch.device | str = "cpu") -> str:
 
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """Facts needed to compare two result files: software, hardware, source revision."""
-    status = _git("status", "--porcelain")
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain") if commit else None
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -162,7 +163,7 @@ def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "torch_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": commit,
         "git_dirty": bool(status) if status is not None else None,
     }
 

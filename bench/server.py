@@ -4,7 +4,8 @@ Command (full run on CPU ~2-3 minutes on 2 cores; on a GPU use ``--device cuda``
 
     /tmp/venv/bin/python bench/server.py                    # writes bench/results/server-cpu.json
     /tmp/venv/bin/python bench/server.py --device cuda      # writes bench/results/server-cuda.json
-    /tmp/venv/bin/python bench/server.py --input-shape 3,32,32   # random CIFAR-shaped data, throughput only
+    /tmp/venv/bin/python bench/server.py --input-shape 3,32,32   # random CIFAR-shaped data, throughput
+                                                  # only; writes bench/results/server-cpu-3x32x32.json
     /tmp/venv/bin/python bench/server.py --quick            # smoke-test size, numbers not meaningful
 
 What is measured: one *step* = one local iteration of all ``--agents`` agents, each with a
@@ -241,7 +242,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     doc["machine"] = common.machine_info(device)
     print_results(doc)
-    path = common.write_result(args.out, f"server-{device.type}", {k: v for k, v in doc.items() if k != "machine"},
+    # random-input runs get their own file so they never overwrite a real-data result
+    name = f"server-{device.type}" + ("-" + "x".join(map(str, args.input_shape)) if args.input_shape else "")
+    path = common.write_result(args.out, name, {k: v for k, v in doc.items() if k != "machine"},
                                device)
     print(f"wrote {path}")
     return doc
