@@ -76,17 +76,18 @@ class ServerTrainer:
         model, opt = self._copies[key], self._opts[key]
         agents = list(batches)
         sizes = [batches[a][0].shape[0] for a in agents]
-        x = torch.cat([batches[a][0] for a in agents]).to(self.device, non_blocking=True).requires_grad_(True)
-        y = torch.cat([batches[a][1] for a in agents]).to(self.device, non_blocking=True)
+        # join on the device, not on the host: one host->device copy per agent, no host-side cat
+        x = torch.cat([batches[a][0].to(self.device, non_blocking=True) for a in agents]).requires_grad_(True)
+        y = torch.cat([batches[a][1].to(self.device, non_blocking=True) for a in agents])
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         n = x.shape[0]
-        grads = {}
-        for agent, g, b in zip(agents, torch.split(x.grad, sizes), sizes):
-            grads[agent] = (g * (n / b)).detach().cpu()
-        return grads, loss.item()
+        scale = torch.repeat_interleave(torch.tensor([n / b for b in sizes], device=self.device),
+                                        torch.tensor(sizes, device=self.device))
+        grad = (x.grad * scale.view(-1, *([1] * (x.dim() - 1)))).cpu()  # one device->host copy
+        return dict(zip(agents, torch.split(grad, sizes))), loss.item()
 
     def drop(self, agent_id: str) -> None:
         """An agent left mid-round: its copy (per-agent mode) is not averaged in."""
