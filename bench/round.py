@@ -50,12 +50,16 @@ What the bound does NOT include, i.e. what the ratio charges to the system:
   on the reference machine). Emulation can only slow a device down; when the real
   compute of a contended process takes longer than the profile's, the real time stands
   (``compute_s`` vs ``bound client s`` in the JSON shows it).
+- with ``--agent-threads 0`` (torch's default: one OpenMP thread per core in every agent
+  process) several agents on a 2-core machine oversubscribe it and real compute balloons;
+  the default ``--agent-threads 1`` keeps that artefact of co-hosting out of the ratio.
 - FLOPs are PyTorch's ``FlopCounterMode`` count (matmul/conv only, see accounting.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -130,8 +134,13 @@ def write_config(tmp: Path, run: str, w: Workload, profiles: tuple[str, ...]) ->
     return path
 
 
-def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float) -> tuple[list[dict], dict[str, str], float]:
-    """Start coordinator + agents, wait for the run to finish; (metrics, agent->profile, seconds)."""
+def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float,
+              agent_threads: int = 0) -> tuple[list[dict], dict[str, str], float]:
+    """Start coordinator + agents, wait for the run to finish; (metrics, agent->profile, seconds).
+
+    ``agent_threads`` > 0 caps each agent's torch/OpenMP threads (OMP_NUM_THREADS): several
+    agent processes on few cores otherwise each start one spinning OpenMP thread per core.
+    """
     run = f"bench-round-{w.model}".replace("_", "-")
     with tempfile.TemporaryDirectory(prefix="sfl-bench-round-") as tmp_s:
         tmp = Path(tmp_s)
@@ -140,14 +149,17 @@ def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float) 
         procs: list[subprocess.Popen] = []
         logs: list[Path] = []
 
-        def launch(name: str, cmd: list[str]) -> None:
+        def launch(name: str, cmd: list[str], env: Optional[dict[str, str]] = None) -> None:
             log = tmp / f"{name}.log"
             logs.append(log)
             with open(log, "w") as fh:
-                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO))
+                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env))
 
         launch("coord", [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--broker", url,
                          "--quiet", "--device", "cpu"])
+        agent_env = None
+        if agent_threads > 0:
+            agent_env = {**os.environ, "OMP_NUM_THREADS": str(agent_threads), "MKL_NUM_THREADS": str(agent_threads)}
         agent_profiles = {}
         for i, prof in enumerate(profiles):
             aid = f"a{i}"
@@ -156,7 +168,7 @@ def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float) 
                    "--index", str(i), "--agent-id", aid, "--emulate"]
             if w.root:
                 cmd += ["--data", w.root]
-            launch(aid, cmd)
+            launch(aid, cmd, agent_env)
         try:
             deadline = time.monotonic() + timeout
             codes = []
@@ -212,9 +224,10 @@ def round_bound(record: dict, w: Workload, agent_profiles: dict[str, str], input
             "accuracy": record["accuracy"], "agents": per_agent}
 
 
-def run_workload(url: str, w: Workload, profiles: tuple[str, ...], timeout: float) -> dict[str, Any]:
+def run_workload(url: str, w: Workload, profiles: tuple[str, ...], timeout: float,
+                 agent_threads: int = 0) -> dict[str, Any]:
     ds = load_dataset(w.dataset, w.root)
-    metrics, agent_profiles, seconds = run_fleet(url, w, profiles, timeout)
+    metrics, agent_profiles, seconds = run_fleet(url, w, profiles, timeout, agent_threads)
     rounds = [r for r in metrics if r["round"] >= 1]
     if len(rounds) != w.rounds or any(len(r["completed"]) != len(profiles) for r in rounds):
         raise RuntimeError(f"{w.model}: expected {w.rounds} complete rounds of {len(profiles)} agents, "
@@ -224,6 +237,7 @@ def run_workload(url: str, w: Workload, profiles: tuple[str, ...], timeout: floa
     return {
         **asdict(w), "profiles": list(profiles), "server_mode": "merged", "server_flops": 5e10,
         "input_shape": list(ds.input_shape), "run_seconds": round(seconds, 2),
+        "agent_threads": agent_threads or "torch default",
         "mean_ratio_excl_round1": statistics.mean(r["ratio"] for r in later),
         "mean_ratio_merged_excl_round1": statistics.mean(r["ratio_merged"] for r in later),
         "final_accuracy": per_round[-1]["accuracy"], "rounds_detail": per_round,
@@ -240,6 +254,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--profiles", nargs="+", default=None, help=f"agent profiles (default {' '.join(DEFAULT_PROFILES)})")
     p.add_argument("--rounds", type=int, default=None, help="override the rounds per workload")
     p.add_argument("--broker", default=None, help="MQTT URL of a running broker (default: start a Mosquitto)")
+    p.add_argument("--agent-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS for each agent process (default 1; 0 = torch's default of one "
+                        "thread per core, which oversubscribes a small machine hosting several agents)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per workload run (default 600)")
     args = p.parse_args(argv)
     profiles = tuple(args.profiles or (QUICK_PROFILES if args.quick else DEFAULT_PROFILES))
@@ -253,7 +270,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         broker = MosquittoBroker().start()
         url = broker.url
     try:
-        results = [run_workload(url, w, profiles, args.timeout) for w in loads]
+        results = [run_workload(url, w, profiles, args.timeout, args.agent_threads) for w in loads]
     finally:
         version = broker.version() if broker else "external broker"
         if broker:

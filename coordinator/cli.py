@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -190,7 +191,8 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
             if cfg.data.root:
                 cmd += ["--data", cfg.data.root]
             log_file = open(logs_dir / f"agent-{i}.log", "w")
-            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT))
+            env = dict(os.environ, OMP_NUM_THREADS="1")  # several agents share this machine's cores
+            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env))
         console.print(f"started {len(procs)} agent processes (logs in {logs_dir})")
 
     t0 = time.monotonic()

@@ -44,6 +44,11 @@ def start(profile: str = typer.Option(..., "--profile", "-p", help="Device profi
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2)
+    if emulate:
+        # emulated compute is paced by the profile, not by this machine; one thread per agent
+        # keeps several emulated agents on one host from fighting over the cores
+        import torch
+        torch.set_num_threads(1)
     name = agent_id or f"{socket.gethostname().split('.')[0]}-{index}"
     name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:64]
     runner = AgentRunner(AgentOptions(broker=broker, run_id=run, agent_id=name, profile=prof, index=index,

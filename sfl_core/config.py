@@ -44,7 +44,7 @@ __all__ = [
     "run_config_to_dict",
 ]
 
-STRATEGIES = ("sfl", "fedavg")
+STRATEGIES = ("sfl", "fedavg", "s2fl")
 """Training strategies a run may name (the mechanisms of SPEC §4–7 extend this tuple)."""
 SERVER_MODES = ("merged", "per_agent")
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1."""
@@ -106,6 +106,17 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class S2flConfig:
+    """S2FL switches (SPEC §4). The paper's ablations: +R = both off (SplitFed v1 at the
+    largest candidate split), +B = balance only, +M = sliding only, +MB = both."""
+
+    sliding: bool = True           # adaptive sliding split from the client time table
+    balance: bool = True           # data-balance grouping (one server copy per group)
+    group_size: int = 5            # agents per group when balancing
+    candidates: tuple[int, ...] | None = None   # candidate split points; None = the model's defaults
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One training run. Field meanings are documented at the top of profiles/runs/demo.yaml."""
 
@@ -130,6 +141,7 @@ class RunConfig:
     step_timeout_s: float = 60.0
     register_timeout_s: float = 300.0
     output_dir: str | None = None  # None -> runs/<run_id>
+    s2fl: S2flConfig = field(default_factory=S2flConfig)
 
     @property
     def num_agents(self) -> int:
@@ -438,8 +450,38 @@ _RUN_SPEC: dict[str, _Conv] = {
     "step_timeout_s": _pos_float,
     "register_timeout_s": _pos_float,
     "output_dir": _opt(_str),
+    "s2fl": lambda v, fail: v,  # checked by _s2fl()
 }
 _YAML_TO_ATTR = {"run": "run_id"}
+
+
+def _bool(v: Any, fail: _Fail) -> bool:
+    if not isinstance(v, bool):
+        fail("expected true or false")
+    return v
+
+
+def _split_list(v: Any, fail: _Fail) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+        fail("expected a non-empty list of split points (integers >= 1), or null")
+    if sorted(set(v)) != v:
+        fail("expected strictly increasing split points")
+    return tuple(v)
+
+
+_S2FL_SPEC: dict[str, _Conv] = {
+    "sliding": _bool,
+    "balance": _bool,
+    "group_size": _pos_int,
+    "candidates": _split_list,
+}
+
+
+def _s2fl(v: Any, source: str) -> S2flConfig:
+    d = _check_mapping({} if v is None else v, list(_S2FL_SPEC), source, "s2fl")
+    return S2flConfig(**_convert(d, _S2FL_SPEC, source, "s2fl"))
 
 
 def _data(v: Any, source: str) -> DataConfig:
@@ -496,6 +538,7 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
     values = _convert(d, _RUN_SPEC, source, "")
     kwargs: dict[str, Any] = {_YAML_TO_ATTR.get(k, k): v for k, v in values.items()}
     kwargs["data"] = _data(d.get("data"), source)
+    kwargs["s2fl"] = _s2fl(d.get("s2fl"), source)
     kwargs["fleet"] = _fleet(d.get("fleet"), source, base_dir, search_dirs)
     cfg = RunConfig(**kwargs)
 
@@ -525,8 +568,10 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name == "data":
+        if f.name in ("data", "s2fl"):
             value = {g.name: getattr(value, g.name) for g in fields(value)}
+            if f.name == "s2fl" and value["candidates"] is not None:
+                value["candidates"] = list(value["candidates"])
         elif f.name == "fleet":
             value = [{"profile": e.profile, "count": e.count} for e in value]
         out["run" if f.name == "run_id" else f.name] = value
