@@ -14,9 +14,9 @@ batch of ``--batch`` samples. The agents' activations are precomputed once (clie
 decoder delivers them), so only the server side is timed. Variants, all on deep copies of
 the same server-portion weights, same batches, SGD lr 0.05:
 
-- ``merged``: ``ServerTrainer(mode="merged").step(batches)`` (concatenate, ONE fwd/bwd/step,
+- ``merged``: ``ServerTrainer`` with one group of all agents, ``.step(batches)`` (concatenate, ONE fwd/bwd/step,
   gradient split back per agent, scaled, copied to the CPU; ``loss.item()`` each step).
-- ``per_agent``: ``ServerTrainer(mode="per_agent")`` (SplitFed v1: one server copy per agent,
+- ``per_agent``: ``ServerTrainer`` with one group per agent (SplitFed v1: one server copy per agent,
   N small fwd/bwd/steps per step).
 - ``plain``: the physical reference: a textbook loop (``zero_grad``, ``cross_entropy``,
   ``backward``, ``SGD.step``) over the same concatenated batches already resident on the
@@ -134,8 +134,9 @@ def bench_model(model_name: str, args: Any, device: torch.device) -> dict[str, A
     agent_ids = list(sets[0])
 
     def trainer_step(mode: str) -> Callable[[int], Any]:
-        tr = ServerTrainer(copy.deepcopy(server0), mode=mode, lr=LR, device=device)
-        tr.begin_round(agent_ids)
+        tr = ServerTrainer(copy.deepcopy(model).to(device), lr=LR, device=device)
+        groups = [agent_ids] if mode == "merged" else [[a] for a in agent_ids]
+        tr.begin_round(groups, {a: split for a in agent_ids})
         return lambda i: tr.step(sets[i % len(sets)])
 
     def plain_step(with_io: bool) -> Callable[[int], Any]:

@@ -259,8 +259,16 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
     console.print(table)
     state_file = run_dir / ckpt.STATE_FILE
     if state_file.exists():
+        from sfl_core.sliding_split import ClientTimeTable
         st = json.loads(state_file.read_text())
-        console.print(f"checkpoint after round {st['round']} (model {st['model']}, split {st['split']})")
+        console.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
+        if st.get("time_table") and st.get("candidates"):
+            console.print("client time table: seconds per round at each candidate split (* = estimated)")
+            print(ClientTimeTable.from_json(st["time_table"]).format(st["candidates"]))
+    last = metrics[-1]
+    if last.get("agents"):
+        splits = {a: v["split"] for a, v in last["agents"].items()}
+        console.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
 
 
 if __name__ == "__main__":

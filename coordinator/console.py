@@ -43,7 +43,8 @@ class RunDisplay:
         elif event == "registered":
             p.update(t, status=f"agent {data['agent']} registered ({data['online']} online)")
         elif event == "round_start":
-            p.update(t, status=f"round {data['round']}: {len(data['agents'])} agents")
+            phase = f" ({data['phase']})" if data.get("phase") else ""
+            p.update(t, status=f"round {data['round']}: {len(data['agents'])} agents{phase}")
         elif event == "step":
             p.update(t, status=f"round {data['round']} step {data['step']}/{data['of']} loss {data['loss']:.3f}")
         elif event == "agent_dropped":

@@ -19,13 +19,15 @@ import torch.nn.functional as F
 
 from sfl_core import protocol, timing, wire
 from sfl_core.accounting import model_costs
-from sfl_core.aggregation import weighted_average
+from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.config import RunConfig
 from sfl_core.models import SplitModel, build_model
 from sfl_core.protocol import Message
+from sfl_core.sliding_split import ClientTimeTable
 
 from coordinator import state as ckpt
+from coordinator.planner import Planner, RoundPlan
 from coordinator.registry import Registry
 from coordinator.server_trainer import ServerTrainer
 
@@ -74,6 +76,9 @@ class _RoundAgent:
     bytes_up: int = 0
     bytes_down: int = 0
     compute_s: float = 0.0
+    busy_s: float = 0.0
+    """Sum of this agent's own response times (our message sent -> its reply in): no waiting for others."""
+    server_s: float = 0.0
     finished_at: float = 0.0
     messages: int = 0
     resends: int = 0
@@ -98,10 +103,10 @@ class RoundEngine:
         torch.manual_seed(cfg.seed)
         self.model: SplitModel = build_model(cfg.model, self.input_shape, num_classes).to(self.device)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
-        self.split = self.model.num_blocks if cfg.strategy == "fedavg" else (cfg.split or self.model.default_split)
-        self.model.check_split(self.split)
-        self.server = ServerTrainer(self.model.server(self.split), mode=cfg.server_mode, lr=cfg.lr,
-                                    momentum=cfg.momentum, device=self.device)
+        if cfg.split is not None:
+            self.model.check_split(cfg.split)
+        self.planner = Planner(cfg, self.model, self.costs)
+        self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device)
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
         if resume:
@@ -135,14 +140,17 @@ class RoundEngine:
     def run_round(self, r: int) -> dict[str, Any]:
         wall0 = time.monotonic()
         selected = self.select(r)
-        self.on_event("round_start", {"round": r, "agents": selected})
-        agents = {a: _RoundAgent(a, self._assignment()) for a in selected}
-        self.server.begin_round(selected)
-        client_state = self.model.client_state(self.split)
-        weights_body = wire.encode_state(client_state, self.cfg.zstd_level)
+        plan = self.planner.plan(r, selected, self.registry.agents)
+        self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
+        agents = {a: _RoundAgent(a, self._assignment(plan.splits[a])) for a in selected}
+        self.server.begin_round(plan.groups, plan.splits)
+        bodies: dict[int, dict] = {}  # encode each distinct client portion once
         for a, ra in agents.items():
+            s = ra.assignment.split
+            if s not in bodies:
+                bodies[s] = wire.encode_state(self.model.client_state(s), self.cfg.zstd_level)
             self._send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                   ra.assignment.to_body(weights_body), round=r, seq=protocol.next_seq()))
+                                   ra.assignment.to_body(bodies[s]), round=r, seq=protocol.next_seq()))
         losses: list[float] = []
         if self.cfg.strategy != "fedavg":
             for k in range(self.cfg.local_iters):
@@ -155,16 +163,18 @@ class RoundEngine:
                     del batches[a]
                 if not batches:
                     break
+                t0 = time.monotonic()
                 grads, loss = self.server.step(batches)
+                dt = time.monotonic() - t0
                 losses.append(loss)
                 for a, g in grads.items():
+                    agents[a].server_s += dt
                     self._send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
                                                   {"g": wire.encode_tensor(g, self.cfg.codec, self.cfg.zstd_level)},
                                                   round=r, step=k, seq=protocol.next_seq()))
                 self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         uploads = self._collect(agents, "weights", r, self.cfg.local_iters - 1)
-        record = self._aggregate_and_record(r, agents, uploads, losses, time.monotonic() - wall0)
-        return record
+        return self._aggregate_and_record(r, plan, agents, uploads, losses, time.monotonic() - wall0)
 
     def select(self, r: int) -> list[str]:
         """Uniform random selection, seeded per round so a resumed run selects the same agents."""
@@ -183,10 +193,11 @@ class RoundEngine:
                 log.warning("could not tell %s to shut down: %s", a, exc)
 
     # ================================================================ internals
-    def _assignment(self) -> Assignment:
-        cost = self.costs[self.split]
+    def _assignment(self, split: int) -> Assignment:
+        cost = self.costs[split]
         shape = cost.activation_shape if self.cfg.strategy != "fedavg" else (self.num_classes,)
-        return Assignment(model=self.cfg.model, strategy=self.cfg.strategy, split=self.split, width=0,
+        strategy = "fedavg" if self.cfg.strategy == "fedavg" else "sfl"  # what the agent does
+        return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=0,
                           batch_size=self.cfg.batch_size, lr=self.cfg.lr, momentum=self.cfg.momentum,
                           tau=self.cfg.local_iters, codec=self.cfg.codec, zstd_level=self.cfg.zstd_level,
                           activation_shape=tuple(shape))
@@ -261,6 +272,7 @@ class RoundEngine:
             ra.bytes_up += msg.wire_bytes
             ra.messages += 1
             ra.resends = 0
+            ra.busy_s += time.monotonic() - ra.last_sent_at
             ra.compute_s = float(msg.body["compute_s"])
             if kind == "weights":
                 ra.finished_at = time.monotonic()
@@ -327,37 +339,39 @@ class RoundEngine:
             log.info("ignored %s from %s outside its round", msg.type, msg.sender)
 
     # ================================================================ round end
-    def _aggregate_and_record(self, r: int, agents: dict[str, _RoundAgent], uploads: dict[str, Message],
-                              losses: list[float], wall_s: float) -> dict[str, Any]:
-        reference = self.model.client_state(self.split)
-        states, weights, fed_losses = [], [], []
+    def _aggregate_and_record(self, r: int, plan: RoundPlan, agents: dict[str, _RoundAgent],
+                              uploads: dict[str, Message], losses: list[float], wall_s: float) -> dict[str, Any]:
+        """Layer-wise aggregation (S2FL Alg. 2): every layer of the full model is averaged over the
+        round's agents, from the agent's client portion if it held the layer, else from the server
+        copy of its group; weight = the agent's data size. With one split and one group this is
+        exactly FedAvg of the client portions plus the trained server portion."""
+        clients, servers, weights, fed_losses, done = {}, {}, {}, [], []
         for a, msg in uploads.items():
+            split = agents[a].assignment.split
             try:
-                states.append(wire.decode_state(msg.body["weights"], reference))
+                clients[a] = wire.decode_state(msg.body["weights"], self.model.client_state(split))
             except wire.WireError as exc:
                 log.warning("rejected weights from %s: %s", a, exc)
                 continue
-            weights.append(float(self.registry.agents[a].num_samples))
+            servers[a] = self.server.member_state(a, split)
+            weights[a] = float(self.registry.agents[a].num_samples)
+            done.append(a)
             if msg.body["loss"] == msg.body["loss"]:  # not NaN
                 fed_losses.append(float(msg.body["loss"]))
-        server_weights = {a: float(self.registry.agents[a].num_samples) for a in uploads}
-        self.server.end_round(server_weights)
-        if states:
-            self.model.load_state_dict({k: v.to(self.device) for k, v in weighted_average(states, weights).items()},
-                                       strict=False)
+        if clients:
+            avg = layerwise_average(clients, servers, weights)
+            self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         accuracy, test_loss = self.evaluate()
-        cost = self.costs[self.split]
-        per_agent, times = {}, []
-        for a, ra in agents.items():
-            if a not in uploads:
-                continue
-            info = self.registry.agents[a]
+        per_agent, times = {}, {}
+        for a in done:
+            ra, info = agents[a], self.registry.agents[a]
+            cost = self.costs[ra.assignment.split]
             samples = ra.assignment.batch_size * ra.assignment.tau
             t = self.clock.agent_time(
-                measured_s=ra.finished_at - ra.started, client_flops=cost.client_flops * samples,
+                measured_s=ra.busy_s + ra.server_s, client_flops=cost.client_flops * samples,
                 server_flops=cost.server_flops * samples, bytes_up=ra.bytes_up, bytes_down=ra.bytes_down,
                 profile=info.profile, server_flops_per_s=self.cfg.server_flops, messages=ra.messages)
-            times.append(t)
+            times[a] = t
             info.rounds += 1
             info.bytes_up += ra.bytes_up
             info.bytes_down += ra.bytes_down
@@ -365,22 +379,25 @@ class RoundEngine:
             per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4), "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
                             "batch_size": ra.assignment.batch_size}
-        round_s = self.clock.end_round(times, wall_s)
+        self.planner.record(r, times, plan.splits)
+        round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
         record = {
             "round": r, "accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
             "round_time_s": round(round_s, 4), "elapsed_s": round(self.clock.elapsed, 4),
             "clock": "virtual" if self.clock.virtual else "wall", "wall_s": round(wall_s, 4),
-            "waiting_s": round(timing.waiting_time(times), 4),
+            "waiting_s": round(timing.waiting_time(times.values()), 4),
             "bytes_up": sum(p["bytes_up"] for p in per_agent.values()),
             "bytes_down": sum(p["bytes_down"] for p in per_agent.values()),
-            "selected": sorted(agents), "completed": sorted(uploads), "agents": per_agent,
+            "selected": sorted(agents), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
+            "agents": per_agent,
         }
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, self.model.state_dict(), {
             "round": r, "elapsed_s": self.clock.elapsed, "model": self.cfg.model, "run": self.cfg.run_id,
-            "split": self.split, "registry": self.registry.to_json()})
+            "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
+            "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates)})
         self.on_event("round_end", record)
         return record
 
@@ -390,7 +407,7 @@ class RoundEngine:
         record = {"round": 0, "accuracy": accuracy, "test_loss": test_loss, "train_loss": None,
                   "round_time_s": 0.0, "elapsed_s": 0.0, "clock": "virtual" if self.clock.virtual else "wall",
                   "wall_s": 0.0, "waiting_s": 0.0, "bytes_up": 0, "bytes_down": 0, "selected": [],
-                  "completed": [], "agents": {}}
+                  "completed": [], "groups": [], "phase": "initial", "agents": {}}
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
 
@@ -416,6 +433,8 @@ class RoundEngine:
         self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
         self.start_round = int(st["round"]) + 1
         self.registry.load_totals(st.get("registry", {}))
+        if st.get("time_table"):
+            self.planner.time_table = ClientTimeTable.from_json(st["time_table"])
         self.clock.restore(float(st.get("elapsed_s", 0.0)))
         ckpt.truncate_metrics(self.out_dir, int(st["round"]))
         self.history = ckpt.read_metrics(self.out_dir)

@@ -1,4 +1,19 @@
-"""Server-portion training: feature merging (default) or one copy per agent (SplitFed v1)."""
+"""Server-side training over groups of agents, with mixed split points.
+
+One mechanism covers every server mode of the product:
+
+- *merged* (MergeSFL feature merging, the default): one group holding every agent;
+- *per_agent* (SplitFed v1): one group per agent;
+- *S2FL data-balance groups*: groups chosen so their label mix is near uniform.
+
+Each group trains its own copy of the model's server side on the union of its members'
+activations, one forward/backward/step per local iteration. Members may have different
+split points (S2FL's sliding split, FedFC's mixed cut layers): the forward runs block by
+block from the group's smallest split, and each member's activations join the batch at
+the block where its client portion ended; autograd hands each member the gradient of its
+own rows. That gradient is scaled by ``N / b_i`` so it is the gradient of the member's own
+mean loss, which keeps a client learning rate meaning the same whatever the group size.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +21,9 @@ import copy
 from typing import Mapping, Sequence
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from sfl_core.aggregation import weighted_average
+from sfl_core.models import SplitModel
 
 SERVER_MODES = ("merged", "per_agent")
 
@@ -23,84 +37,104 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+class _Group:
+    """One server copy and its optimiser, for the blocks at and after the group's smallest split."""
+
+    def __init__(self, model: SplitModel, members: Sequence[str], splits: Mapping[str, int], lr: float,
+                 momentum: float):
+        self.members = list(members)
+        self.splits = {a: splits[a] for a in members}
+        self.first = min(self.splits.values())
+        self.model = copy.deepcopy(model)
+        self.model.train()
+        params = [p for blk in self.model.blocks[self.first:] for p in blk.parameters()]
+        self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
+
+    def state_for(self, split: int) -> dict[str, torch.Tensor]:
+        """This copy's layers from ``split`` on: what the group contributes for a member cut at ``split``."""
+        return {k: v.detach().cpu() for k, v in self.model.server_state(split).items()}
+
+
 class ServerTrainer:
-    """Trains ``blocks[split:]`` of the global model on the agents' activations.
-
-    *merged*: the activations of all agents for one step are concatenated into ONE batch,
-    ONE forward/backward/step (MergeSFL, FedFC). Each agent receives the gradient of its
-    own rows scaled by ``N / b_i``, i.e. the gradient of *its own* mean loss, so its client
-    learning rate means the same in merged and per-agent modes.
-
-    *per_agent*: SplitFed v1, one server copy per agent trained only on that agent's
-    activations, the copies averaged (weights = data size) at the end of the round.
-    """
-
-    def __init__(self, server: nn.Module, *, mode: str = "merged", lr: float = 0.05,
-                 momentum: float = 0.0, device: torch.device | str = "cpu"):
-        if mode not in SERVER_MODES:
-            raise ValueError(f"server mode {mode!r}; expected one of {SERVER_MODES}")
-        self.mode = mode
+    def __init__(self, model: SplitModel, *, lr: float = 0.05, momentum: float = 0.0,
+                 device: torch.device | str = "cpu"):
+        self.model = model
         self.lr = lr
         self.momentum = momentum
         self.device = torch.device(device)
-        self.server = server.to(self.device)
-        self._copies: dict[str, nn.Module] = {}
-        self._opts: dict[str, torch.optim.Optimizer] = {}
+        self._groups: list[_Group] = []
+        self._group_of: dict[str, _Group] = {}
 
-    def begin_round(self, agent_ids: Sequence[str]) -> None:
-        """Fresh optimiser state each round, like the agents (they get new optimisers too)."""
-        self.server.train()
-        if self.mode == "merged":
-            self._copies = {"*": self.server}
-        else:
-            self._copies = {a: copy.deepcopy(self.server) for a in agent_ids}
-        # FedAvg leaves the server portion empty: nothing to optimise
-        self._opts = {k: torch.optim.SGD(m.parameters(), lr=self.lr, momentum=self.momentum)
-                      for k, m in self._copies.items() if any(True for _ in m.parameters())}
+    def begin_round(self, groups: Sequence[Sequence[str]], splits: Mapping[str, int]) -> None:
+        """Fresh copies of the current global model, one per group (optimiser state too, like the agents)."""
+        self._groups = [_Group(self.model, g, splits, self.lr, self.momentum) for g in groups if g]
+        self._group_of = {a: g for g in self._groups for a in g.members}
 
     def step(self, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float]:
-        """One local iteration for the agents in ``batches``; returns their gradients and the loss."""
-        if self.mode == "merged":
-            return self._merged_step(batches)
-        grads, losses = {}, []
-        for agent, (x, y) in batches.items():
-            g, loss = self._train(agent, {agent: (x, y)})
+        """One local iteration for the agents in ``batches``; returns their gradients and the mean loss."""
+        grads: dict[str, torch.Tensor] = {}
+        losses, rows = 0.0, 0
+        for group in self._groups:
+            present = {a: batches[a] for a in group.members if a in batches}
+            if not present:
+                continue
+            g, loss, n = self._train(group, present)
             grads.update(g)
-            losses.append(loss)
-        return grads, sum(losses) / max(len(losses), 1)
+            losses += loss * n
+            rows += n
+        return grads, losses / max(rows, 1)
 
-    def _merged_step(self, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float]:
-        return self._train("*", batches)
-
-    def _train(self, key: str, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float]:
-        model, opt = self._copies[key], self._opts[key]
-        agents = list(batches)
-        sizes = [batches[a][0].shape[0] for a in agents]
-        # join on the device, not on the host: one host->device copy per agent, no host-side cat
-        x = torch.cat([batches[a][0].to(self.device, non_blocking=True) for a in agents]).requires_grad_(True)
-        y = torch.cat([batches[a][1].to(self.device, non_blocking=True) for a in agents])
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+    def _train(self, group: _Group, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float, int]:
+        # members join in order of their split point; rows keep that order end to end
+        order = sorted(batches, key=lambda a: (group.splits[a], a))
+        inputs: dict[str, torch.Tensor] = {}
+        labels: list[torch.Tensor] = []
+        h = None
+        blocks = group.model.blocks
+        pos = 0
+        for layer in range(group.first, len(blocks)):
+            joining = []
+            while pos < len(order) and group.splits[order[pos]] == layer:
+                a = order[pos]
+                x = batches[a][0].to(self.device, non_blocking=True).detach().requires_grad_(True)
+                inputs[a] = x
+                labels.append(batches[a][1].to(self.device, non_blocking=True))
+                joining.append(x)
+                pos += 1
+            if joining:
+                h = torch.cat(([h] if h is not None else []) + joining)
+            if h is not None:
+                h = blocks[layer](h)
+        assert h is not None, "a group member's split lies beyond the model"
+        y = torch.cat(labels)
+        if group.opt is not None:
+            group.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(h, y)
         loss.backward()
-        opt.step()
-        n = x.shape[0]
-        scale = torch.repeat_interleave(torch.tensor([n / b for b in sizes], device=self.device),
-                                        torch.tensor(sizes, device=self.device))
-        grad = (x.grad * scale.view(-1, *([1] * (x.dim() - 1)))).cpu()  # one device->host copy
-        return dict(zip(agents, torch.split(grad, sizes))), loss.item()
+        if group.opt is not None:
+            group.opt.step()
+        n = y.shape[0]
+        sizes = [inputs[a].shape[0] for a in order]
+        # scale on the device, then one device->host copy per distinct activation shape
+        out: dict[str, torch.Tensor] = {}
+        for a, b in zip(order, sizes):
+            out[a] = inputs[a].grad * (n / b)
+        by_shape: dict[tuple[int, ...], list[str]] = {}
+        for a in order:
+            by_shape.setdefault(tuple(out[a].shape[1:]), []).append(a)
+        grads: dict[str, torch.Tensor] = {}
+        for members in by_shape.values():
+            host = torch.cat([out[a] for a in members]).cpu()
+            for a, g in zip(members, torch.split(host, [out[a].shape[0] for a in members])):
+                grads[a] = g
+        return grads, loss.item(), n
 
     def drop(self, agent_id: str) -> None:
-        """An agent left mid-round: its copy (per-agent mode) is not averaged in."""
-        self._copies.pop(agent_id, None)
-        self._opts.pop(agent_id, None)
+        """An agent left mid-round: its rows stop joining its group's batch."""
+        group = self._group_of.pop(agent_id, None)
+        if group is not None and agent_id in group.members:
+            group.members.remove(agent_id)
 
-    def end_round(self, weights: Mapping[str, float]) -> dict[str, torch.Tensor]:
-        """Return the round's server-portion state (averaged over copies in per-agent mode)."""
-        if self.mode == "merged":
-            return {k: v.detach().cpu() for k, v in self.server.state_dict().items()}
-        keys = [a for a in self._copies if weights.get(a, 0) > 0]
-        if not keys:
-            return {k: v.detach().cpu() for k, v in self.server.state_dict().items()}
-        avg = weighted_average([self._copies[a].state_dict() for a in keys], [weights[a] for a in keys])
-        self.server.load_state_dict(avg)
-        return avg
+    def member_state(self, agent_id: str, split: int) -> dict[str, torch.Tensor]:
+        """The server-side layers trained for ``agent_id`` (its group's copy, from its split on)."""
+        return self._group_of[agent_id].state_for(split)

@@ -39,3 +39,18 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
             acc += t.detach().to(torch.float64).cpu() * (w / total)
         out[key] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
     return out
+
+
+def layerwise_average(client_states: Mapping[str, Mapping[str, torch.Tensor]],
+                      server_states: Mapping[str, Mapping[str, torch.Tensor]],
+                      weights: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """S2FL Alg. 2: every layer of the full model averaged over the round's agents.
+
+    For agent ``a`` a layer comes from its client portion if it held the layer, else from
+    ``server_states[a]`` — the server copy that trained on ``a``'s activations (its group's).
+    The weight of every layer of agent ``a`` is ``weights[a]`` (its data size), so agents on
+    different split points contribute to shared layers exactly once each.
+    """
+    agents = list(client_states)
+    full = [{**server_states.get(a, {}), **client_states[a]} for a in agents]
+    return weighted_average(full, [weights[a] for a in agents])

@@ -50,7 +50,7 @@ class Coordinator:
         torch.manual_seed(seed)
         self.model = build_model(MODEL, digits.input_shape, digits.num_classes)
         self.split = split
-        self.trainer = ServerTrainer(self.model.server(split), lr=lr, momentum=momentum)
+        self.trainer = ServerTrainer(self.model, lr=lr, momentum=momentum)
         self.seq = protocol.Sequencer(start=1)
         self.losses: list[float] = []
 
@@ -58,7 +58,7 @@ class Coordinator:
                codec: str = "fp32", lr: float = 0.05, momentum: float = 0.0) -> Message:
         a = Assignment(model=MODEL, strategy=strategy, split=self.split, width=0, batch_size=batch, lr=lr,
                        momentum=momentum, tau=tau, codec=codec, zstd_level=1, activation_shape=ACT_SHAPE[self.split])
-        self.trainer.begin_round([AGENT])
+        self.trainer.begin_round([[AGENT]], {AGENT: self.split})
         body = a.to_body(wire.encode_state(self.model.client_state(self.split)))
         return _wire(Message("assign", RUN, protocol.COORDINATOR_ID, body, round=rnd, seq=self.seq.next()))
 
@@ -74,7 +74,8 @@ class Coordinator:
     def take_weights(self, msg: Message) -> None:
         assert msg.type == "weights"
         state = wire.decode_state(msg.body["weights"], self.model.client_state(self.split))
-        self.model.load_state_dict(state, strict=False)
+        state.update(self.trainer.member_state(msg.sender, self.split))  # the round's trained server side
+        self.model.load_state_dict(state)
 
     def accuracy(self, digits) -> float:
         self.model.eval()

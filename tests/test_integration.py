@@ -214,3 +214,25 @@ def test_simulation_virtual_clock(tmp_path):
     assert min(low) > 2 * max(high)            # 4x slower compute and 5x slower link
     assert r1["round_time_s"] == pytest.approx(max(times.values()), rel=1e-3)
     assert history[-1]["elapsed_s"] == pytest.approx(sum(r["round_time_s"] for r in history), rel=1e-3)
+
+
+def test_s2fl_sliding_split_over_mosquitto(mosquitto, tmp_path):
+    """S2FL over a real broker: three warm-up rounds fill the client time table with measured times,
+    then agents with different emulated profiles receive different split points."""
+    config = write_config(tmp_path, "s2", rounds=4, strategy="s2fl", batch_size=32, local_iters=10,
+                          s2fl={"sliding": True, "balance": True, "group_size": 2, "candidates": [1, 2, 3]})
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "s2", tmp_path)
+    assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [sorted({a["split"] for a in r["agents"].values()}) for r in m[1:4]] == [[1], [2], [3]]
+    last = {a: v["split"] for a, v in m[4]["agents"].items()}
+    assert len(set(last.values())) > 1, m[4]
+    assert last["a0"] >= last["a2"], last   # the slow-link device sends the smaller activations
+    state = json.loads((tmp_path / "out" / "state.json").read_text())
+    entries = state["time_table"]
+    for a in ("a0", "a1", "a2"):
+        for s in ("1", "2", "3"):
+            e = entries[a][s] if a in entries else entries["entries"][a][s]
+            assert e["estimated"] is False and e["seconds"] > 0
+    assert sorted(len(g) for g in m[4]["groups"]) == [1, 2]
