@@ -163,11 +163,12 @@ def simulate_run(cfg: RunConfig, *, resume: bool = False, device: str = "auto",
     data = _dataset(cfg)
     out = _out_dir(cfg)
     _prepare_out_dir(out, resume)
-    transport = build_fleet(cfg, data)
+    dev = pick_device(device)
+    transport = build_fleet(cfg, data, dev)
     with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
         engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                             device=pick_device(device), on_event=display, resume=resume)
+                             device=dev, on_event=display, resume=resume)
         history = engine.run()
     return history, engine
 

@@ -92,6 +92,8 @@ class RoundEngine:
         self.transport = transport
         self.clock = clock
         self.x_test, self.y_test = test_set
+        if cfg.eval_samples is not None:
+            self.x_test, self.y_test = self.x_test[:cfg.eval_samples], self.y_test[:cfg.eval_samples]
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
         self.out_dir = Path(out_dir)

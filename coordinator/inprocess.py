@@ -52,7 +52,7 @@ class InProcessTransport:
         return self._inbox.popleft() if self._inbox else None
 
 
-def build_fleet(cfg: RunConfig, data: Dataset) -> InProcessTransport:
+def build_fleet(cfg: RunConfig, data: Dataset, device: str | torch.device = "cpu") -> InProcessTransport:
     """Create every agent of the config with its own shard and queue their registrations."""
     n = cfg.num_agents
     shards = partition_indices(data.y_train.numpy(), n, cfg.data.partition, alpha=cfg.data.alpha,
@@ -64,7 +64,8 @@ def build_fleet(cfg: RunConfig, data: Dataset) -> InProcessTransport:
         idx = torch.as_tensor(shards[i], dtype=torch.long)
         local = LocalData(data.x_train[idx], data.y_train[idx], data.num_classes)
         agent_id = f"sim-{i:03d}"
-        agents[agent_id] = AgentCore(agent_id, cfg.run_id, local, data.input_shape, seed=cfg.seed * 1000 + i)
+        agents[agent_id] = AgentCore(agent_id, cfg.run_id, local, data.input_shape, seed=cfg.seed * 1000 + i,
+                                      device=device)
         transport.deliver_from_agent(Message(
             "register", cfg.run_id, agent_id, round=0, seq=1,
             body={"index": i, "profile": protocol.profile_body(profile), "measured": {}, "label_counts": local.label_counts(),

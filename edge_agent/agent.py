@@ -71,9 +71,12 @@ class BatchSampler:
 
 class AgentCore:
     def __init__(self, agent_id: str, run_id: str, data: LocalData, input_shape: tuple[int, ...],
-                 *, seed: int = 0, compute_hook: Optional[ComputeHook] = None):
+                 *, seed: int = 0, compute_hook: Optional[ComputeHook] = None, device: str | torch.device = "cpu"):
         self.agent_id = protocol.check_id("agent id", agent_id)
         self.run_id = run_id
+        self.device = torch.device(device)  # simulations may put in-process agents on the GPU
+        if self.device.type != "cpu":
+            data = LocalData(data.x.to(self.device), data.y.to(self.device), data.num_classes)
         self.data = data
         self.input_shape = tuple(input_shape)
         self._sampler = BatchSampler(len(data), seed)
@@ -118,7 +121,7 @@ class AgentCore:
         if a.strategy == "fedavg" and a.split != model.num_blocks:
             raise wire.WireError("assign.split: fedavg needs the whole model on the agent")
         client = model.client(a.split)
-        state = wire.decode_state(msg.body["weights"], model.client_state(a.split))
+        state = wire.decode_state(msg.body["weights"], {k: v.cpu() for k, v in model.client_state(a.split).items()})
         model.load_state_dict(state, strict=False)
         self._assign, self._client = a, client
         self._client.train()
@@ -159,7 +162,7 @@ class AgentCore:
             return self._resend()      # already applied: never apply a gradient twice
         if msg.step > self.step:
             raise wire.WireError(f"gradients for step {msg.step}, expected {self.step}")
-        g = wire.decode_tensor(msg.body["g"], shape=tuple(self._out.shape), dtypes=("float32", "float16"))
+        g = wire.decode_tensor(msg.body["g"], shape=tuple(self._out.shape), dtypes=("float32", "float16")).to(self.device)
         if not torch.isfinite(g).all():
             raise wire.WireError("gradients contain NaN or Inf")
         t0 = time.perf_counter()
@@ -213,7 +216,7 @@ class AgentCore:
     def _model(self, name: str) -> SplitModel:
         if name not in self._models:
             torch.manual_seed(0)  # structure only; the weights arrive with the assignment
-            self._models[name] = build_model(name, self.input_shape, self.data.num_classes)
+            self._models[name] = build_model(name, self.input_shape, self.data.num_classes).to(self.device)
         return self._models[name]
 
     def _msg(self, mtype: str, *, step: int, body: dict) -> Message:

@@ -141,6 +141,7 @@ class RunConfig:
     step_timeout_s: float = 60.0
     register_timeout_s: float = 300.0
     output_dir: str | None = None  # None -> runs/<run_id>
+    eval_samples: int | None = None  # evaluate on the first N test samples; None = all
     s2fl: S2flConfig = field(default_factory=S2flConfig)
 
     @property
@@ -450,6 +451,7 @@ _RUN_SPEC: dict[str, _Conv] = {
     "step_timeout_s": _pos_float,
     "register_timeout_s": _pos_float,
     "output_dir": _opt(_str),
+    "eval_samples": _opt(_pos_int),
     "s2fl": lambda v, fail: v,  # checked by _s2fl()
 }
 _YAML_TO_ATTR = {"run": "run_id"}
