@@ -78,8 +78,16 @@ def _prepare_out_dir(out: Path, resume: bool) -> None:
 
 def run_info_body(cfg: RunConfig, data) -> dict:
     model = build_model(cfg.model, data.input_shape, data.num_classes)
+    # the split points the agents should time: the ones this run can assign them
+    if cfg.strategy == "s2fl":
+        from sfl_core.sliding_split import candidate_splits
+        splits = list(cfg.s2fl.candidates or candidate_splits(cfg.model))
+    elif cfg.strategy == "fedavg":
+        splits = [model.num_blocks]
+    else:
+        splits = [cfg.split or model.default_split]
     return {"model": cfg.model, "dataset": cfg.data.dataset, "input_shape": list(data.input_shape),
-            "num_classes": data.num_classes, "splits": list(model.split_points),
+            "num_classes": data.num_classes, "splits": splits,
             "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},
             "num_agents": cfg.num_agents}
 
