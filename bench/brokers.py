@@ -2,10 +2,8 @@
 
 Why a real Mosquitto and not the embedded amqtt broker: the benches measure what a
 deployment pays per message, and production runs against Mosquitto (install/mosquitto.conf).
-The configuration mirrors ``tests/conftest.py::MosquittoProcess`` (same listener, same
-64 MiB + headroom message limit, unlimited in-flight/queued messages) so a bench and a
-test exercise the same broker; it is duplicated rather than imported because bench/ must
-not depend on tests/.
+The test suite's ``mosquitto`` fixture (tests/conftest.py) uses this same class, so a bench
+and a test exercise the same broker configuration.
 """
 
 from __future__ import annotations
@@ -101,19 +99,27 @@ class MosquittoBroker:
         return lines[0] if lines else "unknown"
 
     def start(self, timeout: float = 10.0) -> "MosquittoBroker":
+        """Start (or restart after ``stop()``) on the same port; retries while the port lingers."""
         if self._proc is not None and self._proc.poll() is None:
             return self
-        with open(self.log, "ab") as logf:
-            self._proc = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=logf,
-                                          stderr=subprocess.STDOUT)
-        atexit.register(self.stop)
-        if not wait_port("127.0.0.1", self.port, timeout) or self._proc.poll() is not None:
-            tail = self.log.read_text(errors="replace")[-2000:]
+        atexit.register(self.close)
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(self.log, "ab") as logf:
+                self._proc = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=logf,
+                                              stderr=subprocess.STDOUT)
+            if wait_port("127.0.0.1", self.port, min(3.0, max(0.1, deadline - time.monotonic()))) \
+                    and self._proc.poll() is None:
+                return self
             self.stop()
-            raise RuntimeError(f"mosquitto did not start on port {self.port}:\n{tail}")
-        return self
+            if time.monotonic() >= deadline:
+                tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+                raise RuntimeError(f"mosquitto did not start on port {self.port}:\n{tail}")
+            time.sleep(0.2)
 
     def stop(self) -> None:
+        """Hard stop (SIGKILL): clients see their sockets drop, as in a broker crash.
+        The configuration stays, so ``start()`` brings it back on the same port."""
         proc, self._proc = self._proc, None
         if proc is not None:
             if proc.poll() is None:
@@ -122,6 +128,10 @@ class MosquittoBroker:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
+
+    def close(self) -> None:
+        """Stop and remove the temporary configuration."""
+        self.stop()
         try:
             self._tmp.cleanup()
         except OSError:
@@ -131,4 +141,4 @@ class MosquittoBroker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()
