@@ -180,7 +180,10 @@ class RoundEngine:
 
     def select(self, r: int) -> list[str]:
         """Uniform random selection, seeded per round so a resumed run selects the same agents."""
-        online = sorted(a.agent_id for a in self.registry.online())
+        # a deployed agent silent for step_timeout_s (no heartbeat either) counts as gone even before its
+        # last will arrives; simulated agents never vanish and send no heartbeats
+        stale = None if self.clock.virtual else self.cfg.step_timeout_s
+        online = sorted(a.agent_id for a in self.registry.online(stale_after_s=stale))
         if not online:
             raise RuntimeError("no agent is online")
         k = min(self.cfg.per_round or len(online), len(online))
@@ -223,6 +226,7 @@ class RoundEngine:
                 return got
             msg = self.transport.poll(0.1)
             if msg is not None:
+                self.registry.seen(msg.sender)
                 ra = agents.get(msg.sender)
                 if ra is not None:
                     ra.last_heard = time.monotonic()

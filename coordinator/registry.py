@@ -68,8 +68,12 @@ class Registry:
             if online:
                 info.last_seen = time.monotonic()
 
-    def online(self) -> list[AgentInfo]:
-        return [a for a in self.agents.values() if a.online]
+    def online(self, stale_after_s: float | None = None) -> list[AgentInfo]:
+        """Agents whose MQTT status is online and, if ``stale_after_s`` is given, that were heard
+        from (any message, heartbeats included) within that many seconds."""
+        now = time.monotonic()
+        return [a for a in self.agents.values()
+                if a.online and (stale_after_s is None or now - a.last_seen <= stale_after_s)]
 
     def to_json(self) -> dict[str, Any]:
         return {a: {k: v for k, v in asdict(i).items() if k != "last_seen"} for a, i in self.agents.items()}
