@@ -81,7 +81,7 @@ class AgentCore:
         self.input_shape = tuple(input_shape)
         self._sampler = BatchSampler(len(data), seed)
         self._compute_hook = compute_hook
-        self._models: dict[str, SplitModel] = {}
+        self._models: dict[tuple[str, int, int], SplitModel] = {}
         # per-round state
         self.round = -1
         self.step = -1
@@ -116,7 +116,7 @@ class AgentCore:
             return self._resend()
         # same round with a new seq: the coordinator restarted the round (e.g. after --resume)
         a = Assignment.from_body(msg.body)
-        model = self._model(a.model)
+        model = self._model(a.model, a.split, a.width)
         model.check_split(a.split)
         if a.strategy == "fedavg" and a.split != model.num_blocks:
             raise wire.WireError("assign.split: fedavg needs the whole model on the agent")
@@ -196,7 +196,7 @@ class AgentCore:
     # ------------------------------------------------------------------ helpers
     def _weights_message(self, loss: float) -> Message:
         assert self._assign is not None
-        model = self._models[self._assign.model]
+        model = self._model(self._assign.model, self._assign.split, self._assign.width)
         self._assign_done()
         return self._msg("weights", step=self.step, body={
             "weights": wire.encode_state(model.client_state(self._assign.split), self._assign.zstd_level),
@@ -213,11 +213,16 @@ class AgentCore:
             seconds = self._compute_hook(flops, seconds)
         self._compute_s += seconds
 
-    def _model(self, name: str) -> SplitModel:
-        if name not in self._models:
+    def _model(self, name: str, split: int, width: int) -> SplitModel:
+        """The model structure for an assignment (a bottleneck of ``width`` at ``split`` if width > 0)."""
+        key = (name, split, width) if width else (name, 0, 0)
+        if key not in self._models:
             torch.manual_seed(0)  # structure only; the weights arrive with the assignment
-            self._models[name] = build_model(name, self.input_shape, self.data.num_classes).to(self.device)
-        return self._models[name]
+            model = build_model(name, self.input_shape, self.data.num_classes)
+            if width:
+                model.add_bottleneck(split, width)
+            self._models[key] = model.to(self.device)
+        return self._models[key]
 
     def _msg(self, mtype: str, *, step: int, body: dict) -> Message:
         return Message(type=mtype, run=self.run_id, sender=self.agent_id, body=body,

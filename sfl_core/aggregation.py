@@ -8,42 +8,57 @@ from typing import Mapping, Sequence
 import torch
 
 
-def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
+                     defaults: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Average each key over the states that hold it, weighted by ``weights``.
 
     Keys need not be identical across states: a layer is averaged over exactly its holders,
-    which is what layer-wise aggregation over mixed split points needs. Integer buffers
-    (BatchNorm's ``num_batches_tracked``) are counters, not parameters: the weighted mean
-    is rounded back to an integer.
+    which is what layer-wise aggregation over mixed split points needs. A holder may also
+    hold only a *prefix* of a tensor (the first ``n`` channels along some dims: a narrow
+    HeteroSFL bottleneck, SPEC §5 Eq. 4-5): each element is then averaged over the holders
+    that cover it. Elements no holder covers take their value from ``defaults`` (an error
+    without one). Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not
+    parameters: the weighted mean is rounded back to an integer.
     """
     if len(states) != len(weights) or not states:
         raise ValueError("need one weight per state and at least one state")
-    # NaN slips through "< 0" and "<= 0" comparisons, so finiteness is checked explicitly
     if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+        raise ValueError(f"weights must be finite and non-negative with a positive sum, got {list(weights)}")
     keys: list[str] = []
     for s in states:
         keys.extend(k for k in s if k not in keys)
     out: dict[str, torch.Tensor] = {}
     for key in keys:
         holders = [(s[key], w) for s, w in zip(states, weights) if key in s]
-        total = sum(w for _, w in holders)
-        if total <= 0:
+        if sum(w for _, w in holders) <= 0:
             holders = [(t, 1.0) for t, _ in holders]
-            total = float(len(holders))
         ref = holders[0][0]
-        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        if any(t.dim() != ref.dim() for t, _ in holders):
+            raise ValueError(f"{key}: shapes differ across states ({[tuple(t.shape) for t, _ in holders]})")
+        default = defaults.get(key) if defaults is not None else None
+        full = tuple(max(t.shape[d] for t, _ in holders) for d in range(ref.dim()))
+        if default is not None:
+            full = tuple(max(a, b) for a, b in zip(full, default.shape))
+        acc = torch.zeros(full, dtype=torch.float64)
+        wsum = torch.zeros(full, dtype=torch.float64)
         for t, w in holders:
-            if t.shape != ref.shape:
-                raise ValueError(f"{key}: shapes differ across states ({tuple(t.shape)} vs {tuple(ref.shape)})")
-            acc += t.detach().to(torch.float64).cpu() * (w / total)
-        out[key] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
+            region = tuple(slice(0, n) for n in t.shape)
+            acc[region] += t.detach().to(torch.float64).cpu() * w
+            wsum[region] += w
+        if (wsum == 0).any():
+            if default is None or tuple(default.shape) != full:
+                raise ValueError(f"{key}: some elements are held by no state and no default was given")
+            acc = torch.where(wsum == 0, default.detach().to(torch.float64).cpu(), acc)
+            wsum = torch.where(wsum == 0, torch.ones_like(wsum), wsum)
+        avg = acc / wsum
+        out[key] = avg.round().to(ref.dtype) if not ref.is_floating_point() else avg.to(ref.dtype)
     return out
 
 
 def layerwise_average(client_states: Mapping[str, Mapping[str, torch.Tensor]],
                       server_states: Mapping[str, Mapping[str, torch.Tensor]],
-                      weights: Mapping[str, float]) -> dict[str, torch.Tensor]:
+                      weights: Mapping[str, float],
+                      defaults: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """S2FL Alg. 2: every layer of the full model averaged over the round's agents.
 
     For agent ``a`` a layer comes from its client portion if it held the layer, else from
@@ -53,4 +68,4 @@ def layerwise_average(client_states: Mapping[str, Mapping[str, torch.Tensor]],
     """
     agents = list(client_states)
     full = [{**server_states.get(a, {}), **client_states[a]} for a in agents]
-    return weighted_average(full, [weights[a] for a in agents])
+    return weighted_average(full, [weights[a] for a in agents], defaults)

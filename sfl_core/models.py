@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from sfl_core.bottleneck import Bottleneck, Decoder, Encoder
+
 __all__ = ["SplitModel", "MODEL_NAMES", "build_model"]
 
 
@@ -68,6 +70,8 @@ class SplitModel(nn.Module):
         self.num_classes = int(num_classes)
         self.check_split(default_split)
         self.default_split = int(default_split)
+        # HeteroSFL bottlenecks, keyed by split point; empty unless add_bottleneck() was called
+        self.bottlenecks = nn.ModuleDict()
 
     # ------------------------------------------------------------------ structure
     @property
@@ -89,35 +93,68 @@ class SplitModel(nn.Module):
             )
 
     def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if str(i) in self.bottlenecks:
+                x = self.bottlenecks[str(i)](x)
             x = block(x)
         return x
 
-    def client(self, s: int) -> nn.Sequential:
-        """``blocks[:s]`` as a Sequential sharing the SAME module objects (no copy)."""
+    # ------------------------------------------------------------------ bottlenecks
+    def add_bottleneck(self, s: int, width: int) -> Bottleneck:
+        """Insert a HeteroSFL bottleneck (encoder/decoder pair of ``width``) at split ``s``."""
         self.check_split(s)
-        return nn.Sequential(*self.blocks[: int(s)])
+        if int(s) >= self.num_blocks:
+            raise ValueError(f"model {self.name!r}: no bottleneck at split {s} (the whole model is on the agent)")
+        shape = self.input_shape
+        for block in self.blocks[: int(s)]:
+            shape = _dry_run_shape(block, shape)
+        pair = Bottleneck(shape, width)
+        self.bottlenecks[str(int(s))] = pair
+        return pair
+
+    def bottleneck(self, s: int) -> Bottleneck | None:
+        return self.bottlenecks[str(int(s))] if str(int(s)) in self.bottlenecks else None
+
+    def client(self, s: int) -> nn.Sequential:
+        """``blocks[:s]`` (plus the encoder of a bottleneck at ``s``), sharing module objects."""
+        self.check_split(s)
+        parts = list(self.blocks[: int(s)])
+        if self.bottleneck(s) is not None:
+            parts.append(Encoder(self.bottleneck(s)))
+        return nn.Sequential(*parts)
 
     def server(self, s: int) -> nn.Sequential:
-        """``blocks[s:]`` sharing module objects; empty Sequential for ``s == num_blocks``."""
+        """``blocks[s:]`` (after the decoder of a bottleneck at ``s``); empty for ``s == num_blocks``."""
         self.check_split(s)
-        return nn.Sequential(*self.blocks[int(s):])
+        parts = list(self.blocks[int(s):])
+        if self.bottleneck(s) is not None:
+            parts.insert(0, Decoder(self.bottleneck(s)))
+        return nn.Sequential(*parts)
 
     # ------------------------------------------------------------------ state
     @staticmethod
     def _block_index(key: str) -> int:
-        # keys look like "blocks.3.conv.weight"
+        # keys look like "blocks.3.conv.weight" or "bottlenecks.2.encoder.weight"
         return int(key.split(".", 2)[1])
 
+    def _owner(self, key: str, s: int) -> str:
+        """'client', 'server' or 'other' for a state key at split ``s``."""
+        i = self._block_index(key)
+        if key.startswith("bottlenecks."):
+            if i != int(s):
+                return "other"  # a bottleneck at another split is not part of this cut
+            return "client" if key.split(".")[2] == "encoder" else "server"
+        return "client" if i < int(s) else "server"
+
     def client_keys(self, s: int) -> list[str]:
-        """State-dict keys (parameters AND buffers) belonging to ``blocks[:s]``."""
+        """State-dict keys (parameters AND buffers) of ``blocks[:s]`` and of an encoder at ``s``."""
         self.check_split(s)
-        return [k for k in self.state_dict() if self._block_index(k) < int(s)]
+        return [k for k in self.state_dict() if self._owner(k, s) == "client"]
 
     def server_keys(self, s: int) -> list[str]:
-        """State-dict keys (parameters AND buffers) belonging to ``blocks[s:]``."""
+        """State-dict keys of ``blocks[s:]`` and of a decoder at ``s``."""
         self.check_split(s)
-        return [k for k in self.state_dict() if self._block_index(k) >= int(s)]
+        return [k for k in self.state_dict() if self._owner(k, s) == "server"]
 
     def client_state(self, s: int) -> dict[str, Tensor]:
         """Subset of ``state_dict()`` for ``blocks[:s]`` (detached, same key names)."""

@@ -74,9 +74,26 @@ def test_inputs_not_modified():
     assert not out["w"].requires_grad
 
 
-def test_shape_mismatch_raises():
+def test_rank_mismatch_raises():
     with pytest.raises(ValueError, match="w: shapes differ"):
-        weighted_average([{"w": torch.zeros(2)}, {"w": torch.zeros(3)}], [1, 1])
+        weighted_average([{"w": torch.zeros(2)}, {"w": torch.zeros(2, 1)}], [1, 1])
+
+
+def test_hetbl_prefix_channels_averaged_over_their_holders():
+    """HetBL Eq. 4-5: widths 2, 4, 8; encoder rows (dim 0) and decoder columns (dim 1)."""
+    enc = [torch.full((w, 3), float(v)) for w, v in ((2, 1.0), (4, 2.0), (8, 4.0))]
+    dec = [torch.full((3, w), float(v)) for w, v in ((2, 1.0), (4, 2.0), (8, 4.0))]
+    weights = [1.0, 2.0, 3.0]
+    out = weighted_average([{"enc": e, "dec": d} for e, d in zip(enc, dec)], weights)
+    expect = torch.tensor([(1 + 4 + 12) / 6] * 2 + [(4 + 12) / 5] * 2 + [4.0] * 4)
+    torch.testing.assert_close(out["enc"], expect[:, None].expand(8, 3))
+    torch.testing.assert_close(out["dec"], expect[None, :].expand(3, 8))
+
+
+def test_unheld_elements_take_the_default():
+    """No agent trained channels 2-3 this round (no full-width agent): they keep the global value."""
+    out = weighted_average([{"w": torch.ones(2)}], [1], defaults={"w": torch.full((4,), 7.0)})
+    torch.testing.assert_close(out["w"], torch.tensor([1.0, 1.0, 7.0, 7.0]))
 
 
 @pytest.mark.parametrize("weights", [[1, -1], [0, 0], [], [1], [1, 2, 3], [float("nan"), 1],

@@ -1,0 +1,107 @@
+"""HeteroSFL bottleneck layers (SPEC §5): an encoder at the end of the client portion that
+narrows the activations from ``p̄`` to ``p`` channels, and the mirrored decoder at the start
+of the server portion, trained end to end.
+
+The coordinator keeps one full-width pair (width ``P``); an agent of width ``p <= P`` trains
+the first ``p`` output channels of the encoder and the first ``p`` input channels of the
+decoder (HetBL: narrow bottlenecks are prefixes of the wide one), so the full-width pair
+can serve every group and be averaged channel by channel.
+
+Shapes: image activations ``(C, H, W)`` use 1x1 ``Conv2d``; sequences ``(C, L)`` 1x1
+``Conv1d``; flat features ``(F,)`` ``Linear``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _layer(dims: int, cin: int, cout: int) -> nn.Module:
+    if dims == 3:
+        return nn.Conv2d(cin, cout, kernel_size=1)
+    if dims == 2:
+        return nn.Conv1d(cin, cout, kernel_size=1)
+    if dims == 1:
+        return nn.Linear(cin, cout)
+    raise ValueError(f"no bottleneck for activations of per-sample shape with {dims} dims")
+
+
+def bottleneck_shape(activation_shape: Sequence[int], width: int) -> tuple[int, ...]:
+    """Per-sample shape of what crosses the link: ``width`` channels instead of ``p̄``."""
+    return (int(width), *activation_shape[1:])
+
+
+class Bottleneck(nn.Module):
+    """Encoder ``p̄ -> width`` and decoder ``width -> p̄`` at one split point."""
+
+    def __init__(self, activation_shape: Sequence[int], width: int):
+        super().__init__()
+        channels = int(activation_shape[0])
+        if not 1 <= width <= channels:
+            raise ValueError(f"bottleneck width {width} outside 1..{channels} (the activation's channels)")
+        self.activation_shape = tuple(int(d) for d in activation_shape)
+        self.width = int(width)
+        self.encoder = _layer(len(activation_shape), channels, width)
+        self.decoder = _layer(len(activation_shape), width, channels)
+
+    def encode(self, h: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """The first ``width`` encoder channels (all of them by default)."""
+        w = self.width if width is None else width
+        enc = self.encoder
+        if isinstance(enc, nn.Linear):
+            return F.linear(h, enc.weight[:w], enc.bias[:w])
+        conv = F.conv2d if isinstance(enc, nn.Conv2d) else F.conv1d
+        return conv(h, enc.weight[:w], enc.bias[:w])
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Decode ``z`` using the first ``z.shape[1]`` decoder input channels."""
+        w = z.shape[1]
+        dec = self.decoder
+        if isinstance(dec, nn.Linear):
+            return F.linear(z, dec.weight[:, :w], dec.bias)
+        conv = F.conv2d if isinstance(dec, nn.Conv2d) else F.conv1d
+        return conv(z, dec.weight[:, :w], dec.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(h))
+
+
+class Encoder(nn.Module):
+    """The client-side half, as a module a Sequential can hold (shares the pair's parameters)."""
+
+    def __init__(self, pair: Bottleneck):
+        super().__init__()
+        self._pair = [pair]  # a list: not registered twice in state_dict
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self._pair[0].encode(h)
+
+
+class Decoder(nn.Module):
+    def __init__(self, pair: Bottleneck):
+        super().__init__()
+        self._pair = [pair]
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self._pair[0].decode(z)
+
+
+def slice_state(state: dict[str, torch.Tensor], prefix: str, width: int) -> dict[str, torch.Tensor]:
+    """The entries of a full-width pair (keys under ``prefix``) that an agent of ``width`` holds:
+    encoder rows and decoder columns ``[:width]``; the decoder bias is whole."""
+    out = {}
+    for k, v in state.items():
+        if not k.startswith(prefix):
+            continue
+        part = k[len(prefix):]
+        if part.startswith("encoder."):
+            out[k] = v[:width]
+        elif part == "decoder.weight":
+            out[k] = v[:, :width]
+        else:
+            out[k] = v
+    return out

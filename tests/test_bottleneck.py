@@ -1,0 +1,62 @@
+"""HeteroSFL bottleneck layers: shapes at every split of every model, end-to-end equivalence,
+narrow agents as prefixes of the wide pair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sfl_core.bottleneck import Bottleneck, bottleneck_shape, slice_state
+from sfl_core.models import MODEL_NAMES, build_model
+
+SHAPES = {"cnn1d": (9, 32)}
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_encoder_decoder_shapes_at_every_split(name):
+    shape = SHAPES.get(name, (1, 28, 28))
+    torch.manual_seed(0)
+    probe = build_model(name, shape, 10)
+    for s in probe.split_points:
+        model = build_model(name, shape, 10)
+        act = model.client(s)(torch.zeros(2, *shape)).shape[1:]
+        width = max(1, act[0] // 4)
+        model.add_bottleneck(s, width)
+        model.eval()
+        x = torch.randn(2, *shape)
+        z = model.client(s)(x)
+        assert tuple(z.shape[1:]) == bottleneck_shape(act, width)
+        out = model.server(s)(z)
+        assert out.shape == (2, 10)
+        torch.testing.assert_close(out, model(x))        # the full forward passes the bottleneck too
+        keys = set(model.client_keys(s)) | set(model.server_keys(s))
+        assert keys == set(model.state_dict())
+        assert any(k.startswith(f"bottlenecks.{s}.encoder") for k in model.client_keys(s))
+        assert any(k.startswith(f"bottlenecks.{s}.decoder") for k in model.server_keys(s))
+
+
+def test_narrow_agent_is_a_prefix_of_the_wide_pair():
+    torch.manual_seed(0)
+    wide = Bottleneck((16, 7, 7), 8)
+    narrow = Bottleneck((16, 7, 7), 3)
+    state = {f"b.{k}": v for k, v in wide.state_dict().items()}
+    narrow.load_state_dict({k[2:]: v for k, v in slice_state(state, "b.", 3).items()})
+    h = torch.randn(4, 16, 7, 7)
+    torch.testing.assert_close(narrow.encode(h), wide.encode(h, 3))
+    z = narrow.encode(h)
+    torch.testing.assert_close(narrow.decode(z), wide.decode(z))
+    # the narrow path trains exactly the first 3 encoder rows / decoder columns of the wide pair
+    wide.zero_grad()
+    wide.decode(wide.encode(h, 3)).sum().backward()
+    assert wide.encoder.weight.grad[3:].abs().sum() == 0 and wide.encoder.weight.grad[:3].abs().sum() > 0
+    assert wide.decoder.weight.grad[:, 3:].abs().sum() == 0
+
+
+def test_flat_and_sequence_bottlenecks():
+    for shape in ((64,), (8, 20)):
+        b = Bottleneck(shape, 4)
+        z = b.encode(torch.randn(3, *shape))
+        assert tuple(z.shape[1:]) == bottleneck_shape(shape, 4)
+        assert b.decode(z).shape == (3, *shape)
+    with pytest.raises(ValueError, match="width"):
+        Bottleneck((4, 2, 2), 5)
