@@ -21,6 +21,7 @@ from sfl_core import protocol, timing, wire
 from sfl_core.accounting import model_costs
 from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
+from sfl_core.bottleneck import bottleneck_shape, slice_state
 from sfl_core.config import RunConfig
 from sfl_core.models import SplitModel, build_model
 from sfl_core.protocol import Message
@@ -29,7 +30,7 @@ from sfl_core.sliding_split import ClientTimeTable
 from coordinator import state as ckpt
 from coordinator.planner import Planner, RoundPlan
 from coordinator.registry import Registry
-from coordinator.server_trainer import ServerTrainer
+from coordinator.server_trainer import LossSpec, ServerTrainer
 
 log = logging.getLogger("sfl.coord")
 
@@ -103,12 +104,19 @@ class RoundEngine:
         self._last_seq: dict[str, int] = {}
         self._reg_seq: dict[str, int] = {}
         torch.manual_seed(cfg.seed)
-        self.model: SplitModel = build_model(cfg.model, self.input_shape, num_classes).to(self.device)
+        model = build_model(cfg.model, self.input_shape, num_classes)
+        if cfg.hetero.width is not None:
+            pair = model.add_bottleneck(cfg.split or model.default_split, cfg.hetero.width)
+            # with fixed widths nobody trains the channels past the widest: evaluate without them
+            pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
+        self.model: SplitModel = model.to(self.device)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
         if cfg.split is not None:
             self.model.check_split(cfg.split)
         self.planner = Planner(cfg, self.model, self.costs)
-        self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device)
+        loss = LossSpec(cfg.loss, cfg.calibration_tau, cfg.hetero.bdks, cfg.hetero.bdks_alpha,
+                        cfg.hetero.bdks_theta)
+        self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss)
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
         if resume:
@@ -144,15 +152,17 @@ class RoundEngine:
         selected = self.select(r)
         plan = self.planner.plan(r, selected, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
-        agents = {a: _RoundAgent(a, self._assignment(plan.splits[a])) for a in selected}
-        self.server.begin_round(plan.groups, plan.splits)
-        bodies: dict[int, dict] = {}  # encode each distinct client portion once
+        agents = {a: _RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a)))
+                  for a in selected}
+        self.server.begin_round(plan.groups, plan.splits, widths=plan.widths,
+                                label_counts={a: self.registry.agents[a].label_counts for a in selected})
+        bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         for a, ra in agents.items():
-            s = ra.assignment.split
-            if s not in bodies:
-                bodies[s] = wire.encode_state(self.model.client_state(s), self.cfg.zstd_level)
+            key = (ra.assignment.split, ra.assignment.width)
+            if key not in bodies:
+                bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
             self._send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                   ra.assignment.to_body(bodies[s]), round=r, seq=protocol.next_seq()))
+                                   ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
         losses: list[float] = []
         if self.cfg.strategy != "fedavg":
             for k in range(self.cfg.local_iters):
@@ -172,7 +182,7 @@ class RoundEngine:
                 for a, g in grads.items():
                     agents[a].server_s += dt
                     self._send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                  {"g": wire.encode_tensor(g, self.cfg.codec, self.cfg.zstd_level)},
+                                                  {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)},
                                                   round=r, step=k, seq=protocol.next_seq()))
                 self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         uploads = self._collect(agents, "weights", r, self.cfg.local_iters - 1)
@@ -198,13 +208,20 @@ class RoundEngine:
                 log.warning("could not tell %s to shut down: %s", a, exc)
 
     # ================================================================ internals
-    def _assignment(self, split: int) -> Assignment:
+    def _client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
+        """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
+        state = self.model.client_state(split)
+        return {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
+
+    def _assignment(self, split: int, width: int = 0, codec: str | None = None) -> Assignment:
         cost = self.costs[split]
         shape = cost.activation_shape if self.cfg.strategy != "fedavg" else (self.num_classes,)
+        if width:
+            shape = bottleneck_shape(shape, width)
         strategy = "fedavg" if self.cfg.strategy == "fedavg" else "sfl"  # what the agent does
-        return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=0,
+        return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=width,
                           batch_size=self.cfg.batch_size, lr=self.cfg.lr, momentum=self.cfg.momentum,
-                          tau=self.cfg.local_iters, codec=self.cfg.codec, zstd_level=self.cfg.zstd_level,
+                          tau=self.cfg.local_iters, codec=codec or self.cfg.codec, zstd_level=self.cfg.zstd_level,
                           activation_shape=tuple(shape))
 
     def _send(self, ra: _RoundAgent, msg: Message) -> None:
@@ -353,19 +370,21 @@ class RoundEngine:
         exactly FedAvg of the client portions plus the trained server portion."""
         clients, servers, weights, fed_losses, done = {}, {}, {}, [], []
         for a, msg in uploads.items():
-            split = agents[a].assignment.split
+            split, width = agents[a].assignment.split, agents[a].assignment.width
             try:
-                clients[a] = wire.decode_state(msg.body["weights"], self.model.client_state(split))
+                clients[a] = wire.decode_state(msg.body["weights"], self._client_state(split, width))
             except wire.WireError as exc:
                 log.warning("rejected weights from %s: %s", a, exc)
                 continue
-            servers[a] = self.server.member_state(a, split)
+            server = self.server.member_state(a, split)
+            # HetBL: an agent of width w trained only the first w decoder input channels
+            servers[a] = {**server, **slice_state(server, f"bottlenecks.{split}.", width)} if width else server
             weights[a] = float(self.registry.agents[a].num_samples)
             done.append(a)
             if msg.body["loss"] == msg.body["loss"]:  # not NaN
                 fed_losses.append(float(msg.body["loss"]))
         if clients:
-            avg = layerwise_average(clients, servers, weights)
+            avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict())
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         accuracy, test_loss = self.evaluate()
         per_agent, times = {}, {}
@@ -384,6 +403,7 @@ class RoundEngine:
             info.compute_s += ra.compute_s
             per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4), "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
+                            "width": ra.assignment.width, "codec": ra.assignment.codec,
                             "batch_size": ra.assignment.batch_size}
         self.planner.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)

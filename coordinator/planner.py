@@ -3,13 +3,15 @@ on the server. Strategies differ here and only here; the round engine executes a
 
 from __future__ import annotations
 
+import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
 from sfl_core.grouping import group_by_balance
+from sfl_core.hetero import group_by_link_rate, widths_for_groups
 from sfl_core.models import SplitModel
 from sfl_core.sliding_split import ClientTimeTable, candidate_splits, estimate_round_time, median_rule, warmup_split
 
@@ -24,6 +26,10 @@ class RoundPlan:
     groups: list[list[str]]
     phase: str = ""
     """How the splits were chosen: fixed, warm-up, median rule."""
+    widths: dict[str, int] = field(default_factory=dict)
+    """Bottleneck width per agent (absent or 0 = no bottleneck)."""
+    codecs: dict[str, str] = field(default_factory=dict)
+    """Wire codec per agent (absent = the run's codec)."""
 
 
 class Planner:
@@ -42,6 +48,17 @@ class Planner:
 
     # ----------------------------------------------------------------- plans
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
+        plan = self._plan_splits(r, selected, agents)
+        h = self.cfg.hetero
+        if h.width is not None or h.codecs is not None:
+            groups, indices = self.link_groups(selected, agents)
+            if h.width is not None:
+                plan = replace(plan, widths=self.widths(groups, indices, agents))
+            if h.codecs is not None:
+                plan = replace(plan, codecs={a: h.codecs[i] for g, i in zip(groups, indices) for a in g})
+        return plan
+
+    def _plan_splits(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         cfg = self.cfg
         if cfg.strategy == "fedavg":
             return RoundPlan({a: self.model.num_blocks for a in selected}, [list(selected)], "fedavg")
@@ -68,6 +85,29 @@ class Planner:
         else:
             groups = [[a] for a in selected]
         return RoundPlan(splits, groups, phase)
+
+    # ----------------------------------------------------------------- HeteroSFL link groups
+    def link_groups(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> tuple[list[list[str]], list[int]]:
+        """The round's agents by uplink rate, slowest group first, with each group's index into
+        the configured per-group lists (empty groups are dropped, so indices can skip)."""
+        h = self.cfg.hetero
+        rates = {a: uplink_rate(agents[a]) for a in selected}
+        groups = group_by_link_rate(rates, groups=h.groups, thresholds=h.thresholds)
+        if h.thresholds:   # a group's index is the threshold interval its members' rates fall in
+            indices = [bisect.bisect_right(h.thresholds, rates[g[0]]) for g in groups]
+        else:              # quantile groups are empty only when agents < groups: the few take the fastest slots
+            indices = list(range(h.groups - len(groups), h.groups))
+        return groups, indices
+
+    def widths(self, groups: list[list[str]], indices: list[int], agents: Mapping[str, AgentInfo]) -> dict[str, int]:
+        """Bottleneck width per agent: the configured width of its group, or widths proportional to
+        the groups' rates (the slowest member sets a group's pace), the fastest at full width."""
+        h = self.cfg.hetero
+        assert h.width is not None
+        group_rates = [min(uplink_rate(agents[a]) for a in g) for g in groups]
+        fixed = [h.widths[i] for i in indices] if h.widths else None
+        widths = widths_for_groups(group_rates, h.width, fixed=fixed)
+        return {a: w for g, w in zip(groups, widths) for a in g}
 
     # ----------------------------------------------------------------- time table
     def fill_estimates(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> None:
@@ -97,3 +137,9 @@ class Planner:
         for a, t in times.items():
             if splits.get(a) in self.candidates:
                 self.time_table.record(a, splits[a], t, r)
+
+
+def uplink_rate(info: AgentInfo) -> float:
+    """The agent's measured uplink (bytes/s) when it measured one, else its profile's."""
+    measured = info.measured.get("up_bytes_per_s") if isinstance(info.measured, dict) else None
+    return float(measured) if isinstance(measured, (int, float)) and measured > 0 else float(info.profile["link_bytes_per_s"])

@@ -13,16 +13,25 @@ block from the group's smallest split, and each member's activations join the ba
 the block where its client portion ended; autograd hands each member the gradient of its
 own rows. That gradient is scaled by ``N / b_i`` so it is the gradient of the member's own
 mean loss, which keeps a client learning rate meaning the same whatever the group size.
+
+HeteroSFL (SPEC §5) adds to that: a bottlenecked member's rows pass the first ``width``
+input channels of the group's decoder before they join; the loss may be logit-calibrated
+per member (each row scored against its own agent's label counts); and with BDKS every
+member wider than the round's narrowest width also runs its rows through the narrower
+sub-bottlenecks, so the wide and narrow paths teach each other (:func:`_bdks_terms`).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from sfl_core.hetero import under_represented_classes
+from sfl_core.losses import logit_calibrated_ce, n2w_loss, w2n_loss
 from sfl_core.models import SplitModel
 
 SERVER_MODES = ("merged", "per_agent")
@@ -37,6 +46,17 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """How the server scores the rows it trains on (run config ``loss``, ``hetero.bdks*``)."""
+
+    kind: str = "ce"          # ce | calibrated
+    tau: float = 1.0          # calibration strength (calibrated only)
+    bdks: bool = False
+    alpha: float = 1.0        # weight of N2W in BDKS
+    theta: float = 0.1        # under-represented threshold of BDKS
+
+
 class _Group:
     """One server copy and its optimiser, for the blocks at and after the group's smallest split."""
 
@@ -48,6 +68,9 @@ class _Group:
         self.model = copy.deepcopy(model)
         self.model.train()
         params = [p for blk in self.model.blocks[self.first:] for p in blk.parameters()]
+        # the decoders of bottlenecks at or after the first split belong to the server side
+        params += [p for key, pair in self.model.bottlenecks.items() if int(key) >= self.first
+                   for p in pair.decoder.parameters()]
         self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
 
     def state_for(self, split: int) -> dict[str, torch.Tensor]:
@@ -57,18 +80,45 @@ class _Group:
 
 class ServerTrainer:
     def __init__(self, model: SplitModel, *, lr: float = 0.05, momentum: float = 0.0,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", loss: LossSpec = LossSpec()):
         self.model = model
         self.lr = lr
         self.momentum = momentum
         self.device = torch.device(device)
+        self.loss = loss
         self._groups: list[_Group] = []
         self._group_of: dict[str, _Group] = {}
+        self._widths: dict[str, int] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+        self._under: dict[int, list[int]] = {}
 
-    def begin_round(self, groups: Sequence[Sequence[str]], splits: Mapping[str, int]) -> None:
-        """Fresh copies of the current global model, one per group (optimiser state too, like the agents)."""
+    def begin_round(self, groups: Sequence[Sequence[str]], splits: Mapping[str, int], *,
+                    widths: Mapping[str, int] | None = None,
+                    label_counts: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Fresh copies of the current global model, one per group (optimiser state too, like the agents).
+
+        ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
+        their registered label counts, needed by the calibrated loss and by BDKS.
+        """
         self._groups = [_Group(self.model, g, splits, self.lr, self.momentum) for g in groups if g]
         self._group_of = {a: g for g in self._groups for a in g.members}
+        self._widths = {a: w for a, w in (widths or {}).items() if w}
+        needs_counts = self.loss.kind == "calibrated" or self.loss.bdks
+        if needs_counts and label_counts is None:
+            raise ValueError(f"loss {self.loss} needs the agents' label counts")
+        self._counts = {a: torch.as_tensor(c, dtype=torch.float64) for a, c in (label_counts or {}).items()}
+        self._under = self._under_represented() if self.loss.bdks else {}
+
+    def _under_represented(self) -> dict[int, list[int]]:
+        """BDKS's class set R for each width wider than the round's narrowest (the round's data is 'global')."""
+        if not self._widths:
+            return {}
+        everyone = sum(self._counts[a] for a in self._widths)
+        out = {}
+        for w in sorted(set(self._widths.values()))[1:]:
+            group = sum(self._counts[a] for a, v in self._widths.items() if v == w)
+            out[w] = under_represented_classes(group.tolist(), everyone.tolist(), self.loss.theta)
+        return out
 
     def step(self, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float]:
         """One local iteration for the agents in ``batches``; returns their gradients and the mean loss."""
@@ -94,12 +144,14 @@ class ServerTrainer:
         pos = 0
         for layer in range(group.first, len(blocks)):
             joining = []
+            pair = group.model.bottleneck(layer)
             while pos < len(order) and group.splits[order[pos]] == layer:
                 a = order[pos]
                 x = batches[a][0].to(self.device, non_blocking=True).detach().requires_grad_(True)
                 inputs[a] = x
                 labels.append(batches[a][1].to(self.device, non_blocking=True))
-                joining.append(x)
+                # a bottlenecked agent's rows pass its slice of the decoder before joining (HetBL)
+                joining.append(pair.decode(x) if pair is not None else x)
                 pos += 1
             if joining:
                 h = torch.cat(([h] if h is not None else []) + joining)
@@ -109,7 +161,7 @@ class ServerTrainer:
         y = torch.cat(labels)
         if group.opt is not None:
             group.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(h, y)
+        loss = self._loss(group, order, inputs, h, y)
         loss.backward()
         if group.opt is not None:
             group.opt.step()
@@ -128,6 +180,58 @@ class ServerTrainer:
             for a, g in zip(members, torch.split(host, [out[a].shape[0] for a in members])):
                 grads[a] = g
         return grads, loss.item(), n
+
+    def _loss(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
+              logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the group's rows (in ``order``), plus the BDKS terms of the wide rows."""
+        if self.loss.kind == "calibrated":
+            counts = torch.cat([self._counts[a].expand(inputs[a].shape[0], -1) for a in order]).to(self.device)
+            # a row's own class counts at least once, whatever the agent registered: never an infinite margin
+            counts = counts.scatter(1, y.view(-1, 1), counts.gather(1, y.view(-1, 1)).clamp(min=1.0))
+            loss = logit_calibrated_ce(logits, y, counts, self.loss.tau)
+        else:
+            loss = F.cross_entropy(logits, y)
+        if self.loss.bdks and len(self._under) > 0:
+            loss = loss + self._bdks_terms(group, order, inputs, logits)
+        return loss
+
+    def _bdks_terms(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
+                    logits: torch.Tensor) -> torch.Tensor:
+        """BDKS (paper Eq. 6-8, extended to k groups): for the rows of a member of width ``w``
+        wider than the round's narrowest ``w_1``, the narrower sub-bottlenecks ``w_j < w`` run
+        too (the first ``w_j`` channels of the same activations). The narrowest path, trained
+        on everybody's data, teaches the wide one the classes under-represented in width
+        ``w``'s group (N2W, weight α); each narrower path learns from the wide path's soft
+        labels (W2N). Terms are weighted by the rows' share of the batch, like the mean loss."""
+        widths = sorted(set(self._widths.values()))
+        n = logits.shape[0]
+        offsets, pos = {}, 0
+        for a in order:
+            offsets[a] = (pos, pos + inputs[a].shape[0])
+            pos += inputs[a].shape[0]
+        total = logits.new_zeros(())
+        for w, under in self._under.items():
+            members = [a for a in order if self._widths.get(a) == w]
+            if not members:
+                continue
+            if any(group.splits[a] != group.first for a in members):
+                raise ValueError("BDKS needs every bottlenecked member on one split")
+            rows = torch.cat([torch.arange(*offsets[a], device=logits.device) for a in members])
+            wide = logits[rows]
+            z = torch.cat([inputs[a] for a in members])
+            narrower = {p: self._server_forward(group, z[:, :p]) for p in widths if p < w}
+            term = self.loss.alpha * n2w_loss(wide, narrower[widths[0]], under)
+            for narrow in narrower.values():
+                term = term + w2n_loss(narrow, wide)
+            total = total + term * (rows.numel() / n)
+        return total
+
+    def _server_forward(self, group: _Group, z: torch.Tensor) -> torch.Tensor:
+        """Logits of bottleneck codes ``z`` at the group's first split (decoder slice, then the blocks)."""
+        h = group.model.bottleneck(group.first).decode(z)
+        for blk in group.model.blocks[group.first:]:
+            h = blk(h)
+        return h
 
     def drop(self, agent_id: str) -> None:
         """An agent left mid-round: its rows stop joining its group's batch."""

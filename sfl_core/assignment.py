@@ -42,8 +42,8 @@ class Assignment:
             return wire.WireError(f"assign.{field}: {why}")
         if body["strategy"] not in STRATEGIES:
             raise bad("strategy", f"{body['strategy']!r} not one of {STRATEGIES}")
-        if body["codec"] not in wire.CODECS:
-            raise bad("codec", f"{body['codec']!r} not one of {wire.CODECS}")
+        if not wire.is_codec(body["codec"]):
+            raise bad("codec", f"{body['codec']!r} not one of {wire.CODECS} or {wire.TOPK_PATTERN}")
         if not 1 <= body["batch_size"] <= MAX_BATCH:
             raise bad("batch_size", f"{body['batch_size']} outside 1..{MAX_BATCH}")
         if not 1 <= body["tau"] <= MAX_TAU:

@@ -23,7 +23,7 @@ import yaml
 
 from sfl_core.protocol import check_id
 from sfl_core.partition import SCHEMES
-from sfl_core.wire import CODECS
+from sfl_core.wire import CODECS, TOPK_PATTERN, is_codec
 
 __all__ = [
     "CODECS",
@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("sfl", "fedavg", "s2fl")
+LOSSES = ("ce", "calibrated")
 """Training strategies a run may name (the mechanisms of SPEC §4–7 extend this tuple)."""
 SERVER_MODES = ("merged", "per_agent")
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1."""
@@ -117,6 +118,22 @@ class S2flConfig:
 
 
 @dataclass(frozen=True)
+class HeteroConfig:
+    """HeteroSFL (SPEC §5): agents grouped by link rate; each group gets a bottleneck width (and
+    optionally its own codec) so the groups' per-step transfer times come out close (the slow
+    group compresses most)."""
+
+    width: int | None = None                      # full (widest) width P; None = no bottleneck
+    groups: int = 2                               # link-rate groups, 1..4
+    widths: tuple[int, ...] | None = None         # fixed width per group, slowest first; None = from the rates
+    thresholds: tuple[float, ...] | None = None   # uplink B/s between groups (ascending); None = quantiles
+    codecs: tuple[str, ...] | None = None         # codec per group, slowest first; None = the run's codec
+    bdks: bool = False                            # bi-directional knowledge sharing for the wider groups
+    bdks_alpha: float = 1.0                       # weight of the narrow-to-wide distillation (Eq. 8)
+    bdks_theta: float = 0.1                       # under-represented: group count < theta x global count
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One training run. Field meanings are documented at the top of profiles/runs/demo.yaml."""
 
@@ -142,7 +159,10 @@ class RunConfig:
     register_timeout_s: float = 300.0
     output_dir: str | None = None  # None -> runs/<run_id>
     eval_samples: int | None = None  # evaluate on the first N test samples; None = all
+    loss: str = "ce"               # ce | calibrated (FedLC logit calibration, SPEC §5)
+    calibration_tau: float = 1.0   # calibration strength tau of the calibrated loss
     s2fl: S2flConfig = field(default_factory=S2flConfig)
+    hetero: HeteroConfig = field(default_factory=HeteroConfig)
 
     @property
     def num_agents(self) -> int:
@@ -246,6 +266,12 @@ def _enum(*choices: str) -> _Conv:
             fail("one of " + ", ".join(repr(c) for c in choices))
         return v
     return conv
+
+
+def _codec(v: Any, fail: _Fail) -> str:
+    if not is_codec(v):
+        fail("one of " + ", ".join(repr(c) for c in CODECS) + f" or {TOPK_PATTERN}")
+    return v
 
 
 def _opt(conv: _Conv) -> _Conv:
@@ -444,7 +470,7 @@ _RUN_SPEC: dict[str, _Conv] = {
     "lr": _pos_float,
     "momentum": _float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"),
     "local_iters": _pos_int,
-    "codec": _enum(*CODECS),
+    "codec": _codec,
     "zstd_level": _int(0, 22, what="an integer from 0 (no compression) to 22"),
     "seed": _nonneg_int,
     "server_flops": _pos_float,
@@ -452,7 +478,10 @@ _RUN_SPEC: dict[str, _Conv] = {
     "register_timeout_s": _pos_float,
     "output_dir": _opt(_str),
     "eval_samples": _opt(_pos_int),
+    "loss": _enum(*LOSSES),
+    "calibration_tau": _float(0.0, lo_open=False, what="a number >= 0"),
     "s2fl": lambda v, fail: v,  # checked by _s2fl()
+    "hetero": lambda v, fail: v,  # checked by _hetero()
 }
 _YAML_TO_ATTR = {"run": "run_id"}
 
@@ -484,6 +513,65 @@ _S2FL_SPEC: dict[str, _Conv] = {
 def _s2fl(v: Any, source: str) -> S2flConfig:
     d = _check_mapping({} if v is None else v, list(_S2FL_SPEC), source, "s2fl")
     return S2flConfig(**_convert(d, _S2FL_SPEC, source, "s2fl"))
+
+
+def _pos_int_list(v: Any, fail: _Fail) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+        fail("a non-empty list of positive integers, or null")
+    return tuple(v)
+
+
+def _rate_list(v: Any, fail: _Fail) -> tuple[float, ...] | None:
+    if v is None:
+        return None
+    nums = [_number(x) for x in v] if isinstance(v, list) else None
+    if not nums or any(x is None or x <= 0 for x in nums) or any(b <= a for a, b in zip(nums, nums[1:])):
+        fail("a strictly ascending list of positive rates in bytes/s, or null")
+    return tuple(float(x) for x in nums)
+
+
+def _codec_list(v: Any, fail: _Fail) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(is_codec(c) for c in v):
+        fail("a non-empty list of codecs (" + ", ".join(CODECS) + f" or {TOPK_PATTERN}), or null")
+    return tuple(v)
+
+
+_HETERO_SPEC: dict[str, _Conv] = {
+    "width": _opt(_pos_int),
+    "groups": _int(1, 4, what="an integer from 1 to 4"),
+    "widths": _pos_int_list,
+    "thresholds": _rate_list,
+    "codecs": _codec_list,
+    "bdks": _bool,
+    "bdks_alpha": _float(0.0, lo_open=False, what="a number >= 0"),
+    "bdks_theta": _float(0.0, lo_open=False, hi=1.0, hi_open=False, what="a number in [0, 1]"),
+}
+
+
+def _hetero(v: Any, source: str) -> HeteroConfig:
+    d = _check_mapping({} if v is None else v, list(_HETERO_SPEC), source, "hetero")
+    cfg = HeteroConfig(**_convert(d, _HETERO_SPEC, source, "hetero"))
+    if cfg.codecs is not None and len(cfg.codecs) != cfg.groups:
+        raise ConfigError(f"{source}: field 'hetero.codecs': expected {cfg.groups} codecs (one per group), "
+                          f"got {list(cfg.codecs)}")
+    if cfg.widths is not None and len(cfg.widths) != cfg.groups:
+        raise ConfigError(f"{source}: field 'hetero.widths': expected {cfg.groups} widths (one per group), "
+                          f"got {list(cfg.widths)}")
+    if cfg.widths is not None and cfg.width is None:
+        raise ConfigError(f"{source}: field 'hetero.widths': fixed widths need the full width (set hetero.width)")
+    if cfg.widths is not None and any(b < a for a, b in zip(cfg.widths, cfg.widths[1:])):
+        raise ConfigError(f"{source}: field 'hetero.widths': expected widths non-decreasing from the slowest "
+                          f"group, got {list(cfg.widths)}")
+    if cfg.widths is not None and max(cfg.widths) > cfg.width:
+        raise ConfigError(f"{source}: field 'hetero.widths': expected widths <= hetero.width {cfg.width}")
+    if cfg.thresholds is not None and len(cfg.thresholds) != cfg.groups - 1:
+        raise ConfigError(f"{source}: field 'hetero.thresholds': expected {cfg.groups - 1} rates "
+                          f"(between {cfg.groups} groups), got {list(cfg.thresholds)}")
+    return cfg
 
 
 def _data(v: Any, source: str) -> DataConfig:
@@ -541,9 +629,16 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
     kwargs: dict[str, Any] = {_YAML_TO_ATTR.get(k, k): v for k, v in values.items()}
     kwargs["data"] = _data(d.get("data"), source)
     kwargs["s2fl"] = _s2fl(d.get("s2fl"), source)
+    kwargs["hetero"] = _hetero(d.get("hetero"), source)
     kwargs["fleet"] = _fleet(d.get("fleet"), source, base_dir, search_dirs)
     cfg = RunConfig(**kwargs)
 
+    if cfg.hetero.bdks and cfg.hetero.width is None:
+        raise ConfigError(f"{source}: field 'hetero.bdks': needs a bottleneck (set hetero.width)")
+    if cfg.hetero.width is not None and (cfg.strategy == "fedavg" or
+                                             (cfg.strategy == "s2fl" and cfg.s2fl.sliding)):
+        raise ConfigError(f"{source}: field 'hetero.width': a bottleneck needs one fixed split point "
+                          f"(strategy sfl, or s2fl with sliding false), got strategy {cfg.strategy!r}")
     n = cfg.num_agents
     if n == 0 and cfg.min_agents is None:
         raise ConfigError(f"{source}: field 'fleet': expected at least one "
@@ -570,10 +665,9 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("data", "s2fl"):
-            value = {g.name: getattr(value, g.name) for g in fields(value)}
-            if f.name == "s2fl" and value["candidates"] is not None:
-                value["candidates"] = list(value["candidates"])
+        if f.name in ("data", "s2fl", "hetero"):
+            value = {g.name: (list(getattr(value, g.name)) if isinstance(getattr(value, g.name), tuple)
+                              else getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":
             value = [{"profile": e.profile, "count": e.count} for e in value]
         out["run" if f.name == "run_id" else f.name] = value

@@ -332,6 +332,21 @@ def _vgg(name: str, input_shape: tuple[int, ...], num_classes: int) -> SplitMode
     return b.finish(name, 1, input_shape, num_classes)
 
 
+def vgg_mini(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """VGG-style net sized for CPU benchmarks: conv16+pool | conv32+pool | conv256 | 1x1
+    conv64+pool | avgpool+fc. Default split 3 mirrors HeteroSFL's VGG-11 cut after three
+    convs: 256 channels at 7x7 on 28x28 input (p̄ = 256, so bottleneck widths 1..256 give
+    the paper's 256x..1x), at ~1/20 of VGG-11's FLOPs per sample."""
+    _check_image_shape("vgg_mini", input_shape)
+    b = _Builder(input_shape)
+    b.add("conv1", _conv_bn_relu(b.channels, 16, b.shape, pool=True))
+    b.add("conv2", _conv_bn_relu(b.channels, 32, b.shape, pool=True))
+    b.add("conv3", _conv_bn_relu(b.channels, 256, b.shape, pool=False))
+    b.add("conv4", _conv_bn_relu(b.channels, 64, b.shape, pool=True, kernel=1))
+    b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
+    return b.finish("vgg_mini", 3, input_shape, num_classes)
+
+
 def vgg11(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     return _vgg("vgg11", input_shape, num_classes)
 
@@ -422,6 +437,7 @@ def cnn1d(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
 _BUILDERS: dict[str, Callable[[tuple[int, ...], int], SplitModel]] = {
     "small_cnn": small_cnn,
     "resnet8": resnet8,
+    "vgg_mini": vgg_mini,
     "vgg11": vgg11,
     "vgg16": vgg16,
     "alexnet": alexnet,
@@ -429,7 +445,7 @@ _BUILDERS: dict[str, Callable[[tuple[int, ...], int], SplitModel]] = {
     "cnn1d": cnn1d,
 }
 
-MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet8", "vgg11", "vgg16", "alexnet", "mobilenet_v1", "cnn1d")
+MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet8", "vgg_mini", "vgg11", "vgg16", "alexnet", "mobilenet_v1", "cnn1d")
 
 
 def build_model(name: str, input_shape: Sequence[int], num_classes: int) -> SplitModel:

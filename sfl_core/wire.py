@@ -8,11 +8,17 @@ and are rebuilt with ``numpy.frombuffer`` after their size has been checked.
 Every decode function validates before it allocates: dtype in an allow-list, shape
 non-negative and matching what the caller expects, byte length equal to
 ``prod(shape) * itemsize``, and decompressed size bounded.
+
+Activation/gradient codecs (why several: HeteroSFL's precision and Top-k baselines, and
+each layer of reduction must be measurable on its own): ``fp32``, ``fp16``, ``bf16``
+(upper 16 bits of float32), ``int8`` (symmetric per-channel quantisation) and ``topk<P>``
+(the P % largest-magnitude entries per sample). Every codec is followed by zstd.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -25,8 +31,13 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
 """Upper bound for one decoded message (and for one decompressed tensor)."""
 
-CODECS = ("fp32", "fp16")
-"""Activation/gradient precisions on the wire (bf16/int8/top-k come with the codec issue)."""
+CODECS = ("fp32", "fp16", "bf16", "int8")
+"""Fixed-name activation/gradient codecs; ``topk<P>`` (P = 1..99) is valid too, see :func:`is_codec`."""
+
+TOPK_PATTERN = "topk<P> (P = 1..99)"
+_TOPK_RE = re.compile(r"topk([1-9][0-9]?)")
+FLOAT_CODEC_FORMS = ("bfloat16", "int8", "topk")
+"""Lossy float encodings a decoder accepts wherever ``float32`` is accepted (see :func:`decode_tensor`)."""
 
 # dtypes a peer may send; anything else is rejected before any buffer is touched.
 _DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
@@ -35,6 +46,8 @@ _DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "int64": (np.dtype("<i8"), torch.int64),
     "int32": (np.dtype("<i4"), torch.int32),
     "uint8": (np.dtype("u1"), torch.uint8),
+    # bfloat16 has no numpy dtype: its bits travel as little-endian uint16 (upper half of a float32)
+    "bfloat16": (np.dtype("<u2"), torch.bfloat16),
 }
 _TORCH_TO_NAME = {t: name for name, (_, t) in _DTYPES.items()}
 
@@ -46,22 +59,118 @@ class WireError(ValueError):
 # --------------------------------------------------------------------------- tensors
 
 
+def is_codec(name: str) -> bool:
+    """True for a codec name :func:`encode_tensor` accepts: one of :data:`CODECS` or ``topk1`` … ``topk99``."""
+    return isinstance(name, str) and (name in CODECS or _TOPK_RE.fullmatch(name) is not None)
+
+
+def check_codec(name: str) -> None:
+    """Raise ValueError naming the valid codecs unless :func:`is_codec` accepts ``name``."""
+    if not is_codec(name):
+        raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODECS)} or {TOPK_PATTERN}")
+
+
+def topk_count(n: int, percent: int) -> int:
+    """Entries kept per sample by ``topk<percent>`` out of ``n``: ceil(n·P/100), so never 0 unless n is.
+
+    Integer arithmetic on purpose: sender and receiver must agree on k exactly.
+    """
+    return (n * percent + 99) // 100
+
+
+def _samples(dims: list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """(samples, entries per sample) for top-k: dim 0 is the batch; 0-D/1-D tensors are one sample."""
+    if len(dims) >= 2:
+        return dims[0], math.prod(dims[1:])
+    return 1, math.prod(dims)
+
+
+def _channels(dims: list[int] | tuple[int, ...]) -> int:
+    """Scales per int8 tensor: one per channel (dim 1) for 2-D and up, one per tensor below that."""
+    return dims[1] if len(dims) >= 2 else 1
+
+
 def encode_tensor(t: torch.Tensor, codec: str = "fp32", zstd_level: int = 3) -> dict[str, Any]:
-    """Pack a tensor as ``{dtype, shape, z, data}``; ``codec='fp16'`` halves float payloads."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    """Pack a tensor as ``{dtype, shape, z, data}`` (plus codec fields for ``int8``/``topk<P>``).
+
+    The codec only changes floating tensors; integer tensors (labels) always travel as they are.
+    ``fp16``/``bf16`` halve float payloads; ``int8`` adds ``codec``/``scale``; ``topk<P>`` adds
+    ``codec``/``p``/``idx`` and puts the kept values (float16) in ``data``. Protocol: §4 of
+    docs/protocol.md.
+    """
+    check_codec(codec)
     t = t.detach()
-    if t.is_floating_point() and codec == "fp16":
-        t = t.to(torch.float16)
-    elif t.is_floating_point() and t.dtype != torch.float32:
-        t = t.to(torch.float32)
+    if t.is_floating_point():
+        if codec == "fp16":
+            t = t.to(torch.float16)
+        elif codec == "bf16":
+            t = t.to(torch.bfloat16)  # round-to-nearest-even to the upper 16 bits
+        else:
+            t = t.to(torch.float32)
+            if codec == "int8":
+                return _encode_int8(t, zstd_level)
+            if codec.startswith("topk"):
+                return _encode_topk(t, int(codec[4:]), zstd_level)
     name = _TORCH_TO_NAME.get(t.dtype)
     if name is None:
         raise ValueError(f"dtype {t.dtype} cannot be sent; allowed: {sorted(_DTYPES)}")
-    raw = t.cpu().contiguous().numpy().astype(_DTYPES[name][0], copy=False).tobytes()
+    t = t.cpu().contiguous()
+    arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    return _plain_map(name, list(t.shape), arr.astype(_DTYPES[name][0], copy=False).tobytes(), zstd_level)
+
+
+def _plain_map(name: str, dims: list[int], raw: bytes, zstd_level: int) -> dict[str, Any]:
     z = zstd_level > 0
     data = zstandard.ZstdCompressor(level=zstd_level).compress(raw) if z else raw
-    return {"dtype": name, "shape": list(t.shape), "z": z, "data": data}
+    return {"dtype": name, "shape": dims, "z": z, "data": data}
+
+
+def _encode_int8(t: torch.Tensor, zstd_level: int) -> dict[str, Any]:
+    """Symmetric per-channel int8: scale = max|x|/127 per channel, q = round(x/scale) in [-127, 127].
+
+    Why symmetric and per channel: ReLU outputs and gradients differ by orders of magnitude
+    between channels, so one scale per tensor would flush whole channels to zero; a zero
+    point buys nothing for data centred on 0 and costs a second array.
+    """
+    dims = list(t.shape)
+    c = _channels(dims)
+    moved = t.cpu().contiguous()
+    if moved.numel() == 0:
+        amax = torch.zeros(c)
+    elif len(dims) >= 2:
+        amax = moved.abs().amax(dim=[d for d in range(len(dims)) if d != 1])
+    else:
+        amax = moved.abs().max().reshape(1)
+    scale = (amax / 127.0).to(torch.float32)
+    bshape = [1, c] + [1] * (len(dims) - 2) if len(dims) >= 2 else [1] * len(dims)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(bshape)
+    q = torch.round(moved / safe).clamp_(-127, 127).to(torch.int8)
+    out = _plain_map("int8", dims, q.numpy().tobytes(), zstd_level)
+    out["codec"] = "int8"
+    out["scale"] = encode_tensor(scale, "fp32", zstd_level)
+    return out
+
+
+def _encode_topk(t: torch.Tensor, percent: int, zstd_level: int) -> dict[str, Any]:
+    """Keep the ``percent`` % largest |x| per sample (HeteroSFL's Top-k baseline), values as float16.
+
+    Indices are flat within each sample and sorted ascending, so a receiver can check them
+    cheaply (strictly increasing = in range and no duplicates) and zstd sees small deltas.
+    """
+    dims = list(t.shape)
+    s, n = _samples(dims)
+    k = topk_count(n, percent)
+    flat = t.cpu().reshape(s, n)
+    if s * k > 0:
+        idx = torch.topk(flat.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        vals = torch.gather(flat, 1, idx)
+    else:
+        idx, vals = torch.zeros(s, k, dtype=torch.int64), torch.zeros(s, k)
+    out = _plain_map("float16", dims, vals.to(torch.float16).numpy().astype("<f2", copy=False).tobytes(), zstd_level)
+    out["codec"] = "topk"
+    out["p"] = percent
+    out["idx"] = encode_tensor(idx.to(torch.int32), "fp32", zstd_level)
+    return out
 
 
 def decode_tensor(
@@ -71,20 +180,42 @@ def decode_tensor(
     dtypes: tuple[str, ...] | None = None,
     max_bytes: int = MAX_MESSAGE_BYTES,
     as_float32: bool = True,
+    float_codecs: bool = True,
 ) -> torch.Tensor:
     """Rebuild a tensor sent by :func:`encode_tensor`, validating it against ``shape``.
 
     ``shape`` may contain ``None`` for a free dimension (e.g. the batch). Half-precision
-    payloads are widened to float32 unless ``as_float32`` is false, so the training code
-    never sees the wire precision.
+    payloads (float16, bfloat16) are widened to float32 unless ``as_float32`` is false, so
+    the training code never sees the wire precision; int8 and top-k always decode to float32.
+
+    ``dtypes`` lists the wire dtypes allowed (None: any). Lossy float encodings
+    (:data:`FLOAT_CODEC_FORMS`: bfloat16, int8-quantised, top-k sparse) count as float32:
+    they are accepted wherever ``"float32"`` is in ``dtypes``, unless ``float_codecs`` is
+    false (weights use that: they must arrive as float32/float16). ``"bfloat16"`` may also be
+    listed by name. A quantised or sparse tensor never passes a list without ``"float32"``.
     """
     if not isinstance(obj, Mapping):
         raise WireError("tensor: expected a map with dtype/shape/z/data")
-    name, dims, z, data = obj.get("dtype"), obj.get("shape"), obj.get("z"), obj.get("data")
-    if name not in _DTYPES:
-        raise WireError(f"tensor: dtype {name!r} not allowed; expected one of {sorted(_DTYPES)}")
-    if dtypes is not None and name not in dtypes:
-        raise WireError(f"tensor: dtype {name} not allowed here; expected one of {list(dtypes)}")
+    codec = obj.get("codec")
+    if codec is None:
+        return _decode_plain(obj, shape, dtypes, max_bytes, as_float32, float_codecs)
+    if codec not in ("int8", "topk"):
+        raise WireError(f"tensor: codec {codec!r} not allowed; expected 'int8', 'topk' or no codec field")
+    if dtypes is not None and not (float_codecs and "float32" in dtypes):
+        raise WireError(f"tensor: {codec} encoding not allowed here; expected one of {list(dtypes)}")
+    want = "int8" if codec == "int8" else "float16"
+    if obj.get("dtype") != want:
+        raise WireError(f"tensor: a {codec} tensor must carry dtype {want}, got {obj.get('dtype')!r}")
+    dims = _check_shape(obj.get("shape"), shape)
+    dense = math.prod(dims) * 4
+    if dense > max_bytes:
+        raise WireError(f"tensor: {dense} bytes once decoded exceeds the limit of {max_bytes}")
+    if codec == "int8":
+        return _decode_int8(obj, dims, max_bytes)
+    return _decode_topk(obj, dims, max_bytes)
+
+
+def _check_shape(dims: Any, shape: tuple[int | None, ...] | None) -> list[int]:
     if not isinstance(dims, list) or len(dims) > 8 or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise WireError(f"tensor: bad shape {dims!r}")
@@ -92,6 +223,30 @@ def decode_tensor(
         if len(shape) != len(dims) or any(e is not None and e != d for e, d in zip(shape, dims)):
             want = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ("," if len(shape) == 1 else "") + ")"
             raise WireError(f"tensor: shape {tuple(dims)} does not match expected {want}")
+    return dims
+
+
+def _raw_bytes(obj: Mapping[str, Any], nbytes: int, what: str) -> bytes:
+    """The (decompressed) ``data`` of a tensor map, exactly ``nbytes`` long."""
+    data, z = obj.get("data"), obj.get("z")
+    if not isinstance(data, bytes) or not isinstance(z, bool):
+        raise WireError(f"{what}: 'data' must be bytes and 'z' a bool")
+    raw = _decompress(data, nbytes) if z else data
+    if len(raw) != nbytes:
+        raise WireError(f"{what}: {len(raw)} bytes of data (expected {nbytes})")
+    return raw
+
+
+def _decode_plain(obj: Mapping[str, Any], shape: tuple[int | None, ...] | None, dtypes: tuple[str, ...] | None,
+                  max_bytes: int, as_float32: bool, float_codecs: bool) -> torch.Tensor:
+    name, dims = obj.get("dtype"), obj.get("shape")
+    if name not in _DTYPES:
+        raise WireError(f"tensor: dtype {name!r} not allowed; expected one of {sorted(_DTYPES)}")
+    if dtypes is not None and name not in dtypes and not (
+            name == "bfloat16" and float_codecs and "float32" in dtypes):
+        raise WireError(f"tensor: dtype {name} not allowed here; expected one of {list(dtypes)}")
+    dims = _check_shape(dims, shape)
+    data, z = obj.get("data"), obj.get("z")
     if not isinstance(data, bytes) or not isinstance(z, bool):
         raise WireError("tensor: 'data' must be bytes and 'z' a bool")
     np_dtype, _ = _DTYPES[name]
@@ -102,10 +257,60 @@ def decode_tensor(
     if len(raw) != nbytes:
         raise WireError(f"tensor: {len(raw)} bytes of data for shape {tuple(dims)} {name} (expected {nbytes})")
     arr = np.frombuffer(raw, dtype=np_dtype).reshape(dims)
+    if name == "bfloat16":
+        if as_float32:  # bf16 is the upper half of a float32: shifting the bits back is exact
+            wide = arr.astype("<u4")
+            wide <<= 16  # in place: keeps a 0-D array an array
+            return torch.from_numpy(wide.view("<f4").astype(np.float32, copy=False))
+        return torch.from_numpy(arr.view("<i2").astype(np.int16)).view(torch.bfloat16)
     out = torch.from_numpy(arr.copy())
     if as_float32 and out.dtype == torch.float16:
         out = out.float()
     return out
+
+
+def _decode_int8(obj: Mapping[str, Any], dims: list[int], max_bytes: int) -> torch.Tensor:
+    c = _channels(dims)
+    if not isinstance(obj.get("scale"), Mapping) or obj["scale"].get("codec") is not None:
+        raise WireError("tensor: an int8 tensor needs 'scale', a plain float32 tensor map")
+    try:
+        scale = _decode_plain(obj["scale"], (c,), ("float32",), max_bytes, True, False)
+    except WireError as exc:
+        raise WireError(f"tensor: int8 scale: {exc} (one scale per channel, {c} expected)") from None
+    if not torch.isfinite(scale).all() or (scale < 0).any():
+        raise WireError("tensor: int8 scales must be finite and >= 0")
+    raw = _raw_bytes(obj, math.prod(dims), "tensor: int8 data")
+    q = np.frombuffer(raw, dtype=np.int8)
+    if q.size and q.min() < -127:
+        raise WireError("tensor: int8 value -128 outside the symmetric range [-127, 127]")
+    out = torch.from_numpy(q.astype(np.float32)).reshape(dims)
+    if len(dims) >= 2:
+        return out.mul_(scale.reshape([1, c] + [1] * (len(dims) - 2)))
+    return out.mul_(scale[0])
+
+
+def _decode_topk(obj: Mapping[str, Any], dims: list[int], max_bytes: int) -> torch.Tensor:
+    p = obj.get("p")
+    if not isinstance(p, int) or isinstance(p, bool) or not 1 <= p <= 99:
+        raise WireError(f"tensor: top-k percentage p={p!r} must be an integer in 1..99")
+    s, n = _samples(dims)
+    k = topk_count(n, p)
+    if not isinstance(obj.get("idx"), Mapping) or obj["idx"].get("codec") is not None:
+        raise WireError("tensor: a top-k tensor needs 'idx', a plain int32 tensor map")
+    try:
+        idx = _decode_plain(obj["idx"], (s, k), ("int32",), max_bytes, True, False)
+    except WireError as exc:
+        raise WireError(f"tensor: top-k idx: {exc} (k={k} of {n} per sample for p={p})") from None
+    raw = _raw_bytes(obj, s * k * 2, f"tensor: top-k values ({s}x{k} float16)")
+    if idx.numel():
+        if idx.min() < 0 or idx.max() >= n:
+            raise WireError(f"tensor: top-k index out of range 0..{n - 1}")
+        if k > 1 and not (idx[:, 1:] > idx[:, :-1]).all():
+            raise WireError("tensor: top-k indices must be strictly increasing within each sample")
+    vals = torch.from_numpy(np.frombuffer(raw, dtype="<f2").astype(np.float32)).reshape(s, k)
+    out = torch.zeros(s, n, dtype=torch.float32)
+    out.scatter_(1, idx.long(), vals)
+    return out.reshape(dims)
 
 
 def _decompress(data: bytes, nbytes: int) -> bytes:
@@ -146,16 +351,31 @@ def decode_state(obj: Any, reference: Mapping[str, torch.Tensor]) -> dict[str, t
     out = {}
     for key, ref in reference.items():
         allowed = ("float32", "float16") if ref.is_floating_point() else ("int64", "int32")
-        t = decode_tensor(obj[key], shape=tuple(ref.shape), dtypes=allowed)
+        t = decode_tensor(obj[key], shape=tuple(ref.shape), dtypes=allowed, float_codecs=False)
         if not torch.isfinite(t.float()).all():
             raise WireError(f"weights: {key} contains NaN or Inf")
         out[key] = t.to(ref.dtype)
     return out
 
 
+def encoded_nbytes(obj: Mapping[str, Any]) -> int:
+    """Bytes an encoded tensor occupies on the wire: every byte field, nested maps included.
+
+    For int8 that is values + scales, for top-k values + indices; msgpack framing
+    (keys, shape) is not counted.
+    """
+    total = 0
+    for value in obj.values():
+        if isinstance(value, (bytes, bytearray)):
+            total += len(value)
+        elif isinstance(value, Mapping):
+            total += encoded_nbytes(value)
+    return total
+
+
 def tensor_nbytes(obj: Mapping[str, Any]) -> int:
-    """Bytes an encoded tensor occupies on the wire (compressed payload)."""
-    return len(obj["data"])
+    """Bytes an encoded tensor occupies on the wire (compressed payload); same as :func:`encoded_nbytes`."""
+    return encoded_nbytes(obj)
 
 
 # --------------------------------------------------------------------------- envelopes

@@ -60,3 +60,16 @@ def test_flat_and_sequence_bottlenecks():
         assert b.decode(z).shape == (3, *shape)
     with pytest.raises(ValueError, match="width"):
         Bottleneck((4, 2, 2), 5)
+
+
+def test_client_and_server_halves_expose_exactly_their_bottleneck_parameters():
+    """The agent's optimiser steps ``client(s).parameters()``: the encoder must be in it (and
+    the decoder must not), or the encoder would silently never train."""
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    pair = model.add_bottleneck(2, 4)
+    client = {id(p) for p in model.client(2).parameters()}
+    server = {id(p) for p in model.server(2).parameters()}
+    assert {id(p) for p in pair.encoder.parameters()} <= client
+    assert not {id(p) for p in pair.decoder.parameters()} & client
+    assert {id(p) for p in pair.decoder.parameters()} <= server
+    assert not {id(p) for p in pair.encoder.parameters()} & server

@@ -88,7 +88,8 @@ def test_every_run_config_loads_and_documents_every_field(path: Path):
     header = path.read_text().split("\nrun:", 1)[0]
     yaml_keys = [k for k in run_config_to_dict(cfg)]
     data_keys = [f.name for f in dataclasses.fields(cfg.data)]
-    for key in yaml_keys + data_keys:
+    section_keys = [f.name for f in dataclasses.fields(cfg.s2fl)] + [f.name for f in dataclasses.fields(cfg.hetero)]
+    for key in yaml_keys + data_keys + section_keys:
         assert f"# {key}:" in header or f"#   {key}:" in header, f"{path.name}: '{key}' undocumented"
 
 
@@ -226,7 +227,8 @@ def test_unknown_nested_key_has_full_path(tmp_path: Path):
     ("momentum", 1.0, "a number in [0, 1)"),
     ("strategy", "fedprox", "one of 'sfl', 'fedavg'"),
     ("server_mode", "split", "one of 'merged', 'per_agent'"),
-    ("codec", "int8", "one of 'fp32', 'fp16'"),
+    ("codec", "int4", "one of 'fp32', 'fp16'"),
+    ("codec", "topk100", "topk<P>"),
     ("zstd_level", 23, "0 (no compression) to 22"),
     ("run", "a/b", "letters, digits"),
     ("server_flops", "nan", "a positive number"),
@@ -320,3 +322,35 @@ def test_defaults_match_dataclass():
     # a run dict with only a fleet gets exactly the documented dataclass defaults
     cfg = run_config_from_dict({"fleet": ["rpi4"]})
     assert dataclasses.replace(cfg, fleet=()) == RunConfig()
+
+
+def test_hetero_section():
+    base = {"fleet": [{"profile": "s2fl-mid-low", "count": 2}], "split": 2}
+    cfg = run_config_from_dict({**base, "loss": "calibrated", "calibration_tau": 0.5,
+                                "hetero": {"width": 16, "groups": 2, "widths": [2, 16], "thresholds": [1e6],
+                                           "codecs": ["int8", "fp32"], "bdks": True, "bdks_alpha": 0.5}})
+    h = cfg.hetero
+    assert (h.width, h.widths, h.thresholds, h.codecs, h.bdks, h.bdks_alpha, h.bdks_theta) == (
+        16, (2, 16), (1e6,), ("int8", "fp32"), True, 0.5, 0.1)
+    assert (cfg.loss, cfg.calibration_tau) == ("calibrated", 0.5)
+    assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
+    bad = [
+        ({"width": 16, "widths": [2, 4, 16]}, "hetero.widths"),       # one per group
+        ({"widths": [2, 16]}, "set hetero.width"),                     # fixed widths need the full width
+        ({"width": 8, "widths": [2, 16]}, "hetero.widths"),           # wider than the full width
+        ({"width": 16, "widths": [8, 2]}, "non-decreasing"),
+        ({"bdks": True}, "hetero.bdks"),
+        ({"codecs": ["fp32"]}, "hetero.codecs"),
+        ({"codecs": ["fp32", "zip"]}, "hetero.codecs"),
+        ({"thresholds": [1e6, 2e6]}, "hetero.thresholds"),
+        ({"groups": 3, "thresholds": [2e6, 1e6]}, "hetero.thresholds"),
+        ({"groups": 5}, "hetero.groups"),
+        ({"width": 0}, "hetero.width"),
+    ]
+    for hetero, field in bad:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            run_config_from_dict({**base, "hetero": hetero})
+    with pytest.raises(ConfigError, match="fixed split"):
+        run_config_from_dict({**base, "strategy": "fedavg", "hetero": {"width": 4}})
+    with pytest.raises(ConfigError, match="'loss'"):
+        run_config_from_dict({**base, "loss": "focal"})

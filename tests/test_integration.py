@@ -236,3 +236,17 @@ def test_s2fl_sliding_split_over_mosquitto(mosquitto, tmp_path):
             e = entries[a][s] if a in entries else entries["entries"][a][s]
             assert e["estimated"] is False and e["seconds"] > 0
     assert sorted(len(g) for g in m[4]["groups"]) == [1, 2]
+
+
+def test_hetero_bottleneck_widths_over_mosquitto(mosquitto, tmp_path):
+    """HeteroSFL over a real broker: agents measure their (emulated) links; the slow-link agent
+    receives a narrower bottleneck than the fast one and sends fewer bytes."""
+    config = write_config(tmp_path, "het", rounds=3, split=2, hetero={"width": 16, "groups": 2})
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "het", tmp_path)
+    assert finish([coord, *agents], timeout=180) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    last = m[-1]["agents"]
+    assert last["a0"]["width"] < last["a2"]["width"] == 16, last
+    assert last["a0"]["bytes_up"] < last["a2"]["bytes_up"]
+    assert m[-1]["accuracy"] > m[0]["accuracy"] + 0.1  # it learns (the engine tests check how well)
