@@ -65,12 +65,25 @@ def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
         title = (f"final accuracy {last['accuracy']:.4f} after {last['round']} rounds, "
                  f"{last['elapsed_s']:.1f} s ({last['clock']} clock)")
     table = Table(title=title)
-    for col in ("agent", "profile", "rounds", "compute s", "bytes up", "bytes down"):
-        table.add_column(col, justify="right" if col not in ("agent", "profile") else "left")
+    for col in ("agent", "profile", "last assignment", "rounds", "compute s", "bytes up", "bytes down"):
+        table.add_column(col, justify="right" if col not in ("agent", "profile", "last assignment") else "left")
+    last_round = history[-1].get("agents", {}) if history else {}
     for a in sorted(registry.agents.values(), key=lambda i: i.index):
-        table.add_row(a.agent_id, str(a.profile.get("name", "?")), str(a.rounds), f"{a.compute_s:.2f}",
-                      _mb(a.bytes_up), _mb(a.bytes_down))
+        table.add_row(a.agent_id, str(a.profile.get("name", "?")), _assignment(last_round.get(a.agent_id)),
+                      str(a.rounds), f"{a.compute_s:.2f}", _mb(a.bytes_up), _mb(a.bytes_down))
     return table
+
+
+def _assignment(m: dict[str, Any] | None) -> str:
+    """'split 2', plus the bottleneck width and codec where HeteroSFL set them."""
+    if not m:
+        return "-"
+    parts = [f"split {m.get('split', '?')}"]
+    if m.get("width"):
+        parts.append(f"width {m['width']}")
+    if m.get("codec") and m["codec"] != "fp32":
+        parts.append(m["codec"])
+    return ", ".join(parts)
 
 
 def _mb(n: float) -> str:
