@@ -24,8 +24,12 @@ class WallClock:
     def restore(self, elapsed_s: float) -> None:
         self._start = time.monotonic() - elapsed_s
 
-    def agent_time(self, *, measured_s: float, **_: float) -> float:
-        return measured_s
+    def agent_time(self, *, measured_s: float, compute_s: float = 0.0, server_s: float = 0.0,
+                   **_: float) -> timing.AgentTime:
+        """Measured: the agent's reported compute, the rest of its response time as transfer."""
+        busy = max(measured_s - server_s, 0.0)
+        return timing.AgentTime(client_compute_s=min(compute_s, busy), transfer_s=max(busy - compute_s, 0.0),
+                                server_compute_s=measured_s - busy)
 
     def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:
         return wall_s
@@ -46,14 +50,14 @@ class VirtualClock:
     def restore(self, elapsed_s: float) -> None:
         self._t = elapsed_s
 
-    def agent_time(self, *, measured_s: float, client_flops: float, server_flops: float, bytes_up: float,
-                   bytes_down: float, profile: dict, server_flops_per_s: float, messages: int) -> float:
+    def agent_time(self, *, client_flops: float, server_flops: float, bytes_up: float, bytes_down: float,
+                   profile: dict, server_flops_per_s: float, messages: int, **_: float) -> timing.AgentTime:
         return timing.agent_round_time(
             client_flops=client_flops, server_flops=server_flops, bytes_up=bytes_up, bytes_down=bytes_down,
             client_flops_per_s=profile["compute_flops"], server_flops_per_s=server_flops_per_s,
             uplink_bytes_per_s=profile["link_bytes_per_s"], downlink_bytes_per_s=profile["downlink_bytes_per_s"],
             latency_s=profile.get("latency_s", 0.0), messages=messages,
-        ).total_s
+        )
 
     def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:
         t = timing.round_time(agent_times)

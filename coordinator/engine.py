@@ -30,6 +30,7 @@ from sfl_core.sliding_split import ClientTimeTable
 from coordinator import state as ckpt
 from coordinator.planner import Planner, RoundPlan
 from coordinator.registry import Registry
+from coordinator.merge_control import MergeControl
 from coordinator.server_trainer import LossSpec, ServerTrainer
 
 log = logging.getLogger("sfl.coord")
@@ -56,7 +57,7 @@ class Clock(Protocol):
 
     def restore(self, elapsed_s: float) -> None: ...
 
-    def agent_time(self, **kwargs: Any) -> float: ...
+    def agent_time(self, **kwargs: Any) -> timing.AgentTime: ...
 
     def end_round(self, agent_times: list[float], wall_s: float) -> float: ...
 
@@ -117,6 +118,7 @@ class RoundEngine:
         loss = LossSpec(cfg.loss, cfg.calibration_tau, cfg.hetero.bdks, cfg.hetero.bdks_alpha,
                         cfg.hetero.bdks_theta)
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss)
+        self.merge = MergeControl(cfg, self.costs[cfg.split or self.model.default_split])
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
         if resume:
@@ -150,9 +152,13 @@ class RoundEngine:
     def run_round(self, r: int) -> dict[str, Any]:
         wall0 = time.monotonic()
         selected = self.select(r)
+        batches: dict[str, int] = {}
+        if self.merge.active:   # MergeSFL: GA selection and/or regulated batch sizes
+            selected, batches = self.merge.choose(r, self._online(), self.registry.agents, selected)
         plan = self.planner.plan(r, selected, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
-        agents = {a: _RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a)))
+        agents = {a: _RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
+                                                     batches.get(a)))
                   for a in selected}
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths,
                                 label_counts={a: self.registry.agents[a].label_counts for a in selected})
@@ -190,14 +196,17 @@ class RoundEngine:
 
     def select(self, r: int) -> list[str]:
         """Uniform random selection, seeded per round so a resumed run selects the same agents."""
-        # a deployed agent silent for step_timeout_s (no heartbeat either) counts as gone even before its
-        # last will arrives; simulated agents never vanish and send no heartbeats
-        stale = None if self.clock.virtual else self.cfg.step_timeout_s
-        online = sorted(a.agent_id for a in self.registry.online(stale_after_s=stale))
+        online = self._online()
         if not online:
             raise RuntimeError("no agent is online")
         k = min(self.cfg.per_round or len(online), len(online))
         return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(online, k))
+
+    def _online(self) -> list[str]:
+        # a deployed agent silent for step_timeout_s (no heartbeat either) counts as gone even before its
+        # last will arrives; simulated agents never vanish and send no heartbeats
+        stale = None if self.clock.virtual else self.cfg.step_timeout_s
+        return sorted(a.agent_id for a in self.registry.online(stale_after_s=stale))
 
     def shutdown_agents(self, reason: str) -> None:
         for a in list(self.registry.agents):
@@ -213,14 +222,16 @@ class RoundEngine:
         state = self.model.client_state(split)
         return {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
 
-    def _assignment(self, split: int, width: int = 0, codec: str | None = None) -> Assignment:
+    def _assignment(self, split: int, width: int = 0, codec: str | None = None,
+                    batch: int | None = None) -> Assignment:
         cost = self.costs[split]
         shape = cost.activation_shape if self.cfg.strategy != "fedavg" else (self.num_classes,)
         if width:
             shape = bottleneck_shape(shape, width)
         strategy = "fedavg" if self.cfg.strategy == "fedavg" else "sfl"  # what the agent does
         return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=width,
-                          batch_size=self.cfg.batch_size, lr=self.cfg.lr, momentum=self.cfg.momentum,
+                          batch_size=batch or self.cfg.batch_size, lr=self.merge.lr(batch) if batch else self.cfg.lr,
+                          momentum=self.cfg.momentum,
                           tau=self.cfg.local_iters, codec=codec or self.cfg.codec, zstd_level=self.cfg.zstd_level,
                           activation_shape=tuple(shape))
 
@@ -379,7 +390,9 @@ class RoundEngine:
             server = self.server.member_state(a, split)
             # HetBL: an agent of width w trained only the first w decoder input channels
             servers[a] = {**server, **slice_state(server, f"bottlenecks.{split}.", width)} if width else server
-            weights[a] = float(self.registry.agents[a].num_samples)
+            # MergeSFL Eq. 17 weighs by batch size; otherwise by data size
+            weights[a] = float(agents[a].assignment.batch_size if self.merge.active
+                               else self.registry.agents[a].num_samples)
             done.append(a)
             if msg.body["loss"] == msg.body["loss"]:  # not NaN
                 fed_losses.append(float(msg.body["loss"]))
@@ -392,11 +405,13 @@ class RoundEngine:
             ra, info = agents[a], self.registry.agents[a]
             cost = self.costs[ra.assignment.split]
             samples = ra.assignment.batch_size * ra.assignment.tau
-            t = self.clock.agent_time(
-                measured_s=ra.busy_s + ra.server_s, client_flops=cost.client_flops * samples,
+            parts = self.clock.agent_time(
+                measured_s=ra.busy_s + ra.server_s, compute_s=ra.compute_s, server_s=ra.server_s,
+                client_flops=cost.client_flops * samples,
                 server_flops=cost.server_flops * samples, bytes_up=ra.bytes_up, bytes_down=ra.bytes_down,
                 profile=info.profile, server_flops_per_s=self.cfg.server_flops, messages=ra.messages)
-            times[a] = t
+            t = times[a] = parts.total_s
+            self.merge.observe(a, compute_s=parts.client_compute_s, transfer_s=parts.transfer_s, samples=samples)
             info.rounds += 1
             info.bytes_up += ra.bytes_up
             info.bytes_down += ra.bytes_down
@@ -404,7 +419,7 @@ class RoundEngine:
             per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4), "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
                             "width": ra.assignment.width, "codec": ra.assignment.codec,
-                            "batch_size": ra.assignment.batch_size}
+                            "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr}
         self.planner.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
@@ -418,12 +433,15 @@ class RoundEngine:
             "selected": sorted(agents), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
             "agents": per_agent,
         }
+        if self.merge.active:
+            record["mergesfl"] = dict(self.merge.last)
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, self.model.state_dict(), {
             "round": r, "elapsed_s": self.clock.elapsed, "model": self.cfg.model, "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
-            "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates)})
+            "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates),
+            "merge_states": self.merge.to_json()})
         self.on_event("round_end", record)
         return record
 
@@ -462,6 +480,7 @@ class RoundEngine:
         if st.get("time_table"):
             self.planner.time_table = ClientTimeTable.from_json(st["time_table"])
         self.clock.restore(float(st.get("elapsed_s", 0.0)))
+        self.merge.load_json(st.get("merge_states", {}))
         ckpt.truncate_metrics(self.out_dir, int(st["round"]))
         self.history = ckpt.read_metrics(self.out_dir)
         log.info("resuming %s after round %d", self.cfg.run_id, st["round"])

@@ -118,6 +118,23 @@ class S2flConfig:
 
 
 @dataclass(frozen=True)
+class MergeSflConfig:
+    """MergeSFL control (SPEC §6): batch-size regulation and KL worker selection under an
+    ingress budget, on top of feature merging (``server_mode: merged``)."""
+
+    regulate: bool = False                 # Eq. 9: fastest agent gets max_batch, the others equal time
+    max_batch: int | None = None           # D; None = batch_size
+    select: bool = False                   # Eq. 10-13: GA picks the agents whose mixed labels are closest to IID
+    budget_bytes: float | None = None      # ingress budget per round; None = per_round x batch_size samples
+    epsilon: float = 0.01                  # Eq. 14: KL target (nats) of the batch fine-tuning
+    smoothing: float = 0.8                 # Eq. 5-6: weight of the previous estimate of mu and beta
+    ga_population: int = 60
+    ga_generations: int = 100
+    ga_crossover: float = 0.9
+    ga_mutation: float | None = None       # per-gene flip probability; None = 1/agents
+
+
+@dataclass(frozen=True)
 class HeteroConfig:
     """HeteroSFL (SPEC §5): agents grouped by link rate; each group gets a bottleneck width (and
     optionally its own codec) so the groups' per-step transfer times come out close (the slow
@@ -163,6 +180,7 @@ class RunConfig:
     calibration_tau: float = 1.0   # calibration strength tau of the calibrated loss
     s2fl: S2flConfig = field(default_factory=S2flConfig)
     hetero: HeteroConfig = field(default_factory=HeteroConfig)
+    mergesfl: MergeSflConfig = field(default_factory=MergeSflConfig)
 
     @property
     def num_agents(self) -> int:
@@ -481,6 +499,7 @@ _RUN_SPEC: dict[str, _Conv] = {
     "loss": _enum(*LOSSES),
     "calibration_tau": _float(0.0, lo_open=False, what="a number >= 0"),
     "s2fl": lambda v, fail: v,  # checked by _s2fl()
+    "mergesfl": lambda v, fail: v,  # checked by _mergesfl()
     "hetero": lambda v, fail: v,  # checked by _hetero()
 }
 _YAML_TO_ATTR = {"run": "run_id"}
@@ -508,6 +527,25 @@ _S2FL_SPEC: dict[str, _Conv] = {
     "group_size": _pos_int,
     "candidates": _split_list,
 }
+
+
+_MERGESFL_SPEC: dict[str, _Conv] = {
+    "regulate": _bool,
+    "max_batch": _opt(_int(1, 4096, what="an integer from 1 to 4096")),
+    "select": _bool,
+    "budget_bytes": _opt(_pos_float),
+    "epsilon": _float(0.0, lo_open=False, what="a number >= 0"),
+    "smoothing": _float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"),
+    "ga_population": _int(2, 10_000, what="an integer from 2 to 10000"),
+    "ga_generations": _int(1, 100_000, what="an integer from 1 to 100000"),
+    "ga_crossover": _float(0.0, lo_open=False, hi=1.0, what="a number in [0, 1]"),
+    "ga_mutation": _opt(_float(0.0, lo_open=False, hi=1.0, what="a number in [0, 1]")),
+}
+
+
+def _mergesfl(v: Any, source: str) -> MergeSflConfig:
+    d = _check_mapping({} if v is None else v, list(_MERGESFL_SPEC), source, "mergesfl")
+    return MergeSflConfig(**_convert(d, _MERGESFL_SPEC, source, "mergesfl"))
 
 
 def _s2fl(v: Any, source: str) -> S2flConfig:
@@ -629,10 +667,18 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
     kwargs: dict[str, Any] = {_YAML_TO_ATTR.get(k, k): v for k, v in values.items()}
     kwargs["data"] = _data(d.get("data"), source)
     kwargs["s2fl"] = _s2fl(d.get("s2fl"), source)
+    kwargs["mergesfl"] = _mergesfl(d.get("mergesfl"), source)
     kwargs["hetero"] = _hetero(d.get("hetero"), source)
     kwargs["fleet"] = _fleet(d.get("fleet"), source, base_dir, search_dirs)
     cfg = RunConfig(**kwargs)
 
+    m = cfg.mergesfl
+    if (m.regulate or m.select) and cfg.strategy == "fedavg":
+        raise ConfigError(f"{source}: field 'mergesfl': batch regulation and worker selection need split "
+                          f"training (strategy sfl or s2fl), got strategy 'fedavg'")
+    if m.max_batch is not None and m.max_batch < cfg.batch_size:
+        raise ConfigError(f"{source}: field 'mergesfl.max_batch': expected at least batch_size "
+                          f"{cfg.batch_size}, got {m.max_batch}")
     if cfg.hetero.bdks and cfg.hetero.width is None:
         raise ConfigError(f"{source}: field 'hetero.bdks': needs a bottleneck (set hetero.width)")
     if cfg.hetero.width is not None and (cfg.strategy == "fedavg" or
@@ -665,7 +711,7 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("data", "s2fl", "hetero"):
+        if f.name in ("data", "s2fl", "hetero", "mergesfl"):
             value = {g.name: (list(getattr(value, g.name)) if isinstance(getattr(value, g.name), tuple)
                               else getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":

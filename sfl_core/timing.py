@@ -9,10 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-SMOOTHING_ALPHA = 0.8
-"""MergeSFL Eq. 5-6: weight of the previous estimate when a new measurement arrives."""
-
-
 @dataclass(frozen=True)
 class AgentTime:
     """One agent's share of a round: compute on the agent, transfer, compute on the server."""
@@ -64,10 +60,3 @@ def waiting_time(times: Iterable[float]) -> float:
         return 0.0
     slowest = max(ts)
     return sum(slowest - t for t in ts) / len(ts)
-
-
-def smooth(previous: float | None, measured: float, alpha: float = SMOOTHING_ALPHA) -> float:
-    """Exponential smoothing ``alpha*prev + (1-alpha)*measured`` (first value taken as is)."""
-    if previous is None:
-        return measured
-    return alpha * previous + (1.0 - alpha) * measured

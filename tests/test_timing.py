@@ -54,18 +54,6 @@ def test_round_time_and_waiting_time():
     assert timing.waiting_time([2.5]) == 0.0
 
 
-def test_smooth_alpha_08():
-    assert timing.SMOOTHING_ALPHA == 0.8
-    assert timing.smooth(None, 3.0) == 3.0
-    assert timing.smooth(10.0, 0.0) == pytest.approx(8.0)
-    assert timing.smooth(10.0, 20.0) == pytest.approx(12.0)
-    est = None
-    for m in (1.0, 1.0, 6.0):
-        est = timing.smooth(est, m)
-    assert est == pytest.approx(0.8 * 1.0 + 0.2 * 6.0)
-    assert timing.smooth(10.0, 20.0, alpha=0.5) == pytest.approx(15.0)
-
-
 # ------------------------------------------------------------------ Assignment
 
 
