@@ -250,3 +250,19 @@ def test_hetero_bottleneck_widths_over_mosquitto(mosquitto, tmp_path):
     assert last["a0"]["width"] < last["a2"]["width"] == 16, last
     assert last["a0"]["bytes_up"] < last["a2"]["bytes_up"]
     assert m[-1]["accuracy"] > m[0]["accuracy"] + 0.1  # it learns (the engine tests check how well)
+
+
+def test_mergesfl_regulated_batches_over_mosquitto(mosquitto, tmp_path):
+    """MergeSFL batch regulation over a real broker: estimates come from measured wall-clock
+    times of emulated devices; the slow device gets a smaller batch than the fast one."""
+    config = write_config(tmp_path, "merge", rounds=2, split=2, mergesfl={"regulate": True, "max_batch": 32})
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "merge", tmp_path)
+    assert finish([coord, *agents], timeout=180) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    last = m[-1]["agents"]
+    assert last["a0"]["batch_size"] < last["a2"]["batch_size"] == 32, last
+    assert last["a0"]["lr"] < last["a2"]["lr"]
+    state = json.loads((tmp_path / "out" / "state.json").read_text())
+    assert set(state["merge_states"]) == {"a0", "a1", "a2"}
+    assert all(mu > 0 and beta > 0 for mu, beta in state["merge_states"].values())
