@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,10 @@ from sfl_core.models import SplitModel
 
 SERVER_MODES = ("merged", "per_agent")
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor | None]
+"""An agent's activations and labels (``None``: the agent withheld them)."""
+Exchange = Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, float]]]
+"""Sends withheld-label agents their rows' logits; returns each one's logit gradient and loss."""
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -120,25 +123,35 @@ class ServerTrainer:
             out[w] = under_represented_classes(group.tolist(), everyone.tolist(), self.loss.theta)
         return out
 
-    def step(self, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float]:
-        """One local iteration for the agents in ``batches``; returns their gradients and the mean loss."""
+    def step(self, batches: Mapping[str, Batch], exchange: Exchange | None = None
+             ) -> tuple[dict[str, torch.Tensor], float]:
+        """One local iteration for the agents in ``batches``; returns their gradients and the mean loss.
+
+        An agent that withholds its labels (MergeSFL, SPEC §6) sends ``None`` as its labels:
+        ``exchange`` then gets the logits of its rows and must return, per agent, the gradient
+        of the agent's own mean loss w.r.t. those logits and the loss value (the agent computes
+        both with the labels it kept). An agent missing from the reply contributes no gradient.
+        The result equals the labelled path's: the merged loss is the mean over all rows.
+        """
         grads: dict[str, torch.Tensor] = {}
         losses, rows = 0.0, 0
+        if exchange is None and any(b[1] is None for b in batches.values()):
+            raise ValueError("an agent withheld its labels but no logits exchange was given")
         for group in self._groups:
             present = {a: batches[a] for a in group.members if a in batches}
             if not present:
                 continue
-            g, loss, n = self._train(group, present)
+            g, loss, n = self._train(group, present, exchange)
             grads.update(g)
             losses += loss * n
             rows += n
         return grads, losses / max(rows, 1)
 
-    def _train(self, group: _Group, batches: Mapping[str, Batch]) -> tuple[dict[str, torch.Tensor], float, int]:
+    def _train(self, group: _Group, batches: Mapping[str, Batch], exchange: Exchange | None = None
+               ) -> tuple[dict[str, torch.Tensor], float, int]:
         # members join in order of their split point; rows keep that order end to end
         order = sorted(batches, key=lambda a: (group.splits[a], a))
         inputs: dict[str, torch.Tensor] = {}
-        labels: list[torch.Tensor] = []
         h = None
         blocks = group.model.blocks
         pos = 0
@@ -149,7 +162,6 @@ class ServerTrainer:
                 a = order[pos]
                 x = batches[a][0].to(self.device, non_blocking=True).detach().requires_grad_(True)
                 inputs[a] = x
-                labels.append(batches[a][1].to(self.device, non_blocking=True))
                 # a bottlenecked agent's rows pass its slice of the decoder before joining (HetBL)
                 joining.append(pair.decode(x) if pair is not None else x)
                 pos += 1
@@ -158,19 +170,18 @@ class ServerTrainer:
             if h is not None:
                 h = blocks[layer](h)
         assert h is not None, "a group member's split lies beyond the model"
-        y = torch.cat(labels)
         if group.opt is not None:
             group.opt.zero_grad(set_to_none=True)
-        loss = self._loss(group, order, inputs, h, y)
-        loss.backward()
+        sizes = [inputs[a].shape[0] for a in order]
+        n = sum(sizes)
+        loss = self._backward(group, order, inputs, h, {a: batches[a][1] for a in order}, exchange)
         if group.opt is not None:
             group.opt.step()
-        n = y.shape[0]
-        sizes = [inputs[a].shape[0] for a in order]
         # scale on the device, then one device->host copy per distinct activation shape
         out: dict[str, torch.Tensor] = {}
         for a, b in zip(order, sizes):
-            out[a] = inputs[a].grad * (n / b)
+            g = inputs[a].grad
+            out[a] = g * (n / b) if g is not None else torch.zeros_like(inputs[a])  # no reply: no gradient
         by_shape: dict[tuple[int, ...], list[str]] = {}
         for a in order:
             by_shape.setdefault(tuple(out[a].shape[1:]), []).append(a)
@@ -179,7 +190,46 @@ class ServerTrainer:
             host = torch.cat([out[a] for a in members]).cpu()
             for a, g in zip(members, torch.split(host, [out[a].shape[0] for a in members])):
                 grads[a] = g
-        return grads, loss.item(), n
+        return grads, loss, n
+
+    def _backward(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
+                  logits: torch.Tensor, labels: Mapping[str, torch.Tensor | None],
+                  exchange: Exchange | None) -> float:
+        """Backpropagate the mean loss over all rows; returns its value. Rows of agents that
+        withheld their labels get their loss gradient from the agent (via ``exchange``)."""
+        n = logits.shape[0]
+        rows, pos = {}, 0
+        for a in order:
+            rows[a] = (pos, pos + inputs[a].shape[0])
+            pos = rows[a][1]
+        labelled = [a for a in order if labels[a] is not None]
+        withheld = [a for a in order if labels[a] is None]
+        if not withheld:
+            y = torch.cat([labels[a].to(self.device, non_blocking=True) for a in order])
+            loss = self._loss(group, order, inputs, logits, y)
+            loss.backward()
+            return loss.item()
+        outputs, grads, total = [], [], 0.0
+        if labelled:
+            idx = torch.cat([torch.arange(*rows[a], device=logits.device) for a in labelled])
+            y = torch.cat([labels[a].to(self.device, non_blocking=True) for a in labelled])
+            part = self._loss(group, labelled, inputs, logits[idx], y) * (idx.numel() / n)
+            outputs.append(part)
+            grads.append(None)
+            total += part.item()
+        assert exchange is not None
+        replies = exchange({a: logits[rows[a][0]:rows[a][1]].detach().cpu() for a in withheld})
+        for a in withheld:
+            if a not in replies:
+                continue
+            g, agent_loss = replies[a]
+            b = rows[a][1] - rows[a][0]
+            outputs.append(logits[rows[a][0]:rows[a][1]])
+            grads.append(g.to(logits.device, logits.dtype) * (b / n))
+            total += agent_loss * b / n
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        return total
 
     def _loss(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
               logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -73,3 +75,40 @@ def test_bdks_trains_the_decoder_and_server_blocks():
     after = trainer.member_state("w", 2)
     for key in ("bottlenecks.2.decoder.weight", "blocks.3.linear.weight"):
         assert not torch.equal(after[key], before[key]), key
+
+
+@pytest.mark.parametrize("withheld", [("w",), ("n", "w")])
+def test_withheld_labels_give_the_labelled_paths_gradients(withheld):
+    """MergeSFL's labels-withheld mode: the agent scores its own rows' logits and returns the
+    gradient of its mean loss; agents' activation gradients, the loss and the server update
+    equal those of the labelled path."""
+    batches = _batches()
+
+    def run(withhold: tuple[str, ...]):
+        model = _model()
+        trainer = ServerTrainer(model, lr=0.1)
+        trainer.begin_round([["n", "w"]], {"n": 2, "w": 2}, widths={"n": 2, "w": 8})
+        calls = []
+
+        def exchange(logits):
+            calls.append(sorted(logits))
+            out = {}
+            for a, z in logits.items():   # what the agent does with the labels it kept
+                z = z.clone().requires_grad_(True)
+                loss = F.cross_entropy(z, batches[a][1])
+                loss.backward()
+                out[a] = (z.grad, loss.item())
+            return out
+
+        sent = {a: (x, None if a in withhold else y) for a, (x, y) in batches.items()}
+        grads, loss = trainer.step(sent, exchange)
+        return grads, loss, trainer.member_state("n", 2), calls
+
+    g_lab, loss_lab, state_lab, calls_lab = run(())
+    g_wh, loss_wh, state_wh, calls_wh = run(withheld)
+    assert calls_lab == [] and calls_wh == [sorted(withheld)]
+    assert loss_wh == pytest.approx(loss_lab, rel=1e-5)
+    for a in g_lab:
+        torch.testing.assert_close(g_wh[a], g_lab[a])
+    for k in state_lab:
+        torch.testing.assert_close(state_wh[k], state_lab[k])
