@@ -77,6 +77,7 @@ class _RoundAgent:
     last_sent_at: float = field(default_factory=time.monotonic)
     bytes_up: int = 0
     bytes_down: int = 0
+    labels_withheld: bool = False
     compute_s: float = 0.0
     busy_s: float = 0.0
     """Sum of this agent's own response times (our message sent -> its reply in): no waiting for others."""
@@ -176,13 +177,16 @@ class RoundEngine:
                 if not acts:
                     break
                 batches = {a: self._batch(agents[a], m) for a, m in acts.items()}
+                for a, b in batches.items():
+                    if b is not None and b[1] is None:
+                        agents[a].labels_withheld = True
                 for a in [a for a, b in batches.items() if b is None]:
                     self._drop(agents, a, "sent invalid activations")
                     del batches[a]
                 if not batches:
                     break
                 t0 = time.monotonic()
-                grads, loss = self.server.step(batches)
+                grads, loss = self.server.step(batches, lambda z, r=r, k=k: self._exchange_logits(agents, z, r, k))
                 dt = time.monotonic() - t0
                 losses.append(loss)
                 for a, g in grads.items():
@@ -258,7 +262,7 @@ class RoundEngine:
                 ra = agents.get(msg.sender)
                 if ra is not None:
                     ra.last_heard = time.monotonic()
-                if msg.type in ("activations", "weights"):
+                if msg.type in ("activations", "logit_grads", "weights"):
                     self._training_message(msg, agents, kind, r, k, got)
                 elif msg.type == "heartbeat" and ra is not None and msg.sender not in got:
                     self._maybe_resend(agents, ra, msg)
@@ -311,7 +315,7 @@ class RoundEngine:
             if kind == "weights":
                 ra.finished_at = time.monotonic()
             got[a] = msg
-        elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind == "weights")):
+        elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
             if ra.last_sent is not None:  # our reply to it was lost: send it again
                 self.transport.send(a, ra.last_sent)
                 ra.last_sent_at = time.monotonic()
@@ -319,21 +323,49 @@ class RoundEngine:
             log.warning("rejected %s (round %d step %d) from %s: expected %s for round %d step %d",
                         msg.type, msg.round, msg.step, a, kind, r, k)
 
-    def _batch(self, ra: _RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def _batch(self, ra: _RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Validate activations against the assignment before they touch the server model."""
         b = ra.assignment.batch_size
         try:
             x = wire.decode_tensor(msg.body["x"], shape=(b, *ra.assignment.activation_shape),
                                    dtypes=("float32", "float16"))
-            y = wire.decode_tensor(msg.body["y"], shape=(b,), dtypes=("int64",))
+            # y null: the agent withholds its labels and scores its own logits (MergeSFL)
+            y = None if msg.body["y"] is None else wire.decode_tensor(msg.body["y"], shape=(b,), dtypes=("int64",))
             if not torch.isfinite(x).all():
                 raise wire.WireError("activations contain NaN or Inf")
-            if y.min() < 0 or y.max() >= self.num_classes:
+            if y is not None and (y.min() < 0 or y.max() >= self.num_classes):
                 raise wire.WireError(f"labels outside 0..{self.num_classes - 1}")
         except wire.WireError as exc:
             log.warning("rejected activations from %s: %s", ra.info_id, exc)
             return None
         return x, y
+
+    def _exchange_logits(self, agents: dict[str, _RoundAgent], logits: dict[str, torch.Tensor], r: int,
+                         k: int) -> dict[str, tuple[torch.Tensor, float]]:
+        """Labels withheld: send each such agent its rows' logits, collect the gradient of its
+        mean loss w.r.t. them (validated: shape, finite) and its loss."""
+        asked = {a: agents[a] for a in logits if a in agents}
+        for a, ra in asked.items():
+            self._send(ra, Message("logits", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                   {"z": wire.encode_tensor(logits[a], "fp32", self.cfg.zstd_level)},
+                                   round=r, step=k, seq=protocol.next_seq()))
+        replies = self._collect(asked, "logit_grads", r, k)
+        out: dict[str, tuple[torch.Tensor, float]] = {}
+        for a in logits:
+            if a not in asked:          # dropped while we waited: out of the round
+                agents.pop(a, None)
+                continue
+            try:
+                g = wire.decode_tensor(replies[a].body["g"], shape=tuple(logits[a].shape), dtypes=("float32", "float16"))
+                loss = float(replies[a].body["loss"])
+                if not torch.isfinite(g).all() or loss != loss or abs(loss) == float("inf"):
+                    raise wire.WireError("logit gradients or loss not finite")
+            except wire.WireError as exc:
+                log.warning("rejected logit gradients from %s: %s", a, exc)
+                self._drop(agents, a, "sent invalid logit gradients")
+                continue
+            out[a] = (g, loss)
+        return out
 
     def _drop(self, agents: dict[str, _RoundAgent], agent_id: str, why: str) -> None:
         log.warning("dropping %s from the round: %s", agent_id, why)
@@ -419,7 +451,8 @@ class RoundEngine:
             per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4), "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
                             "width": ra.assignment.width, "codec": ra.assignment.codec,
-                            "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr}
+                            "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
+                            "labels_withheld": ra.labels_withheld}
         self.planner.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)

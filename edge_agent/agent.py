@@ -71,7 +71,8 @@ class BatchSampler:
 
 class AgentCore:
     def __init__(self, agent_id: str, run_id: str, data: LocalData, input_shape: tuple[int, ...],
-                 *, seed: int = 0, compute_hook: Optional[ComputeHook] = None, device: str | torch.device = "cpu"):
+                 *, seed: int = 0, compute_hook: Optional[ComputeHook] = None, device: str | torch.device = "cpu",
+                 withhold_labels: bool = False):
         self.agent_id = protocol.check_id("agent id", agent_id)
         self.run_id = run_id
         self.device = torch.device(device)  # simulations may put in-process agents on the GPU
@@ -89,6 +90,10 @@ class AgentCore:
         self._client: Optional[torch.nn.Module] = None
         self._opt: Optional[torch.optim.Optimizer] = None
         self._out: Optional[torch.Tensor] = None
+        # labels withheld (MergeSFL): the coordinator sends our rows' logits, we score them here
+        self.withhold_labels = withhold_labels
+        self._y: Optional[torch.Tensor] = None
+        self._scored_step = -1
         self._flops_per_sample = 0.0
         self._compute_s = 0.0
         self._last_reply: Optional[Message] = None
@@ -102,6 +107,8 @@ class AgentCore:
             return self._on_assign(msg)
         if msg.type == "gradients":
             return self._on_gradients(msg)
+        if msg.type == "logits":
+            return self._on_logits(msg)
         log.debug("agent %s ignores %s", self.agent_id, msg.type)
         return []
 
@@ -140,7 +147,7 @@ class AgentCore:
         x, y = self.data.x[idx], self.data.y[idx]
         t0 = time.perf_counter()
         out = self._client(x)
-        self._out = out
+        self._out, self._y = out, y
         # forward is about a third of forward+backward FLOPs; the rest is charged at backward
         self._charge(self._flops_per_sample * len(idx) / 3, time.perf_counter() - t0)
         if tuple(out.shape[1:]) != self._assign.activation_shape:
@@ -148,7 +155,7 @@ class AgentCore:
                                  f"model's client output {tuple(out.shape[1:])}")
         return self._msg("activations", step=self.step, body={
             "x": wire.encode_tensor(out, self._assign.codec, self._assign.zstd_level),
-            "y": wire.encode_tensor(y.to(torch.int64), "fp32", self._assign.zstd_level),
+            "y": None if self.withhold_labels else wire.encode_tensor(y.to(torch.int64), "fp32", self._assign.zstd_level),
             "compute_s": self._compute_s,
         })
 
@@ -175,6 +182,29 @@ class AgentCore:
         if self.step + 1 < a.tau:
             return self._remember([self._forward_next()])
         return self._remember([self._weights_message(loss=float("nan"))])
+
+    def _on_logits(self, msg: Message) -> list[Message]:
+        """Labels withheld: score our rows' logits with the labels we kept and return the
+        gradient of our mean loss w.r.t. them (the coordinator backpropagates it)."""
+        if self._assign is None or msg.round != self.round or self._y is None or not self.withhold_labels:
+            if msg.round <= self.round:
+                return self._resend()
+            raise wire.WireError(f"logits for round {msg.round} without an assignment")
+        if msg.step < self.step or (msg.step == self.step and self._scored_step == self.step):
+            return self._resend()      # our reply was lost
+        if msg.step > self.step:
+            raise wire.WireError(f"logits for step {msg.step}, expected {self.step}")
+        z = wire.decode_tensor(msg.body["z"], shape=(len(self._y), self.data.num_classes),
+                               dtypes=("float32", "float16")).to(self.device)
+        if not torch.isfinite(z).all():
+            raise wire.WireError("logits contain NaN or Inf")
+        z.requires_grad_(True)
+        loss = F.cross_entropy(z, self._y)
+        (g,) = torch.autograd.grad(loss, z)
+        self._scored_step = self.step
+        return self._remember([self._msg("logit_grads", step=self.step, body={
+            "g": wire.encode_tensor(g, "fp32", self._assign.zstd_level), "loss": loss.item(),
+            "compute_s": self._compute_s})])
 
     # ------------------------------------------------------------------ fedavg
     def _train_locally(self) -> Message:

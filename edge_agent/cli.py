@@ -32,6 +32,8 @@ def start(profile: str = typer.Option(..., "--profile", "-p", help="Device profi
           agent_id: Optional[str] = typer.Option(None, help="Default: <hostname>-<index>."),
           emulate: bool = typer.Option(False, "--emulate", help="Stretch compute and throttle the link to the profile's device."),
           seed: int = typer.Option(0),
+          withhold_labels: bool = typer.Option(False, "--withhold-labels",
+                                               help="Never send labels: score the coordinator's logits on the device."),
           verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
     from edge_agent.runner import AgentError, AgentOptions, AgentRunner
@@ -53,7 +55,7 @@ def start(profile: str = typer.Option(..., "--profile", "-p", help="Device profi
     name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:64]
     runner = AgentRunner(AgentOptions(broker=broker, run_id=run, agent_id=name, profile=prof, index=index,
                                       data_root=data, shard_file=str(shard_file) if shard_file else None,
-                                      emulate=emulate, seed=seed))
+                                      emulate=emulate, seed=seed, withhold_labels=withhold_labels))
     signal.signal(signal.SIGTERM, lambda *_: runner.stop())
     try:
         code = runner.run()

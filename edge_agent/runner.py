@@ -51,6 +51,8 @@ class AgentOptions:
     shard_file: Optional[str] = None
     emulate: bool = False
     seed: int = 0
+    withhold_labels: bool = False
+    """Keep labels on the device: the coordinator sends logits back and this agent scores them."""
     heartbeat_s: float = 2.0
     retry_s: float = 5.0
     """Registration is re-sent after this long without an answer."""
@@ -139,7 +141,8 @@ class AgentRunner:
         log.info("loaded shard of %d samples (%s)", len(local), b["dataset"])
         hook = self.emulator.compute if self.emulator else None
         return AgentCore(self.o.agent_id, self.o.run_id, local, data.input_shape,
-                         seed=self.o.seed * 1000 + self.o.index, compute_hook=hook)
+                         seed=self.o.seed * 1000 + self.o.index, compute_hook=hook,
+                         withhold_labels=self.o.withhold_labels)
 
     def _measure(self, info: Message) -> dict:
         b = info.body

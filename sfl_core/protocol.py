@@ -69,7 +69,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "register": {"index": int, "profile": dict, "measured": dict, "label_counts": list,
                  "num_samples": int, "emulate": bool, "resume": dict},
     "probe": {"nonce": int, "pad": bytes, "reply_bytes": int},
-    "activations": {"x": dict, "y": dict, "compute_s": _NUM},
+    "activations": {"x": dict, "y": (dict, type(None)), "compute_s": _NUM},   # y null: labels withheld
+    "logit_grads": {"g": dict, "loss": _NUM, "compute_s": _NUM},
     "weights": {"weights": dict, "num_samples": int, "compute_s": _NUM, "loss": _NUM},
     "heartbeat": {"state": str},
     "status": {"online": bool},
@@ -81,12 +82,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "lr": _NUM, "momentum": _NUM, "tau": int, "codec": str, "zstd_level": int,
                "activation_shape": list, "weights": dict},
     "gradients": {"g": dict},
+    "logits": {"z": dict},
     "shutdown": {"reason": str},
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
                  "splits": list, "partition": dict, "num_agents": int},
 }
-AGENT_TYPES = frozenset({"register", "probe", "activations", "weights", "heartbeat", "status"})
-COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "gradients", "shutdown", "run_info"})
+AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "heartbeat", "status"})
+COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "shutdown", "run_info"})
 COORDINATOR_ID = "coordinator"
 
 

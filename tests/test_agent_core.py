@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from coordinator.server_trainer import ServerTrainer
 from edge_agent.agent import AgentCore, LocalData
@@ -296,3 +297,31 @@ def test_split_training_with_real_server_reduces_loss(digits):
     first, last = sum(coord.losses[:5]) / 5, sum(coord.losses[-5:]) / 5
     assert last < 0.6 * first, coord.losses
     assert coord.accuracy(digits) > max(0.5, acc0 + 0.3)  # the agent's uploads are part of it
+
+
+def test_withheld_labels_agent_scores_logits_and_never_sends_labels(digits):
+    data = LocalData(digits.x_train[:300], digits.y_train[:300], digits.num_classes)
+    agent = AgentCore(AGENT, RUN, data, digits.input_shape, seed=0, withhold_labels=True)
+    coord = Coordinator(digits)
+    (act,) = agent.handle(coord.assign(1, tau=2))
+    assert act.body["y"] is None
+    z = torch.randn(16, digits.num_classes)
+    logits = _wire(Message("logits", RUN, protocol.COORDINATOR_ID, {"z": wire.encode_tensor(z)},
+                           round=1, step=0, seq=coord.seq.next()))
+    (reply,) = agent.handle(logits)
+    assert reply.type == "logit_grads" and reply.step == 0
+    # the gradient of the agent's mean cross-entropy on the labels it kept
+    zz = z.clone().requires_grad_(True)
+    loss = F.cross_entropy(zz, agent._y)
+    loss.backward()
+    torch.testing.assert_close(wire.decode_tensor(reply.body["g"]), zz.grad)
+    assert reply.body["loss"] == pytest.approx(loss.item())
+    # the same logits again (our reply was lost): the same reply, nothing recomputed
+    assert agent.handle(logits) == [reply]
+    # logits of the wrong shape are refused before use
+    fresh = AgentCore(AGENT, RUN, data, digits.input_shape, seed=0, withhold_labels=True)
+    fresh.handle(coord.assign(2, tau=2))
+    bad = _wire(Message("logits", RUN, protocol.COORDINATOR_ID, {"z": wire.encode_tensor(torch.zeros(3, 10))},
+                        round=2, step=0, seq=coord.seq.next()))
+    with pytest.raises(WireError, match="shape"):
+        fresh.handle(bad)

@@ -50,7 +50,8 @@ def start_coord(config: Path, tmp_path: Path, *args: str, name: str = "coord") -
                              "--verbose", *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
-def start_agents(broker: str, run: str, tmp_path: Path, n: int = 3, emulate: bool = True) -> list[subprocess.Popen]:
+def start_agents(broker: str, run: str, tmp_path: Path, n: int = 3, emulate: bool = True,
+                 extra: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
     procs = []
     for i in range(n):
         log = open(tmp_path / f"agent-{i}.log", "w")
@@ -58,6 +59,7 @@ def start_agents(broker: str, run: str, tmp_path: Path, n: int = 3, emulate: boo
                "--broker", broker, "--run", run, "--index", str(i), "--agent-id", f"a{i}", "--verbose"]
         if emulate:
             cmd.append("--emulate")
+        cmd += (extra or {}).get(i, [])
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
     return procs
 
@@ -266,3 +268,16 @@ def test_mergesfl_regulated_batches_over_mosquitto(mosquitto, tmp_path):
     state = json.loads((tmp_path / "out" / "state.json").read_text())
     assert set(state["merge_states"]) == {"a0", "a1", "a2"}
     assert all(mu > 0 and beta > 0 for mu, beta in state["merge_states"].values())
+
+
+def test_labels_withheld_over_mosquitto(mosquitto, tmp_path):
+    """MergeSFL's labels-withheld mode over a real broker: one agent never sends labels; the
+    coordinator returns its rows' logits, the agent scores them, the run learns."""
+    config = write_config(tmp_path, "wh", rounds=2, split=2)
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "wh", tmp_path, emulate=False, extra={1: ["--withhold-labels"]})
+    assert finish([coord, *agents], timeout=180) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    flags = {a: v["labels_withheld"] for a, v in m[-1]["agents"].items()}
+    assert flags == {"a0": False, "a1": True, "a2": False}
+    assert m[-1]["accuracy"] > m[0]["accuracy"] + 0.2

@@ -30,6 +30,8 @@ VALID_BODIES = {
                "lr": 0.05, "momentum": 0.0, "tau": 3, "codec": "fp16", "zstd_level": 3,
                "activation_shape": [32, 4, 4], "weights": {}},
     "gradients": {"g": _T},
+    "logits": {"z": _T},
+    "logit_grads": {"g": _T, "loss": 2.1, "compute_s": 0.5},
     "shutdown": {"reason": "done"},
     "run_info": {"model": "small_cnn", "dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10,
                  "splits": [1, 2, 3], "partition": {"kind": "iid"}, "num_agents": 4},
@@ -204,3 +206,8 @@ def test_profile_body():
     assert body == {"name": "pi", "compute_flops": 5e9, "link_bytes_per_s": 1e6,
                     "downlink_bytes_per_s": 2e6, "latency_s": 0.01}
     assert all(isinstance(v, float) for k, v in body.items() if k != "name")
+
+
+def test_activations_may_withhold_labels():
+    body = {**VALID_BODIES["activations"], "y": None}
+    assert protocol.decode(Message("activations", RUN, "a", body).encode(), run=RUN).body["y"] is None
