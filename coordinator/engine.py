@@ -113,8 +113,8 @@ class RoundEngine:
             pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
         self.model: SplitModel = model.to(self.device)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
-        if cfg.split is not None:
-            self.model.check_split(cfg.split)
+        for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
+            self.model.check_split(s)
         self.planner = Planner(cfg, self.model, self.costs)
         loss = LossSpec(cfg.loss, cfg.calibration_tau, cfg.hetero.bdks, cfg.hetero.bdks_alpha,
                         cfg.hetero.bdks_theta)

@@ -65,7 +65,9 @@ class Planner:
         if cfg.strategy == "sfl":
             split = cfg.split or self.model.default_split
             groups = [list(selected)] if cfg.server_mode == "merged" else [[a] for a in selected]
-            return RoundPlan({a: split for a in selected}, groups, "fixed")
+            by_profile = cfg.profile_splits or {}   # FedFC: mixed cut layers by device class
+            return RoundPlan({a: by_profile.get(agents[a].profile.get("name"), split) for a in selected},
+                             groups, "fixed" if not by_profile else "per profile")
         return self._plan_s2fl(r, selected, agents)
 
     def _plan_s2fl(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:

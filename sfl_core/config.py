@@ -164,6 +164,7 @@ class RunConfig:
     strategy: str = "sfl"
     server_mode: str = "merged"
     split: int | None = None  # None = the model's default split point
+    profile_splits: dict[str, int] | None = None  # FedFC mixed cuts: split per device profile (strategy sfl)
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.0
@@ -284,6 +285,13 @@ def _enum(*choices: str) -> _Conv:
             fail("one of " + ", ".join(repr(c) for c in choices))
         return v
     return conv
+
+
+def _split_map(v: Any, fail: _Fail) -> dict[str, int]:
+    if not isinstance(v, dict) or not v or not all(isinstance(k, str) and isinstance(x, int) and
+                                                   not isinstance(x, bool) and x >= 1 for k, x in v.items()):
+        fail("a mapping of device profile name to split point (an integer >= 1), or null")
+    return dict(v)
 
 
 def _codec(v: Any, fail: _Fail) -> str:
@@ -484,6 +492,7 @@ _RUN_SPEC: dict[str, _Conv] = {
     "strategy": _enum(*STRATEGIES),
     "server_mode": _enum(*SERVER_MODES),
     "split": _opt(_pos_int),
+    "profile_splits": _opt(_split_map),
     "batch_size": _pos_int,
     "lr": _pos_float,
     "momentum": _float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"),
@@ -672,6 +681,9 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
     kwargs["fleet"] = _fleet(d.get("fleet"), source, base_dir, search_dirs)
     cfg = RunConfig(**kwargs)
 
+    if cfg.profile_splits is not None and (cfg.strategy != "sfl" or cfg.hetero.width is not None):
+        raise ConfigError(f"{source}: field 'profile_splits': mixed cut layers need strategy 'sfl' without a "
+                          f"bottleneck, got strategy {cfg.strategy!r}")
     m = cfg.mergesfl
     if (m.regulate or m.select) and cfg.strategy == "fedavg":
         raise ConfigError(f"{source}: field 'mergesfl': batch regulation and worker selection need split "
