@@ -22,7 +22,7 @@ from sfl_core.accounting import model_costs
 from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
-from sfl_core.config import RunConfig
+from sfl_core.config import RunConfig, profile_dict_at_round
 from sfl_core.models import SplitModel, build_model
 from sfl_core.protocol import Message
 from sfl_core.sliding_split import ClientTimeTable
@@ -441,7 +441,8 @@ class RoundEngine:
                 measured_s=ra.busy_s + ra.server_s, compute_s=ra.compute_s, server_s=ra.server_s,
                 client_flops=cost.client_flops * samples,
                 server_flops=cost.server_flops * samples, bytes_up=ra.bytes_up, bytes_down=ra.bytes_down,
-                profile=info.profile, server_flops_per_s=self.cfg.server_flops, messages=ra.messages)
+                profile=profile_dict_at_round(info.profile, r), server_flops_per_s=self.cfg.server_flops,
+                messages=ra.messages)
             t = times[a] = parts.total_s
             self.merge.observe(a, compute_s=parts.client_compute_s, transfer_s=parts.transfer_s, samples=samples)
             info.rounds += 1

@@ -48,6 +48,14 @@ class Registry:
             v = prof.get(key)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (key != "latency_s" and v <= 0):
                 raise wire.WireError(f"register.profile.{key}: expected a positive number, got {v!r}")
+        cap = prof.get("capacity", [])
+        ok = isinstance(cap, list) and len(cap) <= 1000 and all(
+            isinstance(e, list) and len(e) == 3 and isinstance(e[0], int) and not isinstance(e[0], bool) and e[0] >= 1
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in e[1:])
+            for e in cap) and all(b[0] > a[0] for a, b in zip(cap, cap[1:]))
+        if not ok:
+            raise wire.WireError("register.profile.capacity: expected up to 1000 [from_round >= 1, compute scale > 0, "
+                                 "link scale > 0] entries with rounds ascending")
         old = self.agents.get(msg.sender)
         info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=dict(prof), measured=dict(b["measured"]),
                          label_counts=list(counts), num_samples=b["num_samples"])

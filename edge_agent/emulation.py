@@ -18,8 +18,13 @@ log = logging.getLogger("sfl.agent.emulate")
 
 class Emulator:
     def __init__(self, profile: DeviceProfile):
-        self.profile = profile
+        self.base = profile
+        self.profile = profile.at_round(0)
         self._warned = False
+
+    def at_round(self, r: int) -> None:
+        """Follow the profile's capacity schedule: from round ``r`` on, run at its scaled rates."""
+        self.profile = self.base.at_round(r)
 
     def compute(self, flops: float, actual_s: float) -> float:
         """Sleep until ``flops`` would have taken the profile's device; return that time."""

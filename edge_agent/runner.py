@@ -216,6 +216,8 @@ class AgentRunner:
             self._busy = True
             try:
                 if self.emulator:
+                    if msg.type == "assign":
+                        self.emulator.at_round(msg.round)
                     self.emulator.downlink(msg.wire_bytes)
                 replies = self.core.handle(msg)
                 for reply in replies:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
@@ -66,6 +66,25 @@ class ConfigError(ValueError):
 # ------------------------------------------------------------------------ dataclasses
 
 
+def capacity_scales(capacity: Sequence[Sequence[float]], r: int) -> tuple[float, float]:
+    """(compute, link) scale in force in round ``r`` under a capacity schedule (1, 1 before any)."""
+    compute, link = 1.0, 1.0
+    for from_round, c, l in capacity:
+        if r >= from_round:
+            compute, link = float(c), float(l)
+    return compute, link
+
+
+def profile_dict_at_round(profile: Mapping[str, Any], r: int) -> dict[str, Any]:
+    """A registered profile dict (``protocol.profile_body``) with its ``capacity`` schedule applied."""
+    compute, link = capacity_scales(profile.get("capacity") or (), r)
+    out = dict(profile)
+    out["compute_flops"] = float(profile["compute_flops"]) * compute
+    out["link_bytes_per_s"] = float(profile["link_bytes_per_s"]) * link
+    out["downlink_bytes_per_s"] = float(profile.get("downlink_bytes_per_s") or profile["link_bytes_per_s"]) * link
+    return out
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """What the timing model (SPEC §3) needs to know about one kind of device."""
@@ -78,11 +97,23 @@ class DeviceProfile:
     memory_bytes: float | None = None
     description: str = ""
     source: str = ""  # where the numbers come from
+    capacity: tuple[tuple[int, float, float], ...] = ()
+    """Capacity that changes over time, for emulation and simulation: ``(from_round, compute
+    scale, link scale)`` entries, ascending; from that round on the device runs at the scaled
+    FLOP/s and link rates (e.g. thermal throttling, a congested link)."""
 
     def __post_init__(self) -> None:
         # Most links are quoted as one number; a symmetric link is the honest default.
         if self.downlink_bytes_per_s is None:
             object.__setattr__(self, "downlink_bytes_per_s", self.link_bytes_per_s)
+
+    def at_round(self, r: int) -> "DeviceProfile":
+        """This profile as the device runs in round ``r`` (the latest capacity change in force)."""
+        compute, link = capacity_scales(self.capacity, r)
+        if (compute, link) == (1.0, 1.0):
+            return self
+        return replace(self, compute_flops=self.compute_flops * compute, link_bytes_per_s=self.link_bytes_per_s * link,
+                       downlink_bytes_per_s=float(self.downlink_bytes_per_s or self.link_bytes_per_s) * link)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (msgpack/YAML friendly); ``profile_from_dict`` reads it back."""
@@ -390,6 +421,25 @@ def _read_yaml(path: Path) -> Any:
 
 # ------------------------------------------------------------------------ device profiles
 
+def _capacity(v: Any, fail: _Fail) -> tuple[tuple[int, float, float], ...]:
+    what = ("a list of {from_round: R >= 1, compute: scale > 0, link: scale > 0} with rounds ascending")
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        fail(what)
+    out = []
+    for e in v:
+        if not isinstance(e, dict) or set(e) - {"from_round", "compute", "link"} or "from_round" not in e:
+            fail(what)
+        r, c, l = e["from_round"], _number(e.get("compute", 1.0)), _number(e.get("link", 1.0))
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1 or c is None or l is None or c <= 0 or l <= 0:
+            fail(what)
+        out.append((r, float(c), float(l)))
+    if any(b[0] <= a[0] for a, b in zip(out, out[1:])):
+        fail(what)
+    return tuple(out)
+
+
 _PROFILE_SPEC: dict[str, _Conv] = {
     "name": _str,
     "compute_flops": _pos_float,
@@ -399,6 +449,7 @@ _PROFILE_SPEC: dict[str, _Conv] = {
     "memory_bytes": _opt(_pos_float),
     "description": _text,
     "source": _text,
+    "capacity": _capacity,
 }
 _PROFILE_REQUIRED = ("compute_flops", "link_bytes_per_s")
 

@@ -171,9 +171,13 @@ class Sequencer:
 
 def profile_body(profile: Any) -> dict[str, Any]:
     """The device-profile fields sent in ``register`` (what the coordinator's timing model needs)."""
-    return {"name": profile.name, "compute_flops": float(profile.compute_flops),
+    body = {"name": profile.name, "compute_flops": float(profile.compute_flops),
             "link_bytes_per_s": float(profile.link_bytes_per_s),
             "downlink_bytes_per_s": float(profile.downlink_bytes_per_s), "latency_s": float(profile.latency_s)}
+    if getattr(profile, "capacity", ()):
+        # a schedule of capacity changes (emulation/simulation): the virtual clock applies it
+        body["capacity"] = [[int(r), float(c), float(lk)] for r, c, lk in profile.capacity]
+    return body
 
 
 _PROCESS_SEQUENCER = Sequencer()

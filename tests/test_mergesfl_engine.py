@@ -63,3 +63,45 @@ def test_kl_selection_respects_the_budget_and_mixes_labels(tmp_path):
         naive = mergesfl.kl(mergesfl.mixed_distribution(sorted(counts)[:3], {a: 16 for a in counts}, counts), target)
         assert m["kl"] <= naive + 1e-9
     assert history[-1]["accuracy"] > history[0]["accuracy"]
+
+
+def test_capacity_change_is_followed_by_the_estimates_and_batches(tmp_path):
+    """A device whose compute and link drop 20x from round 3 (its profile says so): the virtual
+    clock charges the slower rates, the smoothed estimate follows and its batch shrinks."""
+    import yaml
+
+    prof = tmp_path / "throttled.yaml"
+    prof.write_text(yaml.safe_dump({"name": "throttled", "compute_flops": 2e10, "link_bytes_per_s": 5e6,
+                                    "capacity": [{"from_round": 3, "compute": 0.05, "link": 0.05}]}))
+    from coordinator.cli import simulate_run
+
+    fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-high", "count": 1}]
+    history, engine = simulate_run(_cfg(tmp_path, rounds=5, fleet=fleet, regulate=True, max_batch=32), device="cpu")
+    by_profile = lambda rec: {engine.registry.agents[a].profile["name"]: v for a, v in rec["agents"].items()}
+    before, after = by_profile(history[2]), by_profile(history[5])
+    per_sample = lambda v: v["time_s"] / v["batch_size"]
+    assert per_sample(after["throttled"]) > 5 * per_sample(before["throttled"])
+    assert after["throttled"]["batch_size"] < before["throttled"]["batch_size"]
+    assert after["s2fl-high-high"]["batch_size"] == 32
+
+
+def test_capacity_schedule_validated():
+    from coordinator.registry import Registry
+    from sfl_core import protocol
+    from sfl_core.config import ConfigError, profile_from_dict
+    from sfl_core.protocol import Message
+    from sfl_core.wire import WireError
+
+    base = {"name": "x", "compute_flops": 1e9, "link_bytes_per_s": 1e6}
+    p = profile_from_dict({**base, "capacity": [{"from_round": 2, "compute": 0.5}, {"from_round": 4, "link": 0.1}]}, "t")
+    assert [p.at_round(r).compute_flops for r in (1, 2, 4)] == [1e9, 5e8, 1e9]
+    assert p.at_round(4).link_bytes_per_s == pytest.approx(1e5)
+    for bad in ([{"from_round": 0}], [{"from_round": 3}, {"from_round": 2}], [{"from_round": 1, "compute": -1}],
+                [{"from_round": 1, "speed": 2}], {"from_round": 1}):
+        with pytest.raises(ConfigError, match="capacity"):
+            profile_from_dict({**base, "capacity": bad}, "t")
+    reg = Registry(num_classes=2)
+    body = {"index": 0, "profile": {**protocol.profile_body(p), "capacity": [[2, 0.5, -1.0]]}, "measured": {},
+            "label_counts": [1, 1], "num_samples": 2, "emulate": False, "resume": {}}
+    with pytest.raises(WireError, match="capacity"):
+        reg.register(Message("register", "r", "a", body))
