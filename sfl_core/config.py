@@ -117,7 +117,9 @@ class DeviceProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (msgpack/YAML friendly); ``profile_from_dict`` reads it back."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["capacity"] = [{"from_round": r, "compute": c, "link": lk} for r, c, lk in self.capacity]
+        return d
 
 
 @dataclass(frozen=True)
