@@ -14,8 +14,10 @@ paper's non-IID level p = 10). Methods:
 - ``SFL+BR``: batch regulation only (Eq. 9, lr scaled, batch-weighted aggregation);
 - ``MergeSFL``: merging + regulation + KL worker selection under the ingress budget.
 
-FedFC part: class-imbalance shards (SPEC §9), one merged server pass; a single split (2)
-against mixed cut layers by device (slow devices cut after conv1, fast ones after fc1).
+FedFC part: ``vgg_mini`` (the deepest zoo model that fits this bench on 2 CPU cores; four
+cut layers), class-imbalance shards (SPEC §9), one merged server pass; a single split (3)
+against mixed cut layers by device (the slowest cut after conv1, then conv2, the default
+conv3, the fastest after conv4).
 
 Reported: final accuracy (mean of the last 3 evaluated rounds, mean ± std over seeds),
 virtual time to a target every method reaches, average waiting time per round, total
@@ -45,10 +47,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "SFL+BR": {"server_mode": "per_agent", "mergesfl": {"regulate": True}},
     "MergeSFL": {"server_mode": "merged", "mergesfl": {"regulate": True, "select": True}},
 }
-FEDFC = {
-    "single split": {},
-    "mixed cuts": {"profile_splits": {"rpi4": 1, "s2fl-low-low": 1, "jetson-nano": 1,
-                                      "jetson-agx-xavier": 3, "jetson-xavier-nx": 3, "s2fl-high-high": 3}},
+FEDFC = {   # vgg_mini: five blocks, so four cut layers (after conv1 .. conv4), like FedFC's 2/4/7/10 on VGG-16
+    "single split": {"split": 3},
+    "mixed cuts": {"split": 3, "profile_splits": {"rpi4": 1, "s2fl-low-low": 1, "jetson-nano": 2, "s2fl-low-high": 2,
+                                                  "jetson-xavier-nx": 4, "jetson-agx-xavier": 4}},
 }
 
 
@@ -57,7 +59,8 @@ def config(part: str, method: str, setting: str, seed: int, args: Any) -> dict[s
     over = dict(FEDFC[method] if part == "fedfc" else METHODS[method])
     merge = over.pop("mergesfl", None)
     cfg = {
-        "run": "bench-mergesfl", "model": "small_cnn", "split": 2, "strategy": "sfl", "server_mode": "merged",
+        "run": "bench-mergesfl", "model": "vgg_mini" if part == "fedfc" else "small_cnn", "split": 2,
+        "strategy": "sfl", "server_mode": "merged",
         "data": {"dataset": args.dataset, "root": args.root, "partition": scheme, "alpha": alpha, "seed": seed},
         "fleet": [{"profile": p, "count": c} for p, c in FLEET], "rounds": args.rounds, "per_round": args.per_round,
         "batch_size": args.batch, "lr": args.lr, "momentum": args.momentum, "local_iters": args.tau, "seed": seed,
@@ -139,14 +142,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--work", type=Path, default=Path("/tmp/sfl-bench-mergesfl"))
+    p.add_argument("--parts", nargs="*", default=["mergesfl", "fedfc"], choices=["mergesfl", "fedfc"])
+    p.add_argument("--tag", default="", help="suffix of the result file (for parts run separately)")
     args = p.parse_args(argv)
     settings, methods, fedfc = list(SETTINGS), list(METHODS), list(FEDFC)
     if args.quick:
         args.rounds, args.tau, args.batch, args.seeds, args.eval_samples = 2, 2, 8, 1, 200
         settings = ["a=0.1"]
     args.dataset, args.root = ("fashion-mnist", args.data) if Path(args.data).is_dir() else (args.data, None)
-    jobs = [("mergesfl", m, s, seed, args) for s in settings for m in methods for seed in range(args.seeds)]
-    jobs += [("fedfc", m, "class-imbalance", seed, args) for m in fedfc for seed in range(args.seeds)]
+    jobs = [("mergesfl", m, s, seed, args) for s in settings for m in methods for seed in range(args.seeds)
+            if "mergesfl" in args.parts]
+    jobs += [("fedfc", m, "class-imbalance", seed, args) for m in fedfc for seed in range(args.seeds)
+             if "fedfc" in args.parts]
     t_start = time.time()
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{v['waiting_s_per_round']:.1f}", f"{v['traffic_bytes'] / 1e6:.0f}"])
     common.print_table("MergeSFL / FedFC (virtual clock)",
                        ["setting", "method", "acc %", "target %", "t@target s", "speed-up", "wait s/round", "MB"],
-                       rows, caption=f"20 agents, {args.per_round}/round, small_cnn, {args.rounds} rounds, tau {args.tau}, "
+                       rows, caption=f"20 agents, {args.per_round}/round, small_cnn (FedFC: vgg_mini), {args.rounds} rounds, tau {args.tau}, "
                                      f"batch {args.batch} (MergeSFL max {2 * args.batch}), {args.seeds} seed(s); "
                                      f"wall {time.time() - t_start:.0f} s")
     ga = ga_timing()
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v
     payload = {"benchmark": "mergesfl", "config": {k: plain(v) for k, v in vars(args).items()},
                "fleet": FLEET, "summary": summary, "ga_timing": ga, "curves": curves}
-    name = "mergesfl-quick" if args.quick else "mergesfl"
+    name = ("mergesfl-quick" if args.quick else "mergesfl") + (f"-{args.tag}" if args.tag else "")
     path = common.write_result(args.out, name, payload, torch.device("cpu"))
     plot(curves, args.out / f"{name}.png")
     print(f"wrote {path}")

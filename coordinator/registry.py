@@ -26,6 +26,9 @@ class AgentInfo:
     bytes_up: int = 0
     bytes_down: int = 0
     compute_s: float = 0.0
+    registered: bool = True
+    """False for an agent known only from a checkpoint: it counts as online once it registers
+    again in this session (its status message alone must not start a round it cannot join)."""
 
 
 class Registry:
@@ -72,7 +75,7 @@ class Registry:
     def set_online(self, agent_id: str, online: bool) -> None:
         info = self.agents.get(agent_id)
         if info is not None:
-            info.online = online
+            info.online = online and info.registered
             if online:
                 info.last_seen = time.monotonic()
 
@@ -90,5 +93,5 @@ class Registry:
         """After --resume, agents re-register; their running totals come from the checkpoint."""
         for a, d in data.items():
             info = AgentInfo(**{k: v for k, v in d.items() if k in AgentInfo.__dataclass_fields__})
-            info.online = False
+            info.online, info.registered = False, False
             self.agents[a] = info
