@@ -213,7 +213,11 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGTERM)
-                p.wait(timeout=10)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:   # never leave a stray process behind
+                    p.kill()
+                    p.wait()
     console.print(summary_table(history, engine.registry))
     codes = [p.returncode for p in procs]
     console.print(f"demo finished in {time.monotonic() - t0:.1f} s wall; agent exit codes {codes}; "

@@ -103,8 +103,10 @@ class AgentRunner:
             return 0
         finally:
             self._stop.set()
+            # best effort and short: after a shutdown the broker may already be gone (an embedded
+            # one stops with its coordinator), and a waiting agent would outlive its run
             self._publish_raw(protocol.status_topic(self.o.run_id, self.o.agent_id),
-                              self._msg("status", {"online": False}).encode(), retain=True)
+                              self._msg("status", {"online": False}).encode(), retain=True, timeout=3)
             self.link.close()
 
     def stop(self) -> None:
@@ -259,9 +261,9 @@ class AgentRunner:
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12]):
             self._publish_raw(topic, piece)
 
-    def _publish_raw(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        if not self.link.publish(topic, payload, retain=retain, timeout=60):
-            log.warning("publish to %s not acknowledged within 60 s", topic)
+    def _publish_raw(self, topic: str, payload: bytes, retain: bool = False, timeout: float = 60) -> None:
+        if not self.link.publish(topic, payload, retain=retain, timeout=timeout):
+            log.warning("publish to %s not acknowledged within %.0f s", topic, timeout)
 
     def _announce_online(self) -> None:
         self.link.publish(protocol.status_topic(self.o.run_id, self.o.agent_id),
