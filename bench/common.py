@@ -210,3 +210,47 @@ def fmt(v: Any) -> str:
             return f"{v:.2e}"
         return f"{v:.3g}"
     return str(v)
+
+
+# --------------------------------------------------------------------------- simulation sweeps
+
+
+def config_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed arguments as JSON-friendly values (paths as strings), for the result file."""
+    def plain(v: Any) -> Any:
+        return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v
+    return {k: plain(v) for k, v in vars(args).items()}
+
+
+def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], args: argparse.Namespace) -> list[Any]:
+    """``fn`` over ``jobs``: in ``args.jobs`` worker processes (one core each) or in this one."""
+    if getattr(args, "jobs", 1) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(args.jobs) as pool:
+            return list(pool.map(fn, jobs))
+    apply_threads(args)
+    return [fn(j) for j in jobs]
+
+
+def plot_accuracy_vs_time(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path) -> None:
+    """One panel per setting, one line per method: seed-mean accuracy against virtual time."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
+    for ax, (setting, by_method) in zip(axes[0], curves.items()):
+        for m, runs in by_method.items():
+            n = min(len(r) for r in runs)
+            ax.plot([statistics.mean(r[i]["elapsed_s"] for r in runs) for i in range(n)],
+                    [statistics.mean(r[i]["accuracy"] for r in runs) for i in range(n)], label=m)
+        ax.set_title(setting)
+        ax.set_xlabel("virtual time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -31,10 +31,8 @@ and gradients of the trained SFL model.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -177,12 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.dataset, args.root = spec, None
     jobs = [(m, s, seed, args) for s in args.settings for m in chosen for seed in range(args.seeds)]
     t_start = time.time()
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(run_one, jobs))
-    else:
-        common.apply_threads(args)
-        results = [run_one(j) for j in jobs]
+    results = common.run_jobs(run_one, jobs, args)
 
     curves: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
     for res in results:
@@ -219,9 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            [[r["width"], r["codec"], f"{r['up_bytes']:.0f}", f"{r['down_bytes']:.0f}",
                              f"{r['reduction_vs_sfl_fp32']:.1f}x"] for r in per_codec])
 
-    def plain(v: Any) -> Any:
-        return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v
-    payload = {"benchmark": "heterosfl", "config": {k: plain(v) for k, v in vars(args).items()},
+    payload = {"benchmark": "heterosfl", "config": common.config_record(args),
                "summary": summary, "table1": table1, "bytes_per_sample": per_codec, "curves": curves,
                "methods": {m: all_methods[m] for m in chosen}}
     path = common.write_result(args.out, "heterosfl-quick" if args.quick else "heterosfl", payload,

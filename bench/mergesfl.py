@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jobs += [("fedfc", m, "class-imbalance", seed, args) for m in fedfc for seed in range(args.seeds)
              if "fedfc" in args.parts]
     t_start = time.time()
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(run_one, jobs))
-    else:
-        common.apply_threads(args)
-        results = [run_one(j) for j in jobs]
+    results = common.run_jobs(run_one, jobs, args)
     curves: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
     for res in results:
         key = res["setting"] if res["part"] == "mergesfl" else "FedFC class-imbalance"
@@ -182,37 +176,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.print_table("GA worker selection", ["agents", "seconds", "selected", "KL", "generations"],
                        [[r["agents"], f"{r['seconds']:.3f}", r["selected"], f"{r['kl']:.4f}", r["generations"]] for r in ga])
 
-    def plain(v: Any) -> Any:
-        return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v
-    payload = {"benchmark": "mergesfl", "config": {k: plain(v) for k, v in vars(args).items()},
+    payload = {"benchmark": "mergesfl", "config": common.config_record(args),
                "fleet": FLEET, "summary": summary, "ga_timing": ga, "curves": curves}
     name = ("mergesfl-quick" if args.quick else "mergesfl") + (f"-{args.tag}" if args.tag else "")
     path = common.write_result(args.out, name, payload, torch.device("cpu"))
-    plot(curves, args.out / f"{name}.png")
+    common.plot_accuracy_vs_time(curves, args.out / f"{name}.png")
     print(f"wrote {path}")
     return payload
-
-
-def plot(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
-    for ax, (setting, by_method) in zip(axes[0], curves.items()):
-        for m, runs in by_method.items():
-            n = min(len(r) for r in runs)
-            ax.plot([statistics.mean(r[i]["elapsed_s"] for r in runs) for i in range(n)],
-                    [statistics.mean(r[i]["accuracy"] for r in runs) for i in range(n)], label=m)
-        ax.set_title(setting)
-        ax.set_xlabel("virtual time (s)")
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -171,40 +170,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                             "speedup vs SFL"], rows,
                        caption=f"{args.agents} agents, {args.per_round}/round, {args.model}, {args.rounds} rounds, "
                                f"tau {args.tau}, batch {args.batch}, {args.seeds} seed(s); wall {time.time() - t_start:.0f} s")
-    def plain(v: Any) -> Any:
-        return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v
-    payload = {"benchmark": "s2fl", "note": args.note, "config": {k: plain(v) for k, v in vars(args).items()},
+    payload = {"benchmark": "s2fl", "note": args.note, "config": common.config_record(args),
                "summary": summary, "curves": curves}
     name = ("s2fl-quick" if args.quick else "s2fl") + (f"-{args.tag}" if args.tag else "")
     from coordinator.server_trainer import pick_device
     path = common.write_result(args.out, name, payload, pick_device(args.device))
-    plot(curves, args.out / f"{name}.png")
+    common.plot_accuracy_vs_time(curves, args.out / f"{name}.png")
     print(f"wrote {path}")
     return payload
-
-
-def plot(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
-    for ax, (setting, by_method) in zip(axes[0], curves.items()):
-        for m, runs in by_method.items():
-            n = min(len(r) for r in runs)
-            t = [statistics.mean(r[i]["elapsed_s"] for r in runs) for i in range(n)]
-            a = [statistics.mean(r[i]["accuracy"] for r in runs) for i in range(n)]
-            ax.plot(t, a, label=m)
-        ax.set_title(setting)
-        ax.set_xlabel("virtual time (s)")
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
 from sfl_core.mergesfl import AgentState
 
-from coordinator.registry import AgentInfo
+from coordinator.registry import AgentInfo, uplink_rate
 
 log = logging.getLogger("sfl.coord.merge")
 
@@ -49,7 +49,6 @@ class MergeControl:
         """The smoothed (μ, β), or a first estimate from the profile and registration measurements."""
         if agent_id in self.states:
             return self.states[agent_id]
-        from coordinator.planner import uplink_rate   # the same rate the HeteroSFL groups use
         measured = info.measured.get("compute_s_per_sample", {}) if isinstance(info.measured, dict) else {}
         per_sample = measured.get(str(self.cost.split)) if isinstance(measured, dict) else None
         mu = float(per_sample) if isinstance(per_sample, (int, float)) and per_sample > 0 else \

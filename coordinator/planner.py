@@ -15,7 +15,7 @@ from sfl_core.hetero import group_by_link_rate, widths_for_groups
 from sfl_core.models import SplitModel
 from sfl_core.sliding_split import ClientTimeTable, candidate_splits, estimate_round_time, median_rule, warmup_split
 
-from coordinator.registry import AgentInfo
+from coordinator.registry import AgentInfo, uplink_rate
 
 log = logging.getLogger("sfl.coord.plan")
 
@@ -139,9 +139,3 @@ class Planner:
         for a, t in times.items():
             if splits.get(a) in self.candidates:
                 self.time_table.record(a, splits[a], t, r)
-
-
-def uplink_rate(info: AgentInfo) -> float:
-    """The agent's measured uplink (bytes/s) when it measured one, else its profile's."""
-    measured = info.measured.get("up_bytes_per_s") if isinstance(info.measured, dict) else None
-    return float(measured) if isinstance(measured, (int, float)) and measured > 0 else float(info.profile["link_bytes_per_s"])

@@ -95,3 +95,9 @@ class Registry:
             info = AgentInfo(**{k: v for k, v in d.items() if k in AgentInfo.__dataclass_fields__})
             info.online, info.registered = False, False
             self.agents[a] = info
+
+
+def uplink_rate(info: AgentInfo) -> float:
+    """The agent's measured uplink (bytes/s) when it measured one, else its profile's."""
+    measured = info.measured.get("up_bytes_per_s") if isinstance(info.measured, dict) else None
+    return float(measured) if isinstance(measured, (int, float)) and measured > 0 else float(info.profile["link_bytes_per_s"])
