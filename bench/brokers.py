@@ -1,7 +1,7 @@
 """A throw-away Mosquitto for the benchmarks.
 
 Why a real Mosquitto and not the embedded amqtt broker: the benches measure what a
-deployment pays per message, and production runs against Mosquitto (install/mosquitto.conf).
+deployment pays per message, and production runs against Mosquitto (see `sfl-coord broker-config`).
 The test suite's ``mosquitto`` fixture (tests/conftest.py) uses this same class, so a bench
 and a test exercise the same broker configuration.
 """
@@ -62,7 +62,10 @@ class MosquittoBroker:
     exception does not leave a broker behind.
     """
 
-    def __init__(self, binary: Optional[str] = None, port: Optional[int] = None) -> None:
+    def __init__(self, binary: Optional[str] = None, port: Optional[int] = None,
+                 config: Optional[str] = None) -> None:
+        """``config``: a complete mosquitto.conf text to use instead of the default (it must
+        open a listener on ``port``), e.g. one from ``sfl-coord broker-config``."""
         binary = binary or find_mosquitto()
         if binary is None:
             raise RuntimeError(MOSQUITTO_MISSING)
@@ -72,7 +75,7 @@ class MosquittoBroker:
         workdir = Path(self._tmp.name)
         self.conf = workdir / "mosquitto.conf"
         self.log = workdir / "mosquitto.log"
-        self.conf.write_text(
+        default = (
             f"listener {self.port} 127.0.0.1\n"
             "allow_anonymous true\n"
             "persistence false\n"
@@ -83,6 +86,7 @@ class MosquittoBroker:
             "log_type error\n"
             "log_type warning\n"
         )
+        self.conf.write_text(default if config is None else config)
         self._proc: Optional[subprocess.Popen] = None
 
     @property

@@ -3,7 +3,8 @@
 Why embedded: a first-time user should be able to run the coordinator and a few
 agents on one laptop without installing Mosquitto. For real deployments (many
 boards, TLS, auth) point everyone at a Mosquitto broker instead (see
-``install/mosquitto.conf``).
+``sfl-coord broker-config``, which writes a configuration with TLS, per-device users
+and a topic ACL).
 
 amqtt is asyncio-based; the coordinator is thread-based (paho). So the broker
 runs on its own daemon thread with its own event loop, and ``start()`` only

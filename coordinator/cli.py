@@ -17,9 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from sfl_core.accounting import format_cost_table, model_costs
+from sfl_core.broker_url import BrokerAddress
 from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
 from sfl_core.data import DatasetError, load_dataset
 from sfl_core.models import MODEL_NAMES, build_model
+
+from edge_agent.mqtt_link import broker_address
 
 from coordinator import state as ckpt
 from coordinator.clock import VirtualClock, WallClock
@@ -51,6 +54,10 @@ def _load(config: Path, rounds: Optional[int], output: Optional[Path]) -> RunCon
     if output is not None:
         cfg = dataclasses.replace(cfg, output_dir=str(output))
     return cfg
+
+
+def _str(path: Optional[Path]) -> Optional[str]:
+    return None if path is None else str(path)
 
 
 def _out_dir(cfg: RunConfig) -> Path:
@@ -92,7 +99,7 @@ def run_info_body(cfg: RunConfig, data) -> dict:
             "num_agents": cfg.num_agents}
 
 
-def serve_run(cfg: RunConfig, broker: Optional[str], *, resume: bool = False, device: str = "auto",
+def serve_run(cfg: RunConfig, broker: "Optional[str | BrokerAddress]", *, resume: bool = False, device: str = "auto",
               quiet: bool = False, on_broker=None, listen: str = "127.0.0.1:0") -> tuple[list[dict], RoundEngine]:
     """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``."""
     from coordinator.broker import EmbeddedBroker
@@ -107,6 +114,8 @@ def serve_run(cfg: RunConfig, broker: Optional[str], *, resume: bool = False, de
         embedded = EmbeddedBroker(host=host or "127.0.0.1", port=int(port or 0)).start()
         broker = embedded.url
         console.print(f"embedded MQTT broker listening at {broker}")
+    else:
+        console.print(f"MQTT broker: {broker}")  # BrokerAddress prints without the password
     if on_broker is not None:
         on_broker(broker)
     transport = MqttTransport(broker, cfg.run_id)
@@ -118,8 +127,10 @@ def serve_run(cfg: RunConfig, broker: Optional[str], *, resume: bool = False, de
                                  input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
                                  device=pick_device(device), on_event=display, resume=resume)
             history = engine.run()
-        if transport.rejected:
-            console.print(f"[yellow]{transport.rejected} invalid message(s) were rejected (see the log)")
+        rejected = engine.rejected_totals()
+        if rejected:
+            console.print(f"[yellow]{sum(rejected.values())} message(s) were rejected: "
+                          + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())) + " (see the log)")
         return history, engine
     finally:
         transport.close()
@@ -133,6 +144,13 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
                                                "Default: start an embedded broker on 127.0.0.1."),
           listen: str = typer.Option("0.0.0.0:1883", help="Where the embedded broker listens (HOST:PORT) "
                                      "when no --broker is given."),
+          ca_file: Optional[Path] = typer.Option(None, help="mqtts: CA certificate (PEM) that signed the broker's "
+                                                 "certificate. Default: the system trust store."),
+          cert_file: Optional[Path] = typer.Option(None, help="mqtts: this client's certificate (PEM), if the broker "
+                                                   "requires one."),
+          key_file: Optional[Path] = typer.Option(None, help="mqtts: the private key of --cert-file."),
+          password_file: Optional[Path] = typer.Option(None, help="File whose first line is the broker password "
+                                                       "(keeps it out of the command line)."),
           resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
           rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
           output: Optional[Path] = typer.Option(None, help="Override the output directory."),
@@ -142,7 +160,23 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     """Coordinate a real deployment: agents connect through the MQTT broker."""
     _setup_logging(verbose)
     cfg = _load(config, rounds, output)
-    history, engine = serve_run(cfg, broker, resume=resume, device=device, listen=listen, quiet=quiet)
+    address = None
+    if broker is not None:
+        try:
+            address = broker_address(broker, ca_file=_str(ca_file), cert_file=_str(cert_file),
+                                     key_file=_str(key_file), password_file=_str(password_file))
+        except ValueError as exc:
+            console.print(f"[red]{exc}")
+            raise typer.Exit(2)
+    elif any((ca_file, cert_file, key_file, password_file)):
+        console.print("[red]--ca-file/--cert-file/--key-file/--password-file need --broker (the embedded broker "
+                      "has neither TLS nor passwords)")
+        raise typer.Exit(2)
+    try:
+        history, engine = serve_run(cfg, address, resume=resume, device=device, listen=listen, quiet=quiet)
+    except (ConnectionError, TimeoutError) as exc:  # broker unreachable; no fleet (the checkpoint stays)
+        console.print(f"[red]{exc}")
+        raise typer.Exit(1)
     console.print(summary_table(history, engine.registry))
     console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
 
@@ -282,6 +316,83 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
     if last.get("agents"):
         splits = {a: v["split"] for a, v in last["agents"].items()}
         console.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
+
+
+@app.command("export")
+def export_cmd(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo."),
+           onnx: Path = typer.Option(..., "--onnx", help="Where to write the ONNX file (a .json sidecar goes beside it)."),
+           split: Optional[int] = typer.Option(None, "--split", help="Export only the client portion blocks[:K] "
+                                               "(what an agent at split K runs); default: the whole model."),
+           config: Optional[Path] = typer.Option(None, "--config", "-c", help="The run's config; needed only for "
+                                                 "runs whose state.json predates model_info.")) -> None:
+    """Export a run's trained global model (or a client portion) to ONNX for `sfl-agent predict`."""
+    from coordinator.export import ExportError, export_run
+
+    try:
+        meta = export_run(run_dir, onnx, split=split, config=config)
+    except ExportError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2)
+    what = "whole model" if meta["split"] is None else f"client portion, split {meta['split']}"
+    console.print(f"wrote {onnx} ({onnx.stat().st_size / 1e6:.2f} MB): {meta['model']} ({what}) after round "
+                  f"{meta.get('round')}, input (N, {', '.join(map(str, meta['input_shape']))}) -> "
+                  f"(N, {', '.join(map(str, meta['output_shape']))}) {meta['output']}, opset {meta['opset']}")
+    console.print(f"sidecar: {onnx.with_suffix('.json')}")
+
+
+@app.command("broker-config")
+def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.conf, acl, passwd, credentials/."),
+                  agent: list[str] = typer.Option([], "--agent", "-a", help="An agent's user name = its agent id "
+                                                  "(repeat per device)."),
+                  agents_file: Optional[Path] = typer.Option(None, help="File of agent user names, one per line."),
+                  coordinator_user: str = typer.Option("coordinator", help="The coordinator's user name."),
+                  port: Optional[int] = typer.Option(None, help="Listener port (default 8883 with TLS, else 1883)."),
+                  bind: str = typer.Option("0.0.0.0", help="Listener address."),
+                  tls_cert: Optional[Path] = typer.Option(None, help="The broker's certificate (PEM); with --tls-key "
+                                                          "the listener speaks TLS (mqtts://)."),
+                  tls_key: Optional[Path] = typer.Option(None, help="The broker certificate's private key."),
+                  tls_ca: Optional[Path] = typer.Option(None, help="CA of client certificates (with --client-certs)."),
+                  client_certs: bool = typer.Option(False, "--client-certs", help="Require client certificates; their "
+                                                    "common name is the user name (no passwords)."),
+                  persistence_dir: Optional[Path] = typer.Option(None, help="Keep retained messages and sessions "
+                                                                 "here across broker restarts.")) -> None:
+    """Write a Mosquitto configuration: TLS listener, one user per device, an ACL that confines each
+    agent to its own topics (`mosquitto -c OUT/mosquitto.conf`)."""
+    from coordinator.broker_config import BrokerTls, write_broker_config
+
+    names = list(agent)
+    if agents_file is not None:
+        names += [ln.strip() for ln in agents_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    if bool(tls_cert) != bool(tls_key):
+        console.print("[red]--tls-cert and --tls-key go together")
+        raise typer.Exit(2)
+    if client_certs and not (tls_cert and tls_ca):
+        console.print("[red]--client-certs needs --tls-cert, --tls-key and --tls-ca")
+        raise typer.Exit(2)
+    tls = BrokerTls(str(tls_cert.resolve()), str(tls_key.resolve()), str(tls_ca.resolve()) if tls_ca else None,
+                    client_certs) if tls_cert and tls_key else None
+    port = port or (8883 if tls else 1883)
+    try:
+        files = write_broker_config(out, names, coordinator_user=coordinator_user, port=port, bind=bind, tls=tls,
+                                    persistence_dir=persistence_dir)
+    except ValueError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2)
+    scheme = "mqtts" if tls else "mqtt"
+    if tls is None:
+        console.print("[yellow]no --tls-cert/--tls-key: passwords would cross the network in clear text; "
+                      "use this only on a trusted network")
+    console.print(f"wrote {files.conf}, {files.acl}" + (f", {files.passwd}" if files.passwd else ""))
+    if files.credentials:
+        console.print(f"credentials (hand each device its own file, mode 0600): {out / 'credentials'}/<user>.password")
+    console.print(f"start the broker:  mosquitto -c {files.conf}")
+    console.print(f"coordinator:       sfl-coord serve -c RUN.yaml --broker {scheme}://{coordinator_user}@HOST:{port}"
+                  + (" --ca-file CA.crt" if tls else "") + (f" --password-file {coordinator_user}.password"
+                                                              if files.credentials else ""))
+    console.print(f"each agent:        sfl-agent start --broker {scheme}://AGENT@HOST:{port}"
+                  + (" --ca-file CA.crt" if tls else "")
+                  + (" --password-file AGENT.password" if files.credentials else " --cert-file AGENT.crt --key-file AGENT.key")
+                  + " --profile P --run R --index I")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from sfl_core.protocol import Message
 from sfl_core.sliding_split import ClientTimeTable
 
 from coordinator import state as ckpt
+from coordinator.export import describe_model
 from coordinator.planner import Planner, RoundPlan
 from coordinator.registry import Registry
 from coordinator.merge_control import MergeControl
@@ -105,6 +106,8 @@ class RoundEngine:
         self.registry = Registry(num_classes)
         self._last_seq: dict[str, int] = {}
         self._reg_seq: dict[str, int] = {}
+        self.rejections = protocol.Rejections(log)
+        self._rejected_before: dict[str, int] = {}
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, self.input_shape, num_classes)
         if cfg.hetero.width is not None:
@@ -146,11 +149,29 @@ class RoundEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(self.registry.online())} of {need} agents registered within "
                                    f"{self.cfg.register_timeout_s:.0f} s")
-            msg = self.transport.poll(0.2)
+            msg = self._receive(0.2)
+            if msg is not None:
+                self._dispatch(msg, None)
+
+    def _wait_for_any_agent(self, r: int) -> None:
+        """Mid-run, every agent gone (a network outage, a power cut on site): wait for one to come
+        back rather than end the run; after ``register_timeout_s`` give up with the run
+        checkpointed, so ``--resume`` continues it."""
+        log.warning("no agent online before round %d: waiting up to %.0f s for one to come back", r,
+                    self.cfg.register_timeout_s)
+        self.on_event("waiting", {"registered": 0, "needed": 1})
+        deadline = time.monotonic() + self.cfg.register_timeout_s
+        while not self._online():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no agent online for {self.cfg.register_timeout_s:.0f} s before round {r}; "
+                                   f"rounds up to {r - 1} are checkpointed: restart with --resume")
+            msg = self._receive(0.2)
             if msg is not None:
                 self._dispatch(msg, None)
 
     def run_round(self, r: int) -> dict[str, Any]:
+        if not self._online():
+            self._wait_for_any_agent(r)
         wall0 = time.monotonic()
         selected = self.select(r)
         batches: dict[str, int] = {}
@@ -256,7 +277,7 @@ class RoundEngine:
             waiting = [a for a in agents if a not in got]
             if not waiting:
                 return got
-            msg = self.transport.poll(0.1)
+            msg = self._receive(0.1)
             if msg is not None:
                 self.registry.seen(msg.sender)
                 ra = agents.get(msg.sender)
@@ -271,8 +292,36 @@ class RoundEngine:
             now = time.monotonic()
             for a in waiting:
                 ra = agents.get(a)
-                if ra is not None and now - ra.last_heard > self.cfg.step_timeout_s:
-                    self._drop(agents, a, f"silent for {self.cfg.step_timeout_s:.0f} s")
+                # silent since we last heard from it or last asked it, whichever is later: while we
+                # waited for a dead peer its reply may sit unread behind the peer's timeout
+                if ra is not None and now - max(ra.last_heard, ra.last_sent_at) > self.cfg.step_timeout_s:
+                    self._drop(agents, a, f"silent for {self.cfg.step_timeout_s:g} s")
+
+    def _receive(self, timeout: float) -> Optional[Message]:
+        """The next message from the transport that is not a replay.
+
+        Every agent numbers its messages from one increasing counter (across restarts), so a
+        seq below the highest seen from that sender is a replay and is dropped before it can
+        touch any state; an equal seq is a retransmission, which the exchange answers
+        idempotently. Exempt: ``status`` (the broker publishes an agent's will with the seq of
+        its connect); ``heartbeat`` is dropped silently (it comes from another thread of the
+        agent, so it may overtake a message numbered just before it).
+        """
+        msg = self.transport.poll(timeout)
+        if msg is None or msg.type == "status":
+            return msg
+        known = msg.sender in self.registry.agents or msg.type == "register"
+        last = self._last_seq.get(msg.sender, -1)
+        if msg.seq < last:
+            if msg.type != "heartbeat":
+                self.rejections.reject("replayed", f"{msg.type} from {msg.sender}: seq {msg.seq} is older "
+                                                   f"than {last}")
+            return None
+        # a heartbeat never raises the bar: numbered after a message still in the agent's send path
+        # (an emulated slow link sleeps before publishing), it can arrive first
+        if known and msg.type != "heartbeat":  # unknown senders get no entry: a flood of invented
+            self._last_seq[msg.sender] = msg.seq  # ids must not grow this table
+        return msg
 
     def _maybe_resend(self, agents: dict[str, _RoundAgent], ra: _RoundAgent, heartbeat: Message) -> None:
         """An agent that says it is idle while we wait for it lost our last message: resend it.
@@ -296,17 +345,16 @@ class RoundEngine:
         a = msg.sender
         ra = agents.get(a)
         if ra is None:
-            log.warning("rejected %s from %s: not selected for round %d", msg.type, a, r)
+            if a in self.registry.agents:
+                self.rejections.reject("not_selected", f"{msg.type} from {a}: not selected for round {r}")
+            else:
+                self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {a}")
             return
-        # seq equal to the last one is a retransmission (handled below); older is a replay
-        last = self._last_seq.get(a, -1)
-        if msg.seq < last:
-            log.warning("rejected replayed %s from %s: seq %d is older than %d", msg.type, a, msg.seq, last)
-            return
-        self._last_seq[a] = msg.seq
         if msg.type == kind and msg.round == r and msg.step == k:
-            if a in got:
-                return  # duplicate of what we already hold
+            if a in got:  # duplicate of what we already hold
+                self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {k} already received",
+                                       level=logging.INFO)
+                return
             ra.bytes_up += msg.wire_bytes
             ra.messages += 1
             ra.resends = 0
@@ -316,12 +364,14 @@ class RoundEngine:
                 ra.finished_at = time.monotonic()
             got[a] = msg
         elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
+            self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {msg.step} answered again",
+                                   level=logging.INFO)
             if ra.last_sent is not None:  # our reply to it was lost: send it again
                 self.transport.send(a, ra.last_sent)
                 ra.last_sent_at = time.monotonic()
         else:
-            log.warning("rejected %s (round %d step %d) from %s: expected %s for round %d step %d",
-                        msg.type, msg.round, msg.step, a, kind, r, k)
+            self.rejections.reject("stale", f"{msg.type} (round {msg.round} step {msg.step}) from {a}: "
+                                            f"expected {kind} for round {r} step {k}")
 
     def _batch(self, ra: _RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Validate activations against the assignment before they touch the server model."""
@@ -336,7 +386,7 @@ class RoundEngine:
             if y is not None and (y.min() < 0 or y.max() >= self.num_classes):
                 raise wire.WireError(f"labels outside 0..{self.num_classes - 1}")
         except wire.WireError as exc:
-            log.warning("rejected activations from %s: %s", ra.info_id, exc)
+            self.rejections.reject("invalid", f"activations from {ra.info_id}: {exc}")
             return None
         return x, y
 
@@ -361,11 +411,25 @@ class RoundEngine:
                 if not torch.isfinite(g).all() or loss != loss or abs(loss) == float("inf"):
                     raise wire.WireError("logit gradients or loss not finite")
             except wire.WireError as exc:
-                log.warning("rejected logit gradients from %s: %s", a, exc)
+                self.rejections.reject("invalid", f"logit gradients from {a}: {exc}")
                 self._drop(agents, a, "sent invalid logit gradients")
                 continue
             out[a] = (g, loss)
         return out
+
+    def rejected_totals(self) -> dict[str, int]:
+        """Messages dropped so far, by reason: the transport's (undecodable, spoofed) and ours."""
+        totals = dict(self.rejections.counts())
+        transport = getattr(self.transport, "rejections", None)
+        for reason, n in (transport.counts() if transport is not None else {}).items():
+            totals[reason] = totals.get(reason, 0) + n
+        return totals
+
+    def _rejected_since_last_round(self) -> dict[str, int]:
+        now = self.rejected_totals()
+        delta = {k: v - self._rejected_before.get(k, 0) for k, v in sorted(now.items())}
+        self._rejected_before = now
+        return {k: v for k, v in delta.items() if v}
 
     def _drop(self, agents: dict[str, _RoundAgent], agent_id: str, why: str) -> None:
         log.warning("dropping %s from the round: %s", agent_id, why)
@@ -383,12 +447,19 @@ class RoundEngine:
             try:
                 info = self.registry.register(msg)
             except wire.WireError as exc:
-                log.warning("rejected registration of %s: %s", msg.sender, exc)
+                self.rejections.reject("invalid", f"registration of {msg.sender}: {exc}")
                 self.transport.send(msg.sender, Message("reject", self.cfg.run_id, protocol.COORDINATOR_ID,
                                                         {"reason": str(exc)}, seq=protocol.next_seq()))
                 return
             self._reg_seq[msg.sender] = msg.seq
-            if agents is not None and msg.sender in agents:
+            ra = agents.get(msg.sender) if agents is not None else None
+            if ra is not None and ra.bytes_up == 0 and ra.last_sent is not None:
+                # restarted before anything of this round reached us (e.g. selected on its status while
+                # it was still starting): nothing to undo, it stays in; it may never have received the
+                # assignment, so send it again, before 'accepted' (the agent refuses older seqs after it)
+                self.transport.send(msg.sender, ra.last_sent)
+                ra.last_sent_at = time.monotonic()
+            elif ra is not None:
                 self._drop(agents, msg.sender, "re-registered mid-round (restarted)")
             self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
                                                     {"message": f"registered as agent {info.index}"},
@@ -400,7 +471,7 @@ class RoundEngine:
         elif msg.type == "heartbeat":
             self.registry.seen(msg.sender)
         elif msg.sender not in self.registry.agents:
-            log.warning("rejected %s from unknown agent %s", msg.type, msg.sender)
+            self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {msg.sender}")
         else:
             log.info("ignored %s from %s outside its round", msg.type, msg.sender)
 
@@ -417,7 +488,7 @@ class RoundEngine:
             try:
                 clients[a] = wire.decode_state(msg.body["weights"], self._client_state(split, width))
             except wire.WireError as exc:
-                log.warning("rejected weights from %s: %s", a, exc)
+                self.rejections.reject("invalid", f"weights from {a}: {exc}")
                 continue
             server = self.server.member_state(a, split)
             # HetBL: an agent of width w trained only the first w decoder input channels
@@ -464,8 +535,9 @@ class RoundEngine:
             "waiting_s": round(timing.waiting_time(times.values()), 4),
             "bytes_up": sum(p["bytes_up"] for p in per_agent.values()),
             "bytes_down": sum(p["bytes_down"] for p in per_agent.values()),
-            "selected": sorted(agents), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
-            "agents": per_agent,
+            # selected: who was assigned the round (an agent dropped mid-round stays listed); completed: who counted
+            "selected": sorted(plan.splits), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
+            "agents": per_agent, "rejected": self._rejected_since_last_round(),
         }
         if self.merge.active:
             record["mergesfl"] = dict(self.merge.last)
@@ -475,7 +547,8 @@ class RoundEngine:
             "round": r, "elapsed_s": self.clock.elapsed, "model": self.cfg.model, "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
             "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates),
-            "merge_states": self.merge.to_json()})
+            "merge_states": self.merge.to_json(),
+            "model_info": describe_model(self.model, self.cfg.data.dataset)})  # lets `sfl-coord export` rebuild it
         self.on_event("round_end", record)
         return record
 

@@ -31,7 +31,8 @@ class MqttTransport:
         self.chunk_bytes = chunk_bytes
         self._queue: "queue.Queue[Message]" = queue.Queue()
         self._reassembler = wire.Reassembler(max_bytes)
-        self.rejected = 0
+        self.rejections = protocol.Rejections(log)
+        self._run_info: Optional[bytes] = None
         self.link = MqttLink(url, f"sfl-coord-{run_id}", self._on_message,
                              subscriptions=[protocol.up_wildcard(run_id), protocol.status_wildcard(run_id)])
 
@@ -40,9 +41,21 @@ class MqttTransport:
         return self
 
     def publish_run_info(self, body: dict[str, Any]) -> None:
-        """Retained, so an agent that starts later still learns what to train."""
-        msg = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=protocol.next_seq())
-        self.link.publish(protocol.info_topic(self.run_id), msg.encode(), retain=True)
+        """Retained, so an agent that starts later still learns what to train.
+
+        Published again after every reconnect: a broker restarted without persistence has
+        forgotten its retained messages, and an agent (re)started after that would wait for
+        the run's description forever.
+        """
+        first = self._run_info is None
+        self._run_info = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=protocol.next_seq()).encode()
+        self.link.publish(protocol.info_topic(self.run_id), self._run_info, retain=True)
+        if first:
+            self.link.add_reconnect_callback(self._republish_run_info)
+
+    def _republish_run_info(self) -> None:
+        if self._run_info is not None:  # on paho's thread: publish only enqueues
+            self.link.publish(protocol.info_topic(self.run_id), self._run_info, retain=True)
 
     def close(self) -> None:
         try:
@@ -76,14 +89,15 @@ class MqttTransport:
             if whole is None:
                 return
             msg = protocol.decode(whole, run=self.run_id, max_bytes=self.max_bytes, allowed=protocol.AGENT_TYPES)
-            if msg.sender != agent:
-                raise wire.WireError(f"sender {msg.sender!r} does not match topic agent {agent!r}")
-            is_status = topic.startswith(f"sfl/{self.run_id}/status/")
-            if is_status != (msg.type == "status"):
-                raise wire.WireError(f"{msg.type} not allowed on {topic}")
         except wire.WireError as exc:
-            self.rejected += 1
-            log.warning("rejected message on %s: %s", topic, exc)
+            self.rejections.reject(protocol.wire_reason(exc), f"message on {topic}: {exc}")
+            return
+        if msg.sender != agent:
+            self.rejections.reject("spoofed", f"{msg.type} on {topic}: sender {msg.sender!r} does not match "
+                                              f"the topic's agent {agent!r}")
+            return
+        if topic.startswith(f"sfl/{self.run_id}/status/") != (msg.type == "status"):
+            self.rejections.reject("malformed", f"{msg.type} not allowed on {topic}")
             return
         if msg.type == "probe":
             self._answer_probe(msg)
@@ -93,8 +107,7 @@ class MqttTransport:
     def _answer_probe(self, msg: Message) -> None:
         n = msg.body["reply_bytes"]
         if not 0 <= n <= MAX_PROBE_REPLY:
-            self.rejected += 1
-            log.warning("rejected probe from %s: reply_bytes %d outside 0..%d", msg.sender, n, MAX_PROBE_REPLY)
+            self.rejections.reject("invalid", f"probe from {msg.sender}: reply_bytes {n} outside 0..{MAX_PROBE_REPLY}")
             return
         ack = Message("probe_ack", self.run_id, COORDINATOR_ID, {"nonce": msg.body["nonce"], "pad": bytes(n)},
                       seq=protocol.next_seq())

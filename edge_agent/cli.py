@@ -11,51 +11,94 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from sfl_core.accounting import model_costs
-from sfl_core.config import ConfigError, load_profile
-from sfl_core.data import DatasetError
-from sfl_core.models import MODEL_NAMES, build_model
+from edge_agent.mqtt_link import broker_address
 
-from edge_agent.profiler import measure_compute
+# torch-using modules (sfl_core.models, .data, .config via .wire, edge_agent.profiler) are imported
+# inside the commands that need them: `sfl-agent predict` must run on a board without torch
 
 app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True)
 
 
+def _str(path: Optional[Path]) -> Optional[str]:
+    return None if path is None else str(path)
+
+
+def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
+    """``start --config``: the file's settings become defaults that flags override (edge_agent.settings)."""
+    if value is None:
+        return value
+    from edge_agent.settings import use_config_file  # imports sfl_core.config (torch): only when used
+
+    # 'data' is a directory and 'profile' a name or a YAML path: relative ones are relative to the file
+    return use_config_file(ctx, param, value, path_options={"data"}, maybe_path_options={"profile"})
+
+
 @app.command()
-def start(profile: str = typer.Option(..., "--profile", "-p", help="Device profile: a name from profiles/devices/ or a YAML path."),
+def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager=True, callback=_use_config_file,
+                                                help="YAML file of these options (keys: the option names with "
+                                                "underscores, e.g. shard_file); flags given here win over it. "
+                                                "See profiles/agent.example.yaml."),
+          profile: Optional[str] = typer.Option(None, "--profile", "-p", help="Device profile: a name from "
+                                                "profiles/devices/ or a YAML path (required, here or in --config)."),
           broker: str = typer.Option("mqtt://127.0.0.1:1883", help="MQTT broker URL (mqtt:// or mqtts://, user:pass@ allowed)."),
+          ca_file: Optional[Path] = typer.Option(None, help="mqtts: CA certificate (PEM) that signed the broker's "
+                                                 "certificate. Default: the system trust store."),
+          cert_file: Optional[Path] = typer.Option(None, help="mqtts: this device's certificate (PEM), if the broker "
+                                                   "requires one."),
+          key_file: Optional[Path] = typer.Option(None, help="mqtts: the private key of --cert-file."),
+          password_file: Optional[Path] = typer.Option(None, help="File whose first line is the broker password "
+                                                       "(keeps it out of the command line)."),
           run: str = typer.Option("demo", "--run", help="Run id announced by the coordinator."),
           data: Optional[str] = typer.Option(None, "--data", help="Directory of the run's data set (not needed for 'digits')."),
           index: int = typer.Option(0, help="This agent's shard index in the run's partition."),
           shard_file: Optional[Path] = typer.Option(None, help="JSON/.npy file of training-set indices (instead of --index)."),
-          agent_id: Optional[str] = typer.Option(None, help="Default: <hostname>-<index>."),
-          emulate: bool = typer.Option(False, "--emulate", help="Stretch compute and throttle the link to the profile's device."),
+          agent_id: Optional[str] = typer.Option(None, help="Default: the broker user name (per-device credentials: "
+                                                 "the broker's ACL grants topics by it), else <hostname>-<index>."),
+          emulate: bool = typer.Option(False, "--emulate/--no-emulate", help="Stretch compute and throttle the link to the profile's device."),
+          slowdown: float = typer.Option(1.0, "--slowdown", help="Fault injection / testing aid, with --emulate: run this "
+                                         "many times slower than the profile (compute and link) while registering the "
+                                         "profile's numbers, e.g. 10 for a straggler."),
           seed: int = typer.Option(0),
-          withhold_labels: bool = typer.Option(False, "--withhold-labels",
+          withhold_labels: bool = typer.Option(False, "--withhold-labels/--send-labels",
                                                help="Never send labels: score the coordinator's logits on the device."),
-          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+          verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
     from edge_agent.runner import AgentError, AgentOptions, AgentRunner
+    from sfl_core.config import ConfigError, load_profile
+    from sfl_core.data import DatasetError
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("sfl.agent").setLevel(logging.INFO)
+    if not profile:
+        source = f" or 'profile:' in {config}" if config is not None else " (or 'profile:' in a --config file)"
+        console.print(f"no device profile: give --profile NAME{source}", style="red", markup=False)
+        raise typer.Exit(2)
     try:
         prof = load_profile(profile)
     except ConfigError as exc:
         console.print(f"[red]{exc}")
+        raise typer.Exit(2)
+    if slowdown != 1.0 and (not emulate or not slowdown >= 1.0):
+        console.print(f"--slowdown {slowdown}: needs --emulate and a factor >= 1", style="red", markup=False)
         raise typer.Exit(2)
     if emulate:
         # emulated compute is paced by the profile, not by this machine; one thread per agent
         # keeps several emulated agents on one host from fighting over the cores
         import torch
         torch.set_num_threads(1)
-    name = agent_id or f"{socket.gethostname().split('.')[0]}-{index}"
+    try:
+        address = broker_address(broker, ca_file=_str(ca_file), cert_file=_str(cert_file), key_file=_str(key_file),
+                                 password_file=_str(password_file))
+    except ValueError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2)
+    name = agent_id or address.username or f"{socket.gethostname().split('.')[0]}-{index}"
     name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:64]
-    runner = AgentRunner(AgentOptions(broker=broker, run_id=run, agent_id=name, profile=prof, index=index,
+    runner = AgentRunner(AgentOptions(broker=address, run_id=run, agent_id=name, profile=prof, index=index,
                                       data_root=data, shard_file=str(shard_file) if shard_file else None,
-                                      emulate=emulate, seed=seed, withhold_labels=withhold_labels))
+                                      emulate=emulate, slowdown=slowdown, seed=seed, withhold_labels=withhold_labels))
     signal.signal(signal.SIGTERM, lambda *_: runner.stop())
     try:
         code = runner.run()
@@ -68,11 +111,15 @@ def start(profile: str = typer.Option(..., "--profile", "-p", help="Device profi
 
 
 @app.command()
-def profile(model: str = typer.Option("small_cnn", help=f"One of {', '.join(MODEL_NAMES)}."),
+def profile(model: str = typer.Option("small_cnn", help="A zoo model name (`sfl-coord models` lists them)."),
             input_shape: str = typer.Option("1,28,28", help="Per-sample input shape."),
             classes: int = typer.Option(10),
             batch_size: int = typer.Option(16)) -> None:
     """Time forward+backward of every client portion on this device (what `start` reports at registration)."""
+    from edge_agent.profiler import measure_compute
+    from sfl_core.accounting import model_costs
+    from sfl_core.models import build_model
+
     shape = tuple(int(v) for v in input_shape.split(","))
     m = build_model(model, shape, classes)
     costs = model_costs(model, shape, classes)
@@ -82,6 +129,53 @@ def profile(model: str = typer.Option("small_cnn", help=f"One of {', '.join(MODE
     for s in splits:
         gflops = costs[s].client_flops / secs[s] / 1e9 if secs[s] > 0 else float("inf")
         console.print(f"  split {s:>2} ({m.block_names[s - 1]:>8}): {secs[s] * 1e3:8.3f} ms/sample  ~{gflops:.2f} GFLOP/s")
+
+
+@app.command()
+def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coord export` (its .json sidecar beside it)."),
+            inputs: Path = typer.Argument(..., help=".npy array (N x input shape, float32, or one sample), "
+                                          "or .npz with key 'x'; preprocessed like the run's training data."),
+            output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the predictions as JSON."),
+            show: int = typer.Option(20, help="Rows shown in the table (--output gets all of them)."),
+            threads: Optional[int] = typer.Option(None, help="onnxruntime threads; default: all cores.")) -> None:
+    """Classify local inputs with an exported model, with onnxruntime only (no torch needed)."""
+    import json
+
+    import numpy as np
+    from rich.table import Table
+
+    from sfl_core.onnx_export import OnnxError, OnnxPredictor, load_inputs, softmax
+
+    try:
+        predictor = OnnxPredictor(model, threads=threads)
+        if predictor.meta.get("output", "logits") != "logits":
+            raise OnnxError(f"{model} is a client portion (split {predictor.meta.get('split')}): it outputs "
+                            "activations, not class scores; export the whole model (no --split) to predict")
+        x = load_inputs(inputs)
+        logits = predictor.run(x)
+    except OnnxError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2)
+    probs = softmax(logits.astype(np.float64))
+    cls = probs.argmax(axis=1)
+    labels = predictor.classes or [str(i) for i in range(probs.shape[1])]
+    rows = [{"row": i, "class": int(c), "label": labels[int(c)] if int(c) < len(labels) else str(int(c)),
+             "probability": float(probs[i, c])} for i, c in enumerate(cls)]
+    table = Table(title=f"{predictor.meta.get('model', model.name)}: {len(rows)} row(s) from {inputs}")
+    for col in ("row", "class", "label", "probability"):
+        table.add_column(col, justify="right")
+    for r in rows[:max(show, 0)]:
+        table.add_row(str(r["row"]), str(r["class"]), r["label"], f"{r['probability']:.4f}")
+    Console().print(table)
+    if len(rows) > show:
+        console.print(f"... {len(rows) - max(show, 0)} more row(s); --output writes them all")
+    counts = np.bincount(cls, minlength=probs.shape[1])
+    console.print("predicted class counts: " + ", ".join(f"{labels[i] if i < len(labels) else i}: {n}"
+                                                         for i, n in enumerate(counts) if n))
+    if output is not None:
+        output.write_text(json.dumps({"model": str(model), "inputs": str(inputs), "model_info": predictor.meta,
+                                      "predictions": rows}, indent=1) + "\n")
+        console.print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Compute is stretched to the profile's FLOP/s and the link is throttled to its ra
 laptop can host a heterogeneous fleet whose wall-clock times mean something. Emulation
 can only slow down: if this machine is slower than the profile, the real time stands
 (and a warning says so once).
+
+``slowdown`` (``sfl-agent start --slowdown F``) is a fault-injection aid for testing: the device
+runs F times slower than its profile (compute and link) while it still registers the
+profile's numbers, i.e. an unexpected straggler (thermal throttling, a congested link).
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ log = logging.getLogger("sfl.agent.emulate")
 
 
 class Emulator:
-    def __init__(self, profile: DeviceProfile):
+    def __init__(self, profile: DeviceProfile, slowdown: float = 1.0):
+        if not slowdown >= 1.0:
+            raise ValueError(f"slowdown must be >= 1 (emulation can only slow down), got {slowdown}")
         self.base = profile
         self.profile = profile.at_round(0)
+        self.slowdown = float(slowdown)
         self._warned = False
 
     def at_round(self, r: int) -> None:
@@ -28,7 +35,7 @@ class Emulator:
 
     def compute(self, flops: float, actual_s: float) -> float:
         """Sleep until ``flops`` would have taken the profile's device; return that time."""
-        target = flops / self.profile.compute_flops
+        target = flops / self.profile.compute_flops * self.slowdown
         if target > actual_s:
             time.sleep(target - actual_s)
             return target
@@ -38,7 +45,7 @@ class Emulator:
         return actual_s
 
     def uplink(self, nbytes: int) -> None:
-        time.sleep(nbytes / self.profile.link_bytes_per_s + self.profile.latency_s)
+        time.sleep((nbytes / self.profile.link_bytes_per_s + self.profile.latency_s) * self.slowdown)
 
     def downlink(self, nbytes: int) -> None:
-        time.sleep(nbytes / self.profile.downlink_bytes_per_s + self.profile.latency_s)
+        time.sleep((nbytes / self.profile.downlink_bytes_per_s + self.profile.latency_s) * self.slowdown)

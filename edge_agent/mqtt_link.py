@@ -25,28 +25,53 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from sfl_core.broker_url import BrokerAddress, parse_broker_url
+from sfl_core.broker_url import BrokerAddress, TlsFiles, parse_broker_url, secure
 
-__all__ = ["MqttLink"]
+__all__ = ["MqttLink", "broker_address"]
 
 log = logging.getLogger(__name__)
 
 _SUB_QOS = 1
 
 
+def broker_address(url: str | BrokerAddress, *, ca_file: str | None = None, cert_file: str | None = None,
+                   key_file: str | None = None, password_file: str | None = None) -> BrokerAddress:
+    """The broker to connect to, from a URL plus the files a secured deployment needs.
+
+    Why a password file: a password inside ``--broker mqtts://user:pass@...`` is visible to
+    every local user in ``ps``; a file readable only by the service is not. The file's first
+    line is the password. ValueError names the missing or unreadable file.
+    """
+    address = url if isinstance(url, BrokerAddress) else parse_broker_url(url)
+    for what, path in (("CA", ca_file), ("certificate", cert_file), ("key", key_file)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"TLS {what} file not found: {path}")
+    password = None
+    if password_file is not None:
+        try:
+            lines = Path(password_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ValueError(f"cannot read the password file {password_file}: {exc.strerror}") from None
+        if not lines or not lines[0]:
+            raise ValueError(f"password file {password_file} is empty")
+        password = lines[0]
+    return secure(address, tls_files=TlsFiles(ca_file, cert_file, key_file), password=password)
+
+
 class MqttLink:
     """Thin paho-mqtt 2.x (CallbackAPIVersion.VERSION2) client: connect, auto-reconnect with
     backoff, re-subscribe on every (re)connect, QoS-1 publish that waits for PUBACK."""
 
-    def __init__(self, url: str, client_id: str, on_message: Callable[[str, bytes], None],
+    def __init__(self, url: str | BrokerAddress, client_id: str, on_message: Callable[[str, bytes], None],
                  subscriptions: Sequence[str] = (),
                  will: tuple[str, bytes, bool] | None = None,
                  keepalive: float = 15, clean_start: bool = True) -> None:
-        self.address: BrokerAddress = parse_broker_url(url)
+        self.address: BrokerAddress = url if isinstance(url, BrokerAddress) else parse_broker_url(url)
         if not client_id:
             raise ValueError("MqttLink needs a non-empty client_id (brokers use it to tell clients apart)")
         self.client_id = client_id
@@ -73,7 +98,11 @@ class MqttLink:
         if self.address.username:
             c.username_pw_set(self.address.username, self.address.password)
         if self.address.tls:
-            c.tls_set()                                   # system CA bundle
+            f = self.address.tls_files
+            try:  # verifies the broker's certificate and host name; CA None = system trust store
+                c.tls_set(ca_certs=f.ca_file, certfile=f.cert_file, keyfile=f.key_file)
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                raise ValueError(f"cannot set up TLS for {self.address.url()}: {exc}") from None
         if will is not None:
             w_topic, w_payload, w_retain = will
             c.will_set(w_topic, bytes(w_payload), qos=1, retain=bool(w_retain))

@@ -26,6 +26,7 @@ import torch
 
 from sfl_core import protocol, wire
 from sfl_core.accounting import model_costs
+from sfl_core.broker_url import BrokerAddress
 from sfl_core.config import DeviceProfile
 from sfl_core.data import load_dataset
 from sfl_core.models import build_model
@@ -42,7 +43,7 @@ log = logging.getLogger("sfl.agent")
 
 @dataclass
 class AgentOptions:
-    broker: str
+    broker: str | BrokerAddress
     run_id: str
     agent_id: str
     profile: DeviceProfile
@@ -50,6 +51,8 @@ class AgentOptions:
     data_root: Optional[str] = None
     shard_file: Optional[str] = None
     emulate: bool = False
+    slowdown: float = 1.0
+    """With ``emulate``: run this many times slower than the profile (fault injection for tests)."""
     seed: int = 0
     withhold_labels: bool = False
     """Keep labels on the device: the coordinator sends logits back and this agent scores them."""
@@ -69,10 +72,12 @@ class AgentRunner:
         self.o = opts
         protocol.check_id("run id", opts.run_id)
         protocol.check_id("agent id", opts.agent_id)
-        self.emulator = Emulator(opts.profile) if opts.emulate else None
+        self.emulator = Emulator(opts.profile, opts.slowdown) if opts.emulate else None
         self._inbox: "queue.Queue[Message]" = queue.Queue()
         self._probe_acks: "queue.Queue[Message]" = queue.Queue()
         self._run_info: Optional[Message] = None
+        self._joined: Optional[Message] = None   # the run description we registered against
+        self._measured: dict = {}
         self._run_info_ready = threading.Event()
         self._reassembler = wire.Reassembler()
         self._stop = threading.Event()
@@ -80,6 +85,8 @@ class AgentRunner:
         self._busy = False
         self.bytes_up = 0
         self.bytes_down = 0
+        self.rejections = protocol.Rejections(log)
+        self._coord_seq = -1  # highest seq seen from the coordinator on our down topic
         status = protocol.status_topic(opts.run_id, opts.agent_id)
         offline = Message("status", opts.run_id, opts.agent_id, {"online": False}).encode()
         self.link = MqttLink(opts.broker, f"sfl-{opts.run_id}-{opts.agent_id}", self._on_message,
@@ -95,8 +102,8 @@ class AgentRunner:
             self._announce_online()
             info = self._wait_run_info()
             self.core = self._build_core(info)
-            measured = self._measure(info)
-            self._register(info, measured)
+            self._measured = self._measure(info)
+            self._register(info, self._measured)
             heartbeat = threading.Thread(target=self._heartbeat, daemon=True)
             heartbeat.start()
             self._serve()
@@ -108,6 +115,8 @@ class AgentRunner:
             self._publish_raw(protocol.status_topic(self.o.run_id, self.o.agent_id),
                               self._msg("status", {"online": False}).encode(), retain=True, timeout=3)
             self.link.close()
+            if self.rejections.total:
+                log.warning("rejected %d message(s) in this run: %s", self.rejections.total, self.rejections.counts())
 
     def stop(self) -> None:
         self._stop.set()
@@ -176,8 +185,9 @@ class AgentRunner:
                 return time.perf_counter() - t0
         raise AgentError("the coordinator did not answer a link probe within 30 s")
 
-    def _register(self, info: Message, measured: dict) -> None:
+    def _register(self, info: Message, measured: dict, again: bool = False) -> None:
         assert self.core is not None
+        self._joined = info  # the coordinator's announcement this registration answers
         body = {"index": self.o.index, "profile": protocol.profile_body(self.o.profile), "measured": measured,
                 "label_counts": self.core.data.label_counts(), "num_samples": len(self.core.data),
                 "emulate": self.o.emulate, "resume": {"rounds_done": self.core.rounds_done}}
@@ -198,12 +208,28 @@ class AgentRunner:
             if reply.type == "reject":
                 raise AgentError(f"registration rejected: {reply.body['reason']}")
             if reply.type == "shutdown":
+                if again:  # a run that ends while we re-register: stop as usual
+                    self._inbox.put(reply)
+                    return
                 raise AgentError(f"coordinator is shutting down: {reply.body['reason']}")
         raise AgentError("the coordinator did not accept the registration in time")
+
+    def _rejoin(self, info: Message) -> None:
+        """A new run description while serving: the coordinator restarted (``serve --resume`` after
+        a crash) and knows us only from its checkpoint, so register again; the round that was in
+        flight restarts with its new assignment. Shard and measurements stay unless the run changed."""
+        log.info("the coordinator announced run %s again (restarted): registering again", self.o.run_id)
+        if info.body != self._joined.body:
+            self.core = self._build_core(info)
+            self._measured = self._measure(info)
+        self._register(info, self._measured, again=True)
 
     def _serve(self) -> None:
         assert self.core is not None
         while not self._stop.is_set():
+            info = self._run_info
+            if info is not None and self._joined is not None and info.seq != self._joined.seq:
+                self._rejoin(info)
             try:
                 msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
@@ -225,7 +251,7 @@ class AgentRunner:
                 for reply in replies:
                     self._publish(reply)
             except (wire.WireError, ValueError) as exc:
-                log.warning("rejected %s (round %d step %d): %s", msg.type, msg.round, msg.step, exc)
+                self.rejections.reject("invalid", f"{msg.type} (round {msg.round} step {msg.step}): {exc}")
             finally:
                 self._busy = False
 
@@ -238,11 +264,23 @@ class AgentRunner:
             if whole is None:
                 return
             msg = protocol.decode(whole, run=self.o.run_id, allowed=protocol.COORD_TYPES)
-            if msg.sender != protocol.COORDINATOR_ID:
-                raise wire.WireError(f"sender {msg.sender!r} is not the coordinator")
         except wire.WireError as exc:
-            log.warning("rejected message on %s: %s", topic, exc)
+            self.rejections.reject(protocol.wire_reason(exc), f"message on {topic}: {exc}")
             return
+        if msg.sender != protocol.COORDINATOR_ID:
+            self.rejections.reject("spoofed", f"{msg.type} on {topic}: sender {msg.sender!r} is not the coordinator")
+            return
+        if (msg.type == "run_info") != (topic == protocol.info_topic(self.o.run_id)):
+            self.rejections.reject("malformed", f"{msg.type} not allowed on {topic}")
+            return
+        if msg.type not in ("run_info", "probe_ack"):  # probe acks come from another coordinator thread
+            # the coordinator numbers its messages from one increasing counter (across restarts):
+            # an older seq is a replay; the same seq is a retransmission the core answers idempotently
+            if msg.seq < self._coord_seq:
+                self.rejections.reject("replayed", f"{msg.type} on {topic}: seq {msg.seq} is older than "
+                                                   f"{self._coord_seq}")
+                return
+            self._coord_seq = msg.seq
         self.bytes_down += msg.wire_bytes
         if msg.type == "run_info":
             self._run_info = msg

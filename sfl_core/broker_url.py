@@ -14,16 +14,33 @@ Accepted forms::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["BrokerAddress", "parse_broker_url", "DEFAULT_PORT", "DEFAULT_TLS_PORT"]
+__all__ = ["BrokerAddress", "TlsFiles", "parse_broker_url", "secure", "DEFAULT_PORT", "DEFAULT_TLS_PORT"]
 
 DEFAULT_PORT = 1883
 DEFAULT_TLS_PORT = 8883
 
 _PLAIN_SCHEMES = {"mqtt", "tcp"}
 _TLS_SCHEMES = {"mqtts", "ssl", "tls"}
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for an ``mqtts://`` connection.
+
+    ``ca_file`` is the authority that signed the broker's certificate (None: the system's
+    trust store); the broker's certificate and host name are always verified. ``cert_file``
+    and ``key_file`` are this client's own certificate, for brokers that require one.
+    """
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def __bool__(self) -> bool:
+        return any((self.ca_file, self.cert_file, self.key_file))
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,7 @@ class BrokerAddress:
     tls: bool = False
     username: str | None = None
     password: str | None = None
+    tls_files: TlsFiles = TlsFiles()
 
     def url(self) -> str:
         """Canonical URL, safe to print: the password is never included."""
@@ -46,7 +64,23 @@ class BrokerAddress:
     def __repr__(self) -> str:  # keep passwords out of tracebacks and logs
         pw = "***" if self.password else None
         return (f"BrokerAddress(host={self.host!r}, port={self.port}, tls={self.tls}, "
-                f"username={self.username!r}, password={pw!r})")
+                f"username={self.username!r}, password={pw!r}, tls_files={self.tls_files!r})")
+
+    __str__ = url
+
+
+def secure(address: BrokerAddress, *, tls_files: TlsFiles = TlsFiles(),
+           password: str | None = None) -> BrokerAddress:
+    """``address`` with TLS files and a password (e.g. read from a file, so it never sits in a
+    command line that ``ps`` shows). ValueError when the combination cannot work."""
+    if tls_files and not address.tls:
+        raise ValueError(f"TLS files given for {address.url()}: use an mqtts:// URL to connect with TLS")
+    if bool(tls_files.cert_file) != bool(tls_files.key_file):
+        raise ValueError("a client certificate needs both --cert-file and --key-file")
+    if password is not None and not address.username:
+        raise ValueError(f"a password was given but {address.url()} names no user (mqtts://USER@host:8883)")
+    return replace(address, tls_files=tls_files,
+                   password=password if password is not None else address.password)
 
 
 def parse_broker_url(url: str) -> BrokerAddress:

@@ -460,13 +460,19 @@ class Reassembler:
     """Joins chunked payloads per (sender topic, message id); whole messages pass through.
 
     Memory is bounded: at most ``max_pending`` partial messages, each at most
-    ``max_bytes``; the oldest partial message is dropped when the bound is hit.
+    ``max_bytes``, together at most ``max_pending_bytes`` (default twice ``max_bytes``: one
+    message in flight and the next starting); the oldest partial messages are dropped when
+    a bound is hit, so a sender that starts many large messages and never finishes them
+    cannot exhaust memory.
     """
 
-    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES, max_pending: int = 64):
+    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES, max_pending: int = 64,
+                 max_pending_bytes: int | None = None):
         self.max_bytes = max_bytes
         self.max_pending = max_pending
+        self.max_pending_bytes = 2 * max_bytes if max_pending_bytes is None else max_pending_bytes
         self._pending: dict[tuple[str, str], _Partial] = {}
+        self._pending_bytes = 0
 
     def feed(self, source: str, payload: bytes) -> bytes | None:
         """Return a complete message, or None while pieces are missing. Raises WireError."""
@@ -484,24 +490,38 @@ class Reassembler:
         part = self._pending.get(key)
         if part is None:
             if len(self._pending) >= self.max_pending:
-                self._pending.pop(next(iter(self._pending)))
+                self._forget(next(iter(self._pending)))
             part = self._pending[key] = _Partial(n=n, total=total)
         if part.n != n or part.total != total:
-            self._pending.pop(key, None)
+            self._forget(key)
             raise WireError("chunk header disagrees with earlier chunks of the same message")
         if i not in part.parts:
             part.parts[i] = data
             part.size += len(data)
+            self._pending_bytes += len(data)
         if part.size > total:
-            self._pending.pop(key, None)
+            self._forget(key)
             raise WireError("chunks exceed the announced total size")
+        while self._pending_bytes > self.max_pending_bytes and len(self._pending) > 1:
+            oldest = next(iter(self._pending))
+            self._forget(oldest if oldest != key else list(self._pending)[1])
         if len(part.parts) < n:
             return None
-        self._pending.pop(key, None)
+        self._forget(key)
         whole = b"".join(part.parts[k] for k in range(n))
         if len(whole) != total:
             raise WireError("reassembled message has the wrong size")
         return whole
+
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        part = self._pending.pop(key, None)
+        if part is not None:
+            self._pending_bytes -= part.size
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
 
 
 def _looks_like_chunk(payload: bytes) -> bool:

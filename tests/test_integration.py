@@ -170,12 +170,20 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
     codes = finish([coord, agents[0], agents[1]], timeout=150)
     assert codes == [0, 0, 0], logs(tmp_path)
     text = (tmp_path / "coord.log").read_text()
-    for reason in ("not a msgpack message", "rejected replayed activations from a0", "protocol version 99", "does not match topic agent",
-                   "rejected activations from intruder", "dropping a2"):
+    for reason in ("not a msgpack message", "rejected activations from a0: seq", "protocol version 99",
+                   "does not match the topic's agent", "rejected activations from unknown agent intruder", "dropping a2"):
         assert reason in text, f"missing log line with {reason!r}\n{text[-4000:]}"
     m = metrics(tmp_path)
     assert m[-1]["round"] == 3 and "a2" not in m[-1]["completed"]
     assert len(m[-1]["completed"]) == 2
+    rejected: dict[str, int] = {}
+    for row in m[1:]:
+        for reason, n in row["rejected"].items():
+            rejected[reason] = rejected.get(reason, 0) + n
+    # every injected message is counted under its reason (the bad-shape one is stale: step 99)
+    assert rejected.get("malformed", 0) >= 3 and rejected.get("replayed", 0) >= 1, rejected
+    assert rejected.get("spoofed", 0) >= 1 and rejected.get("too_large", 0) >= 1, rejected
+    assert rejected.get("unknown_sender", 0) >= 1, rejected
 
 
 def test_broker_restart_mid_run(mosquitto, tmp_path):

@@ -1,0 +1,108 @@
+"""Rebuild a run's global model from its checkpoint, and export it (``sfl-coord export``).
+
+A checkpoint holds tensors only (``checkpoint.pt``, loaded with ``weights_only=True``), so
+the architecture has to come from somewhere else: the ``model_info`` entry the engine
+writes into ``state.json`` (:func:`describe_model`), or, for runs that predate it, the run's
+config plus its data set (``--config``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from sfl_core.models import SplitModel, build_model
+from sfl_core.onnx_export import export_onnx
+
+from coordinator import state as ckpt
+
+
+class ExportError(ValueError):
+    """Why a run cannot be exported; the message names the file or option to fix."""
+
+
+def describe_model(model: SplitModel, dataset: Optional[str] = None) -> dict[str, Any]:
+    """What it takes, besides the tensors, to rebuild ``model`` (JSON-ready): name, per-sample
+    input shape, classes, and its HeteroSFL bottlenecks with the width the full model runs at."""
+    return {
+        "name": model.name, "input_shape": list(model.input_shape), "num_classes": model.num_classes,
+        "dataset": dataset,
+        "bottlenecks": [{"split": int(s), "width": int(p.width), "infer_width": int(p.infer_width)}
+                        for s, p in model.bottlenecks.items()],
+    }
+
+
+def rebuild_model(info: dict[str, Any]) -> SplitModel:
+    """The untrained model :func:`describe_model` described (load the checkpoint into it)."""
+    model = build_model(info["name"], info["input_shape"], int(info["num_classes"]))
+    for b in info.get("bottlenecks") or []:
+        pair = model.add_bottleneck(int(b["split"]), int(b["width"]))
+        pair.infer_width = int(b.get("infer_width", b["width"]))
+    return model
+
+
+def _info_from_config(config: Path) -> dict[str, Any]:
+    """For runs whose state.json has no ``model_info``: the shapes from the config's data set."""
+    from sfl_core.config import ConfigError, load_run_config
+    from sfl_core.data import DatasetError, load_dataset
+
+    try:
+        cfg = load_run_config(config)
+        data = load_dataset(cfg.data.dataset, cfg.data.root)
+    except (ConfigError, DatasetError) as exc:
+        raise ExportError(str(exc)) from None
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    if cfg.hetero.width is not None:   # as RoundEngine builds it
+        pair = model.add_bottleneck(cfg.split or model.default_split, cfg.hetero.width)
+        pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
+    return describe_model(model, cfg.data.dataset)
+
+
+def load_global_model(run_dir: Path, config: Optional[Path] = None) -> tuple[SplitModel, dict[str, Any]]:
+    """The run's global model with its checkpointed weights, in eval mode, and its state.json."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"no run directory {run_dir}")
+    if not (run_dir / ckpt.MODEL_FILE).exists() or not (run_dir / ckpt.STATE_FILE).exists():
+        raise ExportError(f"no checkpoint in {run_dir} (expected {ckpt.MODEL_FILE} and {ckpt.STATE_FILE}; "
+                          "a run writes them at the end of every round)")
+    try:
+        weights, st = ckpt.load(run_dir)
+    except Exception as exc:  # weights_only refuses anything but tensors; a torn file fails to unzip
+        raise ExportError(f"{run_dir / ckpt.MODEL_FILE}: not a readable tensor checkpoint ({exc})") from None
+    info = st.get("model_info")
+    if info is None:
+        if config is None:
+            raise ExportError(f"{run_dir / ckpt.STATE_FILE} has no model_info (the run predates it): "
+                              "pass the run's config with --config run.yaml")
+        info = _info_from_config(config)
+    if st.get("model") not in (None, info["name"]):
+        raise ExportError(f"checkpoint in {run_dir} is for model {st.get('model')!r}, not {info['name']!r}")
+    try:
+        model = rebuild_model(info)
+        model.load_state_dict(weights)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise ExportError(f"{run_dir / ckpt.MODEL_FILE} does not fit model {info.get('name')!r}: {exc}") from None
+    return model.eval(), {**st, "model_info": info}
+
+
+def export_run(run_dir: Path, out: Path, split: Optional[int] = None,
+               config: Optional[Path] = None) -> dict[str, Any]:
+    """Export the run's global model (``split=None``) or its client portion ``blocks[:split]``
+    (with the encoder of a bottleneck at ``split``) to ``out``; return the sidecar."""
+    model, st = load_global_model(run_dir, config)
+    module = model
+    if split is not None:
+        try:
+            model.check_split(split)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
+        module = model.client(split)
+    whole = split is None or split == model.num_blocks
+    extra = {"run": st.get("run"), "round": st.get("round"), "dataset": (st.get("model_info") or {}).get("dataset"),
+             "num_blocks": model.num_blocks}
+    if split is not None and model.bottleneck(split) is not None:
+        extra["bottleneck_width"] = model.bottleneck(split).width
+    return export_onnx(module, out, input_shape=model.input_shape, model_name=model.name,
+                       num_classes=model.num_classes, split=split, output_kind="logits" if whole else "activations",
+                       extra=extra)

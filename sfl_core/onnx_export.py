@@ -1,0 +1,240 @@
+"""ONNX to the edge: export a zoo model (or a client portion) and run it with onnxruntime.
+
+Why ONNX: a board that only has to *use* the trained model (classify its own sensor or
+camera data) should not need a torch build for its CPU — Jetson and Raspberry Pi wheels are
+large and version-fragile, onnxruntime and numpy are small and everywhere. So this module
+splits in two halves with different import needs:
+
+- :func:`export_onnx` (coordinator side) imports torch and onnx *inside* the function;
+- :class:`OnnxPredictor`, :func:`load_inputs` and :func:`read_sidecar` (device side) need only
+  numpy, json and onnxruntime. Importing this module never imports torch, so
+  ``sfl-agent predict`` runs on a board without it.
+
+Every ``.onnx`` file gets a JSON *sidecar* (same stem, ``.json``): model name, per-sample
+input shape, classes, split (``null`` = whole model), opset, torch version. It is what
+lets ``predict`` validate inputs and name classes without the model code. No pickle
+anywhere: ``.npy``/``.npz`` inputs are read with ``allow_pickle=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # type hints only: importing torch here would defeat the torch-free predict path
+    from torch import nn
+
+__all__ = ["OPSET", "INPUT_NAME", "OUTPUT_NAME", "OnnxError", "sidecar_path", "export_onnx", "read_sidecar",
+           "load_inputs", "OnnxPredictor", "softmax"]
+
+OPSET = 17
+"""Opset 17: supported by every onnxruntime this package accepts (>= 1.16) and by the
+TorchScript exporter of every torch in ``>=2.1,<3``; the zoo needs nothing newer."""
+INPUT_NAME = "input"
+OUTPUT_NAME = "output"
+SIDECAR_FORMAT = "sfl-edge-onnx/1"
+
+
+class OnnxError(ValueError):
+    """A bad model file, sidecar or input array; the message says what was expected."""
+
+
+def sidecar_path(onnx_path: str | Path) -> Path:
+    """``model.onnx`` -> ``model.json``."""
+    return Path(onnx_path).with_suffix(".json")
+
+
+# =========================================================================== export (torch)
+
+
+def export_onnx(module: "nn.Module", path: str | Path, *, input_shape: Sequence[int], model_name: str,
+                num_classes: int, split: int | None = None, output_kind: str = "logits",
+                class_names: Sequence[str] | None = None, opset: int = OPSET,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``module`` (a whole zoo model, or ``model.client(split)``) to ``path`` as ONNX with
+    a dynamic batch axis, plus its JSON sidecar; return the sidecar's content.
+
+    ``input_shape`` is per sample. ``output_kind`` is ``"logits"`` for a whole model (or a
+    client portion that is the whole model) and ``"activations"`` for a proper client portion
+    — ``predict`` refuses the latter. The module is exported in eval mode (BatchNorm uses its
+    running statistics) and every submodule's training flag is restored afterwards. Uses the TorchScript
+    exporter (``dynamo=False``): it needs only the ``onnx`` package and handles every zoo
+    block, whereas the dynamo exporter would pull in onnxscript and is much slower here.
+    """
+    import torch
+
+    path = Path(path)
+    shape = tuple(int(d) for d in input_shape)
+    if not shape or any(d < 1 for d in shape):
+        raise OnnxError(f"input shape must be positive ints, got {tuple(input_shape)!r}")
+    if output_kind not in ("logits", "activations"):
+        raise OnnxError(f"output_kind must be 'logits' or 'activations', got {output_kind!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    # per-module flags, not module.train(old): a client portion is a fresh Sequential (training)
+    # around blocks shared with the global model (maybe eval); restoring recursively would flip them
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        # batch 2, not 1: tracing at batch 1 could bake a size-1 batch into reshapes
+        dummy = torch.zeros(2, *shape)
+        with torch.no_grad():
+            out_shape = tuple(int(d) for d in module(dummy).shape[1:])
+        with warnings.catch_warnings():
+            # the TorchScript exporter is deprecated in favour of dynamo (see the docstring for why we keep it)
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            warnings.simplefilter("ignore", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*TorchScript-based ONNX export.*")
+            torch.onnx.export(module, (dummy,), str(tmp), dynamo=False, opset_version=int(opset),
+                              input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                              dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                              do_constant_folding=True)
+    except Exception:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for m, training in modes:
+            m.training = training
+    import onnx
+
+    onnx.checker.check_model(str(tmp))
+    os.replace(tmp, path)  # never leave a half-written model where a device would pick it up
+    names = [str(c) for c in class_names] if class_names is not None else [str(i) for i in range(int(num_classes))]
+    if len(names) != int(num_classes):
+        raise OnnxError(f"{len(names)} class names for {num_classes} classes")
+    meta: dict[str, Any] = {
+        "format": SIDECAR_FORMAT, "model": model_name, "input_name": INPUT_NAME, "output_name": OUTPUT_NAME,
+        "input_shape": list(shape), "output_shape": list(out_shape), "output": output_kind,
+        "split": None if split is None else int(split), "num_classes": int(num_classes), "classes": names,
+        "opset": int(opset), "torch": str(torch.__version__), **(extra or {}),
+    }
+    side = sidecar_path(path)
+    side_tmp = side.with_name(side.name + ".tmp")
+    side_tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(side_tmp, side)
+    return meta
+
+
+# =========================================================================== run (numpy + onnxruntime)
+
+
+def read_sidecar(onnx_path: str | Path) -> dict[str, Any] | None:
+    """The sidecar of ``onnx_path``, or ``None`` when there is none (an ONNX file from elsewhere)."""
+    side = sidecar_path(onnx_path)
+    if not side.exists():
+        return None
+    try:
+        meta = json.loads(side.read_text())
+    except (OSError, ValueError) as exc:
+        raise OnnxError(f"{side}: not a readable JSON sidecar ({exc})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("input_shape"), list):
+        raise OnnxError(f"{side}: not an sfl-edge sidecar (expected an object with 'input_shape')")
+    return meta
+
+
+def load_inputs(path: str | Path) -> np.ndarray:
+    """Read a ``.npy`` array, or the ``x`` array of a ``.npz`` (its only array if there is no ``x``).
+
+    Refuses pickled object arrays (``allow_pickle=False``) and non-numeric data; returns float32.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise OnnxError(f"no input file {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            arr = np.load(path, allow_pickle=False)
+        elif suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                keys = list(z.keys())
+                if "x" in keys:
+                    arr = z["x"]
+                elif len(keys) == 1:
+                    arr = z[keys[0]]
+                else:
+                    raise OnnxError(f"{path}: no array named 'x' (arrays: {keys})")
+        else:
+            raise OnnxError(f"{path}: inputs must be a .npy file or a .npz file with key 'x'")
+    except (ValueError, OSError) as exc:
+        if isinstance(exc, OnnxError):
+            raise
+        raise OnnxError(f"{path}: cannot read it as a numpy array without pickle ({exc})") from None
+    if arr.dtype.kind not in "biuf":
+        raise OnnxError(f"{path}: expected numeric data, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax, stable for large logits."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+class OnnxPredictor:
+    """An onnxruntime session (CPU) over an exported model, with input validation.
+
+    The per-sample input shape comes from the sidecar, or from the ONNX input when there is
+    no sidecar and all its non-batch dims are fixed.
+    """
+
+    def __init__(self, path: str | Path, *, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise OnnxError(f"no model file {self.path}")
+        self.meta: dict[str, Any] = read_sidecar(self.path) or {}
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = int(threads)
+        try:
+            self.session = ort.InferenceSession(str(self.path), sess_options=opts,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types for bad files
+            raise OnnxError(f"{self.path}: onnxruntime cannot load it ({exc})") from None
+        inp = self.session.get_inputs()[0]
+        self.input_name = inp.name
+        self.output_name = self.session.get_outputs()[0].name
+        onnx_dims = list(inp.shape[1:])
+        if "input_shape" in self.meta:
+            self.input_shape = tuple(int(d) for d in self.meta["input_shape"])
+            fixed = [(i, d) for i, d in enumerate(onnx_dims) if isinstance(d, int)]
+            if len(onnx_dims) != len(self.input_shape) or any(self.input_shape[i] != d for i, d in fixed):
+                raise OnnxError(f"{sidecar_path(self.path)} says input shape {self.input_shape}, the ONNX model "
+                                f"takes {tuple(onnx_dims)}: the sidecar belongs to another model")
+        elif onnx_dims and all(isinstance(d, int) for d in onnx_dims):
+            self.input_shape = tuple(onnx_dims)
+        else:
+            raise OnnxError(f"{self.path}: no sidecar {sidecar_path(self.path).name} and the ONNX input shape "
+                            f"{tuple(inp.shape)} is not fixed; re-export it with `sfl-coord export`")
+
+    @property
+    def classes(self) -> list[str] | None:
+        c = self.meta.get("classes")
+        return [str(v) for v in c] if isinstance(c, list) else None
+
+    def check(self, x: np.ndarray) -> np.ndarray:
+        """``x`` as an ``(N, *input_shape)`` float32 batch; one sample (``input_shape``) becomes N = 1."""
+        x = np.asarray(x, dtype=np.float32)
+        if tuple(x.shape) == self.input_shape:
+            x = x[None]
+        if x.ndim != len(self.input_shape) + 1 or tuple(x.shape[1:]) != self.input_shape:
+            raise OnnxError(f"inputs of shape {tuple(x.shape)} do not fit model {self.meta.get('model', self.path.name)}: "
+                            f"expected (N, {', '.join(map(str, self.input_shape))}) or one sample "
+                            f"{self.input_shape}")
+        if x.shape[0] == 0:
+            raise OnnxError("no input rows")
+        return np.ascontiguousarray(x)
+
+    def run(self, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        """Model outputs for ``x`` (validated by :meth:`check`), ``batch_size`` rows at a time."""
+        x = self.check(x)
+        outs = [self.session.run([self.output_name], {self.input_name: x[i:i + batch_size]})[0]
+                for i in range(0, len(x), batch_size)]
+        return np.concatenate(outs, axis=0)
