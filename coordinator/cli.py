@@ -22,7 +22,7 @@ from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_p
 from sfl_core.data import DatasetError, load_dataset
 from sfl_core.models import MODEL_NAMES, build_model
 
-from edge_agent.mqtt_link import broker_address
+from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 from coordinator import state as ckpt
 from coordinator.clock import VirtualClock, WallClock
@@ -54,10 +54,6 @@ def _load(config: Path, rounds: Optional[int], output: Optional[Path]) -> RunCon
     if output is not None:
         cfg = dataclasses.replace(cfg, output_dir=str(output))
     return cfg
-
-
-def _str(path: Optional[Path]) -> Optional[str]:
-    return None if path is None else str(path)
 
 
 def _out_dir(cfg: RunConfig) -> Path:
@@ -144,13 +140,10 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
                                                "Default: start an embedded broker on 127.0.0.1."),
           listen: str = typer.Option("0.0.0.0:1883", help="Where the embedded broker listens (HOST:PORT) "
                                      "when no --broker is given."),
-          ca_file: Optional[Path] = typer.Option(None, help="mqtts: CA certificate (PEM) that signed the broker's "
-                                                 "certificate. Default: the system trust store."),
-          cert_file: Optional[Path] = typer.Option(None, help="mqtts: this client's certificate (PEM), if the broker "
-                                                   "requires one."),
-          key_file: Optional[Path] = typer.Option(None, help="mqtts: the private key of --cert-file."),
-          password_file: Optional[Path] = typer.Option(None, help="File whose first line is the broker password "
-                                                       "(keeps it out of the command line)."),
+          ca_file: CaFile = None,
+          cert_file: CertFile = None,
+          key_file: KeyFile = None,
+          password_file: PasswordFile = None,
           resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
           rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
           output: Optional[Path] = typer.Option(None, help="Override the output directory."),
@@ -163,8 +156,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     address = None
     if broker is not None:
         try:
-            address = broker_address(broker, ca_file=_str(ca_file), cert_file=_str(cert_file),
-                                     key_file=_str(key_file), password_file=_str(password_file))
+            address = address_from_options(broker, ca_file, cert_file, key_file, password_file)
         except ValueError as exc:
             console.print(f"[red]{exc}")
             raise typer.Exit(2)

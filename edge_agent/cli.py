@@ -11,17 +11,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from edge_agent.mqtt_link import broker_address
+from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 # torch-using modules (sfl_core.models, .data, .config via .wire, edge_agent.profiler) are imported
 # inside the commands that need them: `sfl-agent predict` must run on a board without torch
 
 app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True)
-
-
-def _str(path: Optional[Path]) -> Optional[str]:
-    return None if path is None else str(path)
 
 
 def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
@@ -42,13 +38,10 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
           profile: Optional[str] = typer.Option(None, "--profile", "-p", help="Device profile: a name from "
                                                 "profiles/devices/ or a YAML path (required, here or in --config)."),
           broker: str = typer.Option("mqtt://127.0.0.1:1883", help="MQTT broker URL (mqtt:// or mqtts://, user:pass@ allowed)."),
-          ca_file: Optional[Path] = typer.Option(None, help="mqtts: CA certificate (PEM) that signed the broker's "
-                                                 "certificate. Default: the system trust store."),
-          cert_file: Optional[Path] = typer.Option(None, help="mqtts: this device's certificate (PEM), if the broker "
-                                                   "requires one."),
-          key_file: Optional[Path] = typer.Option(None, help="mqtts: the private key of --cert-file."),
-          password_file: Optional[Path] = typer.Option(None, help="File whose first line is the broker password "
-                                                       "(keeps it out of the command line)."),
+          ca_file: CaFile = None,
+          cert_file: CertFile = None,
+          key_file: KeyFile = None,
+          password_file: PasswordFile = None,
           run: str = typer.Option("demo", "--run", help="Run id announced by the coordinator."),
           data: Optional[str] = typer.Option(None, "--data", help="Directory of the run's data set (not needed for 'digits')."),
           index: int = typer.Option(0, help="This agent's shard index in the run's partition."),
@@ -89,8 +82,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
         import torch
         torch.set_num_threads(1)
     try:
-        address = broker_address(broker, ca_file=_str(ca_file), cert_file=_str(cert_file), key_file=_str(key_file),
-                                 password_file=_str(password_file))
+        address = address_from_options(broker, ca_file, cert_file, key_file, password_file)
     except ValueError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2)
