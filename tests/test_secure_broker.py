@@ -215,3 +215,44 @@ def test_broker_config_cli_is_idempotent(tmp_path):
     assert [ln.split(":")[0] for ln in (out / "passwd").read_text().splitlines()] == ["coordinator", "dev1", "dev2"]
     bad = subprocess.run([*cmd, "-a", "no/slash"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "letters, digits" in bad.stderr
+
+
+def test_client_certificates_instead_of_passwords(secure_broker, tmp_path):
+    """--client-certs: the certificate's common name is the user name, so the same ACL applies;
+    a client without a certificate signed by the CA is refused."""
+    d = secure_broker["pki"]
+    make_cert(d, "a0", "ca", "DNS:a0")                 # CN=a0: this device's identity
+    make_cert(d, "coordinator", "ca", "DNS:coordinator")
+    port = free_port()
+    files = write_broker_config(tmp_path / "broker", ["a0"], port=port, bind="127.0.0.1",
+                                tls=BrokerTls(str(d / "broker.crt"), str(d / "broker.key"), str(d / "ca.crt"),
+                                              client_certs=True))
+    assert files.passwd is None and files.credentials == {}
+    conf = files.conf.read_text() + ("user root\n" if os.geteuid() == 0 else "")
+    broker = _brokers.MosquittoBroker(_brokers.find_mosquitto(), port=port, config=conf).start()
+    try:
+        def cert_link(name: str | None, inbox=None, subs=()):
+            files_kw = {"cert_file": str(d / f"{name}.crt"), "key_file": str(d / f"{name}.key")} if name else {}
+            address = broker_address(f"mqtts://127.0.0.1:{port}", ca_file=str(d / "ca.crt"), **files_kw)
+            q = inbox if inbox is not None else queue.Queue()
+            return MqttLink(address, f"cert-{name}-{time.monotonic_ns()}", lambda t, p: q.put((t, p)),
+                            subscriptions=subs)
+
+        got = queue.Queue()
+        coord = cert_link("coordinator", got, [f"sfl/{RUN}/up/+"])
+        a0 = cert_link("a0")
+        coord.connect(10)
+        a0.connect(10)
+        try:
+            a0.publish(f"sfl/{RUN}/up/a1", b"as another agent")     # dropped by the ACL
+            a0.publish(f"sfl/{RUN}/up/a0", b"own")
+            assert drain(got, 1.5) == [(f"sfl/{RUN}/up/a0", b"own")]
+        finally:
+            coord.close()
+            a0.close()
+        anonymous = cert_link(None)
+        with pytest.raises(ConnectionError):
+            anonymous.connect(5)
+        anonymous.close()
+    finally:
+        broker.close()
