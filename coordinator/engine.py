@@ -23,12 +23,12 @@ from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
 from sfl_core.config import RunConfig, profile_dict_at_round
-from sfl_core.models import SplitModel, build_model
+from sfl_core.models import SplitModel
 from sfl_core.protocol import Message
 from sfl_core.sliding_split import ClientTimeTable
 
 from coordinator import state as ckpt
-from coordinator.export import describe_model
+from coordinator.export import describe_model, run_model
 from coordinator.planner import Planner, RoundPlan
 from coordinator.registry import Registry
 from coordinator.merge_control import MergeControl
@@ -104,17 +104,12 @@ class RoundEngine:
         self.device = torch.device(device)
         self.on_event = on_event or (lambda _e, _d: None)
         self.registry = Registry(num_classes)
-        self._last_seq: dict[str, int] = {}
+        self._seqs = protocol.ReplayGuard()
         self._reg_seq: dict[str, int] = {}
         self.rejections = protocol.Rejections(log)
         self._rejected_before: dict[str, int] = {}
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, self.input_shape, num_classes)
-        if cfg.hetero.width is not None:
-            pair = model.add_bottleneck(cfg.split or model.default_split, cfg.hetero.width)
-            # with fixed widths nobody trains the channels past the widest: evaluate without them
-            pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
-        self.model: SplitModel = model.to(self.device)
+        self.model: SplitModel = run_model(cfg, self.input_shape, num_classes).to(self.device)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
@@ -143,12 +138,18 @@ class RoundEngine:
 
     def wait_for_agents(self) -> None:
         need = self.cfg.min_agents or self.cfg.num_agents
-        deadline = time.monotonic() + self.cfg.register_timeout_s
         self.on_event("waiting", {"registered": len(self.registry.online()), "needed": need})
-        while len(self.registry.online()) < need:
+        self._serve_until(lambda: len(self.registry.online()) >= need,
+                          lambda: f"only {len(self.registry.online())} of {need} agents registered within "
+                                  f"{self.cfg.register_timeout_s:.0f} s")
+
+    def _serve_until(self, done: Callable[[], bool], failure: Callable[[], str]) -> None:
+        """Answer registrations and liveness messages until ``done()``; TimeoutError(``failure()``)
+        after ``register_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.register_timeout_s
+        while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(self.registry.online())} of {need} agents registered within "
-                                   f"{self.cfg.register_timeout_s:.0f} s")
+                raise TimeoutError(failure())
             msg = self._receive(0.2)
             if msg is not None:
                 self._dispatch(msg, None)
@@ -160,14 +161,9 @@ class RoundEngine:
         log.warning("no agent online before round %d: waiting up to %.0f s for one to come back", r,
                     self.cfg.register_timeout_s)
         self.on_event("waiting", {"registered": 0, "needed": 1})
-        deadline = time.monotonic() + self.cfg.register_timeout_s
-        while not self._online():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no agent online for {self.cfg.register_timeout_s:.0f} s before round {r}; "
-                                   f"rounds up to {r - 1} are checkpointed: restart with --resume")
-            msg = self._receive(0.2)
-            if msg is not None:
-                self._dispatch(msg, None)
+        self._serve_until(lambda: bool(self._online()),
+                          lambda: f"no agent online for {self.cfg.register_timeout_s:.0f} s before round {r}; "
+                                  f"rounds up to {r - 1} are checkpointed: restart with --resume")
 
     def run_round(self, r: int) -> dict[str, Any]:
         if not self._online():
@@ -298,29 +294,24 @@ class RoundEngine:
                     self._drop(agents, a, f"silent for {self.cfg.step_timeout_s:g} s")
 
     def _receive(self, timeout: float) -> Optional[Message]:
-        """The next message from the transport that is not a replay.
-
-        Every agent numbers its messages from one increasing counter (across restarts), so a
-        seq below the highest seen from that sender is a replay and is dropped before it can
-        touch any state; an equal seq is a retransmission, which the exchange answers
-        idempotently. Exempt: ``status`` (the broker publishes an agent's will with the seq of
-        its connect); ``heartbeat`` is dropped silently (it comes from another thread of the
-        agent, so it may overtake a message numbered just before it).
+        """The next message from the transport that is not a replay (:class:`protocol.ReplayGuard`),
+        dropped before it can touch any state. Exempt: ``status`` (the broker publishes an
+        agent's will with the seq of its connect); ``heartbeat`` is dropped silently (it comes
+        from another thread of the agent, so it may overtake a message numbered just before it).
         """
         msg = self.transport.poll(timeout)
         if msg is None or msg.type == "status":
             return msg
         known = msg.sender in self.registry.agents or msg.type == "register"
-        last = self._last_seq.get(msg.sender, -1)
-        if msg.seq < last:
+        if self._seqs.is_replay(msg):
             if msg.type != "heartbeat":
                 self.rejections.reject("replayed", f"{msg.type} from {msg.sender}: seq {msg.seq} is older "
-                                                   f"than {last}")
+                                                   f"than {self._seqs.last(msg.sender)}")
             return None
         # a heartbeat never raises the bar: numbered after a message still in the agent's send path
         # (an emulated slow link sleeps before publishing), it can arrive first
         if known and msg.type != "heartbeat":  # unknown senders get no entry: a flood of invented
-            self._last_seq[msg.sender] = msg.seq  # ids must not grow this table
+            self._seqs.advance(msg)                # ids must not grow this table
         return msg
 
     def _maybe_resend(self, agents: dict[str, _RoundAgent], ra: _RoundAgent, heartbeat: Message) -> None:

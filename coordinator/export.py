@@ -9,12 +9,15 @@ config plus its data set (``--config``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sfl_core.models import SplitModel, build_model
 from sfl_core.onnx_export import export_onnx
 
 from coordinator import state as ckpt
+
+if TYPE_CHECKING:
+    from sfl_core.config import RunConfig
 
 
 class ExportError(ValueError):
@@ -30,6 +33,17 @@ def describe_model(model: SplitModel, dataset: Optional[str] = None) -> dict[str
         "bottlenecks": [{"split": int(s), "width": int(p.width), "infer_width": int(p.infer_width)}
                         for s, p in model.bottlenecks.items()],
     }
+
+
+def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """The (untrained) global model of a run: the zoo model plus, with ``hetero.width``, the
+    bottleneck at the run's split. With fixed per-group widths nobody trains the channels past
+    the widest, so the full model is evaluated without them."""
+    model = build_model(cfg.model, input_shape, num_classes)
+    if cfg.hetero.width is not None:
+        pair = model.add_bottleneck(cfg.split or model.default_split, cfg.hetero.width)
+        pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
+    return model
 
 
 def rebuild_model(info: dict[str, Any]) -> SplitModel:
@@ -51,11 +65,7 @@ def _info_from_config(config: Path) -> dict[str, Any]:
         data = load_dataset(cfg.data.dataset, cfg.data.root)
     except (ConfigError, DatasetError) as exc:
         raise ExportError(str(exc)) from None
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
-    if cfg.hetero.width is not None:   # as RoundEngine builds it
-        pair = model.add_bottleneck(cfg.split or model.default_split, cfg.hetero.width)
-        pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
-    return describe_model(model, cfg.data.dataset)
+    return describe_model(run_model(cfg, data.input_shape, data.num_classes), cfg.data.dataset)
 
 
 def load_global_model(run_dir: Path, config: Optional[Path] = None) -> tuple[SplitModel, dict[str, Any]]:

@@ -90,7 +90,7 @@ class MqttTransport:
                 return
             msg = protocol.decode(whole, run=self.run_id, max_bytes=self.max_bytes, allowed=protocol.AGENT_TYPES)
         except wire.WireError as exc:
-            self.rejections.reject(protocol.wire_reason(exc), f"message on {topic}: {exc}")
+            self.rejections.reject(exc.reason, f"message on {topic}: {exc}")
             return
         if msg.sender != agent:
             self.rejections.reject("spoofed", f"{msg.type} on {topic}: sender {msg.sender!r} does not match "

@@ -86,7 +86,7 @@ class AgentRunner:
         self.bytes_up = 0
         self.bytes_down = 0
         self.rejections = protocol.Rejections(log)
-        self._coord_seq = -1  # highest seq seen from the coordinator on our down topic
+        self._seqs = protocol.ReplayGuard()  # the coordinator's messages on our down topic
         status = protocol.status_topic(opts.run_id, opts.agent_id)
         offline = Message("status", opts.run_id, opts.agent_id, {"online": False}).encode()
         self.link = MqttLink(opts.broker, f"sfl-{opts.run_id}-{opts.agent_id}", self._on_message,
@@ -265,7 +265,7 @@ class AgentRunner:
                 return
             msg = protocol.decode(whole, run=self.o.run_id, allowed=protocol.COORD_TYPES)
         except wire.WireError as exc:
-            self.rejections.reject(protocol.wire_reason(exc), f"message on {topic}: {exc}")
+            self.rejections.reject(exc.reason, f"message on {topic}: {exc}")
             return
         if msg.sender != protocol.COORDINATOR_ID:
             self.rejections.reject("spoofed", f"{msg.type} on {topic}: sender {msg.sender!r} is not the coordinator")
@@ -274,13 +274,11 @@ class AgentRunner:
             self.rejections.reject("malformed", f"{msg.type} not allowed on {topic}")
             return
         if msg.type not in ("run_info", "probe_ack"):  # probe acks come from another coordinator thread
-            # the coordinator numbers its messages from one increasing counter (across restarts):
-            # an older seq is a replay; the same seq is a retransmission the core answers idempotently
-            if msg.seq < self._coord_seq:
+            if self._seqs.is_replay(msg):
                 self.rejections.reject("replayed", f"{msg.type} on {topic}: seq {msg.seq} is older than "
-                                                   f"{self._coord_seq}")
+                                                   f"{self._seqs.last(msg.sender)}")
                 return
-            self._coord_seq = msg.seq
+            self._seqs.advance(msg)
         self.bytes_down += msg.wire_bytes
         if msg.type == "run_info":
             self._run_info = msg

@@ -53,7 +53,15 @@ _TORCH_TO_NAME = {t: name for name, (_, t) in _DTYPES.items()}
 
 
 class WireError(ValueError):
-    """A received payload is malformed, oversized or does not match what was expected."""
+    """A received payload is malformed, oversized or does not match what was expected.
+
+    ``reason`` is the short key under which a receiver counts the rejection
+    (:class:`sfl_core.protocol.Rejections`): ``malformed`` unless the raiser knows better.
+    """
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # --------------------------------------------------------------------------- tensors
@@ -209,7 +217,7 @@ def decode_tensor(
     dims = _check_shape(obj.get("shape"), shape)
     dense = math.prod(dims) * 4
     if dense > max_bytes:
-        raise WireError(f"tensor: {dense} bytes once decoded exceeds the limit of {max_bytes}")
+        raise WireError(f"tensor: {dense} bytes once decoded exceeds the limit of {max_bytes}", reason="too_large")
     if codec == "int8":
         return _decode_int8(obj, dims, max_bytes)
     return _decode_topk(obj, dims, max_bytes)
@@ -252,7 +260,7 @@ def _decode_plain(obj: Mapping[str, Any], shape: tuple[int | None, ...] | None, 
     np_dtype, _ = _DTYPES[name]
     nbytes = math.prod(dims) * np_dtype.itemsize
     if nbytes > max_bytes:
-        raise WireError(f"tensor: {nbytes} bytes exceeds the limit of {max_bytes}")
+        raise WireError(f"tensor: {nbytes} bytes exceeds the limit of {max_bytes}", reason="too_large")
     raw = _decompress(data, nbytes) if z else data
     if len(raw) != nbytes:
         raise WireError(f"tensor: {len(raw)} bytes of data for shape {tuple(dims)} {name} (expected {nbytes})")
@@ -402,7 +410,7 @@ def unpack(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]
     if not isinstance(payload, (bytes, bytearray)):
         raise WireError("payload is not bytes")
     if len(payload) > max_bytes:
-        raise WireError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
+        raise WireError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}", reason="too_large")
     try:
         env = msgpack.unpackb(
             payload,
