@@ -1,4 +1,5 @@
-"""Whole-round benchmark: real processes over Mosquitto vs the SPEC §3 time for the same fleet.
+"""Whole-round benchmark: real processes over Mosquitto vs the time model's time for the same fleet
+(docs/methods.md §3).
 
 Command (full run, ~2-3 minutes on 2 CPU cores)::
 
@@ -19,7 +20,7 @@ Measured: each round's ``round_time_s`` from the run's ``metrics.jsonl`` (wall c
 assignment sent -> last weights received; aggregation and test evaluation come after and
 are not in it).
 
-Physical reference ("bound"): SPEC §3 / S2FL Eq. 1 for the same fleet, per agent
+Physical reference ("bound"): the time model (docs/methods.md §3) / S2FL Eq. 1 for the same fleet, per agent
 ``timing.agent_round_time`` with
 
 - client FLOPs = ``model_costs(...)[split].client_flops * batch * tau`` at the profile's FLOP/s,
@@ -191,12 +192,12 @@ def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float,
     return metrics, agent_profiles, seconds
 
 
-# --------------------------------------------------------------------------- the SPEC §3 bound
+# --------------------------------------------------------------------------- the time-model bound
 
 
 def round_bound(record: dict, w: Workload, agent_profiles: dict[str, str], input_shape: tuple[int, ...],
                 num_classes: int, server_flops: float) -> dict[str, Any]:
-    """Per-agent SPEC §3 times for the bytes this round really moved; bound = slowest agent."""
+    """Per-agent time-model times for the bytes this round really moved; bound = slowest agent."""
     costs = model_costs(w.model, input_shape, num_classes)
     per_agent: dict[str, Any] = {}
     for aid, a in record["agents"].items():
@@ -291,7 +292,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             f"batch {res['batch_size']}, tau {res['local_iters']}, {res['codec']}",
             ["round", "measured s", "bound s", "ratio", "bound merged s", "ratio merged", "slowest (bound)",
              "client s", "transfer s", "server s", "its measured s", "its compute_s"], rows,
-            caption=f"ratio = measured / SPEC §3 bound (max over agents); mean excl. round 1: "
+            caption=f"ratio = measured / time-model bound (max over agents); mean excl. round 1: "
                     f"{res['mean_ratio_excl_round1']:.3f} (merged-aware: {res['mean_ratio_merged_excl_round1']:.3f}). "
                     f"{contention}.")
     doc = {"quick": args.quick, "broker": version, "note": contention, "workloads": results}

@@ -132,7 +132,7 @@ class ChaosTransport:
         self.dead[agent_id] = self.round + self.rng.randint(1, 3)
         self.killed_at.setdefault(agent_id, []).append(self.round)
         # the broker publishes the dead client's will
-        self.inner._inbox.append(Message("status", RUN, agent_id, {"online": False}, seq=0))
+        self.inner._inbox.append(Message("status", RUN, agent_id, {"online": False, "instance": "sim"}, seq=0))
 
     def _revive_due(self) -> None:
         for agent_id, back in list(self.dead.items()):
@@ -140,7 +140,7 @@ class ChaosTransport:
                 del self.dead[agent_id]
                 self.inner.agents[agent_id] = self.fresh_agent(agent_id)
                 reg = self.registrations[agent_id]
-                self.inner.deliver_from_agent(Message("status", RUN, agent_id, {"online": True},
+                self.inner.deliver_from_agent(Message("status", RUN, agent_id, {"online": True, "instance": "sim"},
                                                       seq=protocol.next_seq()))
                 self.inner.deliver_from_agent(Message("register", RUN, agent_id, reg.body, seq=protocol.next_seq()))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -37,23 +38,46 @@ log = logging.getLogger("sfl.coord")
 DEMO_CONFIG = "runs/demo.yaml"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from sfl_core.version import package_version
+        print(f"sfl-coord {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Optional[bool] = typer.Option(None, "--version", is_eager=True, callback=_print_version,
+                                                 help="Print the version and exit.")) -> None:
+    pass
+
+
+def _say(text: str, style: str = "red") -> None:
+    """One line, never wrapped (log files and grep see it whole), no markup read from paths."""
+    console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _load(config: Path, rounds: Optional[int], output: Optional[Path]) -> RunConfig:
+def _load(config: Path, rounds: Optional[int], output: Optional[Path], data: Optional[Path] = None) -> RunConfig:
     try:
         cfg = load_run_config(config)
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2)
-    import dataclasses
     if rounds is not None:
         cfg = dataclasses.replace(cfg, rounds=rounds)
     if output is not None:
         cfg = dataclasses.replace(cfg, output_dir=str(output))
+    if data is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(data)))
     return cfg
+
+
+DATA_OPTION = typer.Option(None, "--data", help="Directory of the run's data set; overrides the config's "
+                           "data.root (not needed for 'digits').")
 
 
 def _out_dir(cfg: RunConfig) -> Path:
@@ -68,8 +92,16 @@ def _dataset(cfg: RunConfig):
         raise typer.Exit(2)
 
 
-def _prepare_out_dir(out: Path, resume: bool) -> None:
-    if not resume and (out / ckpt.METRICS_FILE).exists():
+def _prepare_out_dir(out: Path, resume: bool) -> Optional[tuple[dict, dict]]:
+    """A fresh run moves an earlier run's files aside; a resumed one reads its checkpoint first,
+    before anything starts or changes (a bad file: one line naming it, exit status 2)."""
+    if resume:
+        try:
+            return ckpt.load(out)
+        except ckpt.CheckpointError as exc:
+            _say(f"cannot resume: {exc}")
+            raise typer.Exit(2)
+    if (out / ckpt.METRICS_FILE).exists():
         # never silently mix two runs' metrics: keep the old ones aside
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for name in (ckpt.METRICS_FILE, ckpt.STATE_FILE, ckpt.MODEL_FILE):
@@ -77,6 +109,24 @@ def _prepare_out_dir(out: Path, resume: bool) -> None:
                 (out / name).rename(out / f"{name}.{stamp}")
         console.print(f"[yellow]{out} held an earlier run; its files were renamed with suffix .{stamp}")
     out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--listen {listen!r}: expected HOST:PORT, e.g. 127.0.0.1:1883")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def run_info_body(cfg: RunConfig, data) -> dict:
@@ -96,18 +146,39 @@ def run_info_body(cfg: RunConfig, data) -> dict:
 
 
 def serve_run(cfg: RunConfig, broker: "Optional[str | BrokerAddress]", *, resume: bool = False, device: str = "auto",
-              quiet: bool = False, on_broker=None, listen: str = "127.0.0.1:0") -> tuple[list[dict], RoundEngine]:
-    """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``."""
+              quiet: bool = False, on_broker=None, listen: str = "127.0.0.1:0",
+              insecure_listen: bool = False) -> tuple[list[dict], RoundEngine]:
+    """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``.
+
+    The embedded broker has neither TLS nor passwords: it listens on loopback unless
+    ``insecure_listen`` allows another address. The retained run description is cleared only
+    when the run finished; after a crash agents keep it and wait for ``--resume``.
+    """
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import MqttTransport
 
     data = _dataset(cfg)
     out = _out_dir(cfg)
-    _prepare_out_dir(out, resume)
+    checkpoint = _prepare_out_dir(out, resume)
     embedded = None
     if broker is None:
-        host, _, port = listen.rpartition(":")
-        embedded = EmbeddedBroker(host=host or "127.0.0.1", port=int(port or 0)).start()
+        try:
+            host, port = _parse_listen(listen)
+        except ValueError as exc:
+            console.print(str(exc), style="red", markup=False)
+            raise typer.Exit(2)
+        if not _loopback(host):
+            if not insecure_listen:
+                console.print(f"--listen {listen}: the embedded broker has no TLS and no passwords, so it listens "
+                              f"only on loopback (127.0.0.1). Anyone who can reach {host} could read activations, "
+                              f"labels and weights. For a fleet on other hosts run Mosquitto with TLS and "
+                              f"credentials (sfl-coord broker-config) and pass --broker; to listen anyway, add "
+                              f"--insecure-listen.", style="red", markup=False)
+                raise typer.Exit(2)
+            console.print(f"WARNING: the embedded broker listens on {host} without TLS or authentication "
+                          f"(--insecure-listen): anyone on that network can read and inject this run's messages",
+                          style="bold yellow", markup=False)
+        embedded = EmbeddedBroker(host=host, port=port).start()
         broker = embedded.url
         console.print(f"embedded MQTT broker listening at {broker}")
     else:
@@ -115,31 +186,67 @@ def serve_run(cfg: RunConfig, broker: "Optional[str | BrokerAddress]", *, resume
     if on_broker is not None:
         on_broker(broker)
     transport = MqttTransport(broker, cfg.run_id)
+    finished = False
     try:
         transport.start()
         transport.publish_run_info(run_info_body(cfg, data))
         with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
             engine = RoundEngine(cfg, transport, WallClock(), (data.x_test, data.y_test),
                                  input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                                 device=pick_device(device), on_event=display, resume=resume)
+                                 device=pick_device(device), on_event=display, checkpoint=checkpoint)
             history = engine.run()
+        finished = True
         rejected = engine.rejected_totals()
         if rejected:
             console.print(f"[yellow]{sum(rejected.values())} message(s) were rejected: "
                           + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())) + " (see the log)")
         return history, engine
     finally:
-        transport.close()
+        transport.close(finished=finished)
         if embedded is not None:
             embedded.stop()
+
+
+class _Stopped(Exception):
+    """SIGTERM (a service manager's stop): unwind like Ctrl-C, so the MQTT session closes cleanly."""
+
+
+def _run_daemon(cfg: RunConfig, fn) -> tuple[list[dict], RoundEngine]:
+    """Run ``fn()`` and turn every way it can stop early into one line and an exit status.
+    None of them tells the agents to stop: they wait for ``--resume``."""
+    def on_term(signum, frame):
+        raise _Stopped()
+    previous = signal.signal(signal.SIGTERM, on_term)
+    resume_hint = f"the run is checkpointed in {_out_dir(cfg)}: continue it with --resume"
+    try:
+        return fn()
+    except (KeyboardInterrupt, _Stopped):
+        _say(f"stopped by a signal; agents keep waiting; {resume_hint}", style="yellow")
+        raise typer.Exit(130)
+    except ckpt.CheckpointError as exc:
+        _say(f"cannot resume: {exc}")
+        raise typer.Exit(2)
+    except ckpt.CheckpointWriteError as exc:
+        _say(f"{exc.strerror}; the previous checkpoint is intact; agents keep waiting; {resume_hint} once "
+             f"there is room")
+        raise typer.Exit(1)
+    except (ConnectionError, TimeoutError) as exc:  # broker unreachable; no fleet (the checkpoint stays)
+        _say(str(exc))
+        raise typer.Exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @app.command()
 def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YAML (see profiles/runs/)."),
           broker: Optional[str] = typer.Option(None, help="MQTT broker URL, e.g. mqtt://host:1883. "
                                                "Default: start an embedded broker on 127.0.0.1."),
-          listen: str = typer.Option("0.0.0.0:1883", help="Where the embedded broker listens (HOST:PORT) "
-                                     "when no --broker is given."),
+          listen: str = typer.Option("127.0.0.1:1883", help="Where the embedded broker listens (HOST:PORT) "
+                                     "when no --broker is given. It has no TLS and no passwords: an address "
+                                     "other than loopback needs --insecure-listen."),
+          insecure_listen: bool = typer.Option(False, "--insecure-listen", help="Let the embedded broker listen "
+                                               "on a non-loopback --listen address without TLS or authentication "
+                                               "(anyone on that network can read the run's data)."),
           ca_file: CaFile = None,
           cert_file: CertFile = None,
           key_file: KeyFile = None,
@@ -147,12 +254,13 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
           resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
           rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
           output: Optional[Path] = typer.Option(None, help="Override the output directory."),
+          data: Optional[Path] = DATA_OPTION,
           device: str = typer.Option("auto", help="Server-portion device: auto, cpu, cuda, cuda:1 ..."),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
           verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Coordinate a real deployment: agents connect through the MQTT broker."""
     _setup_logging(verbose)
-    cfg = _load(config, rounds, output)
+    cfg = _load(config, rounds, output, data)
     address = None
     if broker is not None:
         try:
@@ -164,11 +272,8 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
         console.print("[red]--ca-file/--cert-file/--key-file/--password-file need --broker (the embedded broker "
                       "has neither TLS nor passwords)")
         raise typer.Exit(2)
-    try:
-        history, engine = serve_run(cfg, address, resume=resume, device=device, listen=listen, quiet=quiet)
-    except (ConnectionError, TimeoutError) as exc:  # broker unreachable; no fleet (the checkpoint stays)
-        console.print(f"[red]{exc}")
-        raise typer.Exit(1)
+    history, engine = _run_daemon(cfg, lambda: serve_run(cfg, address, resume=resume, device=device, listen=listen,
+                                                          quiet=quiet, insecure_listen=insecure_listen))
     console.print(summary_table(history, engine.registry))
     console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
 
@@ -177,14 +282,15 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
 def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config YAML."),
              rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
              output: Optional[Path] = typer.Option(None, help="Override the output directory."),
-             resume: bool = typer.Option(False, "--resume"),
+             data: Optional[Path] = DATA_OPTION,
+             resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
              device: str = typer.Option("auto", help="Server-portion device."),
              quiet: bool = typer.Option(False, "--quiet", "-q"),
              verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
-    """Simulate the fleet in this process with a virtual clock (SPEC §3 times from the profiles)."""
+    """Simulate the fleet in this process with a virtual clock (times from the device profiles; docs/methods.md §3)."""
     _setup_logging(verbose)
-    cfg = _load(config, rounds, output)
-    history, engine = simulate_run(cfg, resume=resume, device=device, quiet=quiet)
+    cfg = _load(config, rounds, output, data)
+    history, engine = _run_daemon(cfg, lambda: simulate_run(cfg, resume=resume, device=device, quiet=quiet))
     console.print(summary_table(history, engine.registry))
     console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
 
@@ -196,25 +302,26 @@ def simulate_run(cfg: RunConfig, *, resume: bool = False, device: str = "auto",
 
     data = _dataset(cfg)
     out = _out_dir(cfg)
-    _prepare_out_dir(out, resume)
+    checkpoint = _prepare_out_dir(out, resume)
     dev = pick_device(device)
     transport = build_fleet(cfg, data, dev)
     with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
         engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                             device=dev, on_event=display, resume=resume)
+                             device=dev, on_event=display, checkpoint=checkpoint)
         history = engine.run()
     return history, engine
 
 
 @app.command()
-def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Default: profiles/runs/demo.yaml."),
+def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Default: the shipped runs/demo.yaml."),
          rounds: Optional[int] = typer.Option(None, help="Override the number of rounds."),
          output: Optional[Path] = typer.Option(None, help="Override the output directory."),
+         data: Optional[Path] = DATA_OPTION,
          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Zero-setup demo: embedded broker + coordinator + one emulated agent process per fleet member."""
     _setup_logging(verbose)
-    cfg = _load(config or default_profiles_dir() / DEMO_CONFIG, rounds, output)
+    cfg = _load(config or default_profiles_dir() / DEMO_CONFIG, rounds, output, data)
     procs: list[subprocess.Popen] = []
     logs_dir = _out_dir(cfg) / "agent-logs"
 
@@ -231,25 +338,36 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
         console.print(f"started {len(procs)} agent processes (logs in {logs_dir})")
 
     t0 = time.monotonic()
+    finished = False
     try:
-        history, engine = serve_run(cfg, None, on_broker=launch)
+        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, None, on_broker=launch))
+        finished = True
     finally:
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:   # never leave a stray process behind
-                    p.kill()
-                    p.wait()
+        # after a finished run the agents exit by themselves; otherwise (they would wait for a resumed
+        # coordinator) the demo, which started them, ends them
+        _end_processes(procs, grace_s=20 if finished else 0)
     console.print(summary_table(history, engine.registry))
     codes = [p.returncode for p in procs]
     console.print(f"demo finished in {time.monotonic() - t0:.1f} s wall; agent exit codes {codes}; "
                   f"metrics in {_out_dir(cfg) / ckpt.METRICS_FILE}")
     if any(codes):
         raise typer.Exit(1)
+
+
+def _end_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for each process, then SIGTERM, then SIGKILL: never leave a stray one."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @app.command()
@@ -270,9 +388,12 @@ def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(
 
 @app.command()
 def profiles() -> None:
-    """List the device profiles shipped in profiles/devices/."""
-    from sfl_core.config import load_profile
-    table = Table(title=f"device profiles ({default_profiles_dir() / 'devices'})")
+    """List the device profiles (devices/) and run configs (runs/) of the profiles folder in use."""
+    from sfl_core.config import load_profile, profiles_origin
+    root, origin = default_profiles_dir(), profiles_origin()
+    hint = "" if origin == "SFL_PROFILES_DIR" else "; set SFL_PROFILES_DIR to use a folder of your own"
+    console.print(f"profiles folder: {root} ({origin}{hint})", markup=False, highlight=False)
+    table = Table(title=f"device profiles ({root / 'devices'})")
     for col in ("name", "FLOP/s", "uplink B/s", "downlink B/s", "latency s"):
         table.add_column(col)
     for name in list_profiles():
@@ -280,6 +401,8 @@ def profiles() -> None:
         table.add_row(name, f"{p.compute_flops:.3g}", f"{p.link_bytes_per_s:.3g}", f"{p.downlink_bytes_per_s:.3g}",
                       f"{p.latency_s:g}")
     console.print(table)
+    runs = sorted(p.name for p in (root / "runs").glob("*.y*ml")) if (root / "runs").is_dir() else []
+    console.print(f"run configs ({root / 'runs'}): {', '.join(runs) or 'none'}", markup=False, highlight=False)
 
 
 @app.command()

@@ -36,7 +36,7 @@ class WallClock:
 
 
 class VirtualClock:
-    """Times follow SPEC §3 from the agent's profile, its FLOPs and its real encoded bytes."""
+    """Times follow the time model (docs/methods.md §3) from the agent's profile, its FLOPs and its real encoded bytes."""
 
     virtual = True
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -49,6 +49,9 @@ class Transport(Protocol):
     def poll(self, timeout: float) -> Optional[Message]:
         """Next validated message from any agent, or None after ``timeout`` seconds."""
 
+    # optional: ``live_time() -> float``, a monotonic clock that stands still while the agents
+    # cannot be reached (MQTT: broker down); silence is measured on it. Default: time.monotonic.
+
 
 class Clock(Protocol):
     virtual: bool
@@ -68,14 +71,13 @@ Event = Callable[[str, dict[str, Any]], None]
 
 @dataclass
 class _RoundAgent:
-    """Book-keeping for one selected agent during a round."""
+    """Book-keeping for one selected agent during a round; times are on the engine's liveness clock."""
 
     info_id: str
     assignment: Assignment
-    started: float = field(default_factory=time.monotonic)
-    last_heard: float = field(default_factory=time.monotonic)
+    last_heard: float
+    last_sent_at: float
     last_sent: Optional[Message] = None
-    last_sent_at: float = field(default_factory=time.monotonic)
     bytes_up: int = 0
     bytes_down: int = 0
     labels_withheld: bool = False
@@ -83,7 +85,6 @@ class _RoundAgent:
     busy_s: float = 0.0
     """Sum of this agent's own response times (our message sent -> its reply in): no waiting for others."""
     server_s: float = 0.0
-    finished_at: float = 0.0
     messages: int = 0
     resends: int = 0
 
@@ -91,7 +92,10 @@ class _RoundAgent:
 class RoundEngine:
     def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
-                 device: torch.device | str = "cpu", on_event: Optional[Event] = None, resume: bool = False):
+                 device: torch.device | str = "cpu", on_event: Optional[Event] = None,
+                 checkpoint: Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]] = None):
+        """``checkpoint``: what :func:`coordinator.state.load` read from ``out_dir``, to resume
+        after its round (load it before starting anything, so a bad file stops nothing)."""
         self.cfg = cfg
         self.transport = transport
         self.clock = clock
@@ -103,7 +107,8 @@ class RoundEngine:
         self.out_dir = Path(out_dir)
         self.device = torch.device(device)
         self.on_event = on_event or (lambda _e, _d: None)
-        self.registry = Registry(num_classes)
+        self._now: Callable[[], float] = getattr(transport, "live_time", time.monotonic)
+        self.registry = Registry(num_classes, now=self._now)
         self._seqs = protocol.ReplayGuard()
         self._reg_seq: dict[str, int] = {}
         self.rejections = protocol.Rejections(log)
@@ -120,20 +125,24 @@ class RoundEngine:
         self.merge = MergeControl(cfg, self.costs[cfg.split or self.model.default_split])
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
-        if resume:
-            self._resume()
+        if checkpoint is not None:
+            self._resume(*checkpoint)
 
     # ================================================================ public
     def run(self) -> list[dict[str, Any]]:
-        """Wait for the fleet, run the remaining rounds, tell agents to stop."""
-        try:
-            self.wait_for_agents()
-            if self.start_round == 1:
-                self._record_initial()
-            for r in range(self.start_round, self.cfg.rounds + 1):
-                self.run_round(r)
-        finally:
-            self.shutdown_agents("run finished")
+        """Wait for the fleet, run the remaining rounds, then tell the agents to stop.
+
+        Only a run that finished says stop. On a crash, a signal or a full disk the exception
+        propagates and the agents hear nothing: they keep waiting and re-register with the
+        coordinator that ``--resume`` starts (a stopped agent would exit 0, and a service
+        manager restarts only failed services).
+        """
+        self.wait_for_agents()
+        if self.start_round == 1:
+            self._record_initial()
+        for r in range(self.start_round, self.cfg.rounds + 1):
+            self.run_round(r)
+        self.shutdown_agents("run finished")
         return self.history
 
     def wait_for_agents(self) -> None:
@@ -175,8 +184,9 @@ class RoundEngine:
             selected, batches = self.merge.choose(r, self._online(), self.registry.agents, selected)
         plan = self.planner.plan(r, selected, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
+        now = self._now()
         agents = {a: _RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
-                                                     batches.get(a)))
+                                                     batches.get(a)), last_heard=now, last_sent_at=now)
                   for a in selected}
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths,
                                 label_counts={a: self.registry.agents[a].label_counts for a in selected})
@@ -207,6 +217,8 @@ class RoundEngine:
                 dt = time.monotonic() - t0
                 losses.append(loss)
                 for a, g in grads.items():
+                    if a not in agents:   # dropped while the server step waited for its logit gradients
+                        continue
                     agents[a].server_s += dt
                     self._send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
                                                   {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)},
@@ -260,32 +272,34 @@ class RoundEngine:
         n = self.transport.send(ra.info_id, msg)
         ra.bytes_down += n
         ra.messages += 1
-        ra.last_sent, ra.last_sent_at = msg, time.monotonic()
+        ra.last_sent, ra.last_sent_at = msg, self._now()
 
     def _collect(self, agents: dict[str, _RoundAgent], kind: str, r: int, k: int) -> dict[str, Message]:
         """Gather one message of ``kind`` for (r, k) from every agent still in the round.
 
         Duplicates of earlier steps mean our reply was lost: resend it. An agent silent
-        for ``step_timeout_s`` (heartbeats count) is dropped and the round goes on.
+        for ``step_timeout_s`` (heartbeats count) is dropped and the round goes on. What is
+        returned comes only from agents still in the round: one that re-registered (restarted)
+        after its message arrived is out, and so is its message.
         """
         got: dict[str, Message] = {}
         while True:
             waiting = [a for a in agents if a not in got]
             if not waiting:
-                return got
+                return {a: m for a, m in got.items() if a in agents}
             msg = self._receive(0.1)
             if msg is not None:
                 self.registry.seen(msg.sender)
                 ra = agents.get(msg.sender)
                 if ra is not None:
-                    ra.last_heard = time.monotonic()
+                    ra.last_heard = self._now()
                 if msg.type in ("activations", "logit_grads", "weights"):
                     self._training_message(msg, agents, kind, r, k, got)
                 elif msg.type == "heartbeat" and ra is not None and msg.sender not in got:
                     self._maybe_resend(agents, ra, msg)
                 else:
                     self._dispatch(msg, agents)
-            now = time.monotonic()
+            now = self._now()
             for a in waiting:
                 ra = agents.get(a)
                 # silent since we last heard from it or last asked it, whichever is later: while we
@@ -322,13 +336,13 @@ class RoundEngine:
         self.registry.seen(ra.info_id)
         if heartbeat.body["state"] == "busy" or ra.last_sent is None:
             return
-        if time.monotonic() - ra.last_sent_at > RETRY_S:
+        if self._now() - ra.last_sent_at > RETRY_S:
             if ra.resends >= MAX_RESENDS:
                 self._drop(agents, ra.info_id, f"idle after {MAX_RESENDS} resends of {ra.last_sent.type}")
                 return
             log.info("%s is idle while we wait for it: resending %s", ra.info_id, ra.last_sent.type)
             self.transport.send(ra.info_id, ra.last_sent)
-            ra.last_sent_at = time.monotonic()
+            ra.last_sent_at = self._now()
             ra.resends += 1
 
     def _training_message(self, msg: Message, agents: dict[str, _RoundAgent], kind: str, r: int, k: int,
@@ -349,17 +363,15 @@ class RoundEngine:
             ra.bytes_up += msg.wire_bytes
             ra.messages += 1
             ra.resends = 0
-            ra.busy_s += time.monotonic() - ra.last_sent_at
+            ra.busy_s += self._now() - ra.last_sent_at
             ra.compute_s = float(msg.body["compute_s"])
-            if kind == "weights":
-                ra.finished_at = time.monotonic()
             got[a] = msg
         elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
             self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {msg.step} answered again",
                                    level=logging.INFO)
             if ra.last_sent is not None:  # our reply to it was lost: send it again
                 self.transport.send(a, ra.last_sent)
-                ra.last_sent_at = time.monotonic()
+                ra.last_sent_at = self._now()
         else:
             self.rejections.reject("stale", f"{msg.type} (round {msg.round} step {msg.step}) from {a}: "
                                             f"expected {kind} for round {r} step {k}")
@@ -449,7 +461,7 @@ class RoundEngine:
                 # it was still starting): nothing to undo, it stays in; it may never have received the
                 # assignment, so send it again, before 'accepted' (the agent refuses older seqs after it)
                 self.transport.send(msg.sender, ra.last_sent)
-                ra.last_sent_at = time.monotonic()
+                ra.last_sent_at = self._now()
             elif ra is not None:
                 self._drop(agents, msg.sender, "re-registered mid-round (restarted)")
             self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
@@ -457,7 +469,7 @@ class RoundEngine:
                                                     seq=protocol.next_seq()))
             self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
         elif msg.type == "status":
-            self.registry.set_online(msg.sender, msg.body["online"])
+            self.registry.set_online(msg.sender, msg.body["online"], msg.body["instance"])
             self.on_event("status", {"agent": msg.sender, "online": msg.body["online"]})
         elif msg.type == "heartbeat":
             self.registry.seen(msg.sender)
@@ -568,17 +580,34 @@ class RoundEngine:
         n = max(len(self.y_test), 1)
         return correct / n, total_loss / n
 
-    def _resume(self) -> None:
-        model_state, st = ckpt.load(self.out_dir)
-        if st.get("model") != self.cfg.model:
-            raise ValueError(f"checkpoint in {self.out_dir} is for model {st.get('model')!r}, config says {self.cfg.model!r}")
-        self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
-        self.start_round = int(st["round"]) + 1
-        self.registry.load_totals(st.get("registry", {}))
-        if st.get("time_table"):
-            self.planner.time_table = ClientTimeTable.from_json(st["time_table"])
-        self.clock.restore(float(st.get("elapsed_s", 0.0)))
-        self.merge.load_json(st.get("merge_states", {}))
-        ckpt.truncate_metrics(self.out_dir, int(st["round"]))
-        self.history = ckpt.read_metrics(self.out_dir)
+    def _resume(self, model_state: dict[str, torch.Tensor], st: dict[str, Any]) -> None:
+        """Continue after the checkpoint's round. Everything is checked before anything on disk
+        changes: a checkpoint that does not fit this run is a CheckpointError naming the file."""
+        path = self.out_dir / ckpt.MODEL_FILE
+        if st["model"] != self.cfg.model:
+            raise ckpt.CheckpointError(f"{path}: a checkpoint of model {st['model']!r}, but the run config says "
+                                       f"{self.cfg.model!r}")
+        if st.get("run", self.cfg.run_id) != self.cfg.run_id:
+            raise ckpt.CheckpointError(f"{path}: a checkpoint of run {st['run']!r}, but the run config says "
+                                       f"{self.cfg.run_id!r}")
+        if st["round"] > self.cfg.rounds:
+            raise ckpt.CheckpointError(f"{path}: already after round {st['round']}, beyond the config's "
+                                       f"{self.cfg.rounds} rounds (raise --rounds to train further)")
+        try:
+            self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
+            registry, merge = st.get("registry", {}), st.get("merge_states", {})
+            self.registry.load_totals(registry)
+            table = ClientTimeTable.from_json(st["time_table"]) if st.get("time_table") else None
+            self.merge.load_json(merge)
+            elapsed = float(st.get("elapsed_s", 0.0))
+        except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise ckpt.CheckpointError(f"{path}: does not fit this run's model {self.cfg.model!r} ({first})") from None
+        history = ckpt.read_metrics(self.out_dir)   # a corrupted metrics file stops us here, untouched
+        if table is not None:
+            self.planner.time_table = table
+        self.clock.restore(elapsed)
+        self.start_round = st["round"] + 1
+        ckpt.truncate_metrics(self.out_dir, st["round"])
+        self.history = [m for m in history if m["round"] <= st["round"]]
         log.info("resuming %s after round %d", self.cfg.run_id, st["round"])

@@ -1,4 +1,4 @@
-"""MergeSFL's control loop on the coordinator (SPEC §6, seed 003 Alg. 1).
+"""MergeSFL's control loop on the coordinator (MergeSFL paper, Liao et al. 2023, Alg. 1; docs/methods.md §7).
 
 The algorithms are pure functions in :mod:`sfl_core.mergesfl`; this class holds what they
 need between rounds — each agent's smoothed compute and transfer seconds per sample (μ, β)

@@ -25,10 +25,11 @@ MAX_PROBE_REPLY = 4 * 2**20
 
 class MqttTransport:
     def __init__(self, url: str, run_id: str, *, max_bytes: int = wire.MAX_MESSAGE_BYTES,
-                 chunk_bytes: int = wire.CHUNK_BYTES):
+                 chunk_bytes: int = wire.CHUNK_BYTES, publish_timeout_s: float = 10.0):
         self.run_id = protocol.check_id("run id", run_id)
         self.max_bytes = max_bytes
         self.chunk_bytes = chunk_bytes
+        self.publish_timeout_s = publish_timeout_s
         self._queue: "queue.Queue[Message]" = queue.Queue()
         self._reassembler = wire.Reassembler(max_bytes)
         self.rejections = protocol.Rejections(log)
@@ -57,20 +58,29 @@ class MqttTransport:
         if self._run_info is not None:  # on paho's thread: publish only enqueues
             self.link.publish(protocol.info_topic(self.run_id), self._run_info, retain=True)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Disconnect. A ``finished`` run clears its retained description; an interrupted one
+        keeps it, so agents (re)started before ``--resume`` still find what to train."""
         try:
-            # clear the retained run description: the run is over
-            self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
+            if finished:
+                self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
         finally:
             self.link.close()
 
+    def live_time(self) -> float:
+        """Time in which agents could reach us (stands still while the broker is down)."""
+        return self.link.live_time()
+
     # --------------------------------------------------------------- Transport
     def send(self, agent_id: str, msg: Message) -> int:
+        """Publish and wait for the broker's acknowledgement (``publish_timeout_s`` at most).
+        While the broker is unreachable nothing waits: paho queues the message and sends it
+        after the reconnect, and the round engine keeps answering whoever it can reach."""
         payload = msg.encode()
         topic = protocol.down_topic(self.run_id, agent_id)
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12], self.chunk_bytes):
-            if not self.link.publish(topic, piece):
-                log.warning("publish of %s to %s timed out (broker unreachable?)", msg.type, agent_id)
+            if not self.link.publish(topic, piece, timeout=self.publish_timeout_s, wait_offline=False):
+                log.info("%s to %s queued until the broker is reachable again", msg.type, agent_id)
         return len(payload)
 
     def poll(self, timeout: float) -> Optional[Message]:

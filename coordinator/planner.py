@@ -113,7 +113,7 @@ class Planner:
 
     # ----------------------------------------------------------------- time table
     def fill_estimates(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> None:
-        """SPEC §3 estimates for (agent, split) pairs never measured, from profile and measurements."""
+        """Time-model estimates (docs/methods.md §3) for (agent, split) pairs never measured, from profile and measurements."""
         samples = self.cfg.batch_size * self.cfg.local_iters
         for a in selected:
             info = agents[a]

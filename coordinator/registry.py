@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 from sfl_core import wire
 from sfl_core.protocol import Message
@@ -21,7 +21,10 @@ class AgentInfo:
     label_counts: list[int]
     num_samples: int
     online: bool = True
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = 0.0
+    """On the registry's liveness clock (see :class:`Registry`)."""
+    instance: str = ""
+    """The agent process that last said it is online (its status messages carry it)."""
     rounds: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
@@ -32,8 +35,12 @@ class AgentInfo:
 
 
 class Registry:
-    def __init__(self, num_classes: int):
+    """``now`` is the liveness clock: the coordinator passes one that stands still while its
+    broker is unreachable, so an outage does not make every agent look silent."""
+
+    def __init__(self, num_classes: int, now: Callable[[], float] = time.monotonic):
         self.num_classes = num_classes
+        self.now = now
         self.agents: dict[str, AgentInfo] = {}
 
     def register(self, msg: Message) -> AgentInfo:
@@ -61,7 +68,7 @@ class Registry:
                                  "link scale > 0] entries with rounds ascending")
         old = self.agents.get(msg.sender)
         info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=dict(prof), measured=dict(b["measured"]),
-                         label_counts=list(counts), num_samples=b["num_samples"])
+                         label_counts=list(counts), num_samples=b["num_samples"], last_seen=self.now())
         if old is not None:
             info.rounds, info.bytes_up, info.bytes_down, info.compute_s = old.rounds, old.bytes_up, old.bytes_down, old.compute_s
         self.agents[msg.sender] = info
@@ -70,24 +77,32 @@ class Registry:
     def seen(self, agent_id: str) -> None:
         info = self.agents.get(agent_id)
         if info is not None:
-            info.last_seen = time.monotonic()
+            info.last_seen = self.now()
 
-    def set_online(self, agent_id: str, online: bool) -> None:
+    def set_online(self, agent_id: str, online: bool, instance: str = "") -> None:
+        """An agent's MQTT status. An offline status from another process than the one that last
+        said online is a dead predecessor's last will, arriving late: it says nothing of the
+        running process."""
         info = self.agents.get(agent_id)
         if info is not None:
+            if not online and info.instance and instance != info.instance:
+                return
+            if online:
+                info.instance = instance
             info.online = online and info.registered
             if online:
-                info.last_seen = time.monotonic()
+                info.last_seen = self.now()
 
     def online(self, stale_after_s: float | None = None) -> list[AgentInfo]:
         """Agents whose MQTT status is online and, if ``stale_after_s`` is given, that were heard
         from (any message, heartbeats included) within that many seconds."""
-        now = time.monotonic()
+        now = self.now()
         return [a for a in self.agents.values()
                 if a.online and (stale_after_s is None or now - a.last_seen <= stale_after_s)]
 
     def to_json(self) -> dict[str, Any]:
-        return {a: {k: v for k, v in asdict(i).items() if k != "last_seen"} for a, i in self.agents.items()}
+        return {a: {k: v for k, v in asdict(i).items() if k not in ("last_seen", "instance")}
+                for a, i in self.agents.items()}
 
     def load_totals(self, data: dict[str, Any]) -> None:
         """After --resume, agents re-register; their running totals come from the checkpoint."""

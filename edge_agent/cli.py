@@ -20,6 +20,19 @@ app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=T
 console = Console(stderr=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from sfl_core.version import package_version  # standard library only, no torch
+        print(f"sfl-agent {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Optional[bool] = typer.Option(None, "--version", is_eager=True, callback=_print_version,
+                                                 help="Print the version and exit.")) -> None:
+    pass
+
+
 def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
     """``start --config``: the file's settings become defaults that flags override (edge_agent.settings)."""
     if value is None:
@@ -57,7 +70,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                                help="Never send labels: score the coordinator's logits on the device."),
           verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
-    from edge_agent.runner import AgentError, AgentOptions, AgentRunner
+    from edge_agent.runner import AgentError, AgentOptions, AgentRunner, DuplicateAgentError
     from sfl_core.config import ConfigError, load_profile
     from sfl_core.data import DatasetError
 
@@ -94,6 +107,9 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     signal.signal(signal.SIGTERM, lambda *_: runner.stop())
     try:
         code = runner.run()
+    except DuplicateAgentError as exc:   # exit 2: a service manager must not restart into the same conflict
+        console.print(f"agent {name}: {exc}", style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2)
     except (AgentError, DatasetError, ConnectionError, ValueError) as exc:
         console.print(f"[red]agent {name}: {exc}")
         raise typer.Exit(1)

@@ -89,6 +89,8 @@ class MqttLink:
         self._closed = False
         self._loop_running = False
         self._paho_thread_id: int | None = None
+        self._down_since: float | None = time.monotonic()   # not connected yet
+        self._down_total = 0.0
 
         c = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
                         clean_session=clean_start, protocol=mqtt.MQTTv311)
@@ -150,6 +152,14 @@ class MqttLink:
             raise ConnectionError(
                 f"cannot reach MQTT broker at {self.url}: subscriptions not acknowledged within {timeout:.1f} s")
 
+    def live_time(self) -> float:
+        """A monotonic clock that stands still while the link is down (and before the first
+        connect): time on it is time in which peers could have reached us. Silence measured on
+        it does not grow during a broker outage."""
+        with self._lock:
+            down = self._down_total + (time.monotonic() - self._down_since if self._down_since is not None else 0.0)
+        return time.monotonic() - down
+
     def wait_connected(self, timeout: float) -> bool:
         """True once connected and (re)subscribed; False if that does not happen within ``timeout``."""
         return self._ready.wait(timeout)
@@ -163,20 +173,30 @@ class MqttLink:
         if self.connected:
             self._client.subscribe(topic, qos=_SUB_QOS)
 
+    def unsubscribe(self, topic: str) -> None:
+        """Drop a subscription added with :meth:`subscribe` (not kept across reconnects any more)."""
+        with self._lock:
+            if topic not in self._subscriptions:
+                return
+            self._subscriptions.remove(topic)
+        if self.connected:
+            self._client.unsubscribe(topic)
+
     def add_reconnect_callback(self, fn: Callable[[], None]) -> None:
         """``fn()`` runs on paho's thread after every successful reconnect (not the first
         connect), once the re-subscriptions are acknowledged. Use it to re-announce state."""
         self._reconnect_cbs.append(fn)
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                timeout: float | None = 30.0) -> bool:
+                timeout: float | None = 30.0, wait_offline: bool = True) -> bool:
         """Publish and, for QoS ≥ 1, wait until the broker acknowledged it.
 
         While disconnected the message stays queued in paho and is sent after the
-        reconnect; this call waits for that, up to ``timeout`` (None = forever).
-        Returns False on timeout — the message may still be delivered later
-        (QoS 1 is at-least-once, so receivers must tolerate duplicates anyway).
-        Never raises on a transient drop.
+        reconnect; this call waits for that, up to ``timeout`` (None = forever), or, with
+        ``wait_offline=False``, returns False at once (a loop that must keep running
+        through a broker outage). Returns False on timeout — the message may still be
+        delivered later (QoS 1 is at-least-once, so receivers must tolerate duplicates
+        anyway). Never raises on a transient drop.
         """
         if self._closed:
             raise RuntimeError("MqttLink is closed")
@@ -193,8 +213,10 @@ class MqttLink:
             return True  # waiting here would block the thread that receives the PUBACK
         if qos == 0:
             return True
-        if self._wait_published(info, timeout):
+        if self._wait_published(info, timeout, wait_offline):
             return True
+        if not wait_offline and not self._ready.is_set():
+            return False    # queued; paho sends it after the reconnect
         log.warning("MQTT publish to %s (%d bytes) not acknowledged within %.1f s (connected=%s)",
                     topic, len(payload), timeout or 0.0, self.connected)
         return False
@@ -224,8 +246,7 @@ class MqttLink:
             self._client.loop_stop()
             self._loop_running = False
 
-    @staticmethod
-    def _wait_published(info: mqtt.MQTTMessageInfo, timeout: float | None) -> bool:
+    def _wait_published(self, info: mqtt.MQTTMessageInfo, timeout: float | None, wait_offline: bool = True) -> bool:
         # MQTTMessageInfo.wait_for_publish() raises at once when the message was queued
         # while disconnected (rc=NO_CONN) even though paho sends it after reconnecting,
         # so wait on the same condition it uses ourselves.
@@ -233,6 +254,8 @@ class MqttLink:
         cond = info._condition  # noqa: SLF001 - paho 2.x MQTTMessageInfo internals
         with cond:
             while not info._published:  # noqa: SLF001
+                if not wait_offline and not self._ready.is_set():
+                    return False
                 if deadline is None:
                     cond.wait(1.0)
                     continue
@@ -253,6 +276,10 @@ class MqttLink:
             log.warning("MQTT %s: %s", self.url, self._conn_error)
             self._conn_result.set()
             return
+        with self._lock:
+            if self._down_since is not None:
+                self._down_total += time.monotonic() - self._down_since
+                self._down_since = None
         reconnect = self._ever_connected
         self._ever_connected = True
         if reconnect:
@@ -294,6 +321,9 @@ class MqttLink:
                            reason_code: object, properties: object) -> None:
         self._note_thread()
         self._ready.clear()
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
         if not self._closed and getattr(reason_code, "is_failure", False):
             log.warning("MQTT connection to %s lost (%s); reconnecting", self.url, reason_code)
 

@@ -61,6 +61,17 @@ class AgentOptions:
     """Registration is re-sent after this long without an answer."""
     wait_s: float = 600.0
     """How long to wait for the coordinator's run description / acceptance."""
+    discover_after_s: float = 10.0
+    """Without our run's description for this long, log which runs the broker does announce
+    (a wrong ``--run`` otherwise waits in silence); again every minute."""
+    claim_s: float = 3.0
+    """Another process's online status for our agent id, seen before our own: how long to wait
+    for it to show that it is alive before taking the id over (it may be a dead predecessor)."""
+
+
+class DuplicateAgentError(RuntimeError):
+    """Another running process uses this agent id on this broker (exit status 2: a service
+    manager must not restart into the same conflict)."""
 
 
 class AgentError(RuntimeError):
@@ -87,12 +98,22 @@ class AgentRunner:
         self.bytes_down = 0
         self.rejections = protocol.Rejections(log)
         self._seqs = protocol.ReplayGuard()  # the coordinator's messages on our down topic
-        status = protocol.status_topic(opts.run_id, opts.agent_id)
-        offline = Message("status", opts.run_id, opts.agent_id, {"online": False}).encode()
-        self.link = MqttLink(opts.broker, f"sfl-{opts.run_id}-{opts.agent_id}", self._on_message,
+        # This process's identity besides the agent id: two processes started with one id must
+        # not silently share it (see _claim_id). The MQTT client id includes it, so they do not
+        # knock each other off the broker while that is sorted out.
+        self.instance = uuid.uuid4().hex[:12]
+        self._status_topic = protocol.status_topic(opts.run_id, opts.agent_id)
+        self._own_status_seen = threading.Event()
+        self._rival: Optional[str] = None           # another instance online before our own status
+        self._rival_alive = threading.Event()       # ... and it spoke again after our status
+        self._answered: set[str] = set()            # rivals we have shown that we are alive
+        self._claimed = False
+        self._runs_seen: set[str] = set()
+        offline = Message("status", opts.run_id, opts.agent_id, {"online": False, "instance": self.instance}).encode()
+        self.link = MqttLink(opts.broker, f"sfl-{opts.run_id}-{opts.agent_id}-{self.instance[:6]}", self._on_message,
                              subscriptions=[protocol.down_topic(opts.run_id, opts.agent_id),
-                                            protocol.info_topic(opts.run_id)],
-                             will=(status, offline, True))
+                                            protocol.info_topic(opts.run_id), self._status_topic],
+                             will=(self._status_topic, offline, True))
         self.link.add_reconnect_callback(self._announce_online)
 
     # ================================================================ lifecycle
@@ -100,6 +121,7 @@ class AgentRunner:
         self.link.connect(timeout=30)
         try:
             self._announce_online()
+            self._claim_id()
             info = self._wait_run_info()
             self.core = self._build_core(info)
             self._measured = self._measure(info)
@@ -111,9 +133,10 @@ class AgentRunner:
         finally:
             self._stop.set()
             # best effort and short: after a shutdown the broker may already be gone (an embedded
-            # one stops with its coordinator), and a waiting agent would outlive its run
-            self._publish_raw(protocol.status_topic(self.o.run_id, self.o.agent_id),
-                              self._msg("status", {"online": False}).encode(), retain=True, timeout=3)
+            # one stops with its coordinator), and a waiting agent would outlive its run. An agent
+            # that lost the id to a running owner says nothing: the id's status is the owner's.
+            if self._claimed:
+                self._publish_raw(self._status_topic, self._status(False).encode(), retain=True, timeout=3)
             self.link.close()
             if self.rejections.total:
                 log.warning("rejected %d message(s) in this run: %s", self.rejections.total, self.rejections.counts())
@@ -122,13 +145,54 @@ class AgentRunner:
         self._stop.set()
 
     # ================================================================ steps
+    def _claim_id(self) -> None:
+        """Make sure no other running process uses our agent id on this broker.
+
+        Every agent process publishes a retained online status carrying its random instance
+        id, and reads its own status topic. The broker orders the messages of a topic, so of
+        two processes with one id exactly one sees the other's status *before* its own: that
+        one is the newcomer. It waits ``claim_s`` for the other to show it is alive (a running
+        agent answers a newcomer's status by repeating its own); silence means a dead
+        predecessor (a crash before its last will fired), and the id is taken over.
+        """
+        if not self._own_status_seen.wait(10):
+            log.info("our own status did not come back (the broker's ACL may not let agents read it): "
+                     "duplicate agent ids cannot be detected")
+        elif self._rival is not None and self._rival_alive.wait(self.o.claim_s):
+            raise DuplicateAgentError(
+                f"agent id {self.o.agent_id!r} is already in use by another running agent on "
+                f"{self.link.address.url()} (run {self.o.run_id!r}); give every agent its own --agent-id")
+        elif self._rival is not None:
+            log.info("agent id %s was last announced by another process that no longer answers: taking it over",
+                     self.o.agent_id)
+        self._claimed = True
+
     def _wait_run_info(self) -> Message:
         log.info("waiting for the coordinator's description of run %s", self.o.run_id)
-        if not self._run_info_ready.wait(self.o.wait_s):
-            raise AgentError(f"no coordinator announced run {self.o.run_id!r} within {self.o.wait_s:.0f} s "
-                             f"(is sfl-coord serve running against {self.link.address.url()}?)")
+        deadline = time.monotonic() + self.o.wait_s
+        next_look = time.monotonic() + self.o.discover_after_s
+        while not self._run_info_ready.wait(max(0.0, min(deadline, next_look) - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise AgentError(f"no coordinator announced run {self.o.run_id!r} within {self.o.wait_s:.0f} s "
+                                 f"(is sfl-coord serve running against {self.link.address.url()}?)")
+            runs = self._announced_runs()
+            others = ", ".join(sorted(runs)) if runs else "none"
+            log.warning("still waiting: no coordinator announces run %r on %s; runs announced there: %s%s",
+                        self.o.run_id, self.link.address.url(), others,
+                        " (check --run)" if runs else " (is sfl-coord serve running against this broker?)")
+            next_look = time.monotonic() + 60
         assert self._run_info is not None
         return self._run_info
+
+    def _announced_runs(self, listen_s: float = 1.5) -> set[str]:
+        """The runs whose (retained) descriptions this broker holds: subscribe to all of them for a
+        moment. Their messages are only counted by run id here, never decoded or used."""
+        self._runs_seen = set()
+        wildcard = protocol.info_topic("+")
+        self.link.subscribe(wildcard)
+        time.sleep(listen_s)
+        self.link.unsubscribe(wildcard)
+        return set(self._runs_seen)
 
     def _build_core(self, info: Message) -> AgentCore:
         b = info.body
@@ -259,6 +323,13 @@ class AgentRunner:
     def _on_message(self, topic: str, payload: bytes) -> None:
         if not payload:
             return
+        parts = topic.split("/")
+        if len(parts) == 3 and parts[2] == "info" and parts[1] != self.o.run_id:
+            self._runs_seen.add(parts[1])  # another run's description (_announced_runs): its name only
+            return
+        if topic == self._status_topic:
+            self._on_status(payload)
+            return
         try:
             whole = self._reassembler.feed(topic, payload)
             if whole is None:
@@ -301,9 +372,35 @@ class AgentRunner:
         if not self.link.publish(topic, payload, retain=retain, timeout=timeout):
             log.warning("publish to %s not acknowledged within %.0f s", topic, timeout)
 
+    def _on_status(self, payload: bytes) -> None:
+        """Our own status topic: our own announcements, and any other process's with our id."""
+        try:
+            msg = protocol.decode(payload, run=self.o.run_id, allowed=frozenset({"status"}))
+        except wire.WireError as exc:
+            self.rejections.reject(exc.reason, f"message on {self._status_topic}: {exc}")
+            return
+        other = msg.body["instance"]
+        if other == self.instance:
+            self._own_status_seen.set()
+        elif not msg.body["online"]:
+            return                                   # a predecessor's last will: it is gone
+        elif not self._own_status_seen.is_set():
+            self._rival = other                      # announced before us: we are the newcomer
+        elif other == self._rival:
+            self._rival_alive.set()                  # it answered our status: it runs
+        elif other not in self._answered:
+            # a newcomer with our id: show it that we run (once per newcomer, so two processes never
+            # answer each other forever); it will exit
+            self._answered.add(other)
+            log.warning("another process (instance %s) started with our agent id %s; telling it that this "
+                        "one runs", other, self.o.agent_id)
+            self._announce_online()
+
+    def _status(self, online: bool) -> Message:
+        return self._msg("status", {"online": online, "instance": self.instance})
+
     def _announce_online(self) -> None:
-        self.link.publish(protocol.status_topic(self.o.run_id, self.o.agent_id),
-                          self._msg("status", {"online": True}).encode(), retain=True, timeout=10)
+        self.link.publish(self._status_topic, self._status(True).encode(), retain=True, timeout=10)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.o.heartbeat_s):

@@ -13,6 +13,7 @@ Nothing here touches the network; loading a run file reads only YAML files.
 from __future__ import annotations
 
 import difflib
+import importlib.resources
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -36,6 +37,7 @@ __all__ = [
     "SERVER_MODES",
     "STRATEGIES",
     "default_profiles_dir",
+    "profiles_origin",
     "list_profiles",
     "load_profile",
     "load_run_config",
@@ -46,11 +48,11 @@ __all__ = [
 
 STRATEGIES = ("sfl", "fedavg", "s2fl")
 LOSSES = ("ce", "calibrated")
-"""Training strategies a run may name (the mechanisms of SPEC §4–7 extend this tuple)."""
+"""Training strategies a run may name (the mechanisms of docs/methods.md extend this tuple)."""
 SERVER_MODES = ("merged", "per_agent")
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1."""
 PARTITIONS = SCHEMES
-"""How the training set is split over agents (SPEC §9)."""
+"""How the training set is split over agents (docs/methods.md §4)."""
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -87,7 +89,7 @@ def profile_dict_at_round(profile: Mapping[str, Any], r: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """What the timing model (SPEC §3) needs to know about one kind of device."""
+    """What the timing model (docs/methods.md §3) needs to know about one kind of device."""
 
     name: str
     compute_flops: float  # sustained FLOP/s for training (fp32)
@@ -141,7 +143,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class S2flConfig:
-    """S2FL switches (SPEC §4). The paper's ablations: +R = both off (SplitFed v1 at the
+    """S2FL switches (docs/methods.md §5). The paper's ablations: +R = both off (SplitFed v1 at the
     largest candidate split), +B = balance only, +M = sliding only, +MB = both."""
 
     sliding: bool = True           # adaptive sliding split from the client time table
@@ -152,7 +154,7 @@ class S2flConfig:
 
 @dataclass(frozen=True)
 class MergeSflConfig:
-    """MergeSFL control (SPEC §6): batch-size regulation and KL worker selection under an
+    """MergeSFL control (docs/methods.md §7): batch-size regulation and KL worker selection under an
     ingress budget, on top of feature merging (``server_mode: merged``)."""
 
     regulate: bool = False                 # Eq. 9: fastest agent gets max_batch, the others equal time
@@ -169,7 +171,7 @@ class MergeSflConfig:
 
 @dataclass(frozen=True)
 class HeteroConfig:
-    """HeteroSFL (SPEC §5): agents grouped by link rate; each group gets a bottleneck width (and
+    """HeteroSFL (docs/methods.md §6): agents grouped by link rate; each group gets a bottleneck width (and
     optionally its own codec) so the groups' per-step transfer times come out close (the slow
     group compresses most)."""
 
@@ -210,7 +212,7 @@ class RunConfig:
     register_timeout_s: float = 300.0
     output_dir: str | None = None  # None -> runs/<run_id>
     eval_samples: int | None = None  # evaluate on the first N test samples; None = all
-    loss: str = "ce"               # ce | calibrated (FedLC logit calibration, SPEC §5)
+    loss: str = "ce"               # ce | calibrated (FedLC logit calibration, docs/methods.md §6)
     calibration_tau: float = 1.0   # calibration strength tau of the calibrated loss
     s2fl: S2flConfig = field(default_factory=S2flConfig)
     hetero: HeteroConfig = field(default_factory=HeteroConfig)
@@ -456,12 +458,37 @@ _PROFILE_SPEC: dict[str, _Conv] = {
 _PROFILE_REQUIRED = ("compute_flops", "link_bytes_per_s")
 
 
-def default_profiles_dir() -> Path:
-    """The repo's ``profiles/`` directory; ``SFL_PROFILES_DIR`` overrides it (installed copies)."""
+_CHECKOUT_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+_PROFILES_PACKAGE = "sfl_profiles"  # profiles/ as the wheel ships it (pyproject.toml)
+
+
+def _profiles_dir_and_origin() -> tuple[Path, str]:
     env = os.environ.get("SFL_PROFILES_DIR")
     if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent / "profiles"
+        return Path(env), "SFL_PROFILES_DIR"
+    if _CHECKOUT_PROFILES.is_dir() and (_CHECKOUT_PROFILES.parent / "pyproject.toml").is_file():
+        return _CHECKOUT_PROFILES, "source checkout"   # the folder users edit wins over any installed copy
+    try:
+        packaged = importlib.resources.files(_PROFILES_PACKAGE)
+    except ModuleNotFoundError:
+        return _CHECKOUT_PROFILES, "not found"
+    return Path(str(packaged)), f"installed package {_PROFILES_PACKAGE}"
+
+
+def default_profiles_dir() -> Path:
+    """Where device profiles (``devices/``) and run configs (``runs/``) are read from.
+
+    ``SFL_PROFILES_DIR`` if set (the install scripts' systemd units set it); else the
+    checkout's ``profiles/`` when running from a source tree (editable installs too); else the
+    copy shipped inside the installed package (``sfl_profiles``, via ``importlib.resources``).
+    """
+    return _profiles_dir_and_origin()[0]
+
+
+def profiles_origin() -> str:
+    """Why :func:`default_profiles_dir` is what it is, for messages: 'SFL_PROFILES_DIR', 'source
+    checkout', 'installed package sfl_profiles' or 'not found'."""
+    return _profiles_dir_and_origin()[1]
 
 
 def _search_dirs(search_dirs: Sequence[Path] | None) -> list[Path]:
@@ -569,7 +596,7 @@ _YAML_TO_ATTR = {"run": "run_id"}
 
 def _bool(v: Any, fail: _Fail) -> bool:
     if not isinstance(v, bool):
-        fail("expected true or false")
+        fail("true or false")
     return v
 
 
@@ -577,9 +604,9 @@ def _split_list(v: Any, fail: _Fail) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
-        fail("expected a non-empty list of split points (integers >= 1), or null")
+        fail("a non-empty list of split points (integers >= 1), or null")
     if sorted(set(v)) != v:
-        fail("expected strictly increasing split points")
+        fail("strictly increasing split points")
     return tuple(v)
 
 

@@ -1,5 +1,5 @@
-"""HeteroSFL (SPEC §5, seed 001): grouping by link rate, per-group bottleneck widths and the
-under-represented class set of BDKS. Pure functions, no I/O. (HetBL aggregation is the
+"""HeteroSFL (docs/methods.md §6; HeteroSFL paper, Chen et al.): grouping by link rate,
+per-group bottleneck widths and the under-represented class set of BDKS. Pure functions, no I/O. (HetBL aggregation is the
 prefix-aware average of :mod:`sfl_core.aggregation`; the losses are in :mod:`sfl_core.losses`.)
 
 Why these pieces: in SFL the round lasts as long as the slowest agent's transfer (paper
@@ -106,10 +106,9 @@ def under_represented_classes(group_label_counts: Sequence[int], global_label_co
 
         R = { c : n_group[c] < θ · n_global[c] }
 
-    — the group holds less than a fraction θ of the class's samples (SPEC §5: "below θ = 10%
-    of their global share in the high group"). Classes absent globally are never in R (there
-    is nothing to learn about them from the narrow model either); the complement J is every
-    other class.
+    — the group holds less than a fraction θ of the class's samples (docs/methods.md §6).
+    Classes absent globally are never in R (there is nothing to learn about them from the
+    narrow model either); the complement J is every other class.
 
     ``relative=True`` instead compares label *proportions*,
     ``n_group[c] / N_group < θ · n_global[c] / N_global``, which scales the bar by the group's

@@ -1,4 +1,4 @@
-"""Losses of HeteroSFL (SPEC §5, seed 001): logit calibration and BDKS's two distillation terms
+"""Losses of HeteroSFL (docs/methods.md §6; HeteroSFL paper, Chen et al.): logit calibration and BDKS's two distillation terms
 (the server trainer combines them, Eq. 8, in ``coordinator.server_trainer``).
 
 All take raw logits ``(B, C)`` and return scalar tensors averaged over the batch.

@@ -1,4 +1,5 @@
-"""MergeSFL control module (SPEC §6, seed 003 §IV-A, Alg. 1): pure functions, no I/O, no torch.
+"""MergeSFL control module (MergeSFL paper, Liao et al. 2023, §IV-A, Alg. 1; docs/methods.md §7):
+pure functions, no I/O, no torch.
 
 Why: MergeSFL merges the features of several agents into one server batch per step. Two
 things decide how good a round is: *how long* it takes (the slowest agent sets the pace)
@@ -26,7 +27,7 @@ Where the paper is ambiguous (each is repeated where it matters):
 
 * Eq. 9 prints ``d_i = d_l * floor((mu_l+beta_l)/(mu_i+beta_i))``; with ``l`` the fastest
   agent the ratio is <= 1, so that floor is 0 for everyone slower — a typesetting slip.
-  We floor the product (as SPEC §6 does) and keep every batch >= 1.
+  We floor the product (docs/methods.md §7) and keep every batch >= 1.
 * ``Phi_0`` is printed as ``1/N sum_i V_i`` "if the data of all workers follows IID"; we
   pool label *counts* by default (the true population mix; equal to the paper's formula
   when agents hold equally many samples), ``pooled=False`` gives the literal formula.
@@ -165,7 +166,7 @@ def smooth(prev: float | None, measured: float, alpha: float = 0.8) -> float:
 
 @dataclass(frozen=True)
 class AgentState:
-    """An agent's smoothed per-sample times (SPEC §3, Table I of the paper).
+    """An agent's smoothed per-sample times (docs/methods.md §7, Table I of the paper).
 
     ``mu``: compute seconds per sample (client-portion forward + backward);
     ``beta``: transfer seconds per sample (activations up + gradients down).
@@ -202,7 +203,7 @@ def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_ba
     ``min_batch`` floor applies (then the agent is the straggler; selection may leave it out).
 
     The paper prints the floor around the ratio alone, which is 0 for every slower agent;
-    we floor the product (SPEC §6). Raises ``ValueError`` for no agents, a non-positive
+    we floor the product (docs/methods.md §7). Raises ``ValueError`` for no agents, a non-positive
     ``mu + beta`` (a free agent would get an infinite batch) or bad batch bounds.
     """
     d_max = _positive_int("max_batch", max_batch)

@@ -74,7 +74,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "logit_grads": {"g": dict, "loss": _NUM, "compute_s": _NUM},
     "weights": {"weights": dict, "num_samples": int, "compute_s": _NUM, "loss": _NUM},
     "heartbeat": {"state": str},
-    "status": {"online": bool},
+    "status": {"online": bool, "instance": str},   # instance: which process of that agent id
     # coordinator -> agent
     "accepted": {"message": str},
     "reject": {"reason": str},

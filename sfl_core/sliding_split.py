@@ -1,4 +1,5 @@
-"""S2FL adaptive sliding split (SPEC §4, S2FL §3.2): candidate splits, client time table, median rule.
+"""S2FL adaptive sliding split (docs/methods.md §5; S2FL paper, Yan et al. 2023): candidate splits,
+client time table, median rule.
 
 Why: with one split for everybody, fast agents wait for slow ones. S2FL keeps K candidate
 split points and gives each agent the one whose recorded round time is closest to the
@@ -243,7 +244,7 @@ def estimate_round_time(cost: SplitCost, *, samples: int, compute_flops: float, 
                         downlink_bytes_per_s: float, server_flops_per_s: float, latency_s: float = 0.0,
                         messages: int = 0, bytes_per_activation: Optional[float] = None,
                         measured_compute_s_per_sample: Optional[float] = None) -> float:
-    """SPEC §3 Eq. 1 for an (agent, split) never measured, via :func:`sfl_core.timing.agent_round_time`.
+    """S2FL Eq. 1 (docs/methods.md §3) for an (agent, split) never measured, via :func:`sfl_core.timing.agent_round_time`.
 
     ``T = (2|Wc| + 2·p·q) / R + F_c / Comp_c + F_s / Comp_s`` with the transfer split by
     direction: weights down and up (``client_param_bytes`` each way), activations up and

@@ -1,4 +1,4 @@
-"""The timing model of SPEC §3, shared by the profiler, the planner and the virtual clock.
+"""The timing model of docs/methods.md §3, shared by the profiler, the planner and the virtual clock.
 
 Keeping it in one place is what makes simulated time-to-accuracy comparable with a real
 deployment: the virtual clock charges exactly what the planner predicts.

@@ -118,8 +118,8 @@ def test_sim100_composition():
     counts = {e.profile: e.count for e in cfg.fleet}
     assert set(counts) == {f"s2fl-{c}-{lk}" for c in S2FL_COMPUTE for lk in S2FL_LINK}
     assert max(counts.values()) - min(counts.values()) <= 1
-    # the data root is relative to the repo root, where the real data set lives
-    # (whether the data is there depends on the checkout's location: not asserted)
+    # the shipped data root is a placeholder the user sets (or overrides with --data)
+    assert cfg.data.root is None
 
 
 # ------------------------------------------------------------------ semantics
@@ -240,6 +240,21 @@ def test_wrong_type_or_range(key: str, value: object, expected: str):
     msg = str(e.value)
     assert msg.startswith(f"profiles/runs/bad.yaml: field '{key}': expected ")
     assert expected in msg and repr(value) in msg
+
+
+@pytest.mark.parametrize("section,key,value,expected", [
+    ("s2fl", "sliding", "yes", "expected true or false, got 'yes'"),
+    ("hetero", "bdks", 1, "expected true or false, got 1"),
+    ("mergesfl", "select", "on", "expected true or false, got 'on'"),
+    ("s2fl", "candidates", [3, 1], "expected strictly increasing split points, got [3, 1]"),
+    ("s2fl", "candidates", [], "expected a non-empty list of split points"),
+])
+def test_section_errors_say_expected_once(section: str, key: str, value: object, expected: str):
+    with pytest.raises(ConfigError) as e:
+        run_config_from_dict(minimal_run(**{section: {key: value}}), "bad.yaml")
+    msg = str(e.value)
+    assert f"bad.yaml: field '{section}.{key}': {expected}" in msg, msg
+    assert "expected expected" not in msg
 
 
 def test_fleet_count_error_names_index(tmp_path: Path):

@@ -45,6 +45,7 @@ import pytest
 import torch
 
 import conftest
+from coordinator import state as ckpt
 from sfl_core import wire
 from test_integration import PROFILES, REPO, finish, logs, metrics, start_coord, write_config
 
@@ -338,7 +339,7 @@ def test_coordinator_killed_mid_round_resumes_with_live_agents(mosquitto, procs,
             # what the crash left behind: round crash_round-1 complete, nothing of crash_round
             before = metrics(tmp_path)
             snap_state = json.loads((out / "state.json").read_text())
-            snap_model = torch.load(out / "checkpoint.pt", weights_only=True)
+            snap_model = ckpt.load(out)[0]
             shutil.copytree(out, tmp_path / "at-crash")
             assert [r["round"] for r in before] == list(range(crash_round)), before
             assert snap_state["round"] == crash_round - 1
@@ -399,7 +400,7 @@ def test_coordinator_killed_mid_round_resumes_with_live_agents(mosquitto, procs,
         data = load_dataset("digits")
         engine = RoundEngine(load_run_config(cfg), None, WallClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes,
-                             out_dir=tmp_path / "at-crash", resume=True)
+                             out_dir=tmp_path / "at-crash", checkpoint=ckpt.load(tmp_path / "at-crash"))
         table = ClientTimeTable.from_json(snap_state["time_table"])
         assert len(table) == 9 and all(not table.get(a, s).estimated for a in ("a0", "a1", "a2") for s in (1, 2, 3))
         assert engine.planner.time_table == table and engine.start_round == crash_round

@@ -102,7 +102,7 @@ def _agent_seed_messages() -> list[bytes]:
     y = wire.encode_tensor(torch.arange(4), "fp32", 1)
     return [Message("activations", RUN, "a0", {"x": t, "y": y, "compute_s": 0.1}, 1, 0, 10).encode(),
             Message("heartbeat", RUN, "a0", {"state": "idle"}, 1, 0, 11).encode(),
-            Message("status", RUN, "a0", {"online": True}, 0, 0, 12).encode(),
+            Message("status", RUN, "a0", {"online": True, "instance": "i0"}, 0, 0, 12).encode(),
             Message("weights", RUN, "a0", {"weights": {"w": t}, "num_samples": 3, "compute_s": 0.2, "loss": 1.0},
                     1, 0, 13).encode()]
 

@@ -207,7 +207,7 @@ def test_broker_restart_mid_run(mosquitto, tmp_path):
 
 
 def test_simulation_virtual_clock(tmp_path):
-    """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (SPEC §3)."""
+    """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (docs/methods.md §3)."""
     from coordinator.cli import simulate_run
     from sfl_core.config import load_run_config
 

@@ -22,7 +22,7 @@ VALID_BODIES = {
     "weights": {"weights": wire.encode_state({"w": torch.zeros(2)}), "num_samples": 10,
                 "compute_s": 1, "loss": 2.3},
     "heartbeat": {"state": "idle"},
-    "status": {"online": True},
+    "status": {"online": True, "instance": "0123abcd"},
     "accepted": {"message": "welcome"},
     "reject": {"reason": "full"},
     "probe_ack": {"nonce": 7, "pad": b"\1" * 32},
@@ -89,7 +89,7 @@ def test_bool_rejected_for_numbers_and_numbers_for_bool():
     with pytest.raises(WireError, match="assign.lr"):
         protocol.decode(Message("assign", RUN, "c", body).encode(), run=RUN)
     with pytest.raises(WireError, match="status.online"):
-        protocol.decode(Message("status", RUN, "a", {"online": 1}).encode(), run=RUN)
+        protocol.decode(Message("status", RUN, "a", {"online": 1, "instance": "i"}).encode(), run=RUN)
 
 
 def test_int_accepted_where_number_expected():

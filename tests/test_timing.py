@@ -1,4 +1,4 @@
-"""SPEC §3 timing model, computed by hand, and Assignment range checks."""
+"""The timing model (docs/methods.md §3), computed by hand, and Assignment range checks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sfl_core import timing
 from sfl_core.assignment import MAX_BATCH, MAX_TAU, Assignment
 from sfl_core.wire import WireError
 
-# S2FL Table 1 device classes (SPEC §3): FLOP/s, link bytes/s
+# S2FL Table 1 device classes: FLOP/s, link bytes/s
 MID = (1e10, 2e6)
 SERVER = (5e10, 1e7)
 

@@ -1,0 +1,176 @@
+"""The built wheel, installed into a fresh virtual environment, works away from the checkout.
+
+What a user of ``pip install sfl_edge-*.whl`` relies on: the device profiles and run configs
+ship inside the package (``sfl_profiles``), so ``sfl-coord profiles`` lists them, an agent
+finds ``jetson-nano`` by name and the packaged demo config runs, all from a directory that
+has nothing to do with this repository; ``SFL_PROFILES_DIR`` still points at your own folder.
+
+No network: the wheel is built with this interpreter's setuptools (``--no-build-isolation``)
+from a copy of the checkout, installed with ``--no-deps --no-index``, and the fresh venv sees
+the dependencies (torch, ...) through a ``.pth`` file naming this interpreter's site-packages.
+Lines of a ``.pth`` file only extend ``sys.path``; the ``.pth`` files in the directories they
+name (this checkout's editable-install hook) are not run, so the checkout stays invisible,
+which the tests check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(sys.platform == "win32", reason="the venv layout used here is POSIX (bin/)")]
+
+REPO = Path(__file__).resolve().parent.parent
+# never copied into the build tree: outputs, caches, and the checkout's own venv
+_SKIP_TOP = {".git", ".venv", "build", "dist", "runs", ".pytest_cache", ".hypothesis", ".whl"}
+
+
+def _ignore(directory: str, names: list[str]) -> set[str]:
+    skip = {n for n in names if n == "__pycache__" or n.endswith(".egg-info")}
+    if Path(directory) == REPO:
+        skip |= _SKIP_TOP & set(names)
+    return skip
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "SFL_PROFILES_DIR", "VIRTUAL_ENV")}
+    env.update(PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1", OMP_NUM_THREADS="1")
+    return env
+
+
+class Installed:
+    def __init__(self, root: Path, wheel: Path, venv: Path, work: Path):
+        self.root, self.wheel, self.venv, self.work = root, wheel, venv, work
+        self.python = venv / "bin" / "python"
+        self.site = Path(self.py("import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+
+    def run(self, *cmd: str | Path, env: dict[str, str] | None = None, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        p = subprocess.run([str(c) for c in cmd], cwd=self.work, env=env or _clean_env(), capture_output=True,
+                           text=True, timeout=timeout)
+        if check:
+            assert p.returncode == 0, f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        return p
+
+    def py(self, code: str, **kw) -> subprocess.CompletedProcess:
+        return self.run(self.python, "-c", code, **kw)
+
+    def bin(self, name: str) -> Path:
+        return self.venv / "bin" / name
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    if importlib.util.find_spec("pip") is None or importlib.util.find_spec("setuptools") is None:
+        pytest.skip("the offline build reuses this interpreter's pip and setuptools")
+    root = tmp_path_factory.mktemp("packaging")
+    # 1. the wheel, built from a copy (an in-tree build would share ./build with other runs)
+    src = root / "src"
+    shutil.copytree(REPO, src, ignore=_ignore)
+    dist = root / "dist"
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "-w", str(dist), str(src)], capture_output=True, text=True, timeout=180, env=_clean_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (wheel,) = dist.glob("sfl_edge-*.whl")
+
+    # 2. a fresh venv with only the wheel installed; dependencies through a .pth line
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                        "--no-deps", "--no-index", "--no-compile", str(wheel)],
+                       capture_output=True, text=True, timeout=180, env=_clean_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    work = root / "work"   # the working directory of every command: not the repository
+    work.mkdir()
+    inst = Installed(root, wheel, venv, work)
+    dep_dirs = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                              sysconfig.get_paths()["platlib"], *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])])
+    (inst.site / "_sfl_test_deps.pth").write_text("".join(f"{d}\n" for d in dep_dirs if Path(d).is_dir()))
+    return inst
+
+
+def test_profiles_dir_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """$SFL_PROFILES_DIR, else a source checkout's profiles/, else the installed sfl_profiles package."""
+    from sfl_core import config
+
+    monkeypatch.delenv("SFL_PROFILES_DIR", raising=False)
+    assert (config.default_profiles_dir(), config.profiles_origin()) == (REPO / "profiles", "source checkout")
+    # as installed from a wheel: no checkout around sfl_core, the package beside it
+    monkeypatch.setattr(config, "_CHECKOUT_PROFILES", tmp_path / "site-packages" / "profiles")
+    monkeypatch.delitem(sys.modules, "sfl_profiles", raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site-packages"), *sys.path])
+    packaged = tmp_path / "site-packages" / "sfl_profiles"
+    (packaged / "devices").mkdir(parents=True)
+    (packaged / "__init__.py").write_text("")
+    (packaged / "devices" / "board.yaml").write_text("name: board\ncompute_flops: 1e9\nlink_bytes_per_s: 1e6\n")
+    importlib.invalidate_caches()
+    assert (config.default_profiles_dir(), config.profiles_origin()) == (packaged, "installed package sfl_profiles")
+    assert config.list_profiles() == ["board"] and config.load_profile("board").compute_flops == 1e9
+    monkeypatch.setenv("SFL_PROFILES_DIR", str(tmp_path / "mine"))
+    assert (config.default_profiles_dir(), config.profiles_origin()) == (tmp_path / "mine", "SFL_PROFILES_DIR")
+
+
+def test_wheel_ships_every_profile_and_run_config(installed: Installed):
+    names = set(zipfile.ZipFile(installed.wheel).namelist())
+    shipped = {f"sfl_profiles/{p.relative_to(REPO / 'profiles').as_posix()}"
+               for p in (REPO / "profiles").rglob("*.y*ml")}
+    assert {"sfl_profiles/devices/jetson-nano.yaml", "sfl_profiles/runs/demo.yaml"} <= shipped
+    assert shipped <= names, sorted(shipped - names)
+
+
+def test_fresh_venv_uses_its_own_copy(installed: Installed):
+    p = installed.py("import sfl_core, coordinator, edge_agent, sfl_profiles, importlib.metadata as m\n"
+                     "for mod in (sfl_core, coordinator, edge_agent, sfl_profiles): print(mod.__file__)\n"
+                     "print(m.distribution('sfl-edge').locate_file(''))")
+    for line in p.stdout.split():
+        assert Path(line).resolve().is_relative_to(installed.site.resolve()), p.stdout   # never this checkout
+
+
+def test_version_flags(installed: Installed):
+    from sfl_core.version import package_version
+
+    assert package_version() != "unknown"
+    assert installed.run(installed.bin("sfl-coord"), "--version").stdout.strip() == f"sfl-coord {package_version()}"
+    assert installed.run(installed.bin("sfl-agent"), "--version").stdout.strip() == f"sfl-agent {package_version()}"
+
+
+def test_profiles_come_from_the_package(installed: Installed):
+    p = installed.run(installed.bin("sfl-coord"), "profiles", env={**_clean_env(), "COLUMNS": "200"})
+    out = p.stdout + p.stderr
+    assert "installed package sfl_profiles" in out and str(installed.site / "sfl_profiles") in out
+    assert "jetson-nano" in out and "rpi4" in out and "demo.yaml" in out
+    # what `sfl-agent start --profile jetson-nano` does with the name
+    p = installed.py("from sfl_core.config import load_profile; print(load_profile('jetson-nano').compute_flops)")
+    assert float(p.stdout) > 0
+
+
+def test_packaged_demo_config_simulates_one_round(installed: Installed):
+    demo = installed.site / "sfl_profiles" / "runs" / "demo.yaml"
+    installed.run(installed.bin("sfl-coord"), "simulate", "-c", demo, "--rounds", "1", "--quiet", timeout=180)
+    from coordinator.state import METRICS_FILE
+
+    metrics = installed.work / "runs" / "demo" / METRICS_FILE   # output_dir null: relative to the cwd
+    rounds = [json.loads(line)["round"] for line in metrics.read_text().splitlines()]
+    assert rounds[-1] == 1, rounds   # (round 0: the initial model's evaluation)
+
+
+def test_profiles_dir_override_still_wins(installed: Installed, tmp_path: Path):
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "devices" / "my-board.yaml").write_text("name: my-board\ncompute_flops: 1e9\nlink_bytes_per_s: 1e6\n")
+    p = installed.run(installed.bin("sfl-coord"), "profiles",
+                      env={**_clean_env(), "SFL_PROFILES_DIR": str(tmp_path), "COLUMNS": "200"})
+    out = p.stdout + p.stderr
+    assert "SFL_PROFILES_DIR" in out and "my-board" in out and "jetson-nano" not in out
