@@ -522,3 +522,54 @@ def test_slow_agent_is_a_straggler_not_a_failure(mosquitto, procs, tmp_path, und
                           f"compute_s {c_slow:.3f} vs {c_ref:.3f}; "
                           f"median-rule splits of {slow} {splits} (undisturbed {ref_splits}); training wall time "
                           f"{sum(r['wall_s'] for r in m):.1f} s vs {sum(r['wall_s'] for r in ref):.1f} s")
+
+
+# ============================================================ 5. disk full, then a signal: agents keep waiting
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_disk_full_then_signal_agents_wait_for_resume(mosquitto, procs, tmp_path):
+    """The disk fills while round 2 is checkpointed (the temporary file is a link to /dev/full:
+    ENOSPC from the kernel): `serve` exits 1 with one line naming the file system and the file,
+    round 1's checkpoint stays intact, no temporary file is left, and the agents are *not* told
+    that the run finished - they wait. `serve --resume` continues with them; a SIGTERM in round 3
+    (a service manager's stop) exits 130, again without stopping them; a second `--resume`
+    finishes the run and only then do the agents exit, with status 0."""
+    rounds = 4
+    cfg = write_config(tmp_path, "df", rounds=rounds, local_iters=4, batch_size=BATCH, lr=LR,
+                       step_timeout_s=STEP_TIMEOUT_S, register_timeout_s=90)
+    out = tmp_path / "out"
+    sniff = Sniffer(mosquitto.port, "df")
+    try:
+        coord = procs.coord(cfg, mosquitto.url)
+        agents = procs.agents(mosquitto.url, "df")
+        sniff.wait_for(lambda ev: ev["dir"] == "down" and ev["type"] == "assign" and ev["round"] == 2, 120)
+        (out / "checkpoint.pt.tmp").symlink_to("/dev/full")      # round 1 is checkpointed; the disk is now full
+        assert coord.wait(timeout=120) == 1, logs(tmp_path)
+        text = (tmp_path / "coord.log").read_text()
+        assert f"no space left on " in text and f"writing {out / 'checkpoint.pt'}" in text, text[-2000:]
+        assert "the previous checkpoint is intact" in text and "Traceback" not in text, text[-2000:]
+        assert ckpt.load(out)[1]["round"] == 1
+        assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+        time.sleep(2.0)
+        assert all(a.poll() is None for a in agents), logs(tmp_path)   # nobody told them to stop
+        assert not sniff.find(lambda ev: ev["dir"] == "down" and ev["type"] == "shutdown")
+
+        resumed = procs.coord(cfg, mosquitto.url, "--resume", name="coord-resume")
+        sniff.wait_for(lambda ev: ev["dir"] == "down" and ev["type"] == "assign" and ev["round"] == 3, 120)
+        resumed.send_signal(signal.SIGTERM)
+        assert resumed.wait(timeout=60) == 130, logs(tmp_path)
+        assert "stopped by a signal; agents keep waiting" in (tmp_path / "coord-resume.log").read_text()
+        time.sleep(2.0)
+        assert all(a.poll() is None for a in agents), logs(tmp_path)
+        assert not sniff.find(lambda ev: ev["dir"] == "down" and ev["type"] == "shutdown")
+
+        final = procs.coord(cfg, mosquitto.url, "--resume", name="coord-final")
+        codes = finish([final, *agents], RUN_TIMEOUT_S)
+    finally:
+        sniff.close()
+    assert codes == [0, 0, 0, 0], logs(tmp_path)
+    assert sorted(ev["agent"] for ev in sniff.find(lambda ev: ev["dir"] == "down" and ev["type"] == "shutdown")) \
+        == ["a0", "a1", "a2"]
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == list(range(rounds + 1))
+    assert all(r["completed"] == ["a0", "a1", "a2"] for r in m[1:]), m
