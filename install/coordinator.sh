@@ -21,7 +21,7 @@ CUDA=cu124
 WITH_MOSQUITTO=0
 BROKER_ARGS=()
 RUN_CONFIG="$SRC_DIR/profiles/runs/demo.yaml"
-SERVE_ARGS="--listen 0.0.0.0:1883 --quiet"
+SERVE_ARGS="--listen 127.0.0.1:1883 --quiet"
 
 usage() {
     cat <<USAGE
@@ -37,7 +37,7 @@ Coordinator options:
   --run-config FILE     run config copied to PREFIX/etc/run.yaml
                         (default: profiles/runs/demo.yaml)
   --serve-args "ARGS"   initial SFL_COORD_ARGS in coord.env, extra arguments of
-                        'sfl-coord serve' (default: "$SERVE_ARGS", i.e. the embedded broker;
+                        'sfl-coord serve' (default: "$SERVE_ARGS", i.e. the embedded broker, loopback only;
                         e.g. "--broker mqtt://sfl:PASS@localhost:1883 --device cuda --quiet")
   --with-mosquitto      apt-get install mosquitto and configure it with
                         'sfl-coord broker-config' into /etc/mosquitto/sfl (needs root):
@@ -118,7 +118,10 @@ write_config_once "$ENV_FILE" 0640 <<ENV
 # SFL_COORD_ARGS is split at blanks (no quoting), e.g.
 #   --broker mqtt://sfl:PASS@localhost:1883    an external broker (default: an embedded one on --listen)
 #   --broker mqtts://coordinator@broker:8883 --ca-file $ETC/ca.crt --password-file $ETC/coordinator.password
-#   --listen 0.0.0.0:1883    --device cuda    --resume (continue the run after a crash)
+#   --device cuda    --resume (continue the run after a crash)
+# The embedded broker (no --broker) has no TLS and no passwords: it listens on loopback only.
+# Agents on other hosts need --with-mosquitto (TLS, one user per device); on a network you
+# trust completely, '--listen 0.0.0.0:1883 --insecure-listen' opens the embedded one to it.
 # Relative paths are relative to the service's working directory, $STATE,
 # where the run's outputs (runs/<run>/) go too.
 SFL_COORD_ARGS=$SERVE_ARGS

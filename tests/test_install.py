@@ -129,7 +129,7 @@ def test_coordinator_install_is_complete_and_idempotent(tmp_path: Path):
     env_file = prefix / "etc" / "coord.env"
     unit = prefix / "lib" / "systemd" / "system" / "sfl-coord.service"
     assert run_yaml.read_text() == (REPO / "profiles" / "runs" / "demo.yaml").read_text()
-    assert "SFL_COORD_ARGS=--listen 0.0.0.0:1883 --quiet\n" in env_file.read_text()
+    assert "SFL_COORD_ARGS=--listen 127.0.0.1:1883 --quiet\n" in env_file.read_text()
 
     p = subprocess.run([str(coord), "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "serve" in p.stdout
