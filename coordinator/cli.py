@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -408,7 +407,11 @@ def profiles() -> None:
 @app.command()
 def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo.")) -> None:
     """Print a run's checkpoint state and its per-round metrics."""
-    metrics = ckpt.read_metrics(run_dir)
+    try:
+        metrics = ckpt.read_metrics(run_dir)
+    except ckpt.CheckpointError as exc:
+        _say(str(exc))
+        raise typer.Exit(2)
     if not metrics:
         console.print(f"[red]no metrics in {run_dir}")
         raise typer.Exit(1)
@@ -419,10 +422,16 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
         table.add_row(str(m["round"]), f"{m['accuracy']:.4f}", f"{m['test_loss']:.4f}", f"{m['round_time_s']:.2f}",
                       f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}", str(m["bytes_up"]), str(m["bytes_down"]))
     console.print(table)
-    state_file = run_dir / ckpt.STATE_FILE
-    if state_file.exists():
+    if (run_dir / ckpt.MODEL_FILE).exists():
+        try:
+            st = ckpt.load_state(run_dir)
+        except ckpt.CheckpointError as exc:
+            _say(f"checkpoint unreadable: {exc}", style="yellow")
+            st = None
+    else:
+        st = None
+    if st is not None:
         from sfl_core.sliding_split import ClientTimeTable
-        st = json.loads(state_file.read_text())
         console.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
         if st.get("time_table") and st.get("candidates"):
             console.print("client time table: seconds per round at each candidate split (* = estimated)")

@@ -1,9 +1,9 @@
 """Rebuild a run's global model from its checkpoint, and export it (``sfl-coord export``).
 
-A checkpoint holds tensors only (``checkpoint.pt``, loaded with ``weights_only=True``), so
-the architecture has to come from somewhere else: the ``model_info`` entry the engine
-writes into ``state.json`` (:func:`describe_model`), or, for runs that predate it, the run's
-config plus its data set (``--config``).
+A checkpoint holds tensors and JSON only (``checkpoint.pt``, loaded with
+``weights_only=True``), so the architecture has to come from its run state: the
+``model_info`` entry the engine writes there (:func:`describe_model`), or, for runs that
+predate it, the run's config plus its data set (``--config``).
 """
 
 from __future__ import annotations
@@ -69,21 +69,18 @@ def _info_from_config(config: Path) -> dict[str, Any]:
 
 
 def load_global_model(run_dir: Path, config: Optional[Path] = None) -> tuple[SplitModel, dict[str, Any]]:
-    """The run's global model with its checkpointed weights, in eval mode, and its state.json."""
+    """The run's global model with its checkpointed weights, in eval mode, and its run state."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"no run directory {run_dir}")
-    if not (run_dir / ckpt.MODEL_FILE).exists() or not (run_dir / ckpt.STATE_FILE).exists():
-        raise ExportError(f"no checkpoint in {run_dir} (expected {ckpt.MODEL_FILE} and {ckpt.STATE_FILE}; "
-                          "a run writes them at the end of every round)")
     try:
         weights, st = ckpt.load(run_dir)
-    except Exception as exc:  # weights_only refuses anything but tensors; a torn file fails to unzip
-        raise ExportError(f"{run_dir / ckpt.MODEL_FILE}: not a readable tensor checkpoint ({exc})") from None
+    except ckpt.CheckpointError as exc:   # missing, torn, corrupted, foreign: one line naming the file
+        raise ExportError(str(exc)) from None
     info = st.get("model_info")
     if info is None:
         if config is None:
-            raise ExportError(f"{run_dir / ckpt.STATE_FILE} has no model_info (the run predates it): "
+            raise ExportError(f"{run_dir / ckpt.MODEL_FILE} has no model_info (the run predates it): "
                               "pass the run's config with --config run.yaml")
         info = _info_from_config(config)
     if st.get("model") not in (None, info["name"]):
