@@ -425,7 +425,8 @@ def test_coordinator_killed_mid_round_resumes_with_live_agents(mosquitto, procs,
 # ============================================================ 3. broker restarted mid-round
 
 def test_broker_restarted_mid_round(mosquitto, procs, tmp_path, undisturbed):
-    """Mosquitto killed in round 3, step 4 - while the coordinator waits for the agents - and
+    """Mosquitto killed in round 3 after step 4's gradients - while the coordinator waits for the
+    agents' next activations - and
     started again on the same port after an outage longer than the step timeout: publishes do
     not wait for the broker, the outage does not count as the agents' silence, so nobody is
     dropped; the coordinator and the agents reconnect, resend what was lost, and every round
@@ -433,14 +434,18 @@ def test_broker_restarted_mid_round(mosquitto, procs, tmp_path, undisturbed):
     round 1 is recorded, i.e. at the start of round 2; this one picks a step inside a round and
     compares the accuracy with the undisturbed run.)"""
     crash_round, crash_step, outage_s = 3, 4, STEP_TIMEOUT_S + 4.0
-    with fault_record("broker restarted mid-round", f"SIGKILL mosquitto after the activations of round "
+    with fault_record("broker restarted mid-round", f"SIGKILL mosquitto after the gradients of round "
                       f"{crash_round} step {crash_step}; restarted on the same port {outage_s:.0f} s later",
                       undisturbed["final_acc"]) as rec:
         sniff = Sniffer(mosquitto.port, "br")
         try:
             coord = procs.coord(config(tmp_path, "br"), mosquitto.url)
             agents = procs.agents(mosquitto.url, "br")
-            sniff.wait_for(up("activations", None, crash_round, crash_step), 150)
+            # the coordinator has sent every agent its gradients of this step: it now waits for the
+            # next activations, so the outage falls into a wait, where silence is measured
+            for a in ("a0", "a1", "a2"):
+                sniff.wait_for(lambda ev, a=a: ev["dir"] == "down" and ev["type"] == "gradients" and ev["agent"] == a
+                               and ev["round"] == crash_round and ev["step"] == crash_step, 150)
             mosquitto.stop()
             t_down = time.monotonic()
             assert metrics(tmp_path)[-1]["round"] == crash_round - 1, "the broker must go down inside the round"
