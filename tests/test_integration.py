@@ -186,26 +186,6 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
     assert rejected.get("unknown_sender", 0) >= 1, rejected
 
 
-def test_broker_restart_mid_run(mosquitto, tmp_path):
-    """Mosquitto goes away for a few seconds mid-run: everybody reconnects and the run completes."""
-    config = write_config(tmp_path, "rs", rounds=3, local_iters=10, step_timeout_s=40)
-    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
-    agents = start_agents(mosquitto.url, "rs", tmp_path)
-    out = tmp_path / "out" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (out.exists() and len(out.read_text().splitlines()) >= 2):
-        time.sleep(0.2)
-    assert out.exists(), logs(tmp_path)
-    mosquitto.stop()
-    time.sleep(3)
-    mosquitto.start()
-    codes = finish([coord, *agents], timeout=150)
-    assert codes == [0, 0, 0, 0], logs(tmp_path)
-    m = metrics(tmp_path)
-    assert [r["round"] for r in m] == [0, 1, 2, 3]
-    assert all(len(r["completed"]) == 3 for r in m[1:]), m
-
-
 def test_simulation_virtual_clock(tmp_path):
     """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (docs/methods.md §3)."""
     from coordinator.cli import simulate_run
@@ -229,7 +209,7 @@ def test_simulation_virtual_clock(tmp_path):
 def test_s2fl_sliding_split_over_mosquitto(mosquitto, tmp_path):
     """S2FL over a real broker: three warm-up rounds fill the client time table with measured times,
     then agents with different emulated profiles receive different split points."""
-    config = write_config(tmp_path, "s2", rounds=4, strategy="s2fl", batch_size=32, local_iters=10,
+    config = write_config(tmp_path, "s2", rounds=4, strategy="s2fl", batch_size=32, local_iters=6,
                           s2fl={"sliding": True, "balance": True, "group_size": 2, "candidates": [1, 2, 3]})
     coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
     agents = start_agents(mosquitto.url, "s2", tmp_path)
