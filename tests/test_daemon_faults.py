@@ -24,7 +24,7 @@ from sfl_core import protocol
 from sfl_core.protocol import Message
 from test_integration import PROFILES, REPO, logs, write_config
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
 def agent(tmp_path: Path, broker: str, run: str, agent_id: str, name: str, index: int = 0) -> subprocess.Popen:

@@ -49,7 +49,7 @@ from coordinator import state as ckpt
 from sfl_core import wire
 from test_integration import PROFILES, REPO, finish, logs, metrics, start_coord, write_config
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ROUNDS, LOCAL_ITERS, BATCH, LR, STEP_TIMEOUT_S = 8, 10, 16, 0.1, 12
 """Shared by every run of this module (the undisturbed reference included). Many short rounds

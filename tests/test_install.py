@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(300),
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("bash") is None,
                                  reason="the install scripts are for Linux (bash)"),
               # --offline builds the package with this interpreter's pip and setuptools

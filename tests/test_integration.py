@@ -23,7 +23,7 @@ from sfl_core.protocol import Message
 
 from conftest import free_port, wait_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = ["s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(300),
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,
               pytest.mark.skipif(sys.platform == "win32", reason="the venv layout used here is POSIX (bin/)")]
 
 REPO = Path(__file__).resolve().parent.parent
