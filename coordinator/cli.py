@@ -21,6 +21,7 @@ from sfl_core.broker_url import BrokerAddress
 from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
 from sfl_core.data import DatasetError, load_dataset
 from sfl_core.models import MODEL_NAMES, build_model
+from sfl_core.version import version_option
 
 from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
@@ -37,16 +38,8 @@ log = logging.getLogger("sfl.coord")
 DEMO_CONFIG = "runs/demo.yaml"
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        from sfl_core.version import package_version
-        print(f"sfl-coord {package_version()}")
-        raise typer.Exit()
-
-
 @app.callback()
-def _main(version: Optional[bool] = typer.Option(None, "--version", is_eager=True, callback=_print_version,
-                                                 help="Print the version and exit.")) -> None:
+def _main(version: Optional[bool] = version_option("sfl-coord")) -> None:
     pass
 
 

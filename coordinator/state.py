@@ -76,7 +76,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        raise write_error(path, exc) from None
+        raise _write_error(path, exc) from None
     _fsync_dir(path.parent)
 
 
@@ -94,7 +94,7 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def write_error(path: Path, exc: OSError) -> CheckpointWriteError:
+def _write_error(path: Path, exc: OSError) -> CheckpointWriteError:
     """One line for an operator: which file system is full (or read-only), which file it was."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         what = f"no space left on {_mount_point(path)}"
@@ -176,7 +176,7 @@ def append_metrics(out_dir: Path, record: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        raise write_error(path, exc) from None
+        raise _write_error(path, exc) from None
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
+from sfl_core.version import version_option   # standard library and typer only, no torch
 
 # torch-using modules (sfl_core.models, .data, .config via .wire, edge_agent.profiler) are imported
 # inside the commands that need them: `sfl-agent predict` must run on a board without torch
@@ -20,16 +21,8 @@ app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=T
 console = Console(stderr=True)
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        from sfl_core.version import package_version  # standard library only, no torch
-        print(f"sfl-agent {package_version()}")
-        raise typer.Exit()
-
-
 @app.callback()
-def _main(version: Optional[bool] = typer.Option(None, "--version", is_eager=True, callback=_print_version,
-                                                 help="Print the version and exit.")) -> None:
+def _main(version: Optional[bool] = version_option("sfl-agent")) -> None:
     pass
 
 

@@ -24,3 +24,15 @@ def package_version() -> str:
     except OSError:
         m = None
     return m.group(1) if m else "unknown"
+
+
+def version_option(prog: str):
+    """The ``--version`` option of a typer app's callback, printing ``<prog> <version>``.
+    One definition for ``sfl-coord`` and ``sfl-agent``."""
+    import typer
+
+    def show(value: bool) -> None:
+        if value:
+            print(f"{prog} {package_version()}")
+            raise typer.Exit()
+    return typer.Option(None, "--version", is_eager=True, callback=show, help="Print the version and exit.")

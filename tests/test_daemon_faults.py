@@ -22,6 +22,7 @@ import pytest
 from conftest import free_port
 from sfl_core import protocol
 from sfl_core.protocol import Message
+from test_faults import wait_log
 from test_integration import PROFILES, REPO, logs, write_config
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -32,15 +33,6 @@ def agent(tmp_path: Path, broker: str, run: str, agent_id: str, name: str, index
     return subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "start", "--profile", PROFILES[0],
                              "--broker", broker, "--run", run, "--index", str(index), "--agent-id", agent_id,
                              "--verbose"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def wait_log(path: Path, text: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def stop(*procs: subprocess.Popen) -> None:

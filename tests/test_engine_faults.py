@@ -40,6 +40,17 @@ def _cfg(tmp_path: Path, **over):
         "output_dir": str(tmp_path / "out"), **over})
 
 
+def _run_yaml(tmp_path: Path, rounds: int) -> tuple[Path, Path]:
+    """A small run config for the CLI: two agents, two steps a round; (config path, output dir)."""
+    import yaml
+    out, path = tmp_path / "out", tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "run": "ef", "model": "small_cnn", "data": {"dataset": "digits"},
+        "fleet": [{"profile": "s2fl-low-low", "count": 2}], "rounds": rounds, "strategy": "sfl", "split": 2,
+        "batch_size": 8, "local_iters": 2, "output_dir": str(out)}))
+    return path, out
+
+
 def _engine(cfg, transport, checkpoint=None) -> RoundEngine:
     data = load_dataset("digits")
     return RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test), input_shape=data.input_shape,
@@ -234,13 +245,7 @@ def test_every_bad_checkpoint_is_one_line_exit_2_and_metrics_untouched(tmp_path)
 
     from coordinator.cli import app
 
-    cfg_path = tmp_path / "run.yaml"
-    out = tmp_path / "out"
-    import yaml
-    cfg_path.write_text(yaml.safe_dump({
-        "run": "ef", "model": "small_cnn", "data": {"dataset": "digits"},
-        "fleet": [{"profile": "s2fl-low-low", "count": 2}], "rounds": 2, "strategy": "sfl", "split": 2,
-        "batch_size": 8, "local_iters": 2, "output_dir": str(out)}))
+    cfg_path, out = _run_yaml(tmp_path, rounds=2)
     runner = CliRunner()
     r = runner.invoke(app, ["simulate", "-c", str(cfg_path), "--rounds", "1", "--quiet"])
     assert r.exit_code == 0, r.output
@@ -306,13 +311,7 @@ def test_disk_full_mid_run_exit_1_agents_not_stopped(tmp_path):
     from coordinator.cli import app
     from coordinator import engine as engine_mod
 
-    import yaml
-    out = tmp_path / "out"
-    cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "run": "ef", "model": "small_cnn", "data": {"dataset": "digits"},
-        "fleet": [{"profile": "s2fl-low-low", "count": 2}], "rounds": 3, "strategy": "sfl", "split": 2,
-        "batch_size": 8, "local_iters": 2, "output_dir": str(out)}))
+    cfg_path, out = _run_yaml(tmp_path, rounds=3)
     real_save = ckpt.save
     sent_stop = []
 
