@@ -78,7 +78,7 @@ def _out_dir(cfg: RunConfig) -> Path:
 
 def _dataset(cfg: RunConfig):
     try:
-        return load_dataset(cfg.data.dataset, cfg.data.root)
+        return load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
     except DatasetError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2)

@@ -8,6 +8,7 @@ merged server step, aggregation, evaluation, metrics, checkpoints — lives here
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -185,11 +186,14 @@ class RoundEngine:
         plan = self.planner.plan(r, selected, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
+        decay = self.cfg.lr_decay ** max(0, r - 1)
         agents = {a: _RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
-                                                     batches.get(a)), last_heard=now, last_sent_at=now)
+                                                     batches.get(a), decay), last_heard=now, last_sent_at=now)
                   for a in selected}
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths,
-                                label_counts={a: self.registry.agents[a].label_counts for a in selected})
+                                label_counts={a: self.registry.agents[a].label_counts for a in selected},
+                                lr=self.cfg.lr * decay, sequential=plan.sequential,
+                                population_counts={a: i.label_counts for a, i in self.registry.agents.items()})
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         for a, ra in agents.items():
             key = (ra.assignment.split, ra.assignment.width)
@@ -232,6 +236,8 @@ class RoundEngine:
         online = self._online()
         if not online:
             raise RuntimeError("no agent is online")
+        if self.planner.selects_everyone(r):
+            return online
         k = min(self.cfg.per_round or len(online), len(online))
         return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(online, k))
 
@@ -256,14 +262,15 @@ class RoundEngine:
         return {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
 
     def _assignment(self, split: int, width: int = 0, codec: str | None = None,
-                    batch: int | None = None) -> Assignment:
+                    batch: int | None = None, lr_scale: float = 1.0) -> Assignment:
         cost = self.costs[split]
         shape = cost.activation_shape if self.cfg.strategy != "fedavg" else (self.num_classes,)
         if width:
             shape = bottleneck_shape(shape, width)
         strategy = "fedavg" if self.cfg.strategy == "fedavg" else "sfl"  # what the agent does
         return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=width,
-                          batch_size=batch or self.cfg.batch_size, lr=self.merge.lr(batch) if batch else self.cfg.lr,
+                          batch_size=batch or self.cfg.batch_size,
+                          lr=(self.merge.lr(batch) if batch else self.cfg.lr) * lr_scale,
                           momentum=self.cfg.momentum,
                           tau=self.cfg.local_iters, codec=codec or self.cfg.codec, zstd_level=self.cfg.zstd_level,
                           activation_shape=tuple(shape))
@@ -503,7 +510,9 @@ class RoundEngine:
             if msg.body["loss"] == msg.body["loss"]:  # not NaN
                 fed_losses.append(float(msg.body["loss"]))
         if clients:
-            avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict())
+            copy_of = {a: i for i, g in enumerate(plan.groups) for a in g} if plan.server_once else None
+            avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
+                                    server_groups=copy_of)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         accuracy, test_loss = self.evaluate()
         per_agent, times = {}, {}
@@ -518,7 +527,12 @@ class RoundEngine:
                 profile=profile_dict_at_round(info.profile, r), server_flops_per_s=self.cfg.server_flops,
                 messages=ra.messages)
             t = times[a] = parts.total_s
-            self.merge.observe(a, compute_s=parts.client_compute_s, transfer_s=parts.transfer_s, samples=samples)
+            act = math.prod(ra.assignment.activation_shape) * 4 if ra.assignment.strategy != "fedavg" else 0
+            self.planner.record_bytes(ra.assignment.split, ra.assignment.codec, ra.bytes_up + ra.bytes_down,
+                                      2 * cost.client_param_bytes + 2 * samples * act)
+            self.merge.observe(a, compute_s=parts.client_compute_s, transfer_s=parts.transfer_s, samples=samples,
+                               fixed_transfer_s=self.merge.fixed_transfer_s(profile_dict_at_round(info.profile, r),
+                                                                            uploads[a].wire_bytes, ra.messages))
             info.rounds += 1
             info.bytes_up += ra.bytes_up
             info.bytes_down += ra.bytes_down
@@ -550,6 +564,7 @@ class RoundEngine:
             "round": r, "elapsed_s": self.clock.elapsed, "model": self.cfg.model, "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
             "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates),
+            "wire_ratio": dict(self.planner.wire_ratio),
             "merge_states": self.merge.to_json(),
             "model_info": describe_model(self.model, self.cfg.data.dataset)})  # lets `sfl-coord export` rebuild it
         self.on_event("round_end", record)
@@ -606,6 +621,7 @@ class RoundEngine:
         history = ckpt.read_metrics(self.out_dir)   # a corrupted metrics file stops us here, untouched
         if table is not None:
             self.planner.time_table = table
+        self.planner.wire_ratio = {str(k): float(v) for k, v in st.get("wire_ratio", {}).items()}
         self.clock.restore(elapsed)
         self.start_round = st["round"] + 1
         ckpt.truncate_metrics(self.out_dir, st["round"])

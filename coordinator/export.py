@@ -62,7 +62,7 @@ def _info_from_config(config: Path) -> dict[str, Any]:
 
     try:
         cfg = load_run_config(config)
-        data = load_dataset(cfg.data.dataset, cfg.data.root)
+        data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
     except (ConfigError, DatasetError) as exc:
         raise ExportError(str(exc)) from None
     return describe_model(run_model(cfg, data.input_shape, data.num_classes), cfg.data.dataset)

@@ -2,8 +2,10 @@
 
 The algorithms are pure functions in :mod:`sfl_core.mergesfl`; this class holds what they
 need between rounds — each agent's smoothed compute and transfer seconds per sample (μ, β)
-— and turns a round's candidates into the selected agents and their batch sizes. Wall and
-virtual clocks feed it the same way (:meth:`observe`), so deployment and simulation share it.
+and fixed transfer seconds per round, and the ingress the past rounds observed (for the
+budget ``B`` of Eq. 10) — and turns a round's candidates into the selected agents and their
+batch sizes. Wall and virtual clocks feed it the same way (:meth:`observe`), so deployment
+and simulation share it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from coordinator.registry import AgentInfo, uplink_rate
 
 log = logging.getLogger("sfl.coord.merge")
 
+BUDGET_WINDOW = 10
+"""Past rounds the ingress budget is estimated from (:func:`sfl_core.mergesfl.estimate_budget`)."""
+
 
 class MergeControl:
     def __init__(self, cfg: RunConfig, cost: SplitCost):
@@ -28,6 +33,10 @@ class MergeControl:
         self.m = cfg.mergesfl
         self.cost = cost
         self.states: dict[str, AgentState] = {}
+        self.ingress: list[list[int]] = []
+        """``[planned, received]`` activation bytes per local iteration of the last rounds, oldest first."""
+        self._planned: dict[str, int] = {}
+        """This round's planned batches of the agents not yet observed: what counts as received."""
         self.last: dict[str, Any] = {}
         """What the last :meth:`choose` decided (KL, budget, load), for the round's metrics."""
 
@@ -39,11 +48,30 @@ class MergeControl:
     def max_batch(self) -> int:
         return self.m.max_batch or self.cfg.batch_size
 
-    def budget(self, pool: int) -> float:
-        """Ingress bytes per step: configured, or what ``per_round`` agents at ``batch_size`` would send."""
+    def nominal_budget(self, pool: int) -> float:
+        """Ingress bytes per step before any measurement: configured, or what ``per_round`` agents
+        (else the whole ``pool``) at ``batch_size`` would send."""
         if self.m.budget_bytes is not None:
             return self.m.budget_bytes
         return (self.cfg.per_round or pool) * self.cfg.batch_size * self.cost.activation_bytes
+
+    def budget(self, pool: int) -> float:
+        """Eq. 10's ``B`` for the coming round, in activation bytes per local iteration.
+
+        A configured ``mergesfl.budget_bytes`` is a fixed override. Otherwise the paper's
+        estimate from past rounds: the median over the last :data:`BUDGET_WINDOW` rounds of
+        the ingress each observed (:func:`sfl_core.mergesfl.observed_ingress`: the nominal
+        budget times the share of the planned activation bytes that arrived); the first round
+        has no past and takes the nominal budget. Never below one agent at the maximum batch,
+        so rounds that all failed still leave a round to recover in.
+        """
+        nominal = self.nominal_budget(pool)
+        past = [(p, r) for p, r in self.ingress if p > 0]
+        if self.m.budget_bytes is not None or not past:
+            return nominal
+        seen = [mergesfl.observed_ingress(nominal, p, r) for p, r in past]
+        floor = min(nominal, self.max_batch * self.cost.activation_bytes)
+        return max(mergesfl.estimate_budget(seen, window=BUDGET_WINDOW), floor)
 
     def state(self, agent_id: str, info: AgentInfo) -> AgentState:
         """The smoothed (μ, β), or a first estimate from the profile and registration measurements."""
@@ -55,7 +83,11 @@ class MergeControl:
             self.cost.client_flops / float(info.profile["compute_flops"])
         down = float(info.profile.get("downlink_bytes_per_s") or info.profile["link_bytes_per_s"])
         beta = self.cost.activation_bytes / uplink_rate(info) + self.cost.activation_bytes / down
-        return AgentState(mu=mu, beta=beta)
+        # assignment, tau activations, tau gradients, weights: 2 tau + 2 messages
+        fixed = mergesfl.fixed_transfer_time(self.cost.client_param_bytes, uplink_rate(info), down,
+                                             messages=2 * self.cfg.local_iters + 2,
+                                             latency_s=float(info.profile.get("latency_s") or 0.0))
+        return AgentState(mu=mu, beta=beta, fixed=fixed)
 
     def choose(self, r: int, candidates: Sequence[str], agents: Mapping[str, AgentInfo],
                default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
@@ -69,36 +101,85 @@ class MergeControl:
                 states, {a: agents[a].label_counts for a in candidates}, {a: agents[a].rounds for a in candidates},
                 max_batch=self.max_batch, bytes_per_sample=self.cost.activation_bytes, budget=budget,
                 epsilon=self.m.epsilon, batch_cap=self.max_batch, seed=self.cfg.seed * 100_003 + r,
-                population=self.m.ga_population, generations=self.m.ga_generations,
+                tau=self.cfg.local_iters, population=self.m.ga_population, generations=self.m.ga_generations,
                 crossover=self.m.ga_crossover, mutation=self.m.ga_mutation)
             self.last = {"kl": round(plan.kl, 6), "kl_reached": plan.reached, "budget_bytes": budget,
                          "load_bytes": plan.load_bytes}
+            self._plan_ingress(plan.batches)
             return sorted(plan.agents), dict(plan.batches)
         selected = list(default)
         if not self.m.regulate:
             return selected, {}
-        batches = mergesfl.regulate_batches({a: self.state(a, agents[a]) for a in selected}, self.max_batch)
+        batches = mergesfl.regulate_batches({a: self.state(a, agents[a]) for a in selected}, self.max_batch,
+                                            tau=self.cfg.local_iters)
         target = mergesfl.population_distribution({a: agents[a].label_counts for a in candidates})
         k = mergesfl.kl(mergesfl.mixed_distribution(selected, batches, {a: agents[a].label_counts
                                                                          for a in selected}), target)
         self.last = {"kl": round(k, 6)}
+        self._plan_ingress(batches)
         return selected, batches
+
+    def _plan_ingress(self, batches: Mapping[str, int]) -> None:
+        """Open this round's ingress record: the planned bytes per step now, the received ones as
+        the agents' rounds are observed (:meth:`observe`)."""
+        self._planned = dict(batches)
+        self.ingress = (self.ingress + [[sum(batches.values()) * self.cost.activation_bytes, 0]])[-BUDGET_WINDOW:]
 
     def lr(self, batch: int) -> float:
         """Eq. 15: learning rate scaled linearly with the agent's batch."""
         return mergesfl.scale_lr(self.cfg.lr, batch, self.cfg.batch_size)
 
-    def observe(self, agent_id: str, *, compute_s: float, transfer_s: float, samples: int) -> None:
-        """Eq. 5-6: fold one round's measured per-sample compute and transfer into the estimate."""
+    def fixed_transfer_s(self, profile: Mapping[str, Any], weights_bytes: float, messages: int) -> float:
+        """The link seconds of one agent's round that do not grow with its batch, for :meth:`observe`:
+        the client portion's weights down and up, plus one latency per message, at the rates of
+        ``profile`` (the agent's profile at that round, ``profile_dict_at_round``) — the rates the
+        virtual clock charged, so in simulation the split of the measured transfer is exact.
+
+        ``weights_bytes`` is the encoded size of the agent's weights upload. It stands for the
+        download too: the assignment carries the same encoded client state (plus a few hundred
+        bytes of settings), and the engine keeps no separate count of it. Encoded sizes, not
+        the fp32 ``SplitCost.client_param_bytes``, because compression makes the wire smaller
+        and overstating the fixed part would understate ``beta``.
+        """
+        up = float(profile["link_bytes_per_s"])
+        down = float(profile.get("downlink_bytes_per_s") or up)
+        return mergesfl.fixed_transfer_time(weights_bytes, up, down, messages=messages,
+                                            latency_s=float(profile.get("latency_s") or 0.0))
+
+    def observe(self, agent_id: str, *, compute_s: float, transfer_s: float, samples: int,
+                fixed_transfer_s: float = 0.0) -> None:
+        """Eq. 5-6: fold one round's measurements into the agent's estimates.
+
+        ``transfer_s`` is all of the agent's link time in the round, ``fixed_transfer_s`` the
+        part that does not scale with the batch (:meth:`fixed_transfer_s`): ``beta`` gets only
+        the rest, per sample (``samples = tau * batch``), and the fixed part is smoothed on its
+        own — folded into ``beta`` it would make small batches look slow and shrink them further
+        (:func:`sfl_core.mergesfl.split_transfer`). The agent's planned activations also count
+        as received for the ingress budget."""
         if samples <= 0:
             return
-        new = (compute_s / samples, transfer_s / samples)
+        beta, fixed = mergesfl.split_transfer(transfer_s, fixed_transfer_s, samples)
+        mu = compute_s / samples
         old = self.states.get(agent_id)
-        self.states[agent_id] = AgentState(*new) if old is None else old.update(*new, alpha=self.m.smoothing)
+        self.states[agent_id] = AgentState(mu, beta, fixed) if old is None else \
+            old.update(mu, beta, alpha=self.m.smoothing, fixed=fixed)
+        batch = self._planned.pop(agent_id, None)
+        if batch is not None and self.ingress:
+            self.ingress[-1][1] += batch * self.cost.activation_bytes
 
     # ------------------------------------------------------------------ persistence
-    def to_json(self) -> dict[str, list[float]]:
-        return {a: [s.mu, s.beta] for a, s in self.states.items()}
+    def to_json(self) -> dict[str, Any]:
+        """``{"agents": {id: [mu, beta, fixed]}, "ingress": [[planned, received], ...]}``."""
+        return {"agents": {a: [s.mu, s.beta, s.fixed] for a, s in self.states.items()},
+                "ingress": [list(x) for x in self.ingress]}
 
-    def load_json(self, d: Mapping[str, Sequence[float]]) -> None:
-        self.states = {a: AgentState(float(v[0]), float(v[1])) for a, v in d.items()}
+    def load_json(self, d: Mapping[str, Any]) -> None:
+        """The :meth:`to_json` format, or the older ``{id: [mu, beta]}`` (no fixed part, no ingress history)."""
+        agents = d.get("agents")
+        if isinstance(agents, Mapping):
+            ingress = [[int(p), int(r)] for p, r in d.get("ingress", [])]
+        else:
+            agents, ingress = d, []
+        self.states = {a: AgentState(float(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else 0.0)
+                       for a, v in agents.items()}
+        self.ingress = ingress[-BUDGET_WINDOW:]

@@ -30,6 +30,10 @@ class RoundPlan:
     """Bottleneck width per agent (absent or 0 = no bottleneck)."""
     codecs: dict[str, str] = field(default_factory=dict)
     """Wire codec per agent (absent = the run's codec)."""
+    sequential: bool = False
+    """SplitFed v2: each group's server copy trains on its members one after another."""
+    server_once: bool = False
+    """FedFC Alg. 3: a group's server copy counts once in the layer-wise average, not once per member."""
 
 
 class Planner:
@@ -38,6 +42,9 @@ class Planner:
         self.model = model
         self.costs = costs
         self.time_table = ClientTimeTable()
+        self.wire_ratio: dict[str, float] = {}
+        """Measured wire bytes / fp32 bytes per ``"<split>/<codec>"`` (smoothed): the clock charges
+        the real encoded bytes, so the estimates must use the same compression."""
         if cfg.strategy == "s2fl":
             cands = cfg.s2fl.candidates or candidate_splits(cfg.model)
             for s in cands:
@@ -47,6 +54,11 @@ class Planner:
             self.candidates = ()
 
     # ----------------------------------------------------------------- plans
+    def selects_everyone(self, r: int) -> bool:
+        """S2FL's warm-up sends each candidate split to every device (not only the round's
+        selection), so the time table holds a measurement for every agent and split."""
+        return bool(self.candidates) and self.cfg.s2fl.sliding and warmup_split(r, self.candidates) is not None
+
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         plan = self._plan_splits(r, selected, agents)
         h = self.cfg.hetero
@@ -64,10 +76,11 @@ class Planner:
             return RoundPlan({a: self.model.num_blocks for a in selected}, [list(selected)], "fedavg")
         if cfg.strategy == "sfl":
             split = cfg.split or self.model.default_split
-            groups = [list(selected)] if cfg.server_mode == "merged" else [[a] for a in selected]
+            groups = [[a] for a in selected] if cfg.server_mode == "per_agent" else [list(selected)]
             by_profile = cfg.profile_splits or {}   # FedFC: mixed cut layers by device class
             return RoundPlan({a: by_profile.get(agents[a].profile.get("name"), split) for a in selected},
-                             groups, "fixed" if not by_profile else "per profile")
+                             groups, "fixed" if not by_profile else "per profile",
+                             sequential=cfg.server_mode == "sequential", server_once=cfg.server_weight == "once")
         return self._plan_s2fl(r, selected, agents)
 
     def _plan_s2fl(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
@@ -125,12 +138,21 @@ class Planner:
                 if entry is not None and not entry.estimated:
                     continue
                 per_sample = measured.get(str(s))
+                ratio = self.wire_ratio.get(f"{s}/{self.cfg.codec}", 1.0)
                 self.time_table.set_estimate(a, s, estimate_round_time(
                     self.costs[s], samples=samples, compute_flops=info.profile["compute_flops"],
                     uplink_bytes_per_s=float(up), downlink_bytes_per_s=float(down),
                     server_flops_per_s=self.cfg.server_flops, latency_s=info.profile.get("latency_s", 0.0),
-                    messages=2 * self.cfg.local_iters + 2,
+                    messages=2 * self.cfg.local_iters + 2, wire_ratio=ratio,
                     measured_compute_s_per_sample=float(per_sample) if isinstance(per_sample, (int, float)) else None))
+
+    def record_bytes(self, split: int, codec: str, wire_bytes: float, fp32_bytes: float) -> None:
+        """Fold one agent-round's measured traffic into the compression ratio of its split and codec."""
+        if fp32_bytes <= 0 or wire_bytes <= 0:
+            return
+        key, ratio = f"{split}/{codec}", wire_bytes / fp32_bytes
+        old = self.wire_ratio.get(key)
+        self.wire_ratio[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
 
     def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
         """Measured round times of this round's agents go into the table (S2FL updates it every round)."""

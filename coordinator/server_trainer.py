@@ -94,33 +94,50 @@ class ServerTrainer:
         self._widths: dict[str, int] = {}
         self._counts: dict[str, torch.Tensor] = {}
         self._under: dict[int, list[int]] = {}
+        self._sequential = False
 
     def begin_round(self, groups: Sequence[Sequence[str]], splits: Mapping[str, int], *,
                     widths: Mapping[str, int] | None = None,
-                    label_counts: Mapping[str, Sequence[int]] | None = None) -> None:
+                    label_counts: Mapping[str, Sequence[int]] | None = None,
+                    lr: float | None = None, sequential: bool = False,
+                    population_counts: Mapping[str, Sequence[int]] | None = None) -> None:
         """Fresh copies of the current global model, one per group (optimiser state too, like the agents).
 
         ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
-        their registered label counts, needed by the calibrated loss and by BDKS.
+        their registered label counts, needed by the calibrated loss and by BDKS; ``lr`` this
+        round's learning rate (default: the trainer's). ``sequential`` is SplitFed v2: a group's
+        copy takes one optimiser step per member, in turn, instead of one on the merged batch.
+        ``population_counts`` (every registered agent's label counts) is BDKS's global data set;
+        default: the round's bottlenecked agents (:meth:`_under_represented`).
         """
-        self._groups = [_Group(self.model, g, splits, self.lr, self.momentum) for g in groups if g]
+        self._sequential = sequential
+        lr = self.lr if lr is None else lr
+        self._groups = [_Group(self.model, g, splits, lr, self.momentum) for g in groups if g]
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
         needs_counts = self.loss.kind == "calibrated" or self.loss.bdks
         if needs_counts and label_counts is None:
             raise ValueError(f"loss {self.loss} needs the agents' label counts")
         self._counts = {a: torch.as_tensor(c, dtype=torch.float64) for a, c in (label_counts or {}).items()}
-        self._under = self._under_represented() if self.loss.bdks else {}
+        self._under = self._under_represented(population_counts) if self.loss.bdks else {}
 
-    def _under_represented(self) -> dict[int, list[int]]:
-        """BDKS's class set R for each width wider than the round's narrowest (the round's data is 'global')."""
+    def _under_represented(self, population: Mapping[str, Sequence[int]] | None = None) -> dict[int, list[int]]:
+        """BDKS's class set R for each width ``w`` wider than the round's narrowest (HeteroSFL §4.2):
+        the classes whose share in the data of this round's width-``w`` members is below θ times
+        their share in the global data set (label proportions, :func:`under_represented_classes`).
+
+        The paper's "global dataset" is everybody's data: ``population`` (every registered
+        agent's label counts; the round's agents are part of it). Without it, the round's
+        bottlenecked agents stand in for the population."""
         if not self._widths:
             return {}
-        everyone = sum(self._counts[a] for a in self._widths)
+        pool = {a: torch.as_tensor(c, dtype=torch.float64) for a, c in (population or {}).items()}
+        pool.update({a: self._counts[a] for a in self._widths})
+        everyone = sum(pool.values())
         out = {}
         for w in sorted(set(self._widths.values()))[1:]:
             group = sum(self._counts[a] for a, v in self._widths.items() if v == w)
-            out[w] = under_represented_classes(group.tolist(), everyone.tolist(), self.loss.theta)
+            out[w] = under_represented_classes(group.tolist(), everyone.tolist(), self.loss.theta, relative=True)
         return out
 
     def step(self, batches: Mapping[str, Batch], exchange: Exchange | None = None
@@ -141,10 +158,12 @@ class ServerTrainer:
             present = {a: batches[a] for a in group.members if a in batches}
             if not present:
                 continue
-            g, loss, n = self._train(group, present, exchange)
-            grads.update(g)
-            losses += loss * n
-            rows += n
+            # SplitFed v2 trains the one copy on each member's rows in turn; otherwise one merged batch
+            for part in ([{a: present[a]} for a in sorted(present)] if self._sequential else [present]):
+                g, loss, n = self._train(group, part, exchange)
+                grads.update(g)
+                losses += loss * n
+                rows += n
         return grads, losses / max(rows, 1)
 
     def _train(self, group: _Group, batches: Mapping[str, Batch], exchange: Exchange | None = None
@@ -277,10 +296,16 @@ class ServerTrainer:
         return total
 
     def _server_forward(self, group: _Group, z: torch.Tensor) -> torch.Tensor:
-        """Logits of bottleneck codes ``z`` at the group's first split (decoder slice, then the blocks)."""
+        """Logits of bottleneck codes ``z`` at the group's first split (decoder slice, then the blocks):
+        a BDKS narrow pass. It trains like the wide pass (BatchNorm normalises with the batch's
+        statistics, gradients reach the same parameters), but its buffer updates go to scratch
+        copies: BatchNorm's running statistics are what evaluation and the aggregated model use,
+        and they must describe the wide path's activations, not the narrow sub-bottleneck's.
+        (Restoring the buffers in place after the pass would break backward, which saves them.)"""
         h = group.model.bottleneck(group.first).decode(z)
         for blk in group.model.blocks[group.first:]:
-            h = blk(h)
+            scratch = {k: b.clone() for k, b in blk.named_buffers()}
+            h = torch.func.functional_call(blk, scratch, (h,)) if scratch else blk(h)
         return h
 
     def drop(self, agent_id: str) -> None:

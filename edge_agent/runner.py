@@ -196,7 +196,10 @@ class AgentRunner:
 
     def _build_core(self, info: Message) -> AgentCore:
         b = info.body
-        data = load_dataset(b["dataset"], self.o.data_root)
+        shape = tuple(b["input_shape"])
+        # the run may train on resized images (data.image_size): resize ours the same way
+        size = shape[1] if len(shape) == 3 and shape[1] == shape[2] else None
+        data = load_dataset(b["dataset"], self.o.data_root, size)
         labels = data.y_train.numpy()
         if self.o.shard_file:
             idx = load_shard_file(self.o.shard_file)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import torch
 
@@ -58,14 +58,39 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
 def layerwise_average(client_states: Mapping[str, Mapping[str, torch.Tensor]],
                       server_states: Mapping[str, Mapping[str, torch.Tensor]],
                       weights: Mapping[str, float],
-                      defaults: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                      defaults: Mapping[str, torch.Tensor] | None = None,
+                      server_groups: Mapping[str, Hashable] | None = None) -> dict[str, torch.Tensor]:
     """S2FL Alg. 2: every layer of the full model averaged over the round's agents.
 
     For agent ``a`` a layer comes from its client portion if it held the layer, else from
     ``server_states[a]`` — the server copy that trained on ``a``'s activations (its group's).
     The weight of every layer of agent ``a`` is ``weights[a]`` (its data size), so agents on
     different split points contribute to shared layers exactly once each.
+
+    ``server_groups`` (agent -> id of the server copy it trained with) switches to FedFC's
+    Alg. 3: a layer is averaged over the client portions that hold it and each server copy
+    that trained it, the copy counted *once* — as one participant whose weight is the mean
+    weight of the members it stands in for — however many shallower agents fed it.
     """
     agents = list(client_states)
-    full = [{**server_states.get(a, {}), **client_states[a]} for a in agents]
-    return weighted_average(full, [weights[a] for a in agents], defaults)
+    if server_groups is None:
+        full = [{**server_states.get(a, {}), **client_states[a]} for a in agents]
+        return weighted_average(full, [weights[a] for a in agents], defaults)
+    states: list[Mapping[str, torch.Tensor]] = [client_states[a] for a in agents]
+    ws: list[float] = [weights[a] for a in agents]
+    copies: dict[Hashable, dict[str, list[float]]] = {}   # copy -> key -> weights of the members it stands in for
+    tensors: dict[Hashable, dict[str, torch.Tensor]] = {}
+    for a in agents:
+        g = server_groups[a]
+        for key, t in server_states.get(a, {}).items():
+            if key not in client_states[a]:
+                copies.setdefault(g, {}).setdefault(key, []).append(weights[a])
+                tensors.setdefault(g, {})[key] = t
+    for g, by_key in copies.items():
+        by_weight: dict[float, dict[str, torch.Tensor]] = {}
+        for key, member_ws in by_key.items():
+            by_weight.setdefault(sum(member_ws) / len(member_ws), {})[key] = tensors[g][key]
+        for w, part in by_weight.items():
+            states.append(part)
+            ws.append(w)
+    return weighted_average(states, ws, defaults)

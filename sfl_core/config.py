@@ -49,8 +49,9 @@ __all__ = [
 STRATEGIES = ("sfl", "fedavg", "s2fl")
 LOSSES = ("ce", "calibrated")
 """Training strategies a run may name (the mechanisms of docs/methods.md extend this tuple)."""
-SERVER_MODES = ("merged", "per_agent")
-"""'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1."""
+SERVER_MODES = ("merged", "per_agent", "sequential")
+"""'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1 (a server
+copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent)."""
 PARTITIONS = SCHEMES
 """How the training set is split over agents (docs/methods.md §4)."""
 
@@ -139,6 +140,7 @@ class DataConfig:
     partition: str = "iid"
     alpha: float = 0.5  # Dirichlet concentration; only used when partition == 'dirichlet'
     seed: int = 0
+    image_size: int | None = None  # resize images to image_size x image_size (e.g. 32 for CIFAR-sized models)
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class HeteroConfig:
     codecs: tuple[str, ...] | None = None         # codec per group, slowest first; None = the run's codec
     bdks: bool = False                            # bi-directional knowledge sharing for the wider groups
     bdks_alpha: float = 1.0                       # weight of the narrow-to-wide distillation (Eq. 8)
-    bdks_theta: float = 0.1                       # under-represented: group count < theta x global count
+    bdks_theta: float = 0.1                       # under-represented: class share in the group < theta x its share overall
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,10 @@ class RunConfig:
     server_mode: str = "merged"
     split: int | None = None  # None = the model's default split point
     profile_splits: dict[str, int] | None = None  # FedFC mixed cuts: split per device profile (strategy sfl)
+    server_weight: str = "members"  # a merged server copy in the layer-wise average: once per member | once
     batch_size: int = 32
     lr: float = 0.05
+    lr_decay: float = 1.0  # learning rate of round r (from 1) = lr x lr_decay^(r-1), agents and server alike
     momentum: float = 0.0
     local_iters: int = 10  # tau
     codec: str = "fp32"
@@ -559,11 +563,12 @@ _DATA_SPEC: dict[str, _Conv] = {
     "partition": _enum(*PARTITIONS),
     "alpha": _pos_float,
     "seed": _nonneg_int,
+    "image_size": _opt(_pos_int),
 }
 
 _RUN_SPEC: dict[str, _Conv] = {
     "run": _ident,
-    "model": _str,
+    "model": lambda v, fail: _model(v, fail),
     "data": lambda v, fail: v,  # checked by _data()
     "fleet": lambda v, fail: v,  # checked by _fleet()
     "rounds": _pos_int,
@@ -573,8 +578,10 @@ _RUN_SPEC: dict[str, _Conv] = {
     "server_mode": _enum(*SERVER_MODES),
     "split": _opt(_pos_int),
     "profile_splits": _opt(_split_map),
+    "server_weight": _enum("members", "once"),
     "batch_size": _pos_int,
     "lr": _pos_float,
+    "lr_decay": _float(0.0, hi=1.0, what="a number in (0, 1]"),
     "momentum": _float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"),
     "local_iters": _pos_int,
     "codec": _codec,
@@ -592,6 +599,26 @@ _RUN_SPEC: dict[str, _Conv] = {
     "hetero": lambda v, fail: v,  # checked by _hetero()
 }
 _YAML_TO_ATTR = {"run": "run_id"}
+
+
+def _model(v: Any, fail: _Fail) -> str:
+    """A zoo model name, a spec string (``vgg16:width=0.25,norm=group``) or a mapping
+    ``{name: vgg16, width: 0.25, norm: group}``; stored as the canonical spec string."""
+    from sfl_core.models import ModelSpec   # torch is only needed once a model is named
+
+    if isinstance(v, Mapping):
+        extra = set(v) - {"name", "width", "norm"}
+        if extra or "name" not in v:
+            fail("a mapping with 'name' and optionally 'width', 'norm'")
+        opts = [f"{k}={v[k]}" for k in ("width", "norm") if k in v]
+        v = str(v["name"]) + (":" + ",".join(opts) if opts else "")
+    if not isinstance(v, str):
+        fail("a model name such as 'vgg16' or 'vgg16:width=0.25'")
+    try:
+        return str(ModelSpec.parse(v))
+    except ValueError as exc:
+        fail(f"a known model with valid options ({exc})")
+        raise
 
 
 def _bool(v: Any, fail: _Fail) -> bool:

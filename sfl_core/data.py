@@ -67,7 +67,7 @@ class Dataset:
 # --------------------------------------------------------------------------- public entry
 
 
-def load_dataset(name: str, root: str | Path | None = None) -> Dataset:
+def load_dataset(name: str, root: str | Path | None = None, image_size: int | None = None) -> Dataset:
     """Load data set ``name`` (one of :data:`DATASET_NAMES`) from ``root``.
 
     - ``digits``: scikit-learn's bundled 8x8 digits, fixed stratified 80/20 split; ``root`` ignored.
@@ -77,11 +77,17 @@ def load_dataset(name: str, root: str | Path | None = None) -> Dataset:
     - ``cifar10``: the *binary* distribution: the ``cifar-10-batches-bin`` folder, its parent,
       the ``cifar-10-binary.tar.gz`` archive, or a folder holding that archive.
 
+    ``image_size`` resizes every image to ``image_size x image_size`` (bilinear, after
+    normalisation): how 28x28 MNIST-style data feeds a model built for 32x32 CIFAR inputs
+    (VGG's five poolings need at least 32). Agents and coordinator resize alike.
+
     Raises :class:`DatasetError` for an unknown name, a missing path or a malformed file.
     """
     key = _canonical_name(name)
+    if image_size is not None and (isinstance(image_size, bool) or int(image_size) != image_size or image_size < 1):
+        raise DatasetError(f"image_size must be a positive integer, got {image_size!r}")
     if key == "digits":
-        return _load_cached(key, "")
+        return _load_sized(key, "", image_size)
     if root is None:
         if key == "fashion-mnist" and FASHION_MNIST_SYSTEM_DIR.is_dir():
             root = FASHION_MNIST_SYSTEM_DIR
@@ -96,12 +102,35 @@ def load_dataset(name: str, root: str | Path | None = None) -> Dataset:
     path = Path(root).expanduser()
     if not path.exists():
         raise DatasetError(f"{path}: no such file or directory (expected the {key} data set files)")
-    return _load_cached(key, str(path.resolve()))
+    return _load_sized(key, str(path.resolve()), image_size)
 
 
 def clear_cache() -> None:
     """Drop the in-process cache (tests, or to free memory after the last agent loaded)."""
     _load_cached.cache_clear()
+    _resized_cached.cache_clear()
+
+
+def _load_sized(key: str, root: str, image_size: int | None) -> Dataset:
+    ds = _load_cached(key, root)
+    if image_size is None or (ds.x_train.dim() == 4 and tuple(ds.x_train.shape[2:]) == (image_size, image_size)):
+        return ds
+    if ds.x_train.dim() != 4:
+        raise DatasetError(f"image_size: data set {key!r} does not hold images")
+    return _resized_cached(key, root, int(image_size))
+
+
+@lru_cache(maxsize=4)
+def _resized_cached(key: str, root: str, size: int) -> Dataset:
+    ds = _load_cached(key, root)
+
+    def resize(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], x.shape[1], size, size, dtype=x.dtype)
+        for i in range(0, x.shape[0], 8192):   # bounded peak memory
+            out[i:i + 8192] = torch.nn.functional.interpolate(x[i:i + 8192], size=(size, size), mode="bilinear",
+                                                               align_corners=False)
+        return out
+    return Dataset(ds.name, resize(ds.x_train), ds.y_train, resize(ds.x_test), ds.y_test, ds.num_classes)
 
 
 def _canonical_name(name: str) -> str:

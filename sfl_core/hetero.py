@@ -98,21 +98,27 @@ def widths_for_groups(group_rates: Sequence[float], full_width: int, *, min_widt
 
 
 def under_represented_classes(group_label_counts: Sequence[int], global_label_counts: Sequence[int],
-                              theta: float = 0.1, *, relative: bool = False) -> list[int]:
+                              theta: float = 0.1, *, relative: bool = True) -> list[int]:
     """BDKS's set R of under-represented classes for the wide (high-end) group, ascending.
 
-    The paper (§4.2) defines R as the classes "where the number of samples per class is
-    less than θ% of its share in the global dataset" (θ = 10 %), i.e.
+    The paper (§4.2) defines R as the classes processed by the high-end group "where the
+    number of samples per class is less than θ% of its share in the global dataset"
+    (θ = 10 %), and calls R "a subset of minority classes in high-end group". A *share* is
+    a proportion, so both sides are label proportions:
 
-        R = { c : n_group[c] < θ · n_global[c] }
+        R = { c : n_group[c] / N_group  <  θ · n_global[c] / N_global }
 
-    — the group holds less than a fraction θ of the class's samples (docs/methods.md §6).
-    Classes absent globally are never in R (there is nothing to learn about them from the
-    narrow model either); the complement J is every other class.
+    — class ``c`` makes up less of the group's data than a fraction θ of what it makes up of
+    the global data (docs/methods.md §6). This is a statement about the group's label *mix*:
+    it does not change when the group holds more or less of the data overall, which is what
+    over-fitting to the group's mix depends on. The global counts are the whole population's
+    (every agent's data), of which the group is a part. Classes absent globally are never in
+    R (the narrow model knows nothing about them either); the complement J is every other
+    class. A group with no data at all lacks every class present globally.
 
-    ``relative=True`` instead compares label *proportions*,
-    ``n_group[c] / N_group < θ · n_global[c] / N_global``, which scales the bar by the group's
-    share of all data (stricter when the group holds only part of the data).
+    ``relative=False`` is the other reading, absolute counts, ``n_group[c] < θ · n_global[c]``
+    (the group holds less than a fraction θ of the class's samples), which makes the bar
+    depend on how much of all data the group holds.
     """
     g = [int(x) for x in group_label_counts]
     a = [int(x) for x in global_label_counts]

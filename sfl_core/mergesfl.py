@@ -8,12 +8,14 @@ module trades the two off before each round:
 
 1. **State estimation** (Eq. 5-6): smooth each agent's per-sample compute time ``mu`` and
    transfer time ``beta`` with an exponential moving average, :func:`smooth`, :class:`AgentState`.
+   The per-round cost that does not grow with the batch (the client portion's weights down
+   and up, message latencies) is smoothed alongside as ``fixed``, :func:`split_transfer`.
 2. **Batch regulation** (Eq. 7-9): give the fastest agent the maximum batch ``D`` and
    everyone else a batch that takes equally long, :func:`regulate_batches`; learning rates
    scale linearly with batch (Eq. 15, :func:`scale_lr`), aggregation weights are ``d_i / sum d``
    (Eq. 17, :func:`batch_weights`).
-3. **Bandwidth budget** (Eq. 10): ``sum_{i in S} d_i * c <= B``, :func:`within_budget`,
-   :func:`estimate_budget`.
+3. **Bandwidth budget** (Eq. 10): ``sum_{i in S} d_i * c <= B``, :func:`within_budget`;
+   ``B`` estimated from past rounds, :func:`observed_ingress`, :func:`estimate_budget`.
 4. **Worker selection** (Eq. 11-13): choose the set ``S`` whose merged label mix
    ``Phi_h`` (Eq. 11) is closest in KL (Eq. 12) to the population's ``Phi_0`` under the
    budget, with a genetic algorithm seeded by participation priority, :func:`select_workers`.
@@ -28,6 +30,14 @@ Where the paper is ambiguous (each is repeated where it matters):
 * Eq. 9 prints ``d_i = d_l * floor((mu_l+beta_l)/(mu_i+beta_i))``; with ``l`` the fastest
   agent the ratio is <= 1, so that floor is 0 for everyone slower — a typesetting slip.
   We floor the product (docs/methods.md §7) and keep every batch >= 1.
+* Eq. 7 ``t_i = tau * d_i * (mu_i + beta_i)`` has no term for what a round costs whatever
+  the batch (the client portion's weights travel down and up once per round). Folding that
+  into ``beta`` makes a small batch look slow per sample, which shrinks its batch further:
+  a feedback loop. We keep it apart as ``fixed_i`` and equalise
+  ``tau * d_i * (mu_i + beta_i) + fixed_i`` (:func:`regulate_batches`); with ``fixed = 0``
+  this is the paper's Eq. 9.
+* ``B^h`` is "estimated from the statistical distribution of the ingress bandwidth in the
+  previous rounds" without a formula; see :func:`observed_ingress` and :func:`estimate_budget`.
 * ``Phi_0`` is printed as ``1/N sum_i V_i`` "if the data of all workers follows IID"; we
   pool label *counts* by default (the true population mix; equal to the paper's formula
   when agents hold equally many samples), ``pooled=False`` gives the literal formula.
@@ -48,9 +58,10 @@ import numpy as np
 
 __all__ = [
     "AgentState", "KL_EPS", "MergePlan", "Selection", "Tuning",
-    "added_wait", "batch_weights", "estimate_budget", "fill_budget", "kl", "mixed_distribution",
-    "plan_round", "population_distribution", "priorities", "regulate_batches", "scale_lr",
-    "select_workers", "smooth", "tune_batches", "waiting_time", "within_budget",
+    "added_wait", "batch_weights", "estimate_budget", "fill_budget", "fixed_transfer_time", "kl",
+    "mixed_distribution", "observed_ingress", "plan_round", "population_distribution", "priorities",
+    "regulate_batches", "scale_lr", "select_workers", "smooth", "split_transfer", "tune_batches",
+    "waiting_time", "within_budget",
 ]
 
 KL_EPS = 1e-12
@@ -166,41 +177,86 @@ def smooth(prev: float | None, measured: float, alpha: float = 0.8) -> float:
 
 @dataclass(frozen=True)
 class AgentState:
-    """An agent's smoothed per-sample times (docs/methods.md §7, Table I of the paper).
+    """An agent's smoothed times (docs/methods.md §7, Table I of the paper).
 
     ``mu``: compute seconds per sample (client-portion forward + backward);
-    ``beta``: transfer seconds per sample (activations up + gradients down).
-    One local iteration with batch ``d`` takes ``d * (mu + beta)`` (Eq. 7 per step).
+    ``beta``: transfer seconds per sample (activations up + gradients down) — only what
+    grows with the batch; ``fixed``: transfer seconds per round that do not (the client
+    portion's weights down and up, message latencies; 0 = the paper's model).
+    A round of ``tau`` local iterations at batch ``d`` takes
+    ``tau * d * (mu + beta) + fixed`` (Eq. 7 plus the fixed part, :meth:`round_time`).
     """
 
     mu: float
     beta: float
+    fixed: float = 0.0
 
     def __post_init__(self) -> None:
         _nonneg_float("mu", self.mu)
         _nonneg_float("beta", self.beta)
+        _nonneg_float("fixed", self.fixed)
 
     @property
     def per_sample(self) -> float:
         """``mu + beta``: seconds one sample costs this agent per local iteration."""
         return self.mu + self.beta
 
-    def update(self, mu: float, beta: float, alpha: float = 0.8) -> AgentState:
-        """A new state with both measurements smoothed in by Eq. 5-6 (``alpha`` weighs the old state)."""
-        return replace(self, mu=smooth(self.mu, mu, alpha), beta=smooth(self.beta, beta, alpha))
+    def round_time(self, batch: int, tau: int = 1) -> float:
+        """Eq. 7 plus the fixed part: ``tau * batch * (mu + beta) + fixed`` seconds."""
+        return _positive_int("tau", tau) * _positive_int("batch", batch) * self.per_sample + self.fixed
+
+    def update(self, mu: float, beta: float, alpha: float = 0.8, *, fixed: float | None = None) -> AgentState:
+        """A new state with the measurements smoothed in by Eq. 5-6 (``alpha`` weighs the old state);
+        ``fixed=None`` keeps the fixed part as it is."""
+        return replace(self, mu=smooth(self.mu, mu, alpha), beta=smooth(self.beta, beta, alpha),
+                       fixed=self.fixed if fixed is None else smooth(self.fixed, fixed, alpha))
+
+
+def split_transfer(transfer_s: float, fixed_s: float, samples: int) -> tuple[float, float]:
+    """One round's measured transfer seconds as ``(beta_hat, fixed_hat)``: per-sample and per-round.
+
+    ``transfer_s`` is everything the agent spent on the link in the round; ``fixed_s`` the
+    part that does not scale with the batch (weights down and up, latencies), as estimated
+    by the caller; ``samples = tau * d``. Why: Eq. 7 charges transfer per sample, so a fixed
+    cost divided by ``tau * d`` would make a small batch look slow per sample and shrink it
+    further (Eq. 9) — a feedback loop. ``fixed_s`` is capped at ``transfer_s`` (a rate
+    estimate can overshoot the measurement), so both parts stay >= 0.
+    """
+    t = _nonneg_float("transfer_s", transfer_s)
+    f = min(_nonneg_float("fixed_s", fixed_s), t)
+    n = _positive_int("samples", samples)
+    return (t - f) / n, f
+
+
+def fixed_transfer_time(weights_bytes: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float, *,
+                        messages: int = 0, latency_s: float = 0.0) -> float:
+    """Seconds a round spends on the link whatever the batch: the client portion's weights
+    down (assignment) and up (upload), plus ``messages`` one-way latencies (the number of
+    messages is fixed by ``tau``, not by the batch). Same time model as the virtual clock."""
+    w = _nonneg_float("weights_bytes", weights_bytes)
+    up = _nonneg_float("uplink_bytes_per_s", uplink_bytes_per_s, positive=True)
+    down = _nonneg_float("downlink_bytes_per_s", downlink_bytes_per_s, positive=True)
+    if isinstance(messages, bool) or not isinstance(messages, (int, np.integer)) or messages < 0:
+        raise ValueError(f"messages must be an integer >= 0, got {messages!r}")
+    return w / up + w / down + int(messages) * _nonneg_float("latency_s", latency_s)
 
 
 # ====================================================================== 2. batch regulation (Eq. 7-9, 15, 17)
 
 
-def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_batch: int = 1) -> dict[str, int]:
-    """Eq. 9: equal per-iteration duration for everyone, the fastest agent at the maximum batch.
+def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_batch: int = 1,
+                     tau: int = 1) -> dict[str, int]:
+    """Eq. 9: equal round duration for everyone, the fastest agent at the maximum batch.
 
-    The fastest agent ``l`` (smallest ``mu + beta``; ties to the smallest id) gets
-    ``d_l = max_batch``; agent ``i`` gets ``floor(d_l * (mu_l+beta_l) / (mu_i+beta_i))``,
-    raised to ``min_batch``. The floor keeps every agent at or under the fastest agent's
-    duration, so ``d_l*(mu_l+beta_l) - d_i*(mu_i+beta_i) < mu_i+beta_i`` unless the
-    ``min_batch`` floor applies (then the agent is the straggler; selection may leave it out).
+    Agent ``i``'s round takes ``t_i = tau * d_i * (mu_i+beta_i) + fixed_i`` (Eq. 7 plus the
+    per-round fixed transfer, :class:`AgentState`). The fastest agent ``l`` (smallest ``t`` at
+    ``d = max_batch``; ties to the smallest id) gets ``d_l = max_batch``, so
+    ``T_l = tau * max_batch * (mu_l+beta_l) + fixed_l``; agent ``i`` gets
+    ``floor((T_l - fixed_i) / (tau * (mu_i+beta_i)))``, clipped to ``[min_batch, max_batch]``.
+    The floor keeps every agent at or under ``T_l``, within one sample's ``tau * (mu_i+beta_i)``,
+    unless the ``min_batch`` floor applies (then the agent is the straggler; selection may
+    leave it out). With every ``fixed = 0`` this is the paper's
+    ``d_i = floor(d_l * (mu_l+beta_l) / (mu_i+beta_i))`` whatever ``tau``.
 
     The paper prints the floor around the ratio alone, which is 0 for every slower agent;
     we floor the product (docs/methods.md §7). Raises ``ValueError`` for no agents, a non-positive
@@ -208,6 +264,7 @@ def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_ba
     """
     d_max = _positive_int("max_batch", max_batch)
     d_min = _positive_int("min_batch", min_batch)
+    n_iter = _positive_int("tau", tau)
     if d_min > d_max:
         raise ValueError(f"min_batch ({d_min}) exceeds max_batch ({d_max})")
     if not states:
@@ -217,11 +274,14 @@ def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_ba
             raise ValueError(f"agent {a!r}: expected an AgentState, got {type(s).__name__}")
         if s.per_sample <= 0:
             raise ValueError(f"agent {a!r}: mu + beta must be > 0 to regulate its batch, got {s.per_sample!r}")
-    fastest = min(sorted(states), key=lambda a: states[a].per_sample)
-    t_l = d_max * states[fastest].per_sample
+    # per local iteration: d * (mu + beta) + fixed / tau (with fixed = 0, exactly the paper's terms)
+    step = {a: d_max * s.per_sample + s.fixed / n_iter for a, s in states.items()}
+    fastest = min(sorted(states), key=lambda a: step[a])
+    t_l = step[fastest]
     out = {}
     for a in sorted(states):
-        d = d_max if a == fastest else math.floor(t_l / states[a].per_sample + _FLOOR_SLACK)
+        s = states[a]
+        d = d_max if a == fastest else math.floor((t_l - s.fixed / n_iter) / s.per_sample + _FLOOR_SLACK)
         out[a] = int(min(d_max, max(d_min, d)))
     return out
 
@@ -254,7 +314,8 @@ def batch_weights(batches: Mapping[str, int]) -> dict[str, float]:
 
 
 def waiting_time(states: Mapping[str, AgentState], batches: Mapping[str, int], tau: int = 1) -> float:
-    """Eq. 7-8: mean over the agents in ``batches`` of ``max_j t_j - t_i``, ``t_i = tau * d_i * (mu_i + beta_i)``."""
+    """Eq. 7-8: mean over the agents in ``batches`` of ``max_j t_j - t_i``,
+    ``t_i = tau * d_i * (mu_i + beta_i) + fixed_i`` (:meth:`AgentState.round_time`)."""
     ids = sorted(batches)
     if not ids:
         raise ValueError("waiting_time needs at least one agent")
@@ -262,6 +323,7 @@ def waiting_time(states: Mapping[str, AgentState], batches: Mapping[str, int], t
     if missing:
         raise ValueError(f"no state for agents {missing[:5]}")
     t = _positive_int("tau", tau) * _batch_vector(ids, batches) * np.array([states[a].per_sample for a in ids])
+    t = t + np.array([states[a].fixed for a in ids])
     return float(np.mean(t.max() - t))
 
 
@@ -303,6 +365,30 @@ def within_budget(selected: Collection[str], batches: Mapping[str, int], bytes_p
     return load * c <= b
 
 
+def observed_ingress(nominal: float, planned: float, received: float) -> float:
+    """What one past round shows of the coordinator's ingress per local iteration, in Eq. 10's
+    unit (activation bytes per step): ``nominal * min(received, planned) / planned``.
+
+    ``planned`` is the round's planned load ``sum_{i in S} d_i * c``; ``received`` the part of
+    it that arrived (the agents that finished the round, ``d_i * c`` each); ``nominal`` the
+    budget assumed without measurements (configured capacity or its default).
+
+    Why not the received bytes themselves: a round's load is capped by its budget, and often
+    by demand too (the selection is chosen for its label mix, batches stop at ``D``), so
+    feeding the load back could only lower the budget, round after round, for reasons that
+    have nothing to do with bandwidth. What a round does tell about the ingress is whether
+    the features planned for it arrived: ingress that cannot carry the plan shows up as
+    agents whose activations miss the step timeout. A round where everything arrived
+    confirms the nominal budget; one where a third did not arrive observes two thirds of it,
+    so the budget recovers once rounds complete again. Raises ``ValueError`` for
+    ``planned <= 0`` (such a round observes nothing) or negative inputs.
+    """
+    b = _nonneg_float("nominal", nominal)
+    p = _nonneg_float("planned", planned, positive=True)
+    r = _nonneg_float("received", received)
+    return b * (min(r, p) / p)
+
+
 def estimate_budget(past_ingress_bytes: Sequence[float], *, window: int = 10, quantile: float = 0.5) -> float:
     """The ingress budget ``B^h`` from the last ``window`` rounds' measurements (paper §IV-A).
 
@@ -312,9 +398,9 @@ def estimate_budget(past_ingress_bytes: Sequence[float], *, window: int = 10, qu
     idle round, and 10 rounds track the MergeSFL testbed's mode changes every 20 rounds.
     Pass a lower ``quantile`` (e.g. 0.2) for a more conservative budget.
 
-    The inputs should measure *available* ingress (e.g. throughput measured in the round
-    times the per-iteration window), not the bytes the previous budget allowed: usage is
-    capped by the budget, so feeding usage back can only ratchet the budget down.
+    The inputs must measure *available* ingress per step (:func:`observed_ingress`), not
+    the bytes the previous budget allowed: usage is capped by the budget, so feeding usage
+    back can only ratchet the budget down.
     Raises ``ValueError`` for no measurements (the caller must seed the first round).
     """
     w = _positive_int("window", window)
@@ -742,7 +828,7 @@ class MergePlan:
 def plan_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Sequence[float]],
                participation: Mapping[str, int], *, max_batch: int, bytes_per_sample: float, budget: float,
                epsilon: float = 0.01, batch_cap: int | None = None, target: Sequence[float] | None = None,
-               seed: int = 0, **ga: object) -> MergePlan:
+               seed: int = 0, tau: int = 1, **ga: object) -> MergePlan:
     """Alg. 1: regulate (Eq. 9) -> select (GA, Eq. 10-13) -> fine-tune (Eq. 14) -> fill the budget.
 
     The candidates are the agents of ``states``. ``epsilon`` defaults to 0.01 nats ("close
@@ -750,11 +836,12 @@ def plan_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Seque
     shares are off by ±15 % relative. ``batch_cap`` bounds batches in fine-tuning and
     filling (``None``: unbounded, as in the paper). ``ga`` passes through to
     :func:`select_workers`. Filling rescales after tuning, so the final ``kl`` can differ
-    from the tuned one by rounding; it is recomputed.
+    from the tuned one by rounding; it is recomputed. ``tau`` (local iterations per round)
+    weighs the states' fixed per-round time against the per-sample time in regulation.
     """
     if batch_cap is not None and _positive_int("batch_cap", batch_cap) < max_batch:
         raise ValueError(f"batch_cap ({batch_cap}) must be >= max_batch ({max_batch}): Eq. 9 already gives D")
-    regulated = regulate_batches(states, max_batch)
+    regulated = regulate_batches(states, max_batch, tau=tau)
     q = population_distribution(label_dists) if target is None else _distribution("target", target)
     sel = select_workers(label_dists, regulated, bytes_per_sample, budget, participation, target=q,
                          seed=seed, **ga)  # type: ignore[arg-type]

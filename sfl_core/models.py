@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from sfl_core.bottleneck import Bottleneck, Decoder, Encoder
 
-__all__ = ["SplitModel", "MODEL_NAMES", "build_model"]
+__all__ = ["SplitModel", "MODEL_NAMES", "NORMS", "ModelSpec", "build_model", "model_base_name"]
 
 
 class SplitModel(nn.Module):
@@ -234,13 +235,40 @@ class _Builder:
         )
 
 
-def _conv_bn_relu(cin: int, cout: int, shape: tuple[int, ...], *, pool: bool, bn: bool = True,
+NORMS: tuple[str, ...] = ("batch", "group", "none")
+
+
+def _group_count(channels: int) -> int:
+    """GroupNorm groups: the largest divisor of ``channels`` that is <= 32 and leaves >= 2
+    channels per group (Wu & He's 32 groups, shrunk for the narrow layers of a width-scaled model)."""
+    cap = max(1, min(32, channels // 2))
+    return max(g for g in range(1, cap + 1) if channels % g == 0)
+
+
+def _norm(kind: str, channels: int, dims: int = 2) -> nn.Module:
+    """The normalisation layer after a conv: BatchNorm (running statistics, the papers' models),
+    GroupNorm (per-sample statistics: nothing to average across label-skewed agents) or none."""
+    if kind == "batch":
+        return nn.BatchNorm2d(channels) if dims == 2 else nn.BatchNorm1d(channels)
+    if kind == "group":
+        return nn.GroupNorm(_group_count(channels), channels)
+    return nn.Identity()
+
+
+def _scaled(channels: int, width: float) -> int:
+    return max(1, int(round(channels * width)))
+
+
+def _conv_bn_relu(cin: int, cout: int, shape: tuple[int, ...], *, pool: bool, norm: str | None = "batch",
                   kernel: int = 3) -> nn.Sequential:
+    """conv (+ norm) + ReLU (+ max-pool while the map can still shrink); ``norm=None`` = a model
+    that has no normalisation by design (AlexNet, small_cnn)."""
+    has_norm = norm is not None and norm != "none"
     layers: dict[str, nn.Module] = {
-        "conv": nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=not bn),
+        "conv": nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=not has_norm),
     }
-    if bn:
-        layers["bn"] = nn.BatchNorm2d(cout)
+    if has_norm:
+        layers["bn"] = _norm(norm, cout)
     layers["relu"] = nn.ReLU(inplace=False)
     if pool and _can_downsample(shape):
         layers["pool"] = nn.MaxPool2d(2)
@@ -259,33 +287,34 @@ def _classifier(in_features: int, num_classes: int, *, avgpool: bool, dims: int 
 # ====================================================================== models
 
 
-def small_cnn(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+def small_cnn(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0, norm: str = "none") -> SplitModel:
     """Tiny CNN for tests and demos: conv16 | conv32+pool | fc64 | fc. Default split 2
     (after the pooled conv stage: smallest activation before the dense layers)."""
     c, _, _ = _check_image_shape("small_cnn", input_shape)
+    w1, w2, w3 = (_scaled(ch, width) for ch in (16, 32, 64))
     b = _Builder(input_shape)
-    b.add("conv1", nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU()))
-    b.add("conv2", _conv_bn_relu(16, 32, b.shape, pool=True, bn=False))
-    b.add("fc1", nn.Sequential(nn.Flatten(), nn.Linear(b.flat, 64), nn.ReLU()))
-    b.add("fc", _classifier(64, num_classes, avgpool=False))
+    b.add("conv1", nn.Sequential(nn.Conv2d(c, w1, 3, padding=1), nn.ReLU()))
+    b.add("conv2", _conv_bn_relu(w1, w2, b.shape, pool=True, norm=None))
+    b.add("fc1", nn.Sequential(nn.Flatten(), nn.Linear(b.flat, w3), nn.ReLU()))
+    b.add("fc", _classifier(w3, num_classes, avgpool=False))
     return b.finish("small_cnn", 2, input_shape, num_classes)
 
 
 class BasicBlock(nn.Module):
-    """ResNet basic block (two 3x3 convs + BN) with a 1x1-conv projection shortcut when
+    """ResNet basic block (two 3x3 convs + norm) with a 1x1-conv projection shortcut when
     the shape changes (option B)."""
 
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, stride: int, norm: str = "batch") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
+        self.bn1 = _norm(norm, cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
+        self.bn2 = _norm(norm, cout)
         self.relu = nn.ReLU()
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), _norm(norm, cout)
             )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -294,16 +323,17 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
-def resnet8(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+def resnet8(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0, norm: str = "batch") -> SplitModel:
     """CIFAR ResNet-8 in the He et al. 6n+2 family with n = 1 (the variant used by FedML
     and S2FL-style SFL papers): 3x3 stem (16 ch) | layer1 16 | layer2 32 (/2) |
     layer3 64 (/2) | avgpool+fc. ~78k parameters. Default split 2 (stem + layer1)."""
     c, _, _ = _check_image_shape("resnet8", input_shape)
     b = _Builder(input_shape)
-    b.add("stem", nn.Sequential(nn.Conv2d(c, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()))
-    for i, width in enumerate((16, 32, 64), start=1):
+    stem = _scaled(16, width)
+    b.add("stem", nn.Sequential(nn.Conv2d(c, stem, 3, padding=1, bias=False), _norm(norm, stem), nn.ReLU()))
+    for i, ch in enumerate((16, 32, 64), start=1):
         stride = 2 if (i > 1 and _can_downsample(b.shape)) else 1
-        b.add(f"layer{i}", BasicBlock(b.channels, width, stride))
+        b.add(f"layer{i}", BasicBlock(b.channels, _scaled(ch, width), stride, norm))
     b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
     return b.finish("resnet8", 2, input_shape, num_classes)
 
@@ -314,8 +344,8 @@ _VGG_CFG: dict[str, list[int | str]] = {
 }
 
 
-def _vgg(name: str, input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """CIFAR VGG with BatchNorm: one block per conv layer (conv+BN+ReLU, plus the
+def _vgg(name: str, input_shape: tuple[int, ...], num_classes: int, width: float, norm: str) -> SplitModel:
+    """CIFAR VGG with normalisation: one block per conv layer (conv+norm+ReLU, plus the
     following max-pool if any), then avgpool+flatten+Linear(512, classes) — the compact
     classifier CIFAR variants use. Default split 1 (after the first conv)."""
     _check_image_shape(name, input_shape)
@@ -327,57 +357,58 @@ def _vgg(name: str, input_shape: tuple[int, ...], num_classes: int) -> SplitMode
             continue
         pool = i + 1 < len(cfg) and cfg[i + 1] == "M"
         k += 1
-        b.add(f"conv{k}", _conv_bn_relu(b.channels, int(v), b.shape, pool=pool))
+        b.add(f"conv{k}", _conv_bn_relu(b.channels, _scaled(int(v), width), b.shape, pool=pool, norm=norm))
     b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
     return b.finish(name, 1, input_shape, num_classes)
 
 
-def vgg_mini(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """VGG-style net sized for CPU benchmarks: conv16+pool | conv32+pool | conv256 | 1x1
-    conv64+pool | avgpool+fc. Default split 3 mirrors HeteroSFL's VGG-11 cut after three
-    convs: 256 channels at 7x7 on 28x28 input (p̄ = 256, so bottleneck widths 1..256 give
-    the paper's 256x..1x), at ~1/20 of VGG-11's FLOPs per sample."""
+def vgg_mini(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0, norm: str = "batch") -> SplitModel:
+    """VGG-style net sized for quick CPU runs: conv16+pool | conv32+pool | conv256 | 1x1
+    conv64+pool | avgpool+fc. Its server portion at the default split 3 is a 1x1 conv and the
+    classifier, so a HeteroSFL decoder collapses into it and widths above 64 cannot matter:
+    for bottleneck studies use ``vgg11`` cut after three convs (split 3, p̄ = 256)."""
     _check_image_shape("vgg_mini", input_shape)
     b = _Builder(input_shape)
-    b.add("conv1", _conv_bn_relu(b.channels, 16, b.shape, pool=True))
-    b.add("conv2", _conv_bn_relu(b.channels, 32, b.shape, pool=True))
-    b.add("conv3", _conv_bn_relu(b.channels, 256, b.shape, pool=False))
-    b.add("conv4", _conv_bn_relu(b.channels, 64, b.shape, pool=True, kernel=1))
+    b.add("conv1", _conv_bn_relu(b.channels, _scaled(16, width), b.shape, pool=True, norm=norm))
+    b.add("conv2", _conv_bn_relu(b.channels, _scaled(32, width), b.shape, pool=True, norm=norm))
+    b.add("conv3", _conv_bn_relu(b.channels, _scaled(256, width), b.shape, pool=False, norm=norm))
+    b.add("conv4", _conv_bn_relu(b.channels, _scaled(64, width), b.shape, pool=True, norm=norm, kernel=1))
     b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
     return b.finish("vgg_mini", 3, input_shape, num_classes)
 
 
-def vgg11(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    return _vgg("vgg11", input_shape, num_classes)
+def vgg11(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0, norm: str = "batch") -> SplitModel:
+    return _vgg("vgg11", input_shape, num_classes, width, norm)
 
 
-def vgg16(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    return _vgg("vgg16", input_shape, num_classes)
+def vgg16(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0, norm: str = "batch") -> SplitModel:
+    return _vgg("vgg16", input_shape, num_classes, width, norm)
 
 
-def alexnet(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+def alexnet(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0, norm: str = "none") -> SplitModel:
     """CIFAR AlexNet: 5 conv blocks (64/192/384/256/256, 3x3, ReLU, pools after 1, 2, 5;
-    no BN, like the original) and a 512-512 classifier sized from a dry run.
-    Default split 1 (after conv1+pool)."""
+    no normalisation by default, like the original) and a 512-512 classifier sized from a
+    dry run. Default split 1 (after conv1+pool)."""
     _check_image_shape("alexnet", input_shape)
     b = _Builder(input_shape)
-    for i, (width, pool) in enumerate(((64, True), (192, True), (384, False), (256, False), (256, True)), 1):
-        b.add(f"conv{i}", _conv_bn_relu(b.channels, width, b.shape, pool=pool, bn=False))
-    b.add("fc1", nn.Sequential(nn.Flatten(), nn.Linear(b.flat, 512), nn.ReLU()))
-    b.add("fc2", nn.Sequential(nn.Linear(512, 512), nn.ReLU()))
-    b.add("fc", _classifier(512, num_classes, avgpool=False))
+    for i, (ch, pool) in enumerate(((64, True), (192, True), (384, False), (256, False), (256, True)), 1):
+        b.add(f"conv{i}", _conv_bn_relu(b.channels, _scaled(ch, width), b.shape, pool=pool, norm=norm))
+    fc = _scaled(512, width)
+    b.add("fc1", nn.Sequential(nn.Flatten(), nn.Linear(b.flat, fc), nn.ReLU()))
+    b.add("fc2", nn.Sequential(nn.Linear(fc, fc), nn.ReLU()))
+    b.add("fc", _classifier(fc, num_classes, avgpool=False))
     return b.finish("alexnet", 1, input_shape, num_classes)
 
 
 class DepthwiseSeparable(nn.Module):
-    """MobileNet v1 block: depthwise 3x3 conv + BN + ReLU, pointwise 1x1 conv + BN + ReLU."""
+    """MobileNet v1 block: depthwise 3x3 conv + norm + ReLU, pointwise 1x1 conv + norm + ReLU."""
 
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, stride: int, norm: str = "batch") -> None:
         super().__init__()
         self.dw = nn.Conv2d(cin, cin, 3, stride=stride, padding=1, groups=cin, bias=False)
-        self.bn1 = nn.BatchNorm2d(cin)
+        self.bn1 = _norm(norm, cin)
         self.pw = nn.Conv2d(cin, cout, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
+        self.bn2 = _norm(norm, cout)
         self.relu = nn.ReLU()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -391,50 +422,48 @@ _MOBILENET_CFG: list[tuple[int, int]] = [
 ]
 
 
-def mobilenet_v1(input_shape: tuple[int, ...], num_classes: int, width_mult: float = 1.0) -> SplitModel:
+def mobilenet_v1(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0,
+                 norm: str = "batch") -> SplitModel:
     """CIFAR MobileNet v1: 3x3 stem (stride 1) then 13 depthwise-separable blocks
-    (one block each), avgpool+fc. ``width_mult`` scales all channel counts.
+    (one block each), avgpool+fc. ``width`` is the width multiplier of the paper.
     Default split 2 (stem + first dw block)."""
     c, _, _ = _check_image_shape("mobilenet_v1", input_shape)
-    if width_mult <= 0:
-        raise ValueError(f"mobilenet_v1: width_mult must be > 0, got {width_mult}")
-
-    def w(ch: int) -> int:
-        return max(1, int(round(ch * width_mult)))
-
     b = _Builder(input_shape)
-    b.add("stem", nn.Sequential(nn.Conv2d(c, w(32), 3, padding=1, bias=False), nn.BatchNorm2d(w(32)), nn.ReLU()))
-    for i, (width, stride) in enumerate(_MOBILENET_CFG, start=1):
+    stem = _scaled(32, width)
+    b.add("stem", nn.Sequential(nn.Conv2d(c, stem, 3, padding=1, bias=False), _norm(norm, stem), nn.ReLU()))
+    for i, (ch, stride) in enumerate(_MOBILENET_CFG, start=1):
         st = stride if _can_downsample(b.shape) else 1
-        b.add(f"dw{i}", DepthwiseSeparable(b.channels, w(width), st))
+        b.add(f"dw{i}", DepthwiseSeparable(b.channels, _scaled(ch, width), st, norm))
     b.add("fc", _classifier(b.channels, num_classes, avgpool=True))
     return b.finish("mobilenet_v1", 2, input_shape, num_classes)
 
 
-def cnn1d(input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+def cnn1d(input_shape: tuple[int, ...], num_classes: int, *, width: float = 1.0, norm: str = "batch") -> SplitModel:
     """1-D CNN for sensor windows ``(channels, length)``, e.g. UCI HAR ``(9, 128)``:
-    conv64 k5 | conv128 k5 | conv128 k3 (each BN+ReLU+pool/2 while length > 1) |
+    conv64 k5 | conv128 k5 | conv128 k3 (each norm+ReLU+pool/2 while length > 1) |
     avgpool+fc100 | fc. Default split 1 (after the first conv)."""
     if len(input_shape) != 2:
         raise ValueError(
             f"model 'cnn1d' expects a sensor input shape (channels, length), got {input_shape!r}"
         )
     b = _Builder(input_shape)
-    for i, (width, k) in enumerate(((64, 5), (128, 5), (128, 3)), start=1):
+    for i, (ch, k) in enumerate(((64, 5), (128, 5), (128, 3)), start=1):
+        out = _scaled(ch, width)
         layers: dict[str, nn.Module] = {
-            "conv": nn.Conv1d(b.channels, width, k, padding=k // 2, bias=False),
-            "bn": nn.BatchNorm1d(width),
+            "conv": nn.Conv1d(b.channels, out, k, padding=k // 2, bias=False),
+            "bn": _norm(norm, out, dims=1),
             "relu": nn.ReLU(),
         }
         if _can_downsample(b.shape):
             layers["pool"] = nn.MaxPool1d(2)
         b.add(f"conv{i}", nn.Sequential(OrderedDict(layers)))
-    b.add("fc1", nn.Sequential(nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(b.channels, 100), nn.ReLU()))
-    b.add("fc", _classifier(100, num_classes, avgpool=False))
+    hidden = _scaled(100, width)
+    b.add("fc1", nn.Sequential(nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(b.channels, hidden), nn.ReLU()))
+    b.add("fc", _classifier(hidden, num_classes, avgpool=False))
     return b.finish("cnn1d", 1, input_shape, num_classes)
 
 
-_BUILDERS: dict[str, Callable[[tuple[int, ...], int], SplitModel]] = {
+_BUILDERS: dict[str, Callable[..., SplitModel]] = {
     "small_cnn": small_cnn,
     "resnet8": resnet8,
     "vgg_mini": vgg_mini,
@@ -447,15 +476,74 @@ _BUILDERS: dict[str, Callable[[tuple[int, ...], int], SplitModel]] = {
 
 MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet8", "vgg_mini", "vgg11", "vgg16", "alexnet", "mobilenet_v1", "cnn1d")
 
+_NATIVE_NORM = {"small_cnn": "none", "alexnet": "none"}   # models designed without normalisation
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A zoo model and its options, written as one string so it travels wherever a model name
+    does (run config, assignment, checkpoint): ``vgg16``, ``vgg16:width=0.25``,
+    ``resnet8:norm=group``, ``vgg11:width=0.5,norm=group``.
+
+    ``width`` multiplies every layer's channels (and hidden units): the knob that makes a
+    CPU-sized replica of a paper's model. ``norm`` picks the normalisation after each conv:
+    ``batch`` (BatchNorm, default for the models that have it), ``group`` (GroupNorm, whose
+    statistics are per sample, so averaging label-skewed agents' models cannot skew them) or
+    ``none``.
+    """
+
+    name: str
+    width: float = 1.0
+    norm: str | None = None   # None = the model's own (batch, or none for small_cnn/alexnet)
+
+    @classmethod
+    def parse(cls, spec: str) -> "ModelSpec":
+        """Parse ``name[:key=value,...]``; ``ValueError`` names the offending part."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"model must be a name like 'vgg16' or 'vgg16:width=0.25', got {spec!r}")
+        name, _, opts = spec.strip().partition(":")
+        if name not in _BUILDERS:
+            raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)}")
+        width, norm = 1.0, None
+        for part in filter(None, (p.strip() for p in opts.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise ValueError(f"model {spec!r}: option {part!r} is not key=value")
+            if key == "width":
+                try:
+                    width = float(value)
+                except ValueError:
+                    raise ValueError(f"model {spec!r}: width must be a number, got {value!r}") from None
+                if not 0 < width <= 8:
+                    raise ValueError(f"model {spec!r}: width must be in (0, 8], got {value}")
+            elif key == "norm":
+                if value not in NORMS:
+                    raise ValueError(f"model {spec!r}: norm must be one of {', '.join(NORMS)}, got {value!r}")
+                if name in _NATIVE_NORM and value != "none":
+                    raise ValueError(f"model {spec!r}: {name} has no normalisation layers to replace")
+                norm = value
+            else:
+                raise ValueError(f"model {spec!r}: unknown option {key!r} (options: width, norm)")
+        return cls(name, width, norm)
+
+    def __str__(self) -> str:
+        opts = ([f"width={self.width:g}"] if self.width != 1.0 else []) + ([f"norm={self.norm}"] if self.norm else [])
+        return self.name + (":" + ",".join(opts) if opts else "")
+
+
+def model_base_name(spec: str) -> str:
+    """``'vgg16:width=0.25'`` -> ``'vgg16'`` (what per-model tables such as candidate splits key on)."""
+    return ModelSpec.parse(spec).name
+
 
 def build_model(name: str, input_shape: Sequence[int], num_classes: int) -> SplitModel:
-    """Build model ``name`` for per-sample ``input_shape`` and ``num_classes`` outputs.
+    """Build model ``name`` (a zoo name or a :class:`ModelSpec` string) for per-sample
+    ``input_shape`` and ``num_classes`` outputs. The model's ``name`` is the canonical spec.
 
-    Raises ``ValueError`` for an unknown name (listing :data:`MODEL_NAMES`), a malformed
-    input shape, an input shape of the wrong rank for the model, or ``num_classes < 1``.
+    Raises ``ValueError`` for an unknown name (listing :data:`MODEL_NAMES`) or option, a
+    malformed input shape, an input shape of the wrong rank for the model, or ``num_classes < 1``.
     """
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)}")
+    spec = ModelSpec.parse(name)
     try:
         shape = tuple(int(d) for d in input_shape)
     except (TypeError, ValueError):
@@ -464,4 +552,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int) -> Spli
         raise ValueError(f"model {name!r}: input_shape must be positive ints, got {input_shape!r}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
         raise ValueError(f"model {name!r}: num_classes must be an int >= 1, got {num_classes!r}")
-    return _BUILDERS[name](shape, int(num_classes))
+    norm = spec.norm or _NATIVE_NORM.get(spec.name, "batch")
+    model = _BUILDERS[spec.name](shape, int(num_classes), width=spec.width, norm=norm)
+    model.name = str(spec)
+    return model

@@ -69,10 +69,11 @@ def candidate_splits(model_name: str, k: Optional[int] = None) -> tuple[int, ...
     candidate (for ``k >= 2``), so a smaller K still spans the whole shared part;
     ``k == 1`` gives the first (lightest) candidate.
     """
-    if model_name not in CANDIDATE_SPLITS:
+    base = model_name.partition(":")[0]   # a width/norm variant keeps its model's cuts
+    if base not in CANDIDATE_SPLITS:
         raise ValueError(f"no candidate splits for model {model_name!r}; known: {sorted(CANDIDATE_SPLITS)} "
                          f"(set s2fl.candidates in the run config)")
-    c = CANDIDATE_SPLITS[model_name]
+    c = CANDIDATE_SPLITS[base]
     if k is None:
         return c
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= len(c):
@@ -243,13 +244,15 @@ def median_rule(table: ClientTimeTable, agents: Sequence[str], candidates: Seque
 def estimate_round_time(cost: SplitCost, *, samples: int, compute_flops: float, uplink_bytes_per_s: float,
                         downlink_bytes_per_s: float, server_flops_per_s: float, latency_s: float = 0.0,
                         messages: int = 0, bytes_per_activation: Optional[float] = None,
-                        measured_compute_s_per_sample: Optional[float] = None) -> float:
+                        measured_compute_s_per_sample: Optional[float] = None, wire_ratio: float = 1.0) -> float:
     """S2FL Eq. 1 (docs/methods.md §3) for an (agent, split) never measured, via :func:`sfl_core.timing.agent_round_time`.
 
     ``T = (2|Wc| + 2·p·q) / R + F_c / Comp_c + F_s / Comp_s`` with the transfer split by
     direction: weights down and up (``client_param_bytes`` each way), activations up and
     gradients down (``samples · q`` each way; ``q`` = ``cost.activation_bytes`` at fp32, or
     ``bytes_per_activation`` for a compressed wire), plus ``messages`` one-way latencies.
+    ``wire_ratio`` (encoded / fp32 bytes, as measured on the wire) scales all of those bytes,
+    so an estimate charges what the virtual clock will charge for the real encoded messages.
     Client compute is ``measured_compute_s_per_sample · samples`` when the agent measured
     it (real devices rarely reach their nominal FLOP/s), else
     ``client_flops · samples / compute_flops``; server compute is
@@ -270,7 +273,9 @@ def estimate_round_time(cost: SplitCost, *, samples: int, compute_flops: float, 
         client_flops = measured_compute_s_per_sample * samples * compute_flops   # seconds x FLOP/s
     else:
         client_flops = cost.client_flops * samples
-    one_way = cost.client_param_bytes + samples * act
+    if not (isinstance(wire_ratio, numbers.Real) and math.isfinite(wire_ratio) and wire_ratio > 0):
+        raise ValueError(f"estimate_round_time: wire_ratio must be a finite number > 0, got {wire_ratio!r}")
+    one_way = (cost.client_param_bytes + samples * act) * wire_ratio
     t = agent_round_time(
         client_flops=client_flops, server_flops=cost.server_flops * samples,
         bytes_up=one_way, bytes_down=one_way,

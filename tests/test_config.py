@@ -232,7 +232,7 @@ def test_unknown_nested_key_has_full_path(tmp_path: Path):
     ("zstd_level", 23, "0 (no compression) to 22"),
     ("run", "a/b", "letters, digits"),
     ("server_flops", "nan", "a positive number"),
-    ("model", 3, "a non-empty string"),
+    ("model", 3, "a model name such as"),
 ])
 def test_wrong_type_or_range(key: str, value: object, expected: str):
     with pytest.raises(ConfigError) as e:

@@ -95,21 +95,27 @@ def test_fixed_widths_validated():
 
 # ------------------------------------------------------------------ BDKS class set
 def test_under_represented_classes_hand_example():
-    global_counts = [1000, 1000, 500, 200, 0, 300]
-    high = [600, 99, 50, 19, 0, 300]
-    # n_high < 0.1 * n_global: class 1 (99 < 100) and 3 (19 < 20); class 2 sits exactly at 10 %,
-    # class 4 is absent everywhere
-    assert under_represented_classes(high, global_counts) == [1, 3]
-    assert under_represented_classes(high, global_counts, theta=0.5) == [1, 2, 3]
+    """HeteroSFL §4.2: a class is under-represented when its share of the high group's data is
+    below θ times its share of the global data (label proportions)."""
+    global_counts = [400, 400, 100, 100, 0]                  # shares .4 .4 .1 .1 0
+    high = [200, 193, 3, 4, 0]                               # shares .5 .4825 .0075 .01 0
+    # 0.0075 < 0.1 * 0.1; class 3 sits exactly at 10 % of its global share; class 4 is absent everywhere
+    assert under_represented_classes(high, global_counts) == [2]
+    assert under_represented_classes(high, global_counts, theta=0.5) == [2, 3]
     assert under_represented_classes(high, global_counts, theta=0.0) == []
+    assert under_represented_classes([0] * 5, global_counts) == [0, 1, 2, 3]   # a group without data lacks all
 
 
-def test_under_represented_classes_relative_variant():
-    global_counts = [1000, 1000]
-    high = [300, 25]       # 2.5 % of class 1's samples, but 25/325 = 7.7 % of the group vs 50 % global
-    assert under_represented_classes(high, global_counts) == [1]
-    assert under_represented_classes(high, global_counts, relative=True) == []
-    assert under_represented_classes(high, global_counts, theta=0.2, relative=True) == [1]
+def test_under_represented_classes_compare_shares_not_counts():
+    """The paper calls R "a subset of minority classes in high-end group": a group that holds
+    a small part of all data but over-represents classes 0 and 1 must not have them in R, as the
+    absolute reading (group count < θ x global count) would have it. Proportions do not change
+    when the population grows around the group."""
+    high = [200, 193, 3, 4]
+    for scale in (1, 10, 100):
+        assert under_represented_classes(high, [400 * scale, 400 * scale, 100 * scale, 100 * scale]) == [2]
+    assert under_represented_classes(high, [4000, 4000, 1000, 1000], relative=False) == [0, 1, 2, 3]
+    assert under_represented_classes(high, [400, 400, 100, 100], relative=False) == [2, 3]
 
 
 def test_under_represented_classes_validation():

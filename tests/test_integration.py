@@ -254,8 +254,8 @@ def test_mergesfl_regulated_batches_over_mosquitto(mosquitto, tmp_path):
     assert last["a0"]["batch_size"] < last["a2"]["batch_size"] == 32, last
     assert last["a0"]["lr"] < last["a2"]["lr"]
     state = json.loads((tmp_path / "out" / "state.json").read_text())
-    assert set(state["merge_states"]) == {"a0", "a1", "a2"}
-    assert all(mu > 0 and beta > 0 for mu, beta in state["merge_states"].values())
+    assert set(state["merge_states"]["agents"]) == {"a0", "a1", "a2"}
+    assert all(mu > 0 and beta > 0 and fixed > 0 for mu, beta, fixed in state["merge_states"]["agents"].values())
 
 
 def test_labels_withheld_over_mosquitto(mosquitto, tmp_path):

@@ -1,0 +1,367 @@
+"""The four papers' headline settings, run through the product's engine: which method reaches
+accuracy first in each paper's own setting, and by how much.
+
+    python bench/paper.py heterosfl                  # CPU replica (default), 2 seeds
+    python bench/paper.py s2fl --settings a=0.5      # one setting
+    python bench/paper.py fedfc --full --device cuda # the papers' model sizes (GPU machine)
+    python bench/paper.py mergesfl --quick           # smoke test (numbers not meaningful)
+
+Each paper is one YAML file in ``bench/configs/<paper>.yaml``: the paper's run config at full
+size (``base``), the settings (data partitions, link ratios) and methods it compares, the
+published numbers, and the CPU replica's departures. Everything runs in ``simulate`` (the same
+round engine as ``serve``, in-process agents, virtual clock): real training on real data, time
+from the time model with each agent's profile and its real encoded bytes.
+
+**CPU replica, same regime.** ``--full`` runs the paper's model; the default narrows every layer
+by ``replica.width`` (``vgg16:width=0.125``) so it trains on 2 cores. Narrowing divides the
+model's FLOPs by about width² and its activation bytes by width, which would change what the
+mechanisms react to, so every device profile is scaled too: FLOP/s (devices and server) by the
+FLOPs factor and link rates by the activation-bytes factor. Each device's compute/transfer
+balance is then the full model's; weight transfer shrinks by width² and so weighs a little less
+than at full size (stated in each result). The factors are in the JSON; virtual seconds are
+the replica's, not the full model's.
+
+Reported per setting and method: final accuracy (mean of the last 3 evaluations; mean ± std
+over seeds), best accuracy, rounds and virtual seconds to a target accuracy (the paper's kind:
+``target.fraction`` x the lowest best accuracy among the methods that must reach it), and the
+speedup against each baseline the paper names. Results: ``bench/results/paper-<name>.json``
+and a PNG of accuracy against virtual time and against rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import common  # noqa: E402  (puts the repo root on sys.path)
+
+from coordinator.cli import simulate_run  # noqa: E402
+from sfl_core.accounting import model_costs  # noqa: E402
+from sfl_core.config import load_profile, run_config_from_dict  # noqa: E402
+from sfl_core.models import ModelSpec  # noqa: E402
+
+CONFIG_DIR = common.BENCH_DIR / "configs"
+PAPERS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+# --------------------------------------------------------------------------- config assembly
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, mappings merged key by key (lists and scalars replaced)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def input_shape(base: dict[str, Any]) -> tuple[int, int, int]:
+    size = base["data"].get("image_size") or 28
+    return (1, size, size)
+
+
+def scale_factors(full_model: str, replica_model: str, shape: tuple[int, ...], split: int) -> dict[str, float]:
+    """How much the replica shrank: whole-model FLOPs, activation bytes at ``split``, client weights."""
+    full, rep = model_costs(full_model, shape, 10), model_costs(replica_model, shape, 10)
+    whole = max(full)
+    return {"flops": rep[whole].client_flops / full[whole].client_flops,
+            "activation_bytes": rep[split].activation_bytes / full[split].activation_bytes,
+            "weight_bytes": rep[whole].client_param_bytes / full[whole].client_param_bytes}
+
+
+def scaled_profile(name: str, factors: dict[str, float], out_dir: Path,
+                   capacity: list[dict[str, Any]] | None = None) -> str:
+    """A copy of profile ``name`` with FLOP/s and link rates scaled (and, for time-varying
+    fleets, a capacity schedule); returns its path."""
+    p = load_profile(name)
+    doc = {"name": p.name, "compute_flops": p.compute_flops * factors["flops"],
+           "link_bytes_per_s": p.link_bytes_per_s * factors["activation_bytes"],
+           "downlink_bytes_per_s": p.downlink_bytes_per_s * factors["activation_bytes"],
+           "latency_s": p.latency_s,
+           "description": p.description + (" (scaled for a CPU replica)" if factors["flops"] != 1 else ""),
+           "source": f"{name} x flops {factors['flops']:.4g}, links x {factors['activation_bytes']:.4g}"}
+    if capacity or p.capacity:
+        doc["capacity"] = capacity or [{"from_round": r, "compute": c, "link": l} for r, c, l in p.capacity]
+    path = out_dir / f"{p.name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
+def ordered_fleet(fleet: list[dict[str, Any]], correlate: dict[str, Any] | None, data: dict[str, Any],
+                  labels: Any) -> list[dict[str, Any]]:
+    """System-induced skew (HeteroSFL, after Maeng et al. 2022): put agents whose shards share
+    dominant classes on the same device class, by ordering the fleet (agent i gets shard i)."""
+    if not correlate:
+        return fleet
+    from sfl_core.partition import partition_indices
+    import numpy as np
+    profiles = [e["profile"] for e in fleet for _ in range(e["count"])]
+    shards = partition_indices(labels, len(profiles), data["partition"], alpha=data.get("alpha", 0.5),
+                               seed=data.get("seed", 0), num_classes=10)
+    # sort shards by their label mean: similar label mixes become neighbours, then deal device
+    # classes out in fleet order, so each class holds a contiguous band of the label space
+    order = sorted(range(len(shards)), key=lambda i: float(np.mean(labels[shards[i]])) if len(shards[i]) else 0.0)
+    slot = {agent: profiles[rank] for rank, agent in enumerate(order)}
+    return [{"profile": slot[i], "count": 1} for i in range(len(profiles))]
+
+
+def build_config(spec: dict[str, Any], setting: str, method: str, seed: int, args: Any,
+                 factors: dict[str, float] | None, work: Path, labels: Any) -> dict[str, Any]:
+    base = deep_merge(spec["base"], {} if args.full else spec["replica"].get("overrides", {}))
+    cfg = deep_merge(deep_merge(base, spec["settings"][setting] or {}), spec["methods"][method] or {})
+    cfg.pop("correlate", None)
+    model = cfg["model"] if args.full else str(ModelSpec(ModelSpec.parse(cfg["model"]).name,
+                                                         spec["replica"]["width"],
+                                                         ModelSpec.parse(cfg["model"]).norm))
+    cfg["model"] = model
+    if args.rounds:
+        cfg["rounds"] = args.rounds
+    fleet = ordered_fleet(cfg["fleet"], deep_merge(spec["base"], spec["settings"][setting] or {}).get("correlate"),
+                          cfg["data"], labels)
+    # profile copies (scaled for a replica, with the setting's capacity schedules); a copy keeps
+    # its profile's name, so profile_splits still match
+    f = factors or {"flops": 1.0, "activation_bytes": 1.0}
+    capacity = cfg.pop("capacity", None) or {}
+    prof_dir = work / f"profiles-{setting}".replace(" ", "_").replace("/", "_")
+    prof_dir.mkdir(parents=True, exist_ok=True)
+    fleet = [{**e, "profile": scaled_profile(e["profile"], f, prof_dir, capacity.get(e["profile"]))} for e in fleet]
+    cfg["server_flops"] = float(cfg.get("server_flops", 5e10)) * f["flops"]
+    cfg["fleet"] = fleet
+    shape, costs = input_shape(cfg), model_costs(model, input_shape(cfg), 10)
+    if cfg.get("split") == "fastest":        # the best fixed split: lowest round time by the time model
+        cfg["split"] = fastest_split(cfg, costs)
+    reduce = (cfg.get("hetero") or {}).pop("reduce", None)
+    if reduce:                               # bottleneck widths as data reductions of the full width p̄
+        full = costs[cfg["split"]].activation_shape[0]
+        cfg["hetero"].update(width=full, widths=[max(1, full // r) for r in reduce])
+    cfg["data"] = {**cfg["data"], "seed": seed, "root": args.root, "dataset": args.dataset}
+    cfg.update(run=f"paper-{args.paper}", seed=seed, output_dir=str(work / run_dir_name(setting, method, seed)))
+    if args.quick:
+        cfg.update(rounds=2, local_iters=1, eval_samples=200)
+    return cfg
+
+
+def run_dir_name(setting: str, method: str, seed: int) -> str:
+    return f"{setting}-{method}-s{seed}".replace(" ", "_").replace("/", "_")
+
+
+def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], methods: list[str]
+                     ) -> dict[str, dict[str, list[list[dict[str, Any]]]]]:
+    """Rebuild the curves from the run directories a (possibly interrupted) bench left in ``work``."""
+    from coordinator.state import read_metrics
+    curves: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
+    for setting in settings:
+        for method in methods:
+            runs = []
+            for seed in range(100):
+                d = work / run_dir_name(setting, method, seed)
+                if not (d / "metrics.jsonl").is_file():
+                    break
+                recs = read_metrics(d)
+                if recs and recs[-1]["round"] >= 1:
+                    runs.append([{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")}
+                                 for r in recs])
+            if runs:
+                n = min(len(r) for r in runs)       # an interrupted run counts up to where all seeds got
+                curves.setdefault(setting, {})[method] = [r[:n] for r in runs]
+    return curves
+
+
+def fastest_split(cfg: dict[str, Any], costs: dict[int, Any]) -> int:
+    """The candidate split whose synchronous round (slowest agent) is shortest for this fleet."""
+    from sfl_core.sliding_split import candidate_splits, estimate_round_time
+    cands = (cfg.get("s2fl") or {}).get("candidates") or candidate_splits(cfg["model"])
+    samples = cfg.get("batch_size", 32) * cfg.get("local_iters", 10)
+    profiles = [load_profile(e["profile"]) for e in cfg["fleet"]]
+
+    def round_time(s: int) -> float:
+        return max(estimate_round_time(costs[s], samples=samples, compute_flops=p.compute_flops,
+                                       uplink_bytes_per_s=p.link_bytes_per_s,
+                                       downlink_bytes_per_s=p.downlink_bytes_per_s,
+                                       server_flops_per_s=cfg["server_flops"]) for p in profiles)
+    return min(cands, key=round_time)
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def time_to(history: list[dict[str, Any]], target: float, key: str) -> float | None:
+    for rec in history:
+        if rec["accuracy"] >= target:
+            return rec[key]
+    return None
+
+
+def mean_or_none(values: list[float | None]) -> float | None:
+    return statistics.mean(values) if values and all(v is not None for v in values) else None
+
+
+def summarise(spec: dict[str, Any], curves: dict[str, dict[str, list[list[dict[str, Any]]]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    frac = spec.get("target", {}).get("fraction", 0.95)
+    for setting, by_method in curves.items():
+        best = {m: max(statistics.mean(run[i]["accuracy"] for run in runs) for i in range(min(map(len, runs))))
+                for m, runs in by_method.items()}
+        must = [m for m in spec.get("target", {}).get("methods", list(by_method)) if m in best] or list(best)
+        target = frac * min(best[m] for m in must)
+        rows = {}
+        for m, runs in by_method.items():
+            finals = [statistics.mean(r["accuracy"] for r in run[-3:]) for run in runs]
+            rows[m] = {"final_accuracy_mean": statistics.mean(finals),
+                       "final_accuracy_std": statistics.pstdev(finals) if len(finals) > 1 else 0.0,
+                       "best_accuracy_mean": best[m],
+                       "rounds_to_target": [time_to(run, target, "round") for run in runs],
+                       "time_to_target_s": [time_to(run, target, "elapsed_s") for run in runs],
+                       "round_time_s_mean": statistics.mean(
+                           (run[-1]["elapsed_s"] / max(1, run[-1]["round"])) for run in runs),
+                       "bytes_per_round_mean": statistics.mean(
+                           sum(r["bytes_up"] + r["bytes_down"] for r in run) / max(1, run[-1]["round"]) for run in runs)}
+            rows[m]["time_to_target_mean_s"] = mean_or_none(rows[m]["time_to_target_s"])
+            rows[m]["rounds_to_target_mean"] = mean_or_none(rows[m]["rounds_to_target"])
+        for m, row in rows.items():
+            for base in spec.get("baselines", []):
+                ref = rows.get(base, {}).get("time_to_target_mean_s")
+                mine = row["time_to_target_mean_s"]
+                row[f"speedup_vs_{base}"] = (ref / mine) if ref and mine else None
+                ref_r = rows.get(base, {}).get("round_time_s_mean")
+                row[f"per_round_speedup_vs_{base}"] = (ref_r / row["round_time_s_mean"]) if ref_r else None
+        out[setting] = {"target_accuracy": target, "methods": rows}
+    return out
+
+
+def print_summary(spec: dict[str, Any], summary: dict[str, Any], caption: str) -> None:
+    bases = spec.get("baselines", [])
+    rows = []
+    for setting, s in summary.items():
+        for m, r in s["methods"].items():
+            rows.append([setting, m,
+                         f"{100 * r['final_accuracy_mean']:.2f} ± {100 * r['final_accuracy_std']:.2f}",
+                         f"{100 * s['target_accuracy']:.1f}", common.fmt(r["rounds_to_target_mean"]),
+                         common.fmt(r["time_to_target_mean_s"]),
+                         *[common.fmt(r.get(f"speedup_vs_{b}")) for b in bases],
+                         *[common.fmt(r.get(f"per_round_speedup_vs_{b}")) for b in bases],
+                         str(spec.get("published", {}).get(m, ""))])
+    common.print_table(f"{spec['title']}", ["setting", "method", "acc %", "target %", "rounds@t", "t@target s",
+                                            *[f"× vs {b}" for b in bases], *[f"×/round vs {b}" for b in bases],
+                                            "paper"], rows, caption=caption)
+
+
+def plot(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(2, len(curves), figsize=(5 * len(curves), 7.5), squeeze=False)
+    for col, (setting, by_method) in enumerate(curves.items()):
+        for m, runs in by_method.items():
+            n = min(len(r) for r in runs)
+            acc = [statistics.mean(r[i]["accuracy"] for r in runs) for i in range(n)]
+            axes[0][col].plot([statistics.mean(r[i]["elapsed_s"] for r in runs) for i in range(n)], acc, label=m)
+            axes[1][col].plot([runs[0][i]["round"] for i in range(n)], acc, label=m)
+        axes[0][col].set_title(setting)
+        axes[0][col].set_xlabel("virtual time (s)")
+        axes[1][col].set_xlabel("round")
+        for ax in axes[:, col]:
+            ax.set_ylabel("test accuracy")
+            ax.grid(alpha=0.3)
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = common.base_parser(__doc__)
+    p.add_argument("paper", choices=PAPERS, help="which paper's setting (bench/configs/<paper>.yaml)")
+    p.add_argument("--full", action="store_true", help="the paper's model at full size (GPU machine)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=None, help="override the horizon")
+    p.add_argument("--settings", nargs="*", default=None)
+    p.add_argument("--methods", nargs="*", default=None)
+    p.add_argument("--work", type=Path, default=None, help="run directories (default /tmp/sfl-paper-<paper>)")
+    p.add_argument("--tag", default="", help="suffix of the result file (for runs split over processes)")
+    p.add_argument("--merge", nargs="*", type=Path, default=None,
+                   help="instead of running, combine the curves of these result files into one report")
+    p.add_argument("--from-runs", action="store_true",
+                   help="instead of running, rebuild the report from the run directories under --work "
+                        "(finished seeds of an interrupted bench)")
+    args = p.parse_args(argv)
+    spec = yaml.safe_load((CONFIG_DIR / f"{args.paper}.yaml").read_text())
+    settings = args.settings or list(spec["settings"])
+    methods = args.methods or list(spec["methods"])
+    for name, known in (("setting", spec["settings"]), ("method", spec["methods"])):
+        bad = [x for x in (settings if name == "setting" else methods) if x not in known]
+        if bad:
+            raise SystemExit(f"unknown {name}(s) {bad}; {args.paper} has {list(known)}")
+    if args.quick:
+        args.seeds, settings, methods = 1, settings[:1], methods[:2]
+    common.apply_threads(args)
+    spec_data = args.data
+    args.dataset, args.root = ("fashion-mnist", spec_data) if Path(spec_data).is_dir() else (spec_data, None)
+    if "mnist" in str(spec_data).lower() and "fashion" not in str(spec_data).lower():
+        args.dataset = "mnist"
+    work = args.work or Path(f"/tmp/sfl-paper-{args.paper}{'-full' if args.full else ''}")
+    base = spec["base"]
+    shape = input_shape(base)
+    replica_model = str(ModelSpec(ModelSpec.parse(base["model"]).name, spec["replica"]["width"],
+                                  ModelSpec.parse(base["model"]).norm))
+    factors = None if args.full else scale_factors(base["model"], replica_model, shape, spec["replica"]["split"])
+    labels = common.load_data(spec_data).y_train.numpy()
+    curves: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
+    t_start = time.time()
+    if args.from_runs:
+        curves = curves_from_runs(spec, work, settings, methods)
+    elif args.merge:
+        for f in args.merge:
+            for setting, by_method in json.loads(f.read_text())["curves"].items():
+                curves.setdefault(setting, {}).update(by_method)
+        curves = {s: {m: curves[s][m] for m in spec["methods"] if m in curves[s]} for s in spec["settings"] if s in curves}
+    else:
+        for setting in settings:
+            curves[setting] = {}
+            for method in methods:
+                runs = []
+                for seed in range(args.seeds):
+                    t0 = time.time()
+                    cfg = run_config_from_dict(build_config(spec, setting, method, seed, args, factors, work, labels))
+                    history, _ = simulate_run(cfg, device=args.device, quiet=True)
+                    runs.append([{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")}
+                                 for r in history])
+                    print(f"{setting:>10} {method:>16} seed {seed}: acc {history[-1]['accuracy']:.4f}  virtual "
+                          f"{history[-1]['elapsed_s']:.0f} s  ({time.time() - t0:.0f} s wall)", flush=True)
+                curves[setting][method] = runs
+    summary = summarise(spec, curves)
+    scale = ("full size" if args.full else
+             f"CPU replica {replica_model}: device FLOP/s x {factors['flops']:.3g}, links x "
+             f"{factors['activation_bytes']:.3g} (weights shrank x {factors['weight_bytes']:.3g})")
+    print_summary(spec, summary, caption=f"{scale}; {args.seeds} seed(s); wall {time.time() - t_start:.0f} s")
+    payload = {"paper": args.paper, "title": spec["title"], "reference": spec["reference"],
+               "scale": {"full": args.full, "model": base["model"] if args.full else replica_model,
+                         "factors": factors},
+               "published": spec.get("published", {}), "departures": spec.get("departures", []),
+               "config": common.config_record(args), "spec": spec, "summary": summary, "curves": curves}
+    name = f"paper-{args.paper}" + ("-full" if args.full else "") + ("-quick" if args.quick else "") + \
+        (f"-{args.tag}" if args.tag else "")
+    from coordinator.server_trainer import pick_device
+    path = common.write_result(args.out, name, payload, pick_device(args.device))
+    plot(curves, args.out / f"{name}.png")
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
