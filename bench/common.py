@@ -232,8 +232,10 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], args: argparse.Names
     return [fn(j) for j in jobs]
 
 
-def plot_accuracy_vs_time(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path) -> None:
-    """One panel per setting, one line per method: seed-mean accuracy against virtual time."""
+def plot_accuracy_vs_time(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path,
+                          by_round: bool = False) -> None:
+    """One column per setting, one line per method: seed-mean accuracy against virtual time
+    (and, with ``by_round``, a second row against rounds, so convergence shows apart from speed)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -241,16 +243,22 @@ def plot_accuracy_vs_time(curves: dict[str, dict[str, list[list[dict[str, Any]]]
     except ImportError:
         print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
-    for ax, (setting, by_method) in zip(axes[0], curves.items()):
+    rows = 2 if by_round else 1
+    fig, axes = plt.subplots(rows, len(curves), figsize=(5 * len(curves), 3.75 * rows + 0.25), squeeze=False)
+    for col, (setting, by_method) in enumerate(curves.items()):
         for m, runs in by_method.items():
             n = min(len(r) for r in runs)
-            ax.plot([statistics.mean(r[i]["elapsed_s"] for r in runs) for i in range(n)],
-                    [statistics.mean(r[i]["accuracy"] for r in runs) for i in range(n)], label=m)
-        ax.set_title(setting)
-        ax.set_xlabel("virtual time (s)")
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
+            acc = [statistics.mean(r[i]["accuracy"] for r in runs) for i in range(n)]
+            axes[0][col].plot([statistics.mean(r[i]["elapsed_s"] for r in runs) for i in range(n)], acc, label=m)
+            if by_round:
+                axes[1][col].plot([runs[0][i]["round"] for i in range(n)], acc, label=m)
+        axes[0][col].set_title(setting)
+        axes[0][col].set_xlabel("virtual time (s)")
+        if by_round:
+            axes[1][col].set_xlabel("round")
+        for ax in axes[:, col]:
+            ax.set_ylabel("test accuracy")
+            ax.grid(alpha=0.3)
+        axes[0][col].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)

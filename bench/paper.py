@@ -34,7 +34,6 @@ import copy
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -118,9 +117,9 @@ def build_config(spec: dict[str, Any], setting: str, method: str, seed: int, arg
     base = deep_merge(spec["base"], {} if args.full else spec["replica"].get("overrides", {}))
     cfg = deep_merge(deep_merge(base, spec["settings"][setting] or {}), spec["methods"][method] or {})
     cfg.pop("correlate", None)
-    model = cfg["model"] if args.full else str(ModelSpec(ModelSpec.parse(cfg["model"]).name,
-                                                         spec["replica"]["width"],
-                                                         ModelSpec.parse(cfg["model"]).norm))
+    parsed = ModelSpec.parse(cfg["model"])
+    norm = args.norm or parsed.norm
+    model = str(ModelSpec(parsed.name, parsed.width if args.full else spec["replica"]["width"], norm))
     cfg["model"] = model
     if args.rounds:
         cfg["rounds"] = args.rounds
@@ -254,30 +253,29 @@ def print_summary(spec: dict[str, Any], summary: dict[str, Any], caption: str) -
                                             "paper"], rows, caption=caption)
 
 
-def plot(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(2, len(curves), figsize=(5 * len(curves), 7.5), squeeze=False)
-    for col, (setting, by_method) in enumerate(curves.items()):
-        for m, runs in by_method.items():
-            n = min(len(r) for r in runs)
-            acc = [statistics.mean(r[i]["accuracy"] for r in runs) for i in range(n)]
-            axes[0][col].plot([statistics.mean(r[i]["elapsed_s"] for r in runs) for i in range(n)], acc, label=m)
-            axes[1][col].plot([runs[0][i]["round"] for i in range(n)], acc, label=m)
-        axes[0][col].set_title(setting)
-        axes[0][col].set_xlabel("virtual time (s)")
-        axes[1][col].set_xlabel("round")
-        for ax in axes[:, col]:
-            ax.set_ylabel("test accuracy")
-            ax.grid(alpha=0.3)
-        axes[0][col].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+def dash(v: Any) -> str:
+    return "—" if v is None else common.fmt(v)
+
+
+def markdown_summary(spec: dict[str, Any], summary: dict[str, Any], caption: str) -> str:
+    """The summary as Markdown tables, one per setting (what the README quotes, regenerated
+    with every run rather than copied by hand)."""
+    bases = spec.get("baselines", [])
+    lines = [f"**{spec['title']}** — {caption}", ""]
+    for setting, s in summary.items():
+        lines += [f"*{setting}* (target {100 * s['target_accuracy']:.1f} %)", "",
+                  "| method | final acc % | rounds to target | virtual s to target | "
+                  + " | ".join(f"× vs {b}" for b in bases) + " |",
+                  "|---" * (4 + len(bases)) + "|"]
+        for m, r in s["methods"].items():
+            rounds = [x for x in r["rounds_to_target"] if x is not None]
+            reached = f"{common.fmt(r['rounds_to_target_mean'])}" if r["rounds_to_target_mean"] is not None else \
+                f"not reached ({len(rounds)}/{len(r['rounds_to_target'])} seeds)"
+            lines.append(f"| {m} | {100 * r['final_accuracy_mean']:.1f} ± {100 * r['final_accuracy_std']:.1f} | "
+                         f"{reached} | {dash(r['time_to_target_mean_s'])} | "
+                         + " | ".join(dash(r.get(f"speedup_vs_{b}")) for b in bases) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -290,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="auto")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--rounds", type=int, default=None, help="override the horizon")
+    p.add_argument("--norm", choices=["batch", "group", "none"], default=None,
+                   help="normalisation layers of every method's model (default: the config's)")
     p.add_argument("--settings", nargs="*", default=None)
     p.add_argument("--methods", nargs="*", default=None)
     p.add_argument("--work", type=Path, default=None, help="run directories (default /tmp/sfl-paper-<paper>)")
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = spec["base"]
     shape = input_shape(base)
     replica_model = str(ModelSpec(ModelSpec.parse(base["model"]).name, spec["replica"]["width"],
-                                  ModelSpec.parse(base["model"]).norm))
+                                  args.norm or ModelSpec.parse(base["model"]).norm))
     factors = None if args.full else scale_factors(base["model"], replica_model, shape, spec["replica"]["split"])
     labels = common.load_data(spec_data).y_train.numpy()
     curves: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
@@ -327,8 +327,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         curves = curves_from_runs(spec, work, settings, methods)
     elif args.merge:
         for f in args.merge:
-            for setting, by_method in json.loads(f.read_text())["curves"].items():
+            merged = json.loads(f.read_text())
+            for setting, by_method in merged["curves"].items():
                 curves.setdefault(setting, {}).update(by_method)
+            # the merged runs' model and factors, not today's config's
+            replica_model, factors = merged["scale"]["model"], merged["scale"]["factors"] or factors
         curves = {s: {m: curves[s][m] for m in spec["methods"] if m in curves[s]} for s in spec["settings"] if s in curves}
     else:
         for setting in settings:
@@ -348,7 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scale = ("full size" if args.full else
              f"CPU replica {replica_model}: device FLOP/s x {factors['flops']:.3g}, links x "
              f"{factors['activation_bytes']:.3g} (weights shrank x {factors['weight_bytes']:.3g})")
-    print_summary(spec, summary, caption=f"{scale}; {args.seeds} seed(s); wall {time.time() - t_start:.0f} s")
+    seeds = max((len(runs) for by_method in curves.values() for runs in by_method.values()), default=0)
+    caption = f"{scale}; {seeds} seed(s); wall {time.time() - t_start:.0f} s"
+    print_summary(spec, summary, caption=caption)
     payload = {"paper": args.paper, "title": spec["title"], "reference": spec["reference"],
                "scale": {"full": args.full, "model": base["model"] if args.full else replica_model,
                          "factors": factors},
@@ -358,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (f"-{args.tag}" if args.tag else "")
     from coordinator.server_trainer import pick_device
     path = common.write_result(args.out, name, payload, pick_device(args.device))
-    plot(curves, args.out / f"{name}.png")
+    common.plot_accuracy_vs_time(curves, args.out / f"{name}.png", by_round=True)
+    (args.out / f"{name}.md").write_text(markdown_summary(spec, summary, caption.split("; wall")[0]))
     print(f"wrote {path}")
     return payload
 

@@ -11,14 +11,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("paper", ["fedfc", "heterosfl", "mergesfl", "s2fl"])
+@pytest.mark.parametrize("paper", ["fedfc", "heterosfl", "mergesfl", "noniid", "s2fl"])
 def test_paper_bench_quick(tmp_path, paper):
     out = subprocess.run([sys.executable, "bench/paper.py", paper, "--quick", "--data", "digits", "--out", str(tmp_path),
                           "--work", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     doc = json.loads((tmp_path / f"paper-{paper}-quick.json").read_text())
-    assert doc["scale"]["full"] is False and 0 < doc["scale"]["factors"]["flops"] < 1
+    # every replica but noniid's (whose model is already small) is narrower than the paper's model
+    assert doc["scale"]["full"] is False and 0 < doc["scale"]["factors"]["flops"] <= 1
+    assert (doc["scale"]["factors"]["flops"] < 1) == (paper != "noniid")
     (setting, summary), = doc["summary"].items()
+    # the Markdown table the README quotes is written beside the JSON
+    assert f"*{setting}*" in (tmp_path / f"paper-{paper}-quick.md").read_text()
     assert len(summary["methods"]) == 2
     for m in summary["methods"].values():
         assert 0.0 <= m["final_accuracy_mean"] <= 1.0 and m["round_time_s_mean"] > 0
