@@ -65,6 +65,13 @@ def _load(config: Path, rounds: Optional[int], output: Optional[Path], data: Opt
         cfg = dataclasses.replace(cfg, output_dir=str(output))
     if data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(data)))
+    try:    # read the data set now, so a wrong path names where it came from (cached for the run)
+        load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+    except DatasetError as exc:
+        field = "data.image_size" if str(exc).startswith("image_size") else "data.root"
+        where = "--data" if data is not None and field == "data.root" else f"{config}: field '{field}'"
+        _say(f"{where}: {exc}")
+        raise typer.Exit(2)
     return cfg
 
 
@@ -185,7 +192,8 @@ def serve_run(cfg: RunConfig, broker: "Optional[str | BrokerAddress]", *, resume
         with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
             engine = RoundEngine(cfg, transport, WallClock(), (data.x_test, data.y_test),
                                  input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                                 device=pick_device(device), on_event=display, checkpoint=checkpoint)
+                                 device=pick_device(device), on_event=display, checkpoint=checkpoint,
+                                 preprocessing=data.preprocessing)
             history = engine.run()
         finished = True
         rejected = engine.rejected_totals()
@@ -300,7 +308,8 @@ def simulate_run(cfg: RunConfig, *, resume: bool = False, device: str = "auto",
     with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
         engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                             device=dev, on_event=display, checkpoint=checkpoint)
+                             device=dev, on_event=display, checkpoint=checkpoint,
+                             preprocessing=data.preprocessing)
         history = engine.run()
     return history, engine
 

@@ -94,9 +94,12 @@ class RoundEngine:
     def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
                  device: torch.device | str = "cpu", on_event: Optional[Event] = None,
-                 checkpoint: Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]] = None):
+                 checkpoint: Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]] = None,
+                 preprocessing: Optional[dict[str, Any]] = None):
         """``checkpoint``: what :func:`coordinator.state.load` read from ``out_dir``, to resume
-        after its round (load it before starting anything, so a bad file stops nothing)."""
+        after its round (load it before starting anything, so a bad file stops nothing).
+        ``preprocessing``: the data set's (``Dataset.preprocessing``), kept with the model."""
+        self.preprocessing = preprocessing
         self.cfg = cfg
         self.transport = transport
         self.clock = clock
@@ -566,7 +569,7 @@ class RoundEngine:
             "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates),
             "wire_ratio": dict(self.planner.wire_ratio),
             "merge_states": self.merge.to_json(),
-            "model_info": describe_model(self.model, self.cfg.data.dataset)})  # lets `sfl-coord export` rebuild it
+            "model_info": describe_model(self.model, self.cfg.data.dataset, self.preprocessing)})  # lets `sfl-coord export` rebuild it
         self.on_event("round_end", record)
         return record
 
