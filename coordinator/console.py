@@ -58,19 +58,26 @@ class RunDisplay:
 
 
 def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
-    """Accuracy, time and bytes: the numbers a user compares runs by."""
-    title = "run summary"
+    """Accuracy, time and bytes: the numbers a user compares runs by. Per-agent seconds come
+    from the run's clock: measured in a deployment, the time model's in a simulation (never the
+    simulating host's, which says nothing about the devices)."""
+    title, clock = "run summary", "wall"
     if history:
         last = history[-1]
+        clock = last["clock"]
         title = (f"final accuracy {last['accuracy']:.4f} after {last['round']} rounds, "
-                 f"{last['elapsed_s']:.1f} s ({last['clock']} clock)")
-    table = Table(title=title)
-    for col in ("agent", "profile", "last assignment", "rounds", "compute s", "bytes up", "bytes down"):
+                 f"{last['elapsed_s']:.1f} s ({clock} clock)")
+    caption = ("seconds from the time model (device profiles, real bytes); not this host's time"
+               if clock == "virtual" else "seconds as measured")
+    table = Table(title=title, caption=caption)
+    for col in ("agent", "profile", "last assignment", "rounds", "compute s", "transfer s", "waiting s",
+                "bytes up", "bytes down"):
         table.add_column(col, justify="right" if col not in ("agent", "profile", "last assignment") else "left")
     last_round = history[-1].get("agents", {}) if history else {}
     for a in sorted(registry.agents.values(), key=lambda i: i.index):
         table.add_row(a.agent_id, str(a.profile.get("name", "?")), _assignment(last_round.get(a.agent_id)),
-                      str(a.rounds), f"{a.compute_s:.2f}", _mb(a.bytes_up), _mb(a.bytes_down))
+                      str(a.rounds), f"{a.client_s:.2f}", f"{a.transfer_s:.2f}", f"{a.wait_s:.2f}",
+                      _mb(a.bytes_up), _mb(a.bytes_down))
     return table
 
 

@@ -540,11 +540,21 @@ class RoundEngine:
             info.bytes_up += ra.bytes_up
             info.bytes_down += ra.bytes_down
             info.compute_s += ra.compute_s
-            per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4), "bytes_up": ra.bytes_up,
+            # compute_s: as the agent reported it (host time in a simulation); client_s and
+            # transfer_s: by the run's clock (the time model in a simulation)
+            per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4),
+                            "client_s": round(parts.client_compute_s, 4), "transfer_s": round(parts.transfer_s, 4),
+                            "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
                             "width": ra.assignment.width, "codec": ra.assignment.codec,
                             "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
                             "labels_withheld": ra.labels_withheld}
+        slowest = max(times.values(), default=0.0)
+        for a in done:
+            info, row = self.registry.agents[a], per_agent[a]
+            info.client_s += row["client_s"]
+            info.transfer_s += row["transfer_s"]
+            info.wait_s += slowest - times[a]
         self.planner.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
