@@ -27,7 +27,7 @@ from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, a
 
 from coordinator import state as ckpt
 from coordinator.clock import VirtualClock, WallClock
-from coordinator.console import RunDisplay, summary_table
+from coordinator.console import RunDisplay, status_table, summary_table
 from coordinator.engine import RoundEngine
 from coordinator.server_trainer import pick_device
 
@@ -407,8 +407,13 @@ def profiles() -> None:
 
 
 @app.command()
-def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo.")) -> None:
+def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo."),
+           fmt: str = typer.Option("table", "--format", help="table (fits 80 columns) or json (for scripts: "
+                                   "every metric of every round and the checkpoint state).")) -> None:
     """Print a run's checkpoint state and its per-round metrics."""
+    if fmt not in ("table", "json"):
+        _say(f"--format: expected table or json, got {fmt!r}")
+        raise typer.Exit(2)
     try:
         metrics = ckpt.read_metrics(run_dir)
     except ckpt.CheckpointError as exc:
@@ -417,31 +422,28 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
     if not metrics:
         console.print(f"[red]no metrics in {run_dir}")
         raise typer.Exit(1)
-    table = Table(title=str(run_dir))
-    for col in ("round", "accuracy", "test loss", "round s", "elapsed s", "waiting s", "bytes up", "bytes down"):
-        table.add_column(col, justify="right")
-    for m in metrics:
-        table.add_row(str(m["round"]), f"{m['accuracy']:.4f}", f"{m['test_loss']:.4f}", f"{m['round_time_s']:.2f}",
-                      f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}", str(m["bytes_up"]), str(m["bytes_down"]))
-    console.print(table)
+    st = None
     if (run_dir / ckpt.MODEL_FILE).exists():
         try:
             st = ckpt.load_state(run_dir)
         except ckpt.CheckpointError as exc:
             _say(f"checkpoint unreadable: {exc}", style="yellow")
-            st = None
-    else:
-        st = None
+    if fmt == "json":
+        import json
+        print(json.dumps({"run_dir": str(run_dir), "rounds": metrics, "checkpoint": st}, indent=1))
+        return
+    out = Console()
+    out.print(status_table(metrics, str(run_dir)))
     if st is not None:
         from sfl_core.sliding_split import ClientTimeTable
-        console.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
+        out.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
         if st.get("time_table") and st.get("candidates"):
-            console.print("client time table: seconds per round at each candidate split (* = estimated)")
+            out.print("client time table: seconds per round at each candidate split (* = estimated)")
             print(ClientTimeTable.from_json(st["time_table"]).format(st["candidates"]))
     last = metrics[-1]
     if last.get("agents"):
         splits = {a: v["split"] for a, v in last["agents"].items()}
-        console.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
+        out.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
 
 
 @app.command("export")

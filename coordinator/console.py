@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -78,6 +79,17 @@ def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
         table.add_row(a.agent_id, str(a.profile.get("name", "?")), _assignment(last_round.get(a.agent_id)),
                       str(a.rounds), f"{a.client_s:.2f}", f"{a.transfer_s:.2f}", f"{a.wait_s:.2f}",
                       _mb(a.bytes_up), _mb(a.bytes_down))
+    return table
+
+
+def status_table(metrics: list[dict[str, Any]], title: str) -> Table:
+    """Per-round metrics that fit an 80-column terminal: bytes in kB/MB, short headers."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("round", "accuracy", "loss", "round s", "elapsed s", "wait s", "up", "down"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for m in metrics:
+        table.add_row(str(m["round"]), f"{m['accuracy']:.4f}", f"{m['test_loss']:.4f}", f"{m['round_time_s']:.2f}",
+                      f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}", _mb(m["bytes_up"]), _mb(m["bytes_down"]))
     return table
 
 

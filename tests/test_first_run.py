@@ -64,3 +64,26 @@ def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
     Console(file=out, width=200).print(summary_table(history, engine.registry))
     text = out.getvalue()
     assert "transfer s" in text and "waiting s" in text and "not this host's time" in text
+
+
+def test_status_fits_80_columns_and_speaks_json(tmp_path):
+    import json
+
+    from coordinator.cli import simulate_run
+    from sfl_core.config import load_run_config
+
+    cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
+    history, _ = simulate_run(cfg, device="cpu")
+    res = RUNNER.invoke(app, ["status", str(tmp_path / "out")], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    table = res.output.split("checkpoint after")[0]
+    assert "…" not in table and max(map(len, table.splitlines())) <= 80
+    for header in ("accuracy", "loss", "elapsed s", "up", "down"):
+        assert header in table
+    assert "kB" in table or "MB" in table                       # human units, not raw byte counts
+    assert str(history[-1]["bytes_up"]) not in table
+    res = RUNNER.invoke(app, ["status", str(tmp_path / "out"), "--format", "json"])
+    doc = json.loads(res.output)
+    assert [r["accuracy"] for r in doc["rounds"]] == [h["accuracy"] for h in history]
+    assert doc["checkpoint"]["round"] == 2
+    assert RUNNER.invoke(app, ["status", str(tmp_path / "out"), "--format", "yaml"]).exit_code == 2
