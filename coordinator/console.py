@@ -36,6 +36,8 @@ class RunDisplay:
             self._progress.stop()
 
     def __call__(self, event: str, data: dict[str, Any]) -> None:
+        if event == "notice" and not self.quiet:
+            self.console.print(data["text"], style="yellow", markup=False, highlight=False, soft_wrap=True)
         if self._progress is None:
             return
         p, t = self._progress, self._task
@@ -53,6 +55,7 @@ class RunDisplay:
         elif event == "round_end":
             p.advance(t)
             p.console.print(f"round {data['round']:>3}  acc {data['accuracy']:.4f}  loss {data['test_loss']:.3f}  "
+                            f"{len(data.get('completed') or [])}/{len(data.get('selected') or [])} agents  "
                             f"{data['round_time_s']:.2f} s {data['clock']}  up {_mb(data['bytes_up'])} "
                             f"down {_mb(data['bytes_down'])}", soft_wrap=True)
             p.update(t, status=f"accuracy {data['accuracy']:.3f}")

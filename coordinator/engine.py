@@ -142,6 +142,10 @@ class RoundEngine:
         manager restarts only failed services).
         """
         self.wait_for_agents()
+        note = self.merge.describe(len(self.registry.agents))
+        if note:
+            log.info(note)
+            self.on_event("notice", {"text": note})
         if self.start_round == 1:
             self._record_initial()
         for r in range(self.start_round, self.cfg.rounds + 1):

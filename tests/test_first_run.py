@@ -87,3 +87,19 @@ def test_status_fits_80_columns_and_speaks_json(tmp_path):
     assert [r["accuracy"] for r in doc["rounds"]] == [h["accuracy"] for h in history]
     assert doc["checkpoint"]["round"] == 2
     assert RUNNER.invoke(app, ["status", str(tmp_path / "out"), "--format", "yaml"]).exit_code == 2
+
+
+def test_mergesfl_selection_says_per_round_is_unused_and_bounds_the_count(tmp_path):
+    import json
+
+    cfg = _run_config(tmp_path, rounds=3, per_round=3, output_dir=str(tmp_path / "out"),
+                      mergesfl={"regulate": True, "select": True, "min_agents": 2, "max_agents": 3})
+    res = RUNNER.invoke(app, ["simulate", "-c", str(cfg)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    notice, = [l for l in res.output.splitlines() if l.startswith("MergeSFL selection")]
+    assert "per_round is not used" in notice and "samples" in notice and "agents per round 2..3" in notice
+    rounds = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][1:]
+    for rec in rounds:
+        assert 2 <= len(rec["selected"]) <= 3 and rec["mergesfl"]["agents"] == len(rec["selected"])
+        assert all(a["batch_size"] >= 2 for a in rec["agents"].values())     # the default min_batch
+        assert f"{len(rec['completed'])}/{len(rec['selected'])} agents" in res.output
