@@ -374,8 +374,14 @@ def _end_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
 @app.command()
 def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(MODEL_NAMES)}; default all."),
            input_shape: str = typer.Option("3,32,32", help="Per-sample input shape, e.g. 1,28,28."),
-           classes: int = typer.Option(10)) -> None:
+           classes: int = typer.Option(10),
+           config: Optional[Path] = typer.Option(None, "--config", "-c", help="A run config: its model, input "
+                                                 "shape and fleet; adds each cut's round time for that fleet "
+                                                 "(time model, slowest agent) and marks the fastest.")) -> None:
     """Per split point: client parameters/bytes, client and server FLOPs, activation bytes."""
+    if config is not None:
+        _models_for_run(config)
+        return
     shape = tuple(int(v) for v in input_shape.split(","))
     for name in [model] if model else MODEL_NAMES:
         if name == "cnn1d" and len(shape) != 2:
@@ -385,6 +391,46 @@ def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(
         m = build_model(name, shape, classes)
         console.print(f"[bold]{name}[/] input {shape}, {classes} classes")
         print(format_cost_table(model_costs(name, shape, classes), m.block_names))
+
+
+def _models_for_run(config: Path) -> None:
+    """The run's model, one row per cut with the round it would take on the run's fleet."""
+    from sfl_core.accounting import split_note
+    from sfl_core.config import load_profile
+    from sfl_core.data import input_shape_of
+    from sfl_core.sliding_split import estimate_round_time
+
+    try:
+        cfg = load_run_config(config)
+    except ConfigError as exc:
+        _say(str(exc))
+        raise typer.Exit(2)
+    shape = input_shape_of(cfg.data.dataset, cfg.data.image_size)
+    m = build_model(cfg.model, shape, 10)
+    costs = model_costs(cfg.model, shape, 10)
+    profiles = [load_profile(p) for p in dict.fromkeys(cfg.agent_profiles())]
+    samples = cfg.batch_size * cfg.local_iters
+
+    def round_s(split: int) -> float:
+        return max(estimate_round_time(costs[split], samples=samples, compute_flops=p.compute_flops,
+                                       uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink_bytes_per_s,
+                                       server_flops_per_s=cfg.server_flops, latency_s=p.latency_s) for p in profiles)
+
+    times = {s: round_s(s) for s in sorted(costs) if s < m.num_blocks}
+    fastest = min(times, key=times.get)
+    configured = cfg.split or m.default_split
+    print(f"{cfg.model} input {shape} for run {cfg.run_id} ({len(profiles)} device profile(s), "
+          f"{samples} samples per agent per round)")
+    lines = format_cost_table(costs, m.block_names).splitlines()
+    print(lines[0] + "  fleet round s")
+    print(lines[1] + "  " + "-" * 13)
+    for line, s in zip(lines[2:], sorted(costs)):
+        mark = "  <- fastest" if s == fastest else ""
+        mark += "  <- configured" if s == configured and cfg.strategy == "sfl" else ""
+        print(line + (f"  {times[s]:13.1f}{mark}" if s in times else ""))
+    note = split_note(costs, configured, shape) if cfg.strategy == "sfl" else None
+    if note:
+        _say(note, style="yellow")
 
 
 @app.command()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sfl_core import protocol, timing, wire
-from sfl_core.accounting import model_costs
+from sfl_core.accounting import model_costs, split_note
 from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
@@ -142,8 +142,9 @@ class RoundEngine:
         manager restarts only failed services).
         """
         self.wait_for_agents()
-        note = self.merge.describe(len(self.registry.agents))
-        if note:
+        notes = [self.merge.describe(len(self.registry.agents))]
+        notes += [split_note(self.costs, s, self.input_shape) for s in self.planner.configured_splits]
+        for note in filter(None, notes):
             log.info(note)
             self.on_event("notice", {"text": note})
         if self.start_round == 1:

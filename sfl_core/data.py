@@ -27,6 +27,14 @@ __all__ = ["DATASET_NAMES", "Dataset", "DatasetError", "load_dataset", "clear_ca
 
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10")
 
+_INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "fashion-mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+
+
+def input_shape_of(name: str, image_size: int | None = None) -> tuple[int, int, int]:
+    """The per-sample shape data set ``name`` feeds a model (after ``image_size``), without loading it."""
+    c, h, w = _INPUT_SHAPES[_canonical_name(name)]
+    return (c, image_size, image_size) if image_size else (c, h, w)
+
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian dataset-fashion-mnist
 CIFAR10_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 

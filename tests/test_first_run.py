@@ -103,3 +103,26 @@ def test_mergesfl_selection_says_per_round_is_unused_and_bounds_the_count(tmp_pa
         assert 2 <= len(rec["selected"]) <= 3 and rec["mergesfl"]["agents"] == len(rec["selected"])
         assert all(a["batch_size"] >= 2 for a in rec["agents"].values())     # the default min_batch
         assert f"{len(rec['completed'])}/{len(rec['selected'])} agents" in res.output
+
+
+def test_a_costly_default_split_is_named_at_start_and_by_models(tmp_path):
+    """vgg_mini's default cut sends 49 KB per sample where the next sends 2.2 KB for similar
+    client compute: the run says so in one line, `models --config` marks the fastest cut."""
+    from sfl_core.accounting import model_costs, split_note
+    from sfl_core.models import build_model
+
+    shape = (1, 28, 28)
+    costs = model_costs("vgg_mini", shape, 10)
+    note = split_note(costs, build_model("vgg_mini", shape, 10).default_split, shape)
+    assert note.startswith("split 3 sends 49.0 KB") and "split 4 sends 2.2 KB" in note
+    assert split_note(costs, 4, shape) is None
+    assert split_note(model_costs("resnet8", shape, 10), 2, shape) is None    # its default is fine
+
+    cfg = _run_config(tmp_path, rounds=1, output_dir=str(tmp_path / "out"))     # small_cnn at split 2
+    res = RUNNER.invoke(app, ["simulate", "-c", str(cfg)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0
+    assert sum(l.startswith("split 2 sends 2.0 KB") for l in res.output.splitlines()) == 1
+    res = RUNNER.invoke(app, ["models", "-c", str(cfg)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0
+    rows = {l.split()[0]: l for l in res.output.splitlines() if l.strip()[:1].isdigit()}
+    assert rows["3"].endswith("<- fastest") and rows["2"].endswith("<- configured")
