@@ -27,7 +27,7 @@ from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, a
 
 from coordinator import state as ckpt
 from coordinator.clock import VirtualClock, WallClock
-from coordinator.console import RunDisplay, summary_table
+from coordinator.console import RunDisplay, status_table, summary_table
 from coordinator.engine import RoundEngine
 from coordinator.server_trainer import pick_device
 
@@ -65,6 +65,13 @@ def _load(config: Path, rounds: Optional[int], output: Optional[Path], data: Opt
         cfg = dataclasses.replace(cfg, output_dir=str(output))
     if data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(data)))
+    try:    # read the data set now, so a wrong path names where it came from (cached for the run)
+        load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+    except DatasetError as exc:
+        field = "data.image_size" if str(exc).startswith("image_size") else "data.root"
+        where = "--data" if data is not None and field == "data.root" else f"{config}: field '{field}'"
+        _say(f"{where}: {exc}")
+        raise typer.Exit(2)
     return cfg
 
 
@@ -185,7 +192,8 @@ def serve_run(cfg: RunConfig, broker: "Optional[str | BrokerAddress]", *, resume
         with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
             engine = RoundEngine(cfg, transport, WallClock(), (data.x_test, data.y_test),
                                  input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                                 device=pick_device(device), on_event=display, checkpoint=checkpoint)
+                                 device=pick_device(device), on_event=display, checkpoint=checkpoint,
+                                 preprocessing=data.preprocessing)
             history = engine.run()
         finished = True
         rejected = engine.rejected_totals()
@@ -300,7 +308,8 @@ def simulate_run(cfg: RunConfig, *, resume: bool = False, device: str = "auto",
     with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
         engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                             device=dev, on_event=display, checkpoint=checkpoint)
+                             device=dev, on_event=display, checkpoint=checkpoint,
+                             preprocessing=data.preprocessing)
         history = engine.run()
     return history, engine
 
@@ -365,8 +374,14 @@ def _end_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
 @app.command()
 def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(MODEL_NAMES)}; default all."),
            input_shape: str = typer.Option("3,32,32", help="Per-sample input shape, e.g. 1,28,28."),
-           classes: int = typer.Option(10)) -> None:
+           classes: int = typer.Option(10),
+           config: Optional[Path] = typer.Option(None, "--config", "-c", help="A run config: its model, input "
+                                                 "shape and fleet; adds each cut's round time for that fleet "
+                                                 "(time model, slowest agent) and marks the fastest.")) -> None:
     """Per split point: client parameters/bytes, client and server FLOPs, activation bytes."""
+    if config is not None:
+        _models_for_run(config)
+        return
     shape = tuple(int(v) for v in input_shape.split(","))
     for name in [model] if model else MODEL_NAMES:
         if name == "cnn1d" and len(shape) != 2:
@@ -376,6 +391,46 @@ def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(
         m = build_model(name, shape, classes)
         console.print(f"[bold]{name}[/] input {shape}, {classes} classes")
         print(format_cost_table(model_costs(name, shape, classes), m.block_names))
+
+
+def _models_for_run(config: Path) -> None:
+    """The run's model, one row per cut with the round it would take on the run's fleet."""
+    from sfl_core.accounting import split_note
+    from sfl_core.config import load_profile
+    from sfl_core.data import input_shape_of
+    from sfl_core.sliding_split import estimate_round_time
+
+    try:
+        cfg = load_run_config(config)
+    except ConfigError as exc:
+        _say(str(exc))
+        raise typer.Exit(2)
+    shape = input_shape_of(cfg.data.dataset, cfg.data.image_size)
+    m = build_model(cfg.model, shape, 10)
+    costs = model_costs(cfg.model, shape, 10)
+    profiles = [load_profile(p) for p in dict.fromkeys(cfg.agent_profiles())]
+    samples = cfg.batch_size * cfg.local_iters
+
+    def round_s(split: int) -> float:
+        return max(estimate_round_time(costs[split], samples=samples, compute_flops=p.compute_flops,
+                                       uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink_bytes_per_s,
+                                       server_flops_per_s=cfg.server_flops, latency_s=p.latency_s) for p in profiles)
+
+    times = {s: round_s(s) for s in sorted(costs) if s < m.num_blocks}
+    fastest = min(times, key=times.get)
+    configured = cfg.split or m.default_split
+    print(f"{cfg.model} input {shape} for run {cfg.run_id} ({len(profiles)} device profile(s), "
+          f"{samples} samples per agent per round)")
+    lines = format_cost_table(costs, m.block_names).splitlines()
+    print(lines[0] + "  fleet round s")
+    print(lines[1] + "  " + "-" * 13)
+    for line, s in zip(lines[2:], sorted(costs)):
+        mark = "  <- fastest" if s == fastest else ""
+        mark += "  <- configured" if s == configured and cfg.strategy == "sfl" else ""
+        print(line + (f"  {times[s]:13.1f}{mark}" if s in times else ""))
+    note = split_note(costs, configured, shape) if cfg.strategy == "sfl" else None
+    if note:
+        _say(note, style="yellow")
 
 
 @app.command()
@@ -398,8 +453,13 @@ def profiles() -> None:
 
 
 @app.command()
-def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo.")) -> None:
+def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo."),
+           fmt: str = typer.Option("table", "--format", help="table (fits 80 columns) or json (for scripts: "
+                                   "every metric of every round and the checkpoint state).")) -> None:
     """Print a run's checkpoint state and its per-round metrics."""
+    if fmt not in ("table", "json"):
+        _say(f"--format: expected table or json, got {fmt!r}")
+        raise typer.Exit(2)
     try:
         metrics = ckpt.read_metrics(run_dir)
     except ckpt.CheckpointError as exc:
@@ -408,31 +468,28 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
     if not metrics:
         console.print(f"[red]no metrics in {run_dir}")
         raise typer.Exit(1)
-    table = Table(title=str(run_dir))
-    for col in ("round", "accuracy", "test loss", "round s", "elapsed s", "waiting s", "bytes up", "bytes down"):
-        table.add_column(col, justify="right")
-    for m in metrics:
-        table.add_row(str(m["round"]), f"{m['accuracy']:.4f}", f"{m['test_loss']:.4f}", f"{m['round_time_s']:.2f}",
-                      f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}", str(m["bytes_up"]), str(m["bytes_down"]))
-    console.print(table)
+    st = None
     if (run_dir / ckpt.MODEL_FILE).exists():
         try:
             st = ckpt.load_state(run_dir)
         except ckpt.CheckpointError as exc:
             _say(f"checkpoint unreadable: {exc}", style="yellow")
-            st = None
-    else:
-        st = None
+    if fmt == "json":
+        import json
+        print(json.dumps({"run_dir": str(run_dir), "rounds": metrics, "checkpoint": st}, indent=1))
+        return
+    out = Console()
+    out.print(status_table(metrics, str(run_dir)))
     if st is not None:
         from sfl_core.sliding_split import ClientTimeTable
-        console.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
+        out.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
         if st.get("time_table") and st.get("candidates"):
-            console.print("client time table: seconds per round at each candidate split (* = estimated)")
+            out.print("client time table: seconds per round at each candidate split (* = estimated)")
             print(ClientTimeTable.from_json(st["time_table"]).format(st["candidates"]))
     last = metrics[-1]
     if last.get("agents"):
         splits = {a: v["split"] for a, v in last["agents"].items()}
-        console.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
+        out.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
 
 
 @app.command("export")

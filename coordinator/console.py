@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -35,6 +36,8 @@ class RunDisplay:
             self._progress.stop()
 
     def __call__(self, event: str, data: dict[str, Any]) -> None:
+        if event == "notice" and not self.quiet:
+            self.console.print(data["text"], style="yellow", markup=False, highlight=False, soft_wrap=True)
         if self._progress is None:
             return
         p, t = self._progress, self._task
@@ -52,25 +55,44 @@ class RunDisplay:
         elif event == "round_end":
             p.advance(t)
             p.console.print(f"round {data['round']:>3}  acc {data['accuracy']:.4f}  loss {data['test_loss']:.3f}  "
+                            f"{len(data.get('completed') or [])}/{len(data.get('selected') or [])} agents  "
                             f"{data['round_time_s']:.2f} s {data['clock']}  up {_mb(data['bytes_up'])} "
                             f"down {_mb(data['bytes_down'])}", soft_wrap=True)
             p.update(t, status=f"accuracy {data['accuracy']:.3f}")
 
 
 def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
-    """Accuracy, time and bytes: the numbers a user compares runs by."""
-    title = "run summary"
+    """Accuracy, time and bytes: the numbers a user compares runs by. Per-agent seconds come
+    from the run's clock: measured in a deployment, the time model's in a simulation (never the
+    simulating host's, which says nothing about the devices)."""
+    title, clock = "run summary", "wall"
     if history:
         last = history[-1]
+        clock = last["clock"]
         title = (f"final accuracy {last['accuracy']:.4f} after {last['round']} rounds, "
-                 f"{last['elapsed_s']:.1f} s ({last['clock']} clock)")
-    table = Table(title=title)
-    for col in ("agent", "profile", "last assignment", "rounds", "compute s", "bytes up", "bytes down"):
+                 f"{last['elapsed_s']:.1f} s ({clock} clock)")
+    caption = ("seconds from the time model (device profiles, real bytes); not this host's time"
+               if clock == "virtual" else "seconds as measured")
+    table = Table(title=title, caption=caption)
+    for col in ("agent", "profile", "last assignment", "rounds", "compute s", "transfer s", "waiting s",
+                "bytes up", "bytes down"):
         table.add_column(col, justify="right" if col not in ("agent", "profile", "last assignment") else "left")
     last_round = history[-1].get("agents", {}) if history else {}
     for a in sorted(registry.agents.values(), key=lambda i: i.index):
         table.add_row(a.agent_id, str(a.profile.get("name", "?")), _assignment(last_round.get(a.agent_id)),
-                      str(a.rounds), f"{a.compute_s:.2f}", _mb(a.bytes_up), _mb(a.bytes_down))
+                      str(a.rounds), f"{a.client_s:.2f}", f"{a.transfer_s:.2f}", f"{a.wait_s:.2f}",
+                      _mb(a.bytes_up), _mb(a.bytes_down))
+    return table
+
+
+def status_table(metrics: list[dict[str, Any]], title: str) -> Table:
+    """Per-round metrics that fit an 80-column terminal: bytes in kB/MB, short headers."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("round", "accuracy", "loss", "round s", "elapsed s", "wait s", "up", "down"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for m in metrics:
+        table.add_row(str(m["round"]), f"{m['accuracy']:.4f}", f"{m['test_loss']:.4f}", f"{m['round_time_s']:.2f}",
+                      f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}", _mb(m["bytes_up"]), _mb(m["bytes_down"]))
     return table
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sfl_core import protocol, timing, wire
-from sfl_core.accounting import model_costs
+from sfl_core.accounting import model_costs, split_note
 from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
@@ -94,9 +94,12 @@ class RoundEngine:
     def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
                  device: torch.device | str = "cpu", on_event: Optional[Event] = None,
-                 checkpoint: Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]] = None):
+                 checkpoint: Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]] = None,
+                 preprocessing: Optional[dict[str, Any]] = None):
         """``checkpoint``: what :func:`coordinator.state.load` read from ``out_dir``, to resume
-        after its round (load it before starting anything, so a bad file stops nothing)."""
+        after its round (load it before starting anything, so a bad file stops nothing).
+        ``preprocessing``: the data set's (``Dataset.preprocessing``), kept with the model."""
+        self.preprocessing = preprocessing
         self.cfg = cfg
         self.transport = transport
         self.clock = clock
@@ -139,6 +142,11 @@ class RoundEngine:
         manager restarts only failed services).
         """
         self.wait_for_agents()
+        notes = [self.merge.describe(len(self.registry.agents))]
+        notes += [split_note(self.costs, s, self.input_shape) for s in self.planner.configured_splits]
+        for note in filter(None, notes):
+            log.info(note)
+            self.on_event("notice", {"text": note})
         if self.start_round == 1:
             self._record_initial()
         for r in range(self.start_round, self.cfg.rounds + 1):
@@ -537,11 +545,21 @@ class RoundEngine:
             info.bytes_up += ra.bytes_up
             info.bytes_down += ra.bytes_down
             info.compute_s += ra.compute_s
-            per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4), "bytes_up": ra.bytes_up,
+            # compute_s: as the agent reported it (host time in a simulation); client_s and
+            # transfer_s: by the run's clock (the time model in a simulation)
+            per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4),
+                            "client_s": round(parts.client_compute_s, 4), "transfer_s": round(parts.transfer_s, 4),
+                            "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
                             "width": ra.assignment.width, "codec": ra.assignment.codec,
                             "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
                             "labels_withheld": ra.labels_withheld}
+        slowest = max(times.values(), default=0.0)
+        for a in done:
+            info, row = self.registry.agents[a], per_agent[a]
+            info.client_s += row["client_s"]
+            info.transfer_s += row["transfer_s"]
+            info.wait_s += slowest - times[a]
         self.planner.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
@@ -566,7 +584,7 @@ class RoundEngine:
             "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates),
             "wire_ratio": dict(self.planner.wire_ratio),
             "merge_states": self.merge.to_json(),
-            "model_info": describe_model(self.model, self.cfg.data.dataset)})  # lets `sfl-coord export` rebuild it
+            "model_info": describe_model(self.model, self.cfg.data.dataset, self.preprocessing)})  # lets `sfl-coord export` rebuild it
         self.on_event("round_end", record)
         return record
 

@@ -24,12 +24,14 @@ class ExportError(ValueError):
     """Why a run cannot be exported; the message names the file or option to fix."""
 
 
-def describe_model(model: SplitModel, dataset: Optional[str] = None) -> dict[str, Any]:
+def describe_model(model: SplitModel, dataset: Optional[str] = None,
+                   preprocessing: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """What it takes, besides the tensors, to rebuild ``model`` (JSON-ready): name, per-sample
-    input shape, classes, and its HeteroSFL bottlenecks with the width the full model runs at."""
+    input shape, classes, and its HeteroSFL bottlenecks with the width the full model runs at;
+    and how raw inputs were prepared (``Dataset.preprocessing``), so a device can do the same."""
     return {
         "name": model.name, "input_shape": list(model.input_shape), "num_classes": model.num_classes,
-        "dataset": dataset,
+        "dataset": dataset, "preprocessing": preprocessing or None,
         "bottlenecks": [{"split": int(s), "width": int(p.width), "infer_width": int(p.infer_width)}
                         for s, p in model.bottlenecks.items()],
     }
@@ -65,7 +67,7 @@ def _info_from_config(config: Path) -> dict[str, Any]:
         data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
     except (ConfigError, DatasetError) as exc:
         raise ExportError(str(exc)) from None
-    return describe_model(run_model(cfg, data.input_shape, data.num_classes), cfg.data.dataset)
+    return describe_model(run_model(cfg, data.input_shape, data.num_classes), cfg.data.dataset, data.preprocessing)
 
 
 def load_global_model(run_dir: Path, config: Optional[Path] = None) -> tuple[SplitModel, dict[str, Any]]:
@@ -106,8 +108,9 @@ def export_run(run_dir: Path, out: Path, split: Optional[int] = None,
             raise ExportError(str(exc)) from None
         module = model.client(split)
     whole = split is None or split == model.num_blocks
-    extra = {"run": st.get("run"), "round": st.get("round"), "dataset": (st.get("model_info") or {}).get("dataset"),
-             "num_blocks": model.num_blocks}
+    info = st.get("model_info") or {}
+    extra = {"run": st.get("run"), "round": st.get("round"), "dataset": info.get("dataset"),
+             "preprocessing": info.get("preprocessing"), "num_blocks": model.num_blocks}
     if split is not None and model.bottleneck(split) is not None:
         extra["bottleneck_width"] = model.bottleneck(split).width
     return export_onnx(module, out, input_shape=model.input_shape, model_name=model.name,

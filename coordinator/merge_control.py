@@ -73,6 +73,20 @@ class MergeControl:
         floor = min(nominal, self.max_batch * self.cost.activation_bytes)
         return max(mergesfl.estimate_budget(seen, window=BUDGET_WINDOW), floor)
 
+    def describe(self, pool: int) -> str:
+        """The one line a run starts with when selection decides how many agents train: a user
+        who set ``per_round`` must learn that it is not used, and what bounds the count."""
+        if not self.m.select:
+            return ""
+        budget = self.nominal_budget(pool)
+        bounds = f"{self.m.min_agents}..{self.m.max_agents or pool}"
+        how = "fixed by mergesfl.budget_bytes" if self.m.budget_bytes is not None else \
+            "first round; then estimated from what arrived"
+        return (f"MergeSFL selection: agents chosen by KL to the population's label mix under an ingress budget "
+                f"of {budget / 1e6:.3g} MB per step ({budget / self.cost.activation_bytes:.0f} samples; {how}); "
+                f"per_round is not used; agents per round {bounds} (mergesfl.min_agents/max_agents), "
+                f"batches {self.m.min_batch}..{self.max_batch}")
+
     def state(self, agent_id: str, info: AgentInfo) -> AgentState:
         """The smoothed (μ, β), or a first estimate from the profile and registration measurements."""
         if agent_id in self.states:
@@ -102,16 +116,17 @@ class MergeControl:
                 max_batch=self.max_batch, bytes_per_sample=self.cost.activation_bytes, budget=budget,
                 epsilon=self.m.epsilon, batch_cap=self.max_batch, seed=self.cfg.seed * 100_003 + r,
                 tau=self.cfg.local_iters, population=self.m.ga_population, generations=self.m.ga_generations,
-                crossover=self.m.ga_crossover, mutation=self.m.ga_mutation)
+                crossover=self.m.ga_crossover, mutation=self.m.ga_mutation, min_batch=self.m.min_batch,
+                min_agents=self.m.min_agents, max_agents=self.m.max_agents)
             self.last = {"kl": round(plan.kl, 6), "kl_reached": plan.reached, "budget_bytes": budget,
-                         "load_bytes": plan.load_bytes}
+                         "load_bytes": plan.load_bytes, "agents": len(plan.agents)}
             self._plan_ingress(plan.batches)
             return sorted(plan.agents), dict(plan.batches)
         selected = list(default)
         if not self.m.regulate:
             return selected, {}
         batches = mergesfl.regulate_batches({a: self.state(a, agents[a]) for a in selected}, self.max_batch,
-                                            tau=self.cfg.local_iters)
+                                            tau=self.cfg.local_iters, min_batch=self.m.min_batch)
         target = mergesfl.population_distribution({a: agents[a].label_counts for a in candidates})
         k = mergesfl.kl(mergesfl.mixed_distribution(selected, batches, {a: agents[a].label_counts
                                                                          for a in selected}), target)

@@ -53,6 +53,14 @@ class Planner:
         else:
             self.candidates = ()
 
+    @property
+    def configured_splits(self) -> tuple[int, ...]:
+        """The cuts the run was told to train at (none where a method picks them, or for FedAvg),
+        for the start-of-run check that none of them sends far more bytes than it needs to."""
+        if self.cfg.strategy == "sfl":
+            return tuple(sorted({self.cfg.split or self.model.default_split, *(self.cfg.profile_splits or {}).values()}))
+        return ()
+
     # ----------------------------------------------------------------- plans
     def selects_everyone(self, r: int) -> bool:
         """S2FL's warm-up sends each candidate split to every device (not only the round's

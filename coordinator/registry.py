@@ -29,9 +29,19 @@ class AgentInfo:
     bytes_up: int = 0
     bytes_down: int = 0
     compute_s: float = 0.0
+    """Compute seconds as the agent reported them: the device's on a device, the host's in a simulation."""
+    client_s: float = 0.0
+    transfer_s: float = 0.0
+    wait_s: float = 0.0
+    """Client compute, transfer and waiting-for-the-slowest seconds by the run's clock: measured
+    in a deployment, from the time model (the profile) in a simulation."""
     registered: bool = True
     """False for an agent known only from a checkpoint: it counts as online once it registers
     again in this session (its status message alone must not start a round it cannot join)."""
+
+
+TOTALS = ("rounds", "bytes_up", "bytes_down", "compute_s", "client_s", "transfer_s", "wait_s")
+"""An agent's running totals: kept across re-registration and restored from checkpoints."""
 
 
 class Registry:
@@ -70,7 +80,8 @@ class Registry:
         info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=dict(prof), measured=dict(b["measured"]),
                          label_counts=list(counts), num_samples=b["num_samples"], last_seen=self.now())
         if old is not None:
-            info.rounds, info.bytes_up, info.bytes_down, info.compute_s = old.rounds, old.bytes_up, old.bytes_down, old.compute_s
+            for total in TOTALS:
+                setattr(info, total, getattr(old, total))
         self.agents[msg.sender] = info
         return info
 

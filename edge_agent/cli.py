@@ -135,8 +135,14 @@ def profile(model: str = typer.Option("small_cnn", help="A zoo model name (`sfl-
 @app.command()
 def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coord export` (its .json sidecar beside it)."),
             inputs: Path = typer.Argument(..., help=".npy array (N x input shape, float32, or one sample), "
-                                          "or .npz with key 'x'; preprocessed like the run's training data."),
+                                          "or .npz with key 'x'; preprocessed like the run's training data "
+                                          "(or raw pixels, with --raw)."),
             output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the predictions as JSON."),
+            labels_file: Optional[Path] = typer.Option(None, "--labels", help="The inputs' true classes (.npy of "
+                                                       "integers, or .npz with key 'y'): adds a 'true' column "
+                                                       "and the accuracy."),
+            raw: bool = typer.Option(False, "--raw", help="The inputs are raw pixels: scale, resize and "
+                                     "standardise them as the run did (constants from the model's sidecar)."),
             show: int = typer.Option(20, help="Rows shown in the table (--output gets all of them)."),
             threads: Optional[int] = typer.Option(None, help="onnxruntime threads; default: all cores.")) -> None:
     """Classify local inputs with an exported model, with onnxruntime only (no torch needed)."""
@@ -145,7 +151,7 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
     import numpy as np
     from rich.table import Table
 
-    from sfl_core.onnx_export import OnnxError, OnnxPredictor, load_inputs, softmax
+    from sfl_core.onnx_export import OnnxError, OnnxPredictor, load_inputs, load_labels, preprocess_raw, softmax
 
     try:
         predictor = OnnxPredictor(model, threads=threads)
@@ -153,29 +159,48 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
             raise OnnxError(f"{model} is a client portion (split {predictor.meta.get('split')}): it outputs "
                             "activations, not class scores; export the whole model (no --split) to predict")
         x = load_inputs(inputs)
+        if raw:
+            x = preprocess_raw(x, predictor.meta.get("preprocessing"))
         logits = predictor.run(x)
+        truth = None if labels_file is None else load_labels(labels_file, logits.shape[0], logits.shape[1])
     except OnnxError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2)
     probs = softmax(logits.astype(np.float64))
     cls = probs.argmax(axis=1)
-    labels = predictor.classes or [str(i) for i in range(probs.shape[1])]
-    rows = [{"row": i, "class": int(c), "label": labels[int(c)] if int(c) < len(labels) else str(int(c)),
-             "probability": float(probs[i, c])} for i, c in enumerate(cls)]
+    names = predictor.classes or [str(i) for i in range(probs.shape[1])]
+
+    def name(c: int) -> str:
+        return names[c] if c < len(names) else str(c)
+
+    # "predicted", not "label": the column is the model's answer, never ground truth
+    rows = [{"row": i, "class": int(c), "predicted": name(int(c)), "probability": float(probs[i, c])}
+            for i, c in enumerate(cls)]
+    if truth is not None:
+        for r, t in zip(rows, truth):
+            r["true"] = name(int(t))
     table = Table(title=f"{predictor.meta.get('model', model.name)}: {len(rows)} row(s) from {inputs}")
-    for col in ("row", "class", "label", "probability"):
+    columns = ("row", "class", "predicted", "probability") + (("true",) if truth is not None else ())
+    for col in columns:
         table.add_column(col, justify="right")
     for r in rows[:max(show, 0)]:
-        table.add_row(str(r["row"]), str(r["class"]), r["label"], f"{r['probability']:.4f}")
+        table.add_row(str(r["row"]), str(r["class"]), r["predicted"], f"{r['probability']:.4f}",
+                      *((r["true"],) if truth is not None else ()))
     Console().print(table)
     if len(rows) > show:
         console.print(f"... {len(rows) - max(show, 0)} more row(s); --output writes them all")
     counts = np.bincount(cls, minlength=probs.shape[1])
-    console.print("predicted class counts: " + ", ".join(f"{labels[i] if i < len(labels) else i}: {n}"
-                                                         for i, n in enumerate(counts) if n))
+    console.print("predicted class counts: " + ", ".join(f"{name(i)}: {n}" for i, n in enumerate(counts) if n))
+    accuracy = None
+    if truth is not None:
+        hits = int((cls == truth).sum())
+        accuracy = hits / len(truth) if len(truth) else 0.0
+        console.print(f"accuracy: {accuracy:.4f} ({hits}/{len(truth)} against {labels_file})")
     if output is not None:
-        output.write_text(json.dumps({"model": str(model), "inputs": str(inputs), "model_info": predictor.meta,
-                                      "predictions": rows}, indent=1) + "\n")
+        doc = {"model": str(model), "inputs": str(inputs), "model_info": predictor.meta, "predictions": rows}
+        if truth is not None:
+            doc.update(labels=str(labels_file), accuracy=accuracy)
+        output.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {output}")
 
 

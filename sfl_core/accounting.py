@@ -169,3 +169,27 @@ def format_cost_table(costs: dict[int, SplitCost], block_names: Sequence[str] | 
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
+
+
+def split_note(costs: dict[int, SplitCost], split: int, input_shape: Sequence[int]) -> str | None:
+    """One line when a fixed ``split`` sends far more per sample than it needs to, or ``None``.
+
+    The sign: another cut with similar client FLOPs (within 1.5x) sends at most half the
+    activation bytes per sample (what split learning pays every step, both ways).
+    ``vgg_mini``'s default cut is the case that motivated it: 49 KB per sample where the next
+    cut sends 2.2 KB for about as much client compute.
+    """
+    c = costs.get(split)
+    if c is None or not c.activation_shape:
+        return None
+    similar = [s for s, o in costs.items()
+               if s != split and o.activation_shape and 2 * o.activation_bytes <= c.activation_bytes
+               and c.client_flops / 1.5 <= o.client_flops <= 1.5 * c.client_flops]
+    if not similar:
+        return None
+    best = min(similar, key=lambda s: costs[s].activation_bytes)
+    input_bytes = 4 * math.prod(int(v) for v in input_shape)
+    return (f"split {split} sends {_fmt_bytes(c.activation_bytes)} of activations per sample (the input is "
+            f"{_fmt_bytes(input_bytes)}); split {best} sends {_fmt_bytes(costs[best].activation_bytes)} for similar "
+            f"client compute ({_fmt_flops(costs[best].client_flops)} vs {_fmt_flops(c.client_flops)} per sample): "
+            f"see `sfl-coord models`")

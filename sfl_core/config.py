@@ -162,6 +162,9 @@ class MergeSflConfig:
     regulate: bool = False                 # Eq. 9: fastest agent gets max_batch, the others equal time
     max_batch: int | None = None           # D; None = batch_size
     select: bool = False                   # Eq. 10-13: GA picks the agents whose mixed labels are closest to IID
+    min_agents: int = 1                    # with select: fewest agents per round (where the budget fits them)
+    max_agents: int | None = None          # with select: most agents per round; None = no bound
+    min_batch: int = 2                     # smallest regulated batch (batch-norm needs >= 2 samples)
     budget_bytes: float | None = None      # ingress budget per round; None = per_round x batch_size samples
     epsilon: float = 0.01                  # Eq. 14: KL target (nats) of the batch fine-tuning
     smoothing: float = 0.8                 # Eq. 5-6: weight of the previous estimate of mu and beta
@@ -649,6 +652,9 @@ _MERGESFL_SPEC: dict[str, _Conv] = {
     "regulate": _bool,
     "max_batch": _opt(_int(1, 4096, what="an integer from 1 to 4096")),
     "select": _bool,
+    "min_agents": _pos_int,
+    "max_agents": _opt(_pos_int),
+    "min_batch": _int(1, 4096, what="an integer from 1 to 4096"),
     "budget_bytes": _opt(_pos_float),
     "epsilon": _float(0.0, lo_open=False, what="a number >= 0"),
     "smoothing": _float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"),
@@ -798,6 +804,12 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
     if m.max_batch is not None and m.max_batch < cfg.batch_size:
         raise ConfigError(f"{source}: field 'mergesfl.max_batch': expected at least batch_size "
                           f"{cfg.batch_size}, got {m.max_batch}")
+    if m.max_agents is not None and m.max_agents < m.min_agents:
+        raise ConfigError(f"{source}: field 'mergesfl.max_agents': expected at least mergesfl.min_agents "
+                          f"{m.min_agents}, got {m.max_agents}")
+    if m.min_batch > (m.max_batch or cfg.batch_size):
+        raise ConfigError(f"{source}: field 'mergesfl.min_batch': expected at most max_batch "
+                          f"{m.max_batch or cfg.batch_size}, got {m.min_batch}")
     if cfg.hetero.bdks and cfg.hetero.width is None:
         raise ConfigError(f"{source}: field 'hetero.bdks': needs a bottleneck (set hetero.width)")
     if cfg.hetero.width is not None and (cfg.strategy == "fedavg" or

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gzip
 import tarfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +26,14 @@ import torch
 __all__ = ["DATASET_NAMES", "Dataset", "DatasetError", "load_dataset", "clear_cache"]
 
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10")
+
+_INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "fashion-mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+
+
+def input_shape_of(name: str, image_size: int | None = None) -> tuple[int, int, int]:
+    """The per-sample shape data set ``name`` feeds a model (after ``image_size``), without loading it."""
+    c, h, w = _INPUT_SHAPES[_canonical_name(name)]
+    return (c, image_size, image_size) if image_size else (c, h, w)
 
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian dataset-fashion-mnist
 CIFAR10_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
@@ -57,6 +65,10 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
+    # how raw pixels became ``x_*`` (recorded in exported models, so a device can prepare its
+    # own inputs): ``(x / scale - mean[c]) / std[c]`` per channel, after a bilinear resize
+    # (``align_corners=False``) to ``resize`` when set
+    preprocessing: dict = field(default_factory=dict)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -130,7 +142,8 @@ def _resized_cached(key: str, root: str, size: int) -> Dataset:
             out[i:i + 8192] = torch.nn.functional.interpolate(x[i:i + 8192], size=(size, size), mode="bilinear",
                                                                align_corners=False)
         return out
-    return Dataset(ds.name, resize(ds.x_train), ds.y_train, resize(ds.x_test), ds.y_test, ds.num_classes)
+    return Dataset(ds.name, resize(ds.x_train), ds.y_train, resize(ds.x_test), ds.y_test, ds.num_classes,
+                   {**ds.preprocessing, "resize": [size, size]})
 
 
 def _canonical_name(name: str) -> str:
@@ -151,7 +164,7 @@ def _load_cached(key: str, root: str) -> Dataset:
     else:
         xtr, ytr, xte, yte = _read_cifar10(Path(root))
         scale = 255.0
-    x_train, x_test = _normalise(xtr, xte, scale)
+    x_train, x_test, mean, std = _normalise(xtr, xte, scale)
     return Dataset(
         name=key,
         x_train=x_train,
@@ -159,10 +172,13 @@ def _load_cached(key: str, root: str) -> Dataset:
         x_test=x_test,
         y_test=torch.from_numpy(yte.astype(np.int64)),
         num_classes=10,
+        preprocessing={"scale": scale, "mean": [float(m) for m in mean], "std": [float(v) for v in std],
+                       "resize": None, "raw_shape": list(xtr.shape[1:])},
     )
 
 
-def _normalise(x_train: np.ndarray, x_test: np.ndarray, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _normalise(x_train: np.ndarray, x_test: np.ndarray, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
     """Scale raw pixels to [0, 1], then standardise each channel with train-set statistics.
 
     Raw pixels are small integers (uint8), so per-channel statistics come exactly from a
@@ -185,7 +201,7 @@ def _normalise(x_train: np.ndarray, x_test: np.ndarray, scale: float) -> tuple[t
     for x in (x_train, x_test):
         t = torch.from_numpy(x.astype(np.float32))  # astype copies: writable, independent of file buffers
         out.append(t.div_(scale).sub_(m).div_(s))
-    return out[0], out[1]
+    return out[0], out[1], mean.astype(np.float32), std.astype(np.float32)
 
 
 # --------------------------------------------------------------------------- digits

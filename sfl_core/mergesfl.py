@@ -504,7 +504,8 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
                    budget: float, participation: Mapping[str, int], *, target: Sequence[float] | None = None,
                    population: int = 60, generations: int = 100, crossover: float = 0.9,
                    mutation: float | None = None, elite: int = 2, tournament: int = 3, patience: int = 30,
-                   exact_max_agents: int = 12, seed: int = 0) -> Selection:
+                   exact_max_agents: int = 12, min_agents: int = 1, max_agents: int | None = None,
+                   seed: int = 0) -> Selection:
     """Alg. 1 lines 3-5: the agent set minimising ``KL(Phi_h || Phi_0)`` (Eq. 11-12) under Eq. 10.
 
     Candidates are the agents of ``batches`` (their regulated Eq. 9 sizes); ``label_dists``
@@ -538,6 +539,11 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
       best KL never gets worse.
     * **Stop** after ``generations`` (default 100), after ``patience`` (default 30)
       generations without improvement, or at KL = 0.
+
+    * **Size bounds** (not in the paper, which bounds only the bytes): at most
+      ``max_agents`` agents (repair drops the surplus like an over-budget agent) and at
+      least ``min_agents`` where the budget lets that many fit (smaller sets rank below
+      every set that meets the bound, the closest to it first).
 
     Population 60 x 100 generations is at most 6,000 evaluations, each O(N * classes).
     With the defaults the GA alone (``exact_max_agents=0``) found the exact optimum of
@@ -576,19 +582,26 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
     cand = [a for a, f in zip(ids, fits) if f]
     d, V, prio = d_all[fits], V_all[fits], prio_all[fits]
     n = len(cand)
+    lo = _positive_int("min_agents", min_agents)
+    hi = n if max_agents is None else _positive_int("max_agents", max_agents)
+    if hi < lo:
+        raise ValueError(f"max_agents ({max_agents}) must be >= min_agents ({min_agents})")
+    hi = min(hi, n)
     p_mut = 1.0 / n if mutation is None else _probability("mutation", mutation)
     rng = np.random.default_rng(seed)
 
     def repair(X: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Keep, per row, the agents whose cumulative load in ``keys`` order fits ``cap``."""
-        over = (X.astype(np.int64) @ d) > cap
+        """Keep, per row, the agents whose cumulative load in ``keys`` order fits ``cap``, and
+        at most ``hi`` of them."""
+        over = ((X.astype(np.int64) @ d) > cap) | (X.sum(axis=1) > hi)
         if not over.any():
             return X
         Xo = X[over]
         order = np.argsort(np.where(Xo, keys[over], np.inf), axis=1, kind="stable")
         load = np.cumsum(np.take_along_axis(Xo * d, order, axis=1), axis=1)
+        count = np.cumsum(np.take_along_axis(Xo, order, axis=1), axis=1)
         keep = np.zeros_like(Xo)
-        np.put_along_axis(keep, order, load <= cap, axis=1)
+        np.put_along_axis(keep, order, (load <= cap) & (count <= hi), axis=1)
         X = X.copy()
         X[over] = Xo & keep
         return X
@@ -596,15 +609,17 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
     U = d[:, None] * V  # d_i * V_i: numerator rows of Eq. 11
 
     def fitness(X: np.ndarray) -> np.ndarray:
-        return _mix_kl(X, d, U, q)
+        f = _mix_kl(X, d, U, q)
+        short = lo - X.sum(axis=1)
+        return np.where((short > 0) & np.isfinite(f), _SHORT + short, f)   # below min_agents: ranked by how far
 
     if n <= exact_max_agents:  # every non-empty subset at once: exact, and cheaper than the GA
         masks = ((np.arange(1, 2 ** n)[:, None] >> np.arange(n)) & 1) == 1
-        masks = masks[masks.astype(np.int64) @ d <= cap]
+        masks = masks[(masks.astype(np.int64) @ d <= cap) & (masks.sum(axis=1) <= hi)]
         return _selection(cand, masks[int(np.argmin(fitness(masks)))], d, c, batches, label_dists, q, 0)
 
     # initial population: m agents per individual drawn by priority, budget-fitting prefix kept
-    m = max(1, n // 2)
+    m = min(max(1, n // 2, lo), hi)
     keys = np.log(rng.random((pop, n))) / prio  # log(u^(1/p)): larger key drawn earlier
     order = np.argsort(-keys, axis=1, kind="stable")[:, :m]
     X = np.zeros((pop, n), dtype=bool)
@@ -639,6 +654,10 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
             stale += 1
 
     return _selection(cand, best_x, d, c, batches, label_dists, q, ran)
+
+
+_SHORT = 1e6
+"""Fitness of a selection with fewer than ``min_agents`` agents (plus the shortfall): above any KL."""
 
 
 def _mix_kl(X: np.ndarray, d: np.ndarray, U: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -828,7 +847,7 @@ class MergePlan:
 def plan_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Sequence[float]],
                participation: Mapping[str, int], *, max_batch: int, bytes_per_sample: float, budget: float,
                epsilon: float = 0.01, batch_cap: int | None = None, target: Sequence[float] | None = None,
-               seed: int = 0, tau: int = 1, **ga: object) -> MergePlan:
+               seed: int = 0, tau: int = 1, min_batch: int = 1, **ga: object) -> MergePlan:
     """Alg. 1: regulate (Eq. 9) -> select (GA, Eq. 10-13) -> fine-tune (Eq. 14) -> fill the budget.
 
     The candidates are the agents of ``states``. ``epsilon`` defaults to 0.01 nats ("close
@@ -838,15 +857,17 @@ def plan_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Seque
     :func:`select_workers`. Filling rescales after tuning, so the final ``kl`` can differ
     from the tuned one by rounding; it is recomputed. ``tau`` (local iterations per round)
     weighs the states' fixed per-round time against the per-sample time in regulation.
+    ``min_batch`` is every step's floor (batch-norm layers need at least 2 samples).
     """
     if batch_cap is not None and _positive_int("batch_cap", batch_cap) < max_batch:
         raise ValueError(f"batch_cap ({batch_cap}) must be >= max_batch ({max_batch}): Eq. 9 already gives D")
-    regulated = regulate_batches(states, max_batch, tau=tau)
+    regulated = regulate_batches(states, max_batch, tau=tau, min_batch=min_batch)
     q = population_distribution(label_dists) if target is None else _distribution("target", target)
     sel = select_workers(label_dists, regulated, bytes_per_sample, budget, participation, target=q,
                          seed=seed, **ga)  # type: ignore[arg-type]
-    tuned = tune_batches(sel.agents, regulated, label_dists, epsilon, states, target=q, max_batch=batch_cap)
-    final = fill_budget(tuned.batches, bytes_per_sample, budget, max_batch=batch_cap)
+    tuned = tune_batches(sel.agents, regulated, label_dists, epsilon, states, target=q, max_batch=batch_cap,
+                         min_batch=min_batch)
+    final = fill_budget(tuned.batches, bytes_per_sample, budget, max_batch=batch_cap, min_batch=min_batch)
     k = kl(mixed_distribution(sel.agents, final, label_dists), q)
     load = sum(final.values()) * float(bytes_per_sample)
     return MergePlan(agents=sel.agents, batches=final, kl=k, reached=k <= epsilon, load_bytes=load, selection=sel)

@@ -137,6 +137,37 @@ def read_sidecar(onnx_path: str | Path) -> dict[str, Any] | None:
     return meta
 
 
+def load_labels(path: str | Path, n: int, num_classes: int) -> np.ndarray:
+    """The true classes of ``n`` inputs: a ``.npy`` of integers, or the ``y`` array of a ``.npz``.
+
+    Refuses pickle, non-integer data, a count that is not ``n`` and classes outside the model's.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise OnnxError(f"no labels file {path}")
+    try:
+        if path.suffix.lower() == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                keys = list(z.keys())
+                if "y" not in keys and len(keys) != 1:
+                    raise OnnxError(f"{path}: no array named 'y' (arrays: {keys})")
+                arr = z["y" if "y" in keys else keys[0]]
+        else:
+            arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        if isinstance(exc, OnnxError):
+            raise
+        raise OnnxError(f"{path}: cannot read it as a numpy array without pickle ({exc})") from None
+    arr = np.asarray(arr).reshape(-1) if np.ndim(arr) == 0 else np.asarray(arr)
+    if arr.dtype.kind not in "iu":
+        raise OnnxError(f"{path}: labels must be integers (class indices), got dtype {arr.dtype}")
+    if arr.ndim != 1 or len(arr) != n:
+        raise OnnxError(f"{path}: expected {n} labels (one per input row), got shape {tuple(arr.shape)}")
+    if len(arr) and (arr.min() < 0 or arr.max() >= num_classes):
+        raise OnnxError(f"{path}: labels must lie in 0..{num_classes - 1}, got {arr.min()}..{arr.max()}")
+    return arr.astype(np.int64)
+
+
 def load_inputs(path: str | Path) -> np.ndarray:
     """Read a ``.npy`` array, or the ``x`` array of a ``.npz`` (its only array if there is no ``x``).
 
@@ -174,6 +205,47 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     z = logits - logits.max(axis=1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(axis=1, keepdims=True)
+
+
+def _resize_axis(x: np.ndarray, size: int, axis: int) -> np.ndarray:
+    """Linear resampling along one axis exactly as ``torch.nn.functional.interpolate`` does with
+    ``mode="bilinear", align_corners=False`` (no antialiasing): half-pixel centres, clamped at 0."""
+    n = x.shape[axis]
+    src = np.maximum((np.arange(size, dtype=np.float64) + 0.5) * (n / size) - 0.5, 0.0)
+    i0 = np.minimum(np.floor(src).astype(np.int64), n - 1)
+    i1 = np.minimum(i0 + 1, n - 1)
+    w = (src - i0).astype(np.float32)
+    shape = [1] * x.ndim
+    shape[axis] = size
+    w = w.reshape(shape)
+    return np.take(x, i0, axis=axis) * (1 - w) + np.take(x, i1, axis=axis) * w
+
+
+def preprocess_raw(x: np.ndarray, prep: dict[str, Any] | None) -> np.ndarray:
+    """Raw pixels (``(N, C, H, W)``, ``(N, H, W)`` or one image) prepared the way the run
+    prepared its training data, from the ``preprocessing`` record of the exported sidecar:
+    scale, bilinear resize when the run resized, then per-channel standardisation."""
+    if not prep or "mean" not in prep:
+        raise OnnxError("the model's sidecar has no 'preprocessing' record (exported before it existed, or "
+                        "not image data): prepare the inputs yourself and leave out --raw")
+    mean = np.asarray(prep["mean"], dtype=np.float32)
+    std = np.asarray(prep["std"], dtype=np.float32)
+    raw_shape = tuple(int(d) for d in prep.get("raw_shape") or ())
+    x = np.asarray(x, dtype=np.float32)
+    if raw_shape and x.shape == raw_shape[1:] and raw_shape[0] == 1:
+        x = x[None, None]                          # one single-channel image
+    elif raw_shape and x.shape == raw_shape:
+        x = x[None]                                # one image
+    elif raw_shape and x.ndim == 3 and raw_shape[0] == 1 and x.shape[1:] == raw_shape[1:]:
+        x = x[:, None]                             # N single-channel images without a channel axis
+    if x.ndim != 4 or x.shape[1] != len(mean):
+        raise OnnxError(f"raw inputs of shape {x.shape}: expected (N, {len(mean)}, H, W) images"
+                        + (f" of {raw_shape[1]}x{raw_shape[2]} pixels" if len(raw_shape) == 3 else ""))
+    x = x / np.float32(prep.get("scale", 1.0))
+    if prep.get("resize"):
+        h, w = (int(v) for v in prep["resize"])
+        x = _resize_axis(_resize_axis(x, h, 2), w, 3)
+    return np.ascontiguousarray((x - mean.reshape(1, -1, 1, 1)) / std.reshape(1, -1, 1, 1), dtype=np.float32)
 
 
 class OnnxPredictor:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from sfl_core import config_reference
+
 from sfl_core.config import (
     ConfigError,
     DeviceProfile,
@@ -85,12 +87,26 @@ def test_every_run_config_loads_and_documents_every_field(path: Path):
     cfg = load_run_config(path)
     assert cfg.run_id == path.stem
     assert cfg.num_agents == len(cfg.agent_profiles()) > 0
-    header = path.read_text().split("\nrun:", 1)[0]
-    yaml_keys = [k for k in run_config_to_dict(cfg)]
-    data_keys = [f.name for f in dataclasses.fields(cfg.data)]
-    section_keys = [f.name for f in dataclasses.fields(cfg.s2fl)] + [f.name for f in dataclasses.fields(cfg.hetero)]
-    for key in yaml_keys + data_keys + section_keys:
-        assert f"# {key}:" in header or f"#   {key}:" in header, f"{path.name}: '{key}' undocumented"
+    # the reference block is generated (python -m sfl_core.config_reference --write): up to date
+    assert path.read_text().startswith(config_reference.render_yaml_header()), \
+        f"{path.name}: stale reference block; run python -m sfl_core.config_reference --write"
+
+
+def test_config_reference_documents_exactly_what_the_loader_accepts():
+    documented = [p for p, _ in config_reference.FIELDS]
+    assert len(documented) == len(set(documented))
+    assert set(documented) == config_reference.accepted_keys()
+    # and every dataclass field has a key (nothing configurable left out of the loader)
+    cfg = run_config_from_dict({"fleet": [{"profile": "s2fl-low-low"}]})
+    for section in ("data", "s2fl", "mergesfl", "hetero"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            assert f"{section}.{f.name}" in documented
+    assert set(run_config_to_dict(cfg)) <= set(documented)
+    docs = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert docs.read_text() == config_reference.render_markdown(), \
+        "docs/config.md is stale; run python -m sfl_core.config_reference --write"
+    # defaults come from the dataclasses, not from the text
+    assert "| `mergesfl.min_batch` |" in docs.read_text() and "| `2` |" in docs.read_text()
 
 
 def test_demo_and_baselines_content():

@@ -221,6 +221,30 @@ def test_ga_never_exceeds_budget():
                                               population_distribution(dists)))
 
 
+def test_selection_size_bounds_hold_on_both_paths():
+    """min_agents / max_agents bound how many agents a round takes (the budget alone let the
+    count drift to 7-10 with per_round 8); min_agents yields where the budget cannot fit that many."""
+    rng = np.random.default_rng(11)
+    for k in range(16):
+        n = int(rng.integers(6, 30))
+        dists, _, batches, part = _instance(n, 700 + k)
+        budget = _budget(batches, 0.9)
+        for exact in (12, 0):
+            free = select_workers(dists, batches, C, budget, part, exact_max_agents=exact, seed=k)
+            hi = max(1, len(free.agents) - 2)
+            capped = select_workers(dists, batches, C, budget, part, exact_max_agents=exact, seed=k, max_agents=hi)
+            assert 1 <= len(capped.agents) <= hi and within_budget(capped.agents, batches, C, budget)
+            lo = min(n, len(free.agents) + 2)
+            fitting = sorted(batches.values())
+            reachable = sum(1 for i in range(n) if sum(fitting[:i + 1]) * C <= budget)
+            floor = select_workers(dists, batches, C, budget, part, exact_max_agents=exact, seed=k, min_agents=lo)
+            assert len(floor.agents) >= min(lo, reachable) - (0 if exact else 1)
+            assert within_budget(floor.agents, batches, C, budget)
+    dists, _, batches, part = _instance(8, 3)
+    with pytest.raises(ValueError, match="max_agents"):
+        select_workers(dists, batches, C, _budget(batches, 0.5), part, min_agents=3, max_agents=2)
+
+
 def test_exact_selection_matches_brute_force():
     for seed in range(20):
         n = 4 + seed % 9  # 4..12: the default exact path

@@ -158,11 +158,16 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
     assert meta["model"] == "small_cnn" and meta["split"] is None and meta["round"] == 1
     assert meta["dataset"] == "digits" and meta["input_shape"] == [1, 8, 8]
 
+    np.save(tmp_path / "y.npy", y)
     r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
-             "--output", str(tmp_path / "preds.json"), "--show", "3")
+             "--output", str(tmp_path / "preds.json"), "--show", "3", "--labels", str(tmp_path / "y.npy"))
     assert r.returncode == 0, r.stderr
-    assert "probability" in r.stdout
-    preds = json.loads((tmp_path / "preds.json").read_text())["predictions"]
+    header = next(l for l in r.stdout.splitlines() if "probability" in l)
+    assert "predicted" in header and "true" in header and "label" not in header   # never reads as ground truth
+    doc = json.loads((tmp_path / "preds.json").read_text())
+    assert f"accuracy: {doc['accuracy']:.4f}" in r.stderr
+    assert doc["accuracy"] == pytest.approx(run_acc, abs=1e-9)   # the device scores what the run measured
+    preds = doc["predictions"]
     got = np.array([p["class"] for p in preds])
     model, _ = load_global_model(out)
     with torch.no_grad():
@@ -180,6 +185,19 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
     np.save(tmp_path / "bad.npy", np.zeros((2, 28, 28), np.float32))
     r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "bad.npy"), block_torch=True)
     assert r.returncode == 2 and "expected (N, 1, 8, 8)" in r.stderr, r.stderr
+    # raw pixels, prepared on the device with the constants the sidecar records: same answers
+    from sfl_core.data import _read_digits
+    raw_test = _read_digits()[2]                     # uint8 0..16, the same split as x
+    assert meta["preprocessing"]["scale"] == 16.0 and meta["preprocessing"]["raw_shape"] == [1, 8, 8]
+    np.save(tmp_path / "raw.npy", raw_test)
+    r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "raw.npy"), "--raw",
+             "--output", str(tmp_path / "raw.json"), block_torch=True)
+    assert r.returncode == 0, r.stderr
+    assert [p["class"] for p in json.loads((tmp_path / "raw.json").read_text())["predictions"]] == got.tolist()
+    np.save(tmp_path / "short.npy", y[:5])
+    r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
+             "--labels", str(tmp_path / "short.npy"), block_torch=True)
+    assert r.returncode == 2 and f"expected {len(y)} labels" in r.stderr, r.stderr
     np.save(tmp_path / "one.npy", x[0])
     r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "one.npy"), block_torch=True)
     assert r.returncode == 0, r.stderr
@@ -230,3 +248,22 @@ def test_rebuild_model_with_bottleneck() -> None:
     with torch.no_grad():
         assert torch.equal(again.eval()(x), model.eval()(x))
 
+
+def test_preprocess_raw_matches_the_training_pipeline() -> None:
+    """Raw images through `preprocess_raw` (numpy only) equal the data set's tensors, with and
+    without the bilinear resize a run's `data.image_size` asks for."""
+    from sfl_core.data import _read_digits, load_dataset
+    from sfl_core.onnx_export import OnnxError, preprocess_raw
+
+    raw = _read_digits()[2]
+    for size in (None, 12, 5):
+        ds = load_dataset("digits", image_size=size)
+        got = preprocess_raw(raw, ds.preprocessing)
+        np.testing.assert_allclose(got, ds.x_test.numpy(), rtol=0, atol=2e-5)
+    ds = load_dataset("digits")
+    assert preprocess_raw(raw[0, 0], ds.preprocessing).shape == (1, 1, 8, 8)      # one image, no axes
+    assert preprocess_raw(raw[:, 0], ds.preprocessing).shape == raw.shape        # N images, no channel axis
+    with pytest.raises(OnnxError, match="expected"):
+        preprocess_raw(np.zeros((2, 3, 8, 8)), ds.preprocessing)
+    with pytest.raises(OnnxError, match="no 'preprocessing' record"):
+        preprocess_raw(raw, None)

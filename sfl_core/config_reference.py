@@ -1,0 +1,248 @@
+"""The run-config reference: one list of documented keys, rendered where users read it.
+
+Every key the loader accepts (:mod:`sfl_core.config`) is documented here once; the defaults
+come from the config dataclasses, never from the text. The same list becomes the comment
+block at the top of every shipped run config (``profiles/runs/*.yaml``) and the Markdown
+reference in ``docs/config.md``, and a test checks that those files and the loader agree
+with it. After adding a key: document it in :data:`FIELDS`, then regenerate with
+
+    python -m sfl_core.config_reference --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Iterator
+
+from sfl_core import config
+
+PREAMBLE = (
+    "Configuration reference (every key is optional unless marked; unknown keys are errors).",
+    'Numbers may be written 5e9, 5.0e9, 5_000_000_000 or "5e9". `null` means "automatic".',
+)
+
+FIELDS: tuple[tuple[str, str], ...] = (
+    ('run',
+     'run id, [A-Za-z0-9_-], 1-64 chars; it becomes an MQTT topic level (sfl/<run>/...).'),
+    ('model',
+     "model name from the model zoo (e.g. small_cnn, resnet8), optionally with options: vgg16:width=0.25,norm=group (width multiplies every layer's channels; norm: batch | group | none)."),
+    ('data',
+     'training data and how it is split over agents'),
+    ('data.dataset',
+     'digits (sklearn, offline) | mnist | fashion-mnist | cifar10 (binary distribution).'),
+    ('data.root',
+     'directory with the idx .gz files (not needed for digits); relative paths are relative to the working directory.'),
+    ('data.partition',
+     'iid | dirichlet (label skew) | data-imbalance | class-imbalance | extreme (FedFC splits; docs/methods.md section 4).'),
+    ('data.alpha',
+     'Dirichlet concentration a > 0; small = severe skew.'),
+    ('data.seed',
+     'seed of the partition.'),
+    ('data.image_size',
+     'resize images to N x N (e.g. 32 so 28x28 data fits VGG).'),
+    ('fleet',
+     'REQUIRED (unless min_agents is set): list of {profile, count}; agent indices are assigned in list order. `profile` is a name from profiles/devices/ (sfl-agent profiles) or a path to a profile YAML (relative to this file, then to the working directory). count >= 1, default 1. A bare string entry means count 1.'),
+    ('rounds',
+     'communication rounds, > 0.'),
+    ('per_round',
+     'agents selected per round (<= fleet size); null = all.'),
+    ('min_agents',
+     'agents to wait for before round 1 (<= fleet size); null = whole fleet.'),
+    ('strategy',
+     'sfl (split learning) | fedavg (whole model on the agent) | s2fl (sliding split + data-balance groups, see s2fl).'),
+    ('server_mode',
+     'merged (feature merging: one server forward/backward over the concatenated activations of all agents) | per_agent (SplitFed v1: one server copy per agent, copies averaged) | sequential (SplitFed v2: one server copy updated agent after agent).'),
+    ('server_weight',
+     "how a merged server copy counts in the layer-wise average of mixed cuts: members (once per agent it trained for, weighted by their data; measured better) | once (one participant, FedFC's Alg. 3)."),
+    ('split',
+     "split point s (client portion = layers[:s]), >= 1; null = the model's default."),
+    ('profile_splits',
+     "FedFC mixed cut layers (strategy sfl): split point per device profile, e.g. {jetson-nano: 1, jetson-agx-xavier: 3}; other agents use split. With server_mode merged, one server pass joins each agent's rows at its own layer."),
+    ('batch_size',
+     'samples per local iteration per agent, > 0.'),
+    ('lr',
+     'SGD learning rate, > 0.'),
+    ('lr_decay',
+     'learning rate of round r = lr x lr_decay^(r-1), in (0, 1].'),
+    ('momentum',
+     'SGD momentum in [0, 1).'),
+    ('local_iters',
+     'local iterations per round (tau), > 0.'),
+    ('codec',
+     'activation/gradient codec on the wire: fp32 | fp16 | bf16 | int8 | topk<P> (P=1..99), then zstd.'),
+    ('zstd_level',
+     'zstd level for wire payloads, 0 (off) to 22.'),
+    ('seed',
+     'seed for selection, initialisation and batches, >= 0.'),
+    ('server_flops',
+     "coordinator FLOP/s for the virtual clock (S2FL 'server' class = 5e10)."),
+    ('step_timeout_s',
+     'an agent silent this long within a round is dropped.'),
+    ('register_timeout_s',
+     'how long to wait for min_agents to register.'),
+    ('output_dir',
+     'where metrics and checkpoints go; null = runs/<run>.'),
+    ('eval_samples',
+     'evaluate on the first N samples of the test set (faster rounds in big simulations); null = the whole test set.'),
+    ('loss',
+     "server-side training loss: ce (cross-entropy) | calibrated (FedLC logit calibration, Zhang et al. 2022: logit z_c - tau * n_c^(-1/4) with n_c the row's agent's count of class c; counters label skew)."),
+    ('calibration_tau',
+     'calibration strength tau >= 0 (0 = plain cross-entropy).'),
+    ('s2fl',
+     'S2FL switches, used when strategy is s2fl (docs/methods.md section 5)'),
+    ('s2fl.sliding',
+     'per-agent split from the client time table (warm-up: rounds 1..K use candidate k for everybody; then the median rule).'),
+    ('s2fl.balance',
+     "group agents so each group's label mix is closest to uniform (Eq. 2); one server copy per group. false = one copy per agent."),
+    ('s2fl.group_size',
+     'agents per group when balancing.'),
+    ('s2fl.candidates',
+     "candidate split points, e.g. [1, 2, 3]; null = the model's defaults (sfl_core/sliding_split.py). With sliding false the largest candidate is used (the paper's SFL baseline)."),
+    ('mergesfl',
+     'MergeSFL control (docs/methods.md section 7), on top of feature merging'),
+    ('mergesfl.regulate',
+     'batch-size regulation (Eq. 9): the fastest agent gets max_batch, the others d_i = floor(D (mu_l+beta_l)/(mu_i+beta_i)) so all take equally long; lr scales with the batch; aggregation weighted by batch size (Eq. 17).'),
+    ('mergesfl.max_batch',
+     "D, the fastest agent's batch (>= batch_size); null = batch_size."),
+    ('mergesfl.select',
+     "KL worker selection (Eq. 10-13): a genetic algorithm picks the agents whose merged label mix is closest to the population's, within the ingress budget; then batches are tuned (Eq. 14) and scaled to fill the budget. per_round is not used: the budget sets how many agents train (bound it with min_agents / max_agents)."),
+    ('mergesfl.min_agents',
+     'with select: the fewest agents a round takes, where the budget lets that many fit.'),
+    ('mergesfl.max_agents',
+     'with select: the most agents a round takes; null = no bound.'),
+    ('mergesfl.min_batch',
+     'the smallest batch regulation and selection give an agent (>= 2 keeps batch-norm layers from single-sample batches).'),
+    ('mergesfl.budget_bytes',
+     "coordinator ingress budget per round (activation bytes per step); null = per_round x batch_size samples' activations."),
+    ('mergesfl.epsilon',
+     'KL target (nats) of the batch fine-tuning.'),
+    ('mergesfl.smoothing',
+     'weight of the previous estimate of mu (compute s/sample) and beta (transfer s/sample), Eq. 5-6, in [0, 1).'),
+    ('mergesfl.ga_population',
+     'individuals of the genetic algorithm.'),
+    ('mergesfl.ga_generations',
+     'generations at most (stops after 30 without improvement).'),
+    ('mergesfl.ga_crossover',
+     'uniform-crossover probability in [0, 1].'),
+    ('mergesfl.ga_mutation',
+     'per-gene flip probability; null = 1/agents.'),
+    ('hetero',
+     'HeteroSFL (docs/methods.md section 6): agents grouped by link rate, each group with its own bottleneck width and/or codec'),
+    ('hetero.width',
+     'full (widest) bottleneck width P in channels; null = no bottleneck. Needs one fixed split (strategy sfl).'),
+    ('hetero.groups',
+     'agents grouped by measured uplink rate into 1-4 groups.'),
+    ('hetero.widths',
+     "fixed width per group, slowest group first; null = widths proportional to the groups' rates (fastest = width)."),
+    ('hetero.thresholds',
+     'ascending uplink rates (B/s) separating the groups; null = equal-count quantiles.'),
+    ('hetero.codecs',
+     "codec per group, slowest group first (e.g. [topk4, fp32]); works with or without a bottleneck; null = the run's codec."),
+    ('hetero.bdks',
+     'bi-directional knowledge sharing (HeteroSFL Eq. 6-8) for every group wider than the narrowest: loss(wide) + bdks_alpha * N2W + W2N, on the server only (about 2x server compute for those rows).'),
+    ('hetero.bdks_alpha',
+     'weight of the narrow-to-wide distillation, >= 0.'),
+    ('hetero.bdks_theta',
+     "a class is under-represented in a group when its share of the group's data is below bdks_theta x its share of all agents' data, in [0, 1]."),
+)
+"""(key path, meaning) in the order users read them; a section's keys follow the section."""
+
+_NO_DEFAULT = ("data", "fleet", "s2fl", "mergesfl", "hetero")   # sections, and the one required key
+_RULE = "# " + "=" * 76 + " run config"
+_END = "# " + "=" * 86
+
+
+def accepted_keys() -> set[str]:
+    """Every key path the run-config loader accepts."""
+    keys = set(config._RUN_SPEC)
+    for section, spec in (("data", config._DATA_SPEC), ("s2fl", config._S2FL_SPEC),
+                          ("mergesfl", config._MERGESFL_SPEC), ("hetero", config._HETERO_SPEC)):
+        keys |= {f"{section}.{k}" for k in spec}
+    return keys
+
+
+def defaults() -> dict[str, Any]:
+    """Key path -> default, read from the dataclasses through the loader itself."""
+    d = config.run_config_to_dict(config.run_config_from_dict({"fleet": [{"profile": "s2fl-low-low"}]}))
+
+    def flat(m: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+        for k, v in m.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            yield prefix + k, v
+    return dict(flat(d))
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:.0e}".replace("e+", "e") if abs(v) >= 1e6 else (f"{v:.1f}" if v.is_integer() else f"{v:g}")
+    return str(v)
+
+
+def _entries() -> Iterator[tuple[str, str, str, str | None]]:
+    """(path, key, meaning, default text or None) per documented key."""
+    values = defaults()
+    for path, text in FIELDS:
+        default = None if path in _NO_DEFAULT else _value(values[path])
+        yield path, path.rsplit(".", 1)[-1], text, default
+
+
+def render_yaml_header() -> str:
+    """The comment block every shipped run config starts with."""
+    lines = [_RULE, *(f"# {p}" for p in PREAMBLE), "#"]
+    for path, key, text, default in _entries():
+        indent = "  " if "." in path else ""
+        full = text + (f" Default: {default}" if default is not None else "")
+        lead = f"# {indent}{key}:".ljust(23)
+        wrapped = textwrap.wrap(full, width=92 - 23) or [""]
+        lines.append(lead + wrapped[0])
+        lines += ["#" + " " * 22 + w for w in wrapped[1:]]
+    lines.append(_END)
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown() -> str:
+    """``docs/config.md``: the same reference as a table."""
+    out = ["# Run configuration reference", "",
+           "<!-- generated by `python -m sfl_core.config_reference --write`; edit sfl_core/config_reference.py -->",
+           "", *PREAMBLE, "", "| key | meaning | default |", "|---|---|---|"]
+    for path, _key, text, default in _entries():
+        cell = text.replace("|", "\\|").replace("<", "&lt;")
+        out.append(f"| `{path}` | {cell} | {'' if default is None else f'`{default}`'} |")
+    return "\n".join(out) + "\n"
+
+
+def with_header(text: str) -> str:
+    """A run config's text with its reference block replaced by the current one."""
+    if text.startswith(_RULE):
+        end = text.find(_END)
+        if end >= 0:
+            text = text[end + len(_END):].lstrip("\n")
+    return render_yaml_header() + "\n" + text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--write", action="store_true",
+                   help="rewrite docs/config.md and the header of every profiles/runs/*.yaml")
+    p.add_argument("--markdown", action="store_true", help="print the Markdown reference (default: the YAML block)")
+    args = p.parse_args(argv)
+    if args.write:
+        root = Path(__file__).resolve().parents[1]
+        (root / "docs" / "config.md").write_text(render_markdown())
+        for f in sorted((config.default_profiles_dir() / "runs").glob("*.yaml")):
+            f.write_text(with_header(f.read_text()))
+        return 0
+    sys.stdout.write(render_markdown() if args.markdown else render_yaml_header())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

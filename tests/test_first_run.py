@@ -1,0 +1,128 @@
+"""What a user sees on a first run with an untuned fleet: each rough edge pinned by a test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from coordinator.cli import app
+from sfl_core.config import default_profiles_dir
+
+RUNNER = CliRunner()
+
+
+def _run_config(tmp_path: Path, **changes) -> Path:
+    doc = yaml.safe_load((default_profiles_dir() / "runs" / "demo.yaml").read_text())
+    doc.update(changes)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_wrong_data_root_names_the_config_file_and_field(tmp_path):
+    cfg = _run_config(tmp_path, data={"dataset": "mnist", "root": str(tmp_path / "mnsit")},
+                      output_dir=str(tmp_path / "out"))
+    res = RUNNER.invoke(app, ["simulate", "-c", str(cfg)], env={"COLUMNS": "300"})
+    assert res.exit_code == 2
+    line, = [l for l in res.output.splitlines() if "mnsit" in l]
+    assert line.startswith(f"{cfg}: field 'data.root': ") and "no such file or directory" in line
+    assert "Traceback" not in res.output
+    # the --data flag overrides data.root: then the flag is what is named
+    res = RUNNER.invoke(app, ["simulate", "-c", str(cfg), "--data", str(tmp_path / "nowhere")], env={"COLUMNS": "300"})
+    assert res.exit_code == 2 and "--data: " in res.output and "nowhere" in res.output
+    assert not (tmp_path / "out").exists()      # nothing was started or written
+
+
+def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
+    """In a simulation the per-agent compute/transfer/waiting seconds are the time model's
+    (profile FLOP/s, real bytes), identical however busy the host is."""
+    import io
+
+    from rich.console import Console
+
+    from coordinator.cli import simulate_run
+    from coordinator.console import summary_table
+    from sfl_core.accounting import model_costs
+    from sfl_core.config import load_run_config
+
+    cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
+    history, engine = simulate_run(cfg, device="cpu")
+    costs = model_costs(cfg.model, (1, 8, 8), 10)
+    for a, info in engine.registry.agents.items():
+        rows = [rec["agents"][a] for rec in history if a in rec["agents"]]
+        expected = sum(costs[r["split"]].client_flops * r["batch_size"] * cfg.local_iters for r in rows) \
+            / info.profile["compute_flops"]
+        assert info.client_s == pytest.approx(expected, rel=1e-3)
+        assert info.transfer_s == pytest.approx(sum(r["transfer_s"] for r in rows), abs=1e-3) and info.transfer_s > 0
+        assert info.wait_s >= 0
+    slowest = max(engine.registry.agents.values(), key=lambda i: i.client_s + i.transfer_s)
+    assert slowest.wait_s == pytest.approx(0, abs=1e-3)      # the slowest agent never waits
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table(history, engine.registry))
+    text = out.getvalue()
+    assert "transfer s" in text and "waiting s" in text and "not this host's time" in text
+
+
+def test_status_fits_80_columns_and_speaks_json(tmp_path):
+    import json
+
+    from coordinator.cli import simulate_run
+    from sfl_core.config import load_run_config
+
+    cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
+    history, _ = simulate_run(cfg, device="cpu")
+    res = RUNNER.invoke(app, ["status", str(tmp_path / "out")], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    table = res.output.split("checkpoint after")[0]
+    assert "…" not in table and max(map(len, table.splitlines())) <= 80
+    for header in ("accuracy", "loss", "elapsed s", "up", "down"):
+        assert header in table
+    assert "kB" in table or "MB" in table                       # human units, not raw byte counts
+    assert str(history[-1]["bytes_up"]) not in table
+    res = RUNNER.invoke(app, ["status", str(tmp_path / "out"), "--format", "json"])
+    doc = json.loads(res.output)
+    assert [r["accuracy"] for r in doc["rounds"]] == [h["accuracy"] for h in history]
+    assert doc["checkpoint"]["round"] == 2
+    assert RUNNER.invoke(app, ["status", str(tmp_path / "out"), "--format", "yaml"]).exit_code == 2
+
+
+def test_mergesfl_selection_says_per_round_is_unused_and_bounds_the_count(tmp_path):
+    import json
+
+    cfg = _run_config(tmp_path, rounds=3, per_round=3, output_dir=str(tmp_path / "out"),
+                      mergesfl={"regulate": True, "select": True, "min_agents": 2, "max_agents": 3})
+    res = RUNNER.invoke(app, ["simulate", "-c", str(cfg)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    notice, = [l for l in res.output.splitlines() if l.startswith("MergeSFL selection")]
+    assert "per_round is not used" in notice and "samples" in notice and "agents per round 2..3" in notice
+    rounds = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][1:]
+    for rec in rounds:
+        assert 2 <= len(rec["selected"]) <= 3 and rec["mergesfl"]["agents"] == len(rec["selected"])
+        assert all(a["batch_size"] >= 2 for a in rec["agents"].values())     # the default min_batch
+        assert f"{len(rec['completed'])}/{len(rec['selected'])} agents" in res.output
+
+
+def test_a_costly_default_split_is_named_at_start_and_by_models(tmp_path):
+    """vgg_mini's default cut sends 49 KB per sample where the next sends 2.2 KB for similar
+    client compute: the run says so in one line, `models --config` marks the fastest cut."""
+    from sfl_core.accounting import model_costs, split_note
+    from sfl_core.models import build_model
+
+    shape = (1, 28, 28)
+    costs = model_costs("vgg_mini", shape, 10)
+    note = split_note(costs, build_model("vgg_mini", shape, 10).default_split, shape)
+    assert note.startswith("split 3 sends 49.0 KB") and "split 4 sends 2.2 KB" in note
+    assert split_note(costs, 4, shape) is None
+    assert split_note(model_costs("resnet8", shape, 10), 2, shape) is None    # its default is fine
+
+    cfg = _run_config(tmp_path, rounds=1, output_dir=str(tmp_path / "out"))     # small_cnn at split 2
+    res = RUNNER.invoke(app, ["simulate", "-c", str(cfg)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0
+    assert sum(l.startswith("split 2 sends 2.0 KB") for l in res.output.splitlines()) == 1
+    res = RUNNER.invoke(app, ["models", "-c", str(cfg)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0
+    rows = {l.split()[0]: l for l in res.output.splitlines() if l.strip()[:1].isdigit()}
+    assert rows["3"].endswith("<- fastest") and rows["2"].endswith("<- configured")
