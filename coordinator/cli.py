@@ -20,7 +20,7 @@ from sfl_core.accounting import format_cost_table, model_costs
 from sfl_core.broker_url import BrokerAddress
 from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
 from sfl_core.data import DatasetError, load_dataset
-from sfl_core.models import MODEL_NAMES, build_model
+from sfl_core.models import build_model, model_names
 from sfl_core.version import version_option
 
 from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
@@ -372,7 +372,7 @@ def _end_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 @app.command()
-def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(MODEL_NAMES)}; default all."),
+def models(model: Optional[str] = typer.Argument(None, help="A zoo model (see the list with no argument) or a registered one; default all."),
            input_shape: str = typer.Option("3,32,32", help="Per-sample input shape, e.g. 1,28,28."),
            classes: int = typer.Option(10),
            config: Optional[Path] = typer.Option(None, "--config", "-c", help="A run config: its model, input "
@@ -383,7 +383,7 @@ def models(model: Optional[str] = typer.Argument(None, help=f"One of {', '.join(
         _models_for_run(config)
         return
     shape = tuple(int(v) for v in input_shape.split(","))
-    for name in [model] if model else MODEL_NAMES:
+    for name in [model] if model else model_names():
         if name == "cnn1d" and len(shape) != 2:
             continue
         if name != "cnn1d" and len(shape) != 3:

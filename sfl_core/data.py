@@ -14,26 +14,110 @@ treat the returned tensors as read-only and copy before modifying them in place.
 from __future__ import annotations
 
 import gzip
+import logging
 import tarfile
 import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["DATASET_NAMES", "Dataset", "DatasetError", "load_dataset", "clear_cache"]
+__all__ = ["DATASET_NAMES", "Dataset", "DatasetError", "load_dataset", "clear_cache", "dataset_names",
+           "register_dataset", "input_shape_of"]
 
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10")
 
 _INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "fashion-mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
 
+ENTRY_POINT_GROUP = "sfl_edge.datasets"
 
-def input_shape_of(name: str, image_size: int | None = None) -> tuple[int, int, int]:
+
+@dataclass(frozen=True)
+class _Plugin:
+    """A data set added with :func:`register_dataset`."""
+
+    loader: Callable[[Optional[str]], tuple]
+    scale: float
+    num_classes: int
+    input_shape: Optional[tuple[int, ...]]
+    needs_root: bool
+
+
+_PLUGINS: dict[str, _Plugin] = {}
+_entry_points_loaded = False
+
+
+def register_dataset(name: str, loader: Callable[[Optional[str]], tuple], *, scale: float = 255.0,
+                     num_classes: int = 10, input_shape: Optional[Sequence[int]] = None, needs_root: bool = False,
+                     replace: bool = False) -> None:
+    """Add a data set, so run configs and agents can name it (``data.dataset``).
+
+    ``loader(root)`` (``root``: the run's ``data.root``, or ``None``) returns
+    ``(x_train, y_train, x_test, y_test)`` as numpy arrays: ``x`` raw non-negative integer
+    pixels (or sensor counts) shaped ``(N, C, ...)``, ``y`` class indices below
+    ``num_classes``. The product scales by ``scale`` and standardises each channel with the
+    train set's statistics, exactly as for the built-in sets (and records the constants in
+    exported models). ``input_shape`` (per sample) lets commands such as
+    ``sfl-coord models -c`` work without loading the data. Agents load the data set by
+    name, so they must register it too: declare an entry point in the
+    ``sfl_edge.datasets`` group (loaded on first use).
+    """
+    if not isinstance(name, str) or not name or name != name.strip().lower() or ":" in name or "/" in name:
+        raise DatasetError(f"data set name must be a lower-case word, got {name!r}")
+    if name in DATASET_NAMES or (name in _PLUGINS and not replace):
+        raise DatasetError(f"data set {name!r} is already registered (pass replace=True to override a plugin)")
+    if not callable(loader):
+        raise DatasetError(f"data set {name!r}: loader must be callable, got {loader!r}")
+    if not scale > 0 or isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+        raise DatasetError(f"data set {name!r}: expected scale > 0 and num_classes >= 2")
+    _PLUGINS[name] = _Plugin(loader, float(scale), num_classes,
+                             tuple(int(d) for d in input_shape) if input_shape is not None else None, bool(needs_root))
+    clear_cache()
+
+
+def dataset_names() -> tuple[str, ...]:
+    """Every data set a config may name: the built-in ones, then registered and entry-point ones."""
+    _load_entry_points()
+    return DATASET_NAMES + tuple(_PLUGINS)
+
+
+def _load_entry_points() -> None:
+    """Register the data sets installed packages declare in the ``sfl_edge.datasets`` group (each
+    entry point: a loader; optional attributes ``scale``, ``num_classes``, ``input_shape``,
+    ``needs_root``). A plugin that fails to load is skipped with one logged line."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in DATASET_NAMES or ep.name in _PLUGINS:
+            continue
+        try:
+            loader = ep.load()
+            register_dataset(ep.name, loader, scale=getattr(loader, "scale", 255.0),
+                             num_classes=getattr(loader, "num_classes", 10),
+                             input_shape=getattr(loader, "input_shape", None),
+                             needs_root=getattr(loader, "needs_root", False))
+        except Exception as exc:  # a broken plugin must not stop runs that do not use it
+            logging.getLogger("sfl.data").warning("data set plugin %s (%s) not loaded: %s", ep.name, ep.value, exc)
+
+
+def input_shape_of(name: str, image_size: int | None = None) -> tuple[int, ...]:
     """The per-sample shape data set ``name`` feeds a model (after ``image_size``), without loading it."""
-    c, h, w = _INPUT_SHAPES[_canonical_name(name)]
-    return (c, image_size, image_size) if image_size else (c, h, w)
+    key = _canonical_name(name)
+    if key in _PLUGINS:
+        shape = _PLUGINS[key].input_shape
+        if shape is None and not _PLUGINS[key].needs_root:
+            shape = load_dataset(key).input_shape
+        if shape is None:
+            raise DatasetError(f"data set {key!r}: register it with input_shape= (it needs a root to be read)")
+    else:
+        shape = _INPUT_SHAPES[key]
+    return (shape[0], image_size, image_size) if image_size and len(shape) == 3 else tuple(shape)
 
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian dataset-fashion-mnist
 CIFAR10_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
@@ -98,7 +182,7 @@ def load_dataset(name: str, root: str | Path | None = None, image_size: int | No
     key = _canonical_name(name)
     if image_size is not None and (isinstance(image_size, bool) or int(image_size) != image_size or image_size < 1):
         raise DatasetError(f"image_size must be a positive integer, got {image_size!r}")
-    if key == "digits":
+    if key == "digits" or (key in _PLUGINS and root is None and not _PLUGINS[key].needs_root):
         return _load_sized(key, "", image_size)
     if root is None:
         if key == "fashion-mnist" and FASHION_MNIST_SYSTEM_DIR.is_dir():
@@ -147,16 +231,25 @@ def _resized_cached(key: str, root: str, size: int) -> Dataset:
 
 
 def _canonical_name(name: str) -> str:
-    key = str(name).strip().lower().replace("_", "-")
+    raw = str(name).strip().lower()
+    if raw not in DATASET_NAMES and raw not in _PLUGINS:
+        _load_entry_points()
+    if raw in _PLUGINS:
+        return raw
+    key = raw.replace("_", "-")
     key = {"fmnist": "fashion-mnist", "fashionmnist": "fashion-mnist", "cifar-10": "cifar10"}.get(key, key)
     if key not in DATASET_NAMES:
-        raise DatasetError(f"unknown data set {name!r}; expected one of {', '.join(DATASET_NAMES)}")
+        raise DatasetError(f"unknown data set {name!r}; expected one of {', '.join(dataset_names())}")
     return key
 
 
 @lru_cache(maxsize=8)
 def _load_cached(key: str, root: str) -> Dataset:
-    if key == "digits":
+    num_classes = 10
+    if key in _PLUGINS:
+        xtr, ytr, xte, yte = _read_plugin(key, root or None)
+        scale, num_classes = _PLUGINS[key].scale, _PLUGINS[key].num_classes
+    elif key == "digits":
         xtr, ytr, xte, yte, scale = _read_digits()
     elif key in ("mnist", "fashion-mnist"):
         xtr, ytr, xte, yte = _read_mnist_dir(Path(root))
@@ -171,10 +264,35 @@ def _load_cached(key: str, root: str) -> Dataset:
         y_train=torch.from_numpy(ytr.astype(np.int64)),
         x_test=x_test,
         y_test=torch.from_numpy(yte.astype(np.int64)),
-        num_classes=10,
+        num_classes=num_classes,
         preprocessing={"scale": scale, "mean": [float(m) for m in mean], "std": [float(v) for v in std],
                        "resize": None, "raw_shape": list(xtr.shape[1:])},
     )
+
+
+def _read_plugin(key: str, root: Optional[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A registered loader's arrays, checked as strictly as the built-in readers check files."""
+    plugin = _PLUGINS[key]
+    try:
+        out = plugin.loader(root)
+    except DatasetError:
+        raise
+    except Exception as exc:
+        raise DatasetError(f"data set {key!r}: its loader failed: {exc}") from None
+    if not isinstance(out, tuple) or len(out) != 4:
+        raise DatasetError(f"data set {key!r}: the loader must return (x_train, y_train, x_test, y_test)")
+    xtr, ytr, xte, yte = (np.asarray(a) for a in out)
+    for what, x, y in (("train", xtr, ytr), ("test", xte, yte)):
+        if x.dtype.kind not in "iu" or x.ndim < 3 or len(x) == 0 or (x.size and x.min() < 0):
+            raise DatasetError(f"data set {key!r}: x_{what} must be non-negative integers shaped (N, C, ...), "
+                               f"got dtype {x.dtype}, shape {x.shape}")
+        if y.dtype.kind not in "iu" or y.shape != (len(x),) or (y.size and not 0 <= y.min() <= y.max()
+                                                                  < plugin.num_classes):
+            raise DatasetError(f"data set {key!r}: y_{what} must be {len(x)} class indices in "
+                               f"0..{plugin.num_classes - 1}, got dtype {y.dtype}, shape {y.shape}")
+    if xtr.shape[1:] != xte.shape[1:]:
+        raise DatasetError(f"data set {key!r}: train samples are {xtr.shape[1:]}, test samples {xte.shape[1:]}")
+    return xtr, ytr, xte, yte
 
 
 def _normalise(x_train: np.ndarray, x_test: np.ndarray, scale: float

@@ -20,6 +20,8 @@ feed zeros and consume no randomness).
 
 from __future__ import annotations
 
+import logging
+
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,7 +32,8 @@ from torch import Tensor, nn
 
 from sfl_core.bottleneck import Bottleneck, Decoder, Encoder
 
-__all__ = ["SplitModel", "MODEL_NAMES", "NORMS", "ModelSpec", "build_model", "model_base_name"]
+__all__ = ["SplitModel", "MODEL_NAMES", "NORMS", "ModelSpec", "build_model", "model_base_name", "model_names",
+           "register_model"]
 
 
 class SplitModel(nn.Module):
@@ -475,8 +478,70 @@ _BUILDERS: dict[str, Callable[..., SplitModel]] = {
 }
 
 MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet8", "vgg_mini", "vgg11", "vgg16", "alexnet", "mobilenet_v1", "cnn1d")
+"""The built-in zoo; :func:`model_names` adds the models registered since."""
 
 _NATIVE_NORM = {"small_cnn": "none", "alexnet": "none"}   # models designed without normalisation
+
+ENTRY_POINT_GROUP = "sfl_edge.models"
+_entry_points_loaded = False
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def register_model(name: str, builder: Callable[..., SplitModel], *, candidate_splits: Sequence[int] | None = None,
+                   norms: bool = True, replace: bool = False) -> None:
+    """Add a model to the zoo, so run configs, agents and every command can name it.
+
+    ``builder(input_shape, num_classes, *, width=1.0, norm="batch")`` returns a
+    :class:`SplitModel` whose block boundaries are the split points. ``candidate_splits``
+    are the cuts S2FL slides between (needed for ``strategy: s2fl`` only). ``norms=False``
+    says the model has no normalisation layers (``norm`` is then always ``"none"``).
+    Agents build the model from its name, so they must register it too: package it and
+    declare an entry point in the ``sfl_edge.models`` group (loaded on first use) rather
+    than calling this in one process only.
+    """
+    if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS:
+        raise ValueError(f"model name must be lower-case letters, digits, '_' or '-', got {name!r}")
+    if not callable(builder):
+        raise ValueError(f"model {name!r}: builder must be callable, got {builder!r}")
+    if name in _BUILDERS and not replace:
+        raise ValueError(f"model {name!r} is already registered (pass replace=True to override it)")
+    _BUILDERS[name] = builder
+    if not norms:
+        _NATIVE_NORM[name] = "none"
+    else:
+        _NATIVE_NORM.pop(name, None)
+    if candidate_splits is not None:
+        from sfl_core import sliding_split   # sliding_split imports this module
+        cands = tuple(sorted({int(c) for c in candidate_splits}))
+        if not cands or cands[0] < 1:
+            raise ValueError(f"model {name!r}: candidate_splits must be split points >= 1, got {candidate_splits!r}")
+        sliding_split.CANDIDATE_SPLITS[name] = cands
+
+
+def model_names() -> tuple[str, ...]:
+    """Every model a config may name: the zoo, then registered and entry-point models."""
+    _load_entry_points()
+    return tuple(_BUILDERS)
+
+
+def _load_entry_points() -> None:
+    """Register the models that installed packages declare in the ``sfl_edge.models`` group
+    (each entry point: a builder; its optional ``candidate_splits`` attribute is used). A
+    plugin that fails to load is skipped with one logged line."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _BUILDERS:
+            continue
+        try:
+            builder = ep.load()
+            register_model(ep.name, builder, candidate_splits=getattr(builder, "candidate_splits", None),
+                           norms=getattr(builder, "norms", True))
+        except Exception as exc:  # a broken plugin must not stop the run that does not use it
+            logging.getLogger("sfl.models").warning("model plugin %s (%s) not loaded: %s", ep.name, ep.value, exc)
 
 
 @dataclass(frozen=True)
@@ -503,7 +568,9 @@ class ModelSpec:
             raise ValueError(f"model must be a name like 'vgg16' or 'vgg16:width=0.25', got {spec!r}")
         name, _, opts = spec.strip().partition(":")
         if name not in _BUILDERS:
-            raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)}")
+            _load_entry_points()
+        if name not in _BUILDERS:
+            raise ValueError(f"unknown model {name!r}; choose one of {list(model_names())}")
         width, norm = 1.0, None
         for part in filter(None, (p.strip() for p in opts.split(","))):
             key, eq, value = part.partition("=")
