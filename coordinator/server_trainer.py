@@ -34,8 +34,6 @@ from sfl_core.hetero import under_represented_classes
 from sfl_core.losses import logit_calibrated_ce, n2w_loss, w2n_loss
 from sfl_core.models import SplitModel
 
-SERVER_MODES = ("merged", "per_agent")
-
 Batch = tuple[torch.Tensor, torch.Tensor | None]
 """An agent's activations and labels (``None``: the agent withheld them)."""
 Exchange = Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, float]]]

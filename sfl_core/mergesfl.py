@@ -56,6 +56,8 @@ from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
+from sfl_core import timing
+
 __all__ = [
     "AgentState", "KL_EPS", "MergePlan", "Selection", "Tuning",
     "added_wait", "batch_weights", "estimate_budget", "fill_budget", "fixed_transfer_time", "kl",
@@ -324,7 +326,7 @@ def waiting_time(states: Mapping[str, AgentState], batches: Mapping[str, int], t
         raise ValueError(f"no state for agents {missing[:5]}")
     t = _positive_int("tau", tau) * _batch_vector(ids, batches) * np.array([states[a].per_sample for a in ids])
     t = t + np.array([states[a].fixed for a in ids])
-    return float(np.mean(t.max() - t))
+    return timing.waiting_time(t.tolist())
 
 
 def added_wait(states: Mapping[str, AgentState], before: Mapping[str, int], after: Mapping[str, int]) -> float:
