@@ -21,7 +21,7 @@ same time, as in the paper):
 - ``HeteroSFL``: HetBL + BDKS (α = ``--alpha``, θ = 10 %).
 
 All but SFL use the logit-calibrated loss, as in the paper. Everything runs through the
-product's engine (``coordinator.cli.simulate_run``): real training on real data, virtual
+product's engine (``coordinator.api.run_simulation``): real training on real data, virtual
 time from the time model (docs/methods.md §3) with each agent's profile and its real encoded bytes (zstd included).
 Reported: final accuracy (mean of the last 3 evaluated rounds; mean ± std over seeds),
 total virtual training time for the same number of rounds and its reduction against SFL,
@@ -97,11 +97,11 @@ def run_one(job: tuple[str, str, int, Any]) -> dict[str, Any]:
     """One simulated run (in a worker process when --jobs > 1)."""
     method, setting, seed, args = job
     torch.set_num_threads(args.threads or 1)
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     from sfl_core.config import run_config_from_dict
     t0 = time.time()
     cfg = run_config_from_dict(config(method, setting, seed, args))
-    history, engine = simulate_run(cfg, device="cpu", quiet=True)
+    history, engine = run_simulation(cfg, device="cpu", quiet=True)
     curve = [{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")} for r in history]
     out = {"method": method, "setting": setting, "seed": seed, "curve": curve, "wall_s": time.time() - t0}
     if method == "SFL" and seed == 0:

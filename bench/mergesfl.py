@@ -77,10 +77,10 @@ def config(part: str, method: str, setting: str, seed: int, args: Any) -> dict[s
 def run_one(job: tuple[str, str, str, int, Any]) -> dict[str, Any]:
     part, method, setting, seed, args = job
     torch.set_num_threads(args.threads or 1)
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     from sfl_core.config import run_config_from_dict
     t0 = time.time()
-    history, _ = simulate_run(run_config_from_dict(config(part, method, setting, seed, args)), device="cpu", quiet=True)
+    history, _ = run_simulation(run_config_from_dict(config(part, method, setting, seed, args)), device="cpu", quiet=True)
     curve = [{k: r[k] for k in ("round", "accuracy", "elapsed_s", "waiting_s", "bytes_up", "bytes_down")}
              for r in history]
     print(f"{part:>8} {setting:>6} {method:>12} seed {seed}: acc {history[-1]['accuracy']:.4f} "

@@ -42,7 +42,7 @@ import yaml
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from coordinator.cli import simulate_run  # noqa: E402
+from coordinator.api import run_simulation  # noqa: E402
 from sfl_core.accounting import model_costs  # noqa: E402
 from sfl_core.config import load_profile, run_config_from_dict  # noqa: E402
 from sfl_core.models import ModelSpec  # noqa: E402
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for seed in range(args.seeds):
                     t0 = time.time()
                     cfg = run_config_from_dict(build_config(spec, setting, method, seed, args, factors, work, labels))
-                    history, _ = simulate_run(cfg, device=args.device, quiet=True)
+                    history, _ = run_simulation(cfg, device=args.device, quiet=True)
                     runs.append([{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")}
                                  for r in history])
                     print(f"{setting:>10} {method:>16} seed {seed}: acc {history[-1]['accuracy']:.4f}  virtual "

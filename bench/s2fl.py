@@ -15,7 +15,7 @@ and IID. Methods:
 - ``S2FL+M``: sliding split from the client time table, one server copy per agent;
 - ``S2FL+MB``: both.
 
-Everything runs through the product's engine (``coordinator.cli.simulate_run``): real
+Everything runs through the product's engine (``coordinator.api.run_simulation``): real
 training on real data, virtual time from the time model (docs/methods.md §3) with each agent's profile and its real
 encoded bytes. Reported per method and setting: final accuracy (mean of the last 3
 evaluated rounds, mean +- std over seeds), virtual time to a target accuracy that every
@@ -34,7 +34,7 @@ from typing import Any
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from coordinator.cli import simulate_run  # noqa: E402
+from coordinator.api import run_simulation  # noqa: E402
 from sfl_core.config import run_config_from_dict  # noqa: E402
 
 CLASSES = [f"s2fl-{c}-{r}" for c in ("low", "mid", "high") for r in ("low", "mid", "high")]
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for seed in range(args.seeds):
                 t0 = time.time()
                 cfg = run_config_from_dict(config(method, setting, seed, args, args.work))
-                history, _ = simulate_run(cfg, device=args.device, quiet=True)
+                history, _ = run_simulation(cfg, device=args.device, quiet=True)
                 runs.append([{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")}
                              for r in history])
                 print(f"{setting:>6} {method:>8} seed {seed}: acc {history[-1]['accuracy']:.4f} "

@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.table import Table
 
 from sfl_core.accounting import format_cost_table, model_costs
-from sfl_core.broker_url import BrokerAddress
 from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
 from sfl_core.data import DatasetError, load_dataset
 from sfl_core.models import build_model, model_names
@@ -26,10 +25,10 @@ from sfl_core.version import version_option
 from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 from coordinator import state as ckpt
-from coordinator.clock import VirtualClock, WallClock
-from coordinator.console import RunDisplay, status_table, summary_table
-from coordinator.engine import RoundEngine
-from coordinator.server_trainer import pick_device
+from coordinator.console import status_table, summary_table
+from coordinator.engine import RoundEngine  # noqa: F401  (the API's result type)
+from coordinator.api import RunError, output_dir, run_simulation
+from coordinator.api import serve as serve_run
 
 app = typer.Typer(help="Split federated learning coordinator.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True)
@@ -79,134 +78,6 @@ DATA_OPTION = typer.Option(None, "--data", help="Directory of the run's data set
                            "data.root (not needed for 'digits').")
 
 
-def _out_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.output_dir) if cfg.output_dir else Path("runs") / cfg.run_id
-
-
-def _dataset(cfg: RunConfig):
-    try:
-        return load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
-    except DatasetError as exc:
-        console.print(f"[red]{exc}")
-        raise typer.Exit(2)
-
-
-def _prepare_out_dir(out: Path, resume: bool) -> Optional[tuple[dict, dict]]:
-    """A fresh run moves an earlier run's files aside; a resumed one reads its checkpoint first,
-    before anything starts or changes (a bad file: one line naming it, exit status 2)."""
-    if resume:
-        try:
-            return ckpt.load(out)
-        except ckpt.CheckpointError as exc:
-            _say(f"cannot resume: {exc}")
-            raise typer.Exit(2)
-    if (out / ckpt.METRICS_FILE).exists():
-        # never silently mix two runs' metrics: keep the old ones aside
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for name in (ckpt.METRICS_FILE, ckpt.STATE_FILE, ckpt.MODEL_FILE):
-            if (out / name).exists():
-                (out / name).rename(out / f"{name}.{stamp}")
-        console.print(f"[yellow]{out} held an earlier run; its files were renamed with suffix .{stamp}")
-    out.mkdir(parents=True, exist_ok=True)
-    return None
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _parse_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--listen {listen!r}: expected HOST:PORT, e.g. 127.0.0.1:1883")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def run_info_body(cfg: RunConfig, data) -> dict:
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
-    # the split points the agents should time: the ones this run can assign them
-    if cfg.strategy == "s2fl":
-        from sfl_core.sliding_split import candidate_splits
-        splits = list(cfg.s2fl.candidates or candidate_splits(cfg.model))
-    elif cfg.strategy == "fedavg":
-        splits = [model.num_blocks]
-    else:
-        splits = [cfg.split or model.default_split]
-    return {"model": cfg.model, "dataset": cfg.data.dataset, "input_shape": list(data.input_shape),
-            "num_classes": data.num_classes, "splits": splits,
-            "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},
-            "num_agents": cfg.num_agents}
-
-
-def serve_run(cfg: RunConfig, broker: "Optional[str | BrokerAddress]", *, resume: bool = False, device: str = "auto",
-              quiet: bool = False, on_broker=None, listen: str = "127.0.0.1:0",
-              insecure_listen: bool = False) -> tuple[list[dict], RoundEngine]:
-    """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``.
-
-    The embedded broker has neither TLS nor passwords: it listens on loopback unless
-    ``insecure_listen`` allows another address. The retained run description is cleared only
-    when the run finished; after a crash agents keep it and wait for ``--resume``.
-    """
-    from coordinator.broker import EmbeddedBroker
-    from coordinator.mqtt_transport import MqttTransport
-
-    data = _dataset(cfg)
-    out = _out_dir(cfg)
-    checkpoint = _prepare_out_dir(out, resume)
-    embedded = None
-    if broker is None:
-        try:
-            host, port = _parse_listen(listen)
-        except ValueError as exc:
-            console.print(str(exc), style="red", markup=False)
-            raise typer.Exit(2)
-        if not _loopback(host):
-            if not insecure_listen:
-                console.print(f"--listen {listen}: the embedded broker has no TLS and no passwords, so it listens "
-                              f"only on loopback (127.0.0.1). Anyone who can reach {host} could read activations, "
-                              f"labels and weights. For a fleet on other hosts run Mosquitto with TLS and "
-                              f"credentials (sfl-coord broker-config) and pass --broker; to listen anyway, add "
-                              f"--insecure-listen.", style="red", markup=False)
-                raise typer.Exit(2)
-            console.print(f"WARNING: the embedded broker listens on {host} without TLS or authentication "
-                          f"(--insecure-listen): anyone on that network can read and inject this run's messages",
-                          style="bold yellow", markup=False)
-        embedded = EmbeddedBroker(host=host, port=port).start()
-        broker = embedded.url
-        console.print(f"embedded MQTT broker listening at {broker}")
-    else:
-        console.print(f"MQTT broker: {broker}")  # BrokerAddress prints without the password
-    if on_broker is not None:
-        on_broker(broker)
-    transport = MqttTransport(broker, cfg.run_id)
-    finished = False
-    try:
-        transport.start()
-        transport.publish_run_info(run_info_body(cfg, data))
-        with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
-            engine = RoundEngine(cfg, transport, WallClock(), (data.x_test, data.y_test),
-                                 input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                                 device=pick_device(device), on_event=display, checkpoint=checkpoint,
-                                 preprocessing=data.preprocessing)
-            history = engine.run()
-        finished = True
-        rejected = engine.rejected_totals()
-        if rejected:
-            console.print(f"[yellow]{sum(rejected.values())} message(s) were rejected: "
-                          + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())) + " (see the log)")
-        return history, engine
-    finally:
-        transport.close(finished=finished)
-        if embedded is not None:
-            embedded.stop()
-
-
 class _Stopped(Exception):
     """SIGTERM (a service manager's stop): unwind like Ctrl-C, so the MQTT session closes cleanly."""
 
@@ -217,12 +88,15 @@ def _run_daemon(cfg: RunConfig, fn) -> tuple[list[dict], RoundEngine]:
     def on_term(signum, frame):
         raise _Stopped()
     previous = signal.signal(signal.SIGTERM, on_term)
-    resume_hint = f"the run is checkpointed in {_out_dir(cfg)}: continue it with --resume"
+    resume_hint = f"the run is checkpointed in {output_dir(cfg)}: continue it with --resume"
     try:
         return fn()
     except (KeyboardInterrupt, _Stopped):
         _say(f"stopped by a signal; agents keep waiting; {resume_hint}", style="yellow")
         raise typer.Exit(130)
+    except RunError as exc:
+        _say(str(exc))
+        raise typer.Exit(2)
     except ckpt.CheckpointError as exc:
         _say(f"cannot resume: {exc}")
         raise typer.Exit(2)
@@ -273,9 +147,10 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
                       "has neither TLS nor passwords)")
         raise typer.Exit(2)
     history, engine = _run_daemon(cfg, lambda: serve_run(cfg, address, resume=resume, device=device, listen=listen,
-                                                          quiet=quiet, insecure_listen=insecure_listen))
+                                                          quiet=quiet, insecure_listen=insecure_listen,
+                                                          console=console))
     console.print(summary_table(history, engine.registry))
-    console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
+    console.print(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}")
 
 
 @app.command()
@@ -290,28 +165,9 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
     """Simulate the fleet in this process with a virtual clock (times from the device profiles; docs/methods.md §3)."""
     _setup_logging(verbose)
     cfg = _load(config, rounds, output, data)
-    history, engine = _run_daemon(cfg, lambda: simulate_run(cfg, resume=resume, device=device, quiet=quiet))
+    history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=resume, device=device, quiet=quiet, console=console))
     console.print(summary_table(history, engine.registry))
-    console.print(f"metrics: {_out_dir(cfg) / ckpt.METRICS_FILE}")
-
-
-def simulate_run(cfg: RunConfig, *, resume: bool = False, device: str = "auto",
-                 quiet: bool = True) -> tuple[list[dict], RoundEngine]:
-    """The same engine as ``serve``, with in-process agents and a virtual clock."""
-    from coordinator.inprocess import build_fleet
-
-    data = _dataset(cfg)
-    out = _out_dir(cfg)
-    checkpoint = _prepare_out_dir(out, resume)
-    dev = pick_device(device)
-    transport = build_fleet(cfg, data, dev)
-    with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
-        engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
-                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                             device=dev, on_event=display, checkpoint=checkpoint,
-                             preprocessing=data.preprocessing)
-        history = engine.run()
-    return history, engine
+    console.print(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}")
 
 
 @app.command()
@@ -324,7 +180,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     _setup_logging(verbose)
     cfg = _load(config or default_profiles_dir() / DEMO_CONFIG, rounds, output, data)
     procs: list[subprocess.Popen] = []
-    logs_dir = _out_dir(cfg) / "agent-logs"
+    logs_dir = output_dir(cfg) / "agent-logs"
 
     def launch(broker_url: str) -> None:
         logs_dir.mkdir(parents=True, exist_ok=True)
@@ -341,7 +197,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     t0 = time.monotonic()
     finished = False
     try:
-        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, None, on_broker=launch))
+        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, None, on_broker=launch, console=console))
         finished = True
     finally:
         # after a finished run the agents exit by themselves; otherwise (they would wait for a resumed
@@ -350,7 +206,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     console.print(summary_table(history, engine.registry))
     codes = [p.returncode for p in procs]
     console.print(f"demo finished in {time.monotonic() - t0:.1f} s wall; agent exit codes {codes}; "
-                  f"metrics in {_out_dir(cfg) / ckpt.METRICS_FILE}")
+                  f"metrics in {output_dir(cfg) / ckpt.METRICS_FILE}")
     if any(codes):
         raise typer.Exit(1)
 

@@ -19,10 +19,10 @@ def _cfg(tmp_path, **over):
 
 
 def test_mixed_cut_layers_by_profile_train_in_one_server_pass(tmp_path):
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
     cfg = _cfg(tmp_path, profile_splits={"s2fl-low-low": 1, "s2fl-high-high": 3})
-    history, engine = simulate_run(cfg, device="cpu")
+    history, engine = run_simulation(cfg, device="cpu")
     last = history[-1]
     prof = {a: engine.registry.agents[a].profile["name"] for a in last["agents"]}
     splits = {prof[a]: v["split"] for a, v in last["agents"].items()}
@@ -36,9 +36,9 @@ def test_profile_splits_validated(tmp_path):
         _cfg(tmp_path, profile_splits={"s2fl-low-low": 0})
     with pytest.raises(ConfigError, match="profile_splits"):
         _cfg(tmp_path, profile_splits={"s2fl-low-low": 1}, strategy="fedavg")
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     with pytest.raises(ValueError, match="invalid split point"):
-        simulate_run(_cfg(tmp_path, profile_splits={"s2fl-low-low": 9}), device="cpu")
+        run_simulation(_cfg(tmp_path, profile_splits={"s2fl-low-low": 9}), device="cpu")
 
 
 def test_joined_forward_equals_each_agents_rows_run_separately():

@@ -43,13 +43,13 @@ def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
 
     from rich.console import Console
 
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     from coordinator.console import summary_table
     from sfl_core.accounting import model_costs
     from sfl_core.config import load_run_config
 
     cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
-    history, engine = simulate_run(cfg, device="cpu")
+    history, engine = run_simulation(cfg, device="cpu")
     costs = model_costs(cfg.model, (1, 8, 8), 10)
     for a, info in engine.registry.agents.items():
         rows = [rec["agents"][a] for rec in history if a in rec["agents"]]
@@ -69,11 +69,11 @@ def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
 def test_status_fits_80_columns_and_speaks_json(tmp_path):
     import json
 
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     from sfl_core.config import load_run_config
 
     cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
-    history, _ = simulate_run(cfg, device="cpu")
+    history, _ = run_simulation(cfg, device="cpu")
     res = RUNNER.invoke(app, ["status", str(tmp_path / "out")], env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
     table = res.output.split("checkpoint after")[0]

@@ -18,9 +18,9 @@ def _cfg(tmp_path, rounds=4, **bottleneck):
 
 
 def test_slow_link_group_gets_narrow_width_and_sends_fewer_bytes(tmp_path):
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
-    history, engine = simulate_run(_cfg(tmp_path, rounds=8, width=16, groups=2), device="cpu")
+    history, engine = run_simulation(_cfg(tmp_path, rounds=8, width=16, groups=2), device="cpu")
     assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.3, [h["accuracy"] for h in history]
     last = history[-1]["agents"]
     prof = {a: engine.registry.agents[a].profile["name"] for a in last}
@@ -36,9 +36,9 @@ def test_slow_link_group_gets_narrow_width_and_sends_fewer_bytes(tmp_path):
 
 
 def test_fixed_widths(tmp_path):
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
-    history, engine = simulate_run(_cfg(tmp_path, width=16, groups=2, widths=[4, 8]), device="cpu")
+    history, engine = run_simulation(_cfg(tmp_path, width=16, groups=2, widths=[4, 8]), device="cpu")
     widths = {v["width"] for v in history[-1]["agents"].values()}
     assert widths == {4, 8}
     # channels 8..15 were trained by nobody: they keep their initial values (HetBL default)
@@ -52,7 +52,7 @@ def test_fixed_widths(tmp_path):
 
 def test_heterosfl_calibrated_loss_and_bdks_train(tmp_path):
     """The full HeteroSFL recipe (HetBL + logit calibration + BDKS) on label-skewed shards learns."""
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
     cfg = run_config_from_dict({
         "run": "hsfl", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.3},
@@ -61,16 +61,16 @@ def test_heterosfl_calibrated_loss_and_bdks_train(tmp_path):
         "local_iters": 10, "output_dir": str(tmp_path / "out"), "loss": "calibrated",
         "hetero": {"width": 16, "groups": 2, "widths": [2, 16], "bdks": True, "bdks_alpha": 1.0},
     })
-    history, engine = simulate_run(cfg, device="cpu")
+    history, engine = run_simulation(cfg, device="cpu")
     assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.25, [h["accuracy"] for h in history]
     assert all(h["train_loss"] == h["train_loss"] for h in history[1:])  # never NaN
 
 
 def test_codec_per_link_group_without_bottleneck(tmp_path):
     """HeteroSFL's Top-k baseline: the slow group sends top-k sparse activations, the fast fp32."""
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
-    history, _ = simulate_run(_cfg(tmp_path, rounds=2, groups=2, codecs=["topk5", "fp32"]), device="cpu")
+    history, _ = run_simulation(_cfg(tmp_path, rounds=2, groups=2, codecs=["topk5", "fp32"]), device="cpu")
     last = history[-1]["agents"]
     by_codec = {}
     for v in last.values():

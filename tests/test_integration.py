@@ -188,12 +188,12 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
 
 def test_simulation_virtual_clock(tmp_path):
     """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (docs/methods.md §3)."""
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     from sfl_core.config import load_run_config
 
     cfg_path = write_config(tmp_path, "sim", rounds=3, fleet=[{"profile": "s2fl-low-low", "count": 2},
                                                               {"profile": "s2fl-high-high", "count": 2}])
-    history, engine = simulate_run(load_run_config(cfg_path), device="cpu")
+    history, engine = run_simulation(load_run_config(cfg_path), device="cpu")
     assert [r["round"] for r in history] == [0, 1, 2, 3]
     assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.3
     r1 = history[1]

@@ -22,9 +22,9 @@ def _cfg(tmp_path, rounds=3, per_round=None, fleet=None, partition="iid", **merg
 
 
 def test_regulated_batches_equalise_iteration_time(tmp_path):
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
-    history, engine = simulate_run(_cfg(tmp_path, regulate=True, max_batch=32), device="cpu")
+    history, engine = run_simulation(_cfg(tmp_path, regulate=True, max_batch=32), device="cpu")
     last = history[-1]["agents"]
     batches = {a: v["batch_size"] for a, v in last.items()}
     assert max(batches.values()) == 32 and min(batches.values()) < 32   # speeds differ > 10x here
@@ -51,11 +51,11 @@ def test_regulated_batches_equalise_iteration_time(tmp_path):
 
 
 def test_kl_selection_respects_the_budget_and_mixes_labels(tmp_path):
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
     fleet = [{"profile": "s2fl-mid-mid", "count": 8}]
     cfg = _cfg(tmp_path, rounds=3, per_round=3, fleet=fleet, partition="dirichlet", select=True, max_batch=16)
-    history, engine = simulate_run(cfg, device="cpu")
+    history, engine = run_simulation(cfg, device="cpu")
     c = engine.costs[2].activation_bytes
     budget = 3 * 16 * c
     counts = {a: i.label_counts for a, i in engine.registry.agents.items()}
@@ -80,10 +80,10 @@ def test_capacity_change_is_followed_by_the_estimates_and_batches(tmp_path):
     prof = tmp_path / "throttled.yaml"
     prof.write_text(yaml.safe_dump({"name": "throttled", "compute_flops": 2e10, "link_bytes_per_s": 5e6,
                                     "capacity": [{"from_round": 3, "compute": 0.05, "link": 0.05}]}))
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
 
     fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-high", "count": 1}]
-    history, engine = simulate_run(_cfg(tmp_path, rounds=5, fleet=fleet, regulate=True, max_batch=32), device="cpu")
+    history, engine = run_simulation(_cfg(tmp_path, rounds=5, fleet=fleet, regulate=True, max_batch=32), device="cpu")
     by_profile = lambda rec: {engine.registry.agents[a].profile["name"]: v for a, v in rec["agents"].items()}
     before, after = by_profile(history[2]), by_profile(history[5])
     per_sample = lambda v: v["time_s"] / v["batch_size"]

@@ -133,7 +133,7 @@ def _cli(module: str, *args: str, block_torch: bool = False) -> subprocess.Compl
 def test_export_and_predict_cli(tmp_path: Path) -> None:
     """A real (1-round, simulated) run -> `sfl-coord export` -> `sfl-agent predict`: the device's
     predictions equal torch's on the checkpointed model, and score the run's accuracy."""
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     from coordinator.export import load_global_model
     from sfl_core.config import load_run_config
     from sfl_core.data import load_dataset
@@ -143,7 +143,7 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
            "fleet": [{"profile": "s2fl-high-high", "count": 2}], "rounds": 1, "strategy": "sfl",
            "batch_size": 32, "lr": 0.1, "momentum": 0.9, "local_iters": 40, "output_dir": str(out)}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    history, _ = simulate_run(load_run_config(tmp_path / "run.yaml"), device="cpu")
+    history, _ = run_simulation(load_run_config(tmp_path / "run.yaml"), device="cpu")
     run_acc = history[-1]["accuracy"]
     assert run_acc > 0.5, history
 

@@ -97,12 +97,12 @@ def test_sequential_server_takes_one_step_per_agent_in_turn():
 
 
 def test_lr_decay_reaches_agents_and_server(tmp_path):
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     cfg = run_config_from_dict({
         "run": "decay", "model": "small_cnn", "data": {"dataset": "digits"},
         "fleet": [{"profile": "rpi4", "count": 2}], "rounds": 3, "batch_size": 8, "local_iters": 2,
         "lr": 0.1, "lr_decay": 0.5, "server_mode": "sequential", "output_dir": str(tmp_path / "out")})
-    history, engine = simulate_run(cfg, device="cpu")
+    history, engine = run_simulation(cfg, device="cpu")
     lrs = [{a["lr"] for a in rec["agents"].values()} for rec in history[1:]]
     assert lrs == [{0.1}, {0.05}, {0.025}]
     assert engine.server._groups[0].opt.param_groups[0]["lr"] == pytest.approx(0.025)
@@ -134,16 +134,16 @@ def _s2fl(tmp_path, **over):
 
 
 def test_s2fl_warm_up_measures_every_device(tmp_path):
-    from coordinator.cli import simulate_run
-    history, engine = simulate_run(_s2fl(tmp_path), device="cpu")
+    from coordinator.api import run_simulation
+    history, engine = run_simulation(_s2fl(tmp_path), device="cpu")
     assert [len(rec["selected"]) for rec in history[1:]] == [6, 6, 6, 2, 2]
     table = engine.planner.time_table
     assert all(not table.get(a, s).estimated for a in engine.registry.agents for s in (1, 2, 3))
 
 
 def test_planner_estimates_charge_the_measured_wire_bytes(tmp_path):
-    from coordinator.cli import simulate_run
-    _, engine = simulate_run(_s2fl(tmp_path, rounds=3), device="cpu")
+    from coordinator.api import run_simulation
+    _, engine = run_simulation(_s2fl(tmp_path, rounds=3), device="cpu")
     ratios = engine.planner.wire_ratio
     assert set(ratios) == {"1/fp32", "2/fp32", "3/fp32"}
     assert all(0 < r < 1 for r in ratios.values())       # zstd shrinks what fp32 accounting counts

@@ -57,7 +57,7 @@ def clean_registries():
 
 
 def test_registered_model_and_data_set_train_through_the_engine(tmp_path, clean_registries):
-    from coordinator.cli import simulate_run
+    from coordinator.api import run_simulation
     from sfl_core.config import load_run_config
 
     register_model("tiny_mlp", tiny_mlp, candidate_splits=[1, 2], norms=False)
@@ -75,7 +75,7 @@ def test_registered_model_and_data_set_train_through_the_engine(tmp_path, clean_
            "fleet": [{"profile": "s2fl-high-high", "count": 2}], "rounds": 3, "strategy": "s2fl",
            "batch_size": 16, "lr": 0.1, "momentum": 0.9, "local_iters": 10, "output_dir": str(tmp_path / "run")}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    history, _ = simulate_run(load_run_config(tmp_path / "run.yaml"), device="cpu")
+    history, _ = run_simulation(load_run_config(tmp_path / "run.yaml"), device="cpu")
     assert history[-1]["accuracy"] > 0.8, [h["accuracy"] for h in history]
 
 
