@@ -66,9 +66,9 @@ from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
 from brokers import MosquittoBroker  # noqa: E402
 from coordinator.mqtt_transport import MqttTransport  # noqa: E402
-from edge_agent.mqtt_link import MqttLink  # noqa: E402
+from sfl_core.transport.mqtt_link import MqttLink  # noqa: E402
 from sfl_core import protocol, wire  # noqa: E402
-from sfl_core.broker_url import parse_broker_url  # noqa: E402
+from sfl_core.transport.broker_url import parse_broker_url  # noqa: E402
 from sfl_core.data import Dataset, load_dataset  # noqa: E402
 from sfl_core.models import build_model  # noqa: E402
 from sfl_core.protocol import Message  # noqa: E402

@@ -239,7 +239,7 @@ def current_round(metrics: Path) -> int:
 
 def hostile_client(url: str, stop: threading.Event, agents: int, seed: int, counts: dict[str, int]) -> None:
     """Replays captured agent messages, publishes garbage and forged senders on agents' topics."""
-    from edge_agent.mqtt_link import MqttLink
+    from sfl_core.transport.mqtt_link import MqttLink
 
     rng = random.Random(seed)
     captured: list[tuple[str, bytes]] = []

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from rich.console import Console
 
-from sfl_core.broker_url import BrokerAddress
+from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.config import RunConfig
 from sfl_core.data import Dataset, DatasetError, load_dataset
 from sfl_core.models import build_model

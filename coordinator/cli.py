@@ -22,7 +22,7 @@ from sfl_core.data import DatasetError, load_dataset
 from sfl_core.models import build_model, model_names
 from sfl_core.version import version_option
 
-from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
+from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 from coordinator import state as ckpt
 from coordinator.console import status_table, summary_table

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from sfl_core import protocol, wire
 from sfl_core.protocol import COORDINATOR_ID, Message
 
-from edge_agent.mqtt_link import MqttLink
+from sfl_core.transport.mqtt_link import MqttLink
 
 log = logging.getLogger("sfl.coord.mqtt")
 

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from edge_agent.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
+from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 from sfl_core.version import version_option   # standard library and typer only, no torch
 
 # torch-using modules (sfl_core.models, .data, .config via .wire, edge_agent.profiler) are imported

@@ -26,7 +26,7 @@ import torch
 
 from sfl_core import protocol, wire
 from sfl_core.accounting import model_costs
-from sfl_core.broker_url import BrokerAddress
+from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.config import DeviceProfile
 from sfl_core.data import load_dataset
 from sfl_core.models import build_model
@@ -35,7 +35,7 @@ from sfl_core.protocol import Message
 
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
-from edge_agent.mqtt_link import MqttLink
+from sfl_core.transport.mqtt_link import MqttLink
 from edge_agent.profiler import measure_compute, measure_link
 
 log = logging.getLogger("sfl.agent")

@@ -20,8 +20,8 @@ import pytest
 
 from conftest import free_port
 from coordinator.broker import EmbeddedBroker
-from edge_agent.mqtt_link import MqttLink
-from sfl_core.broker_url import BrokerAddress, parse_broker_url
+from sfl_core.transport.mqtt_link import MqttLink
+from sfl_core.transport.broker_url import BrokerAddress, parse_broker_url
 
 REPO = Path(__file__).resolve().parents[1]
 BROKERS = ["mosquitto", "embedded_broker"]
@@ -144,7 +144,7 @@ def test_retained_message_reaches_late_subscriber(broker) -> None:
 
 _WILL_CHILD = """
 import sys, time
-from edge_agent.mqtt_link import MqttLink
+from sfl_core.transport.mqtt_link import MqttLink
 link = MqttLink(sys.argv[1], "dying-agent", lambda t, p: None,
                 will=("t/status/dying-agent", b"offline", True), keepalive=5)
 link.connect(timeout=10)

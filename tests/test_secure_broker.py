@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.broker_config import BrokerTls, password_hash, write_broker_config
-from edge_agent.mqtt_link import MqttLink, broker_address
+from sfl_core.transport.mqtt_link import MqttLink, broker_address
 
 from conftest import _brokers, free_port
 from test_integration import REPO, finish, logs, metrics, write_config

@@ -30,7 +30,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from sfl_core.broker_url import BrokerAddress, TlsFiles, parse_broker_url, secure
+from sfl_core.transport.broker_url import BrokerAddress, TlsFiles, parse_broker_url, secure
 
 __all__ = ["MqttLink", "broker_address"]
 

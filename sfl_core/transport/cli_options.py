@@ -2,7 +2,7 @@
 
 Both sides connect to the same broker the same way (``mqtts://``, a private CA, an
 optional client certificate, a password kept in a file), so the flags, their help and
-their translation into a :class:`~sfl_core.broker_url.BrokerAddress` live here.
+their translation into a :class:`~sfl_core.transport.broker_url.BrokerAddress` live here.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from sfl_core.broker_url import BrokerAddress
+from sfl_core.transport.broker_url import BrokerAddress
 
-from edge_agent.mqtt_link import broker_address
+from sfl_core.transport.mqtt_link import broker_address
 
 __all__ = ["CaFile", "CertFile", "KeyFile", "PasswordFile", "address_from_options"]
 
