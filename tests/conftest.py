@@ -61,3 +61,22 @@ def embedded_broker():
         yield broker
     finally:
         broker.stop()
+
+
+_BROKER_FIXTURES = {"mosquitto", "embedded_broker", "bench_broker"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Sort every test into one of three groups, selectable with ``-m``:
+
+    - ``system``: real coordinator/agent processes, installs or wheels (the ``slow`` ones);
+    - ``integration``: a real broker in this process (Mosquitto or the embedded one);
+    - ``unit``: everything else (pure functions, the engine with in-process agents).
+    """
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.system)
+        elif _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)

@@ -22,8 +22,7 @@ import pytest
 from conftest import free_port
 from sfl_core import protocol
 from sfl_core.protocol import Message
-from test_faults import wait_log
-from test_integration import PROFILES, REPO, logs, write_config
+from helpers import PROFILES, REPO, logs, wait_log, write_config
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

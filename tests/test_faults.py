@@ -47,7 +47,7 @@ import torch
 import conftest
 from coordinator import state as ckpt
 from sfl_core import wire
-from test_integration import PROFILES, REPO, finish, logs, metrics, start_coord, write_config
+from helpers import PROFILES, REPO, finish, logs, metrics, start_coord, wait_log, write_config
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -190,15 +190,6 @@ class Sniffer:
 def up(typ: str, agent: str | None = None, rnd: int | None = None, step: int | None = None):
     return lambda ev: (ev["dir"] == "up" and ev["type"] == typ and (agent is None or ev["agent"] == agent)
                        and (rnd is None or ev["round"] == rnd) and (step is None or ev["step"] == step))
-
-
-def wait_log(path: Path, text: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 # ============================================================ report

@@ -23,7 +23,7 @@ from coordinator.broker_config import BrokerTls, password_hash, write_broker_con
 from sfl_core.transport.mqtt_link import MqttLink, broker_address
 
 from conftest import _brokers, free_port
-from test_integration import REPO, finish, logs, metrics, write_config
+from helpers import REPO, finish, logs, metrics, write_config
 
 pytestmark = pytest.mark.timeout(240)
 
