@@ -39,6 +39,14 @@ def test_multiprocess_mosquitto(mosquitto, tmp_path):
     # activations of 10 steps x 16 samples x (32*4*4 fp32) dominate the uplink, after zstd
     assert m[1]["bytes_up"] > 3 * 10 * 16 * 32 * 4 * 4 * 4 * 0.3
     assert (tmp_path / "out" / "checkpoint.pt").exists()
+    # one engine: the same config simulated (in-process agents, virtual clock) trains the same
+    # model, round by round, as the deployment did over Mosquitto with agent processes
+    from coordinator.api import run_simulation
+    from sfl_core.config import load_run_config
+    import dataclasses
+    cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
+    history, _ = run_simulation(cfg, device="cpu")
+    assert [h["accuracy"] for h in history] == [r["accuracy"] for r in m]
 
 
 def test_embedded_broker_and_resume(tmp_path):
