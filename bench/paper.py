@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 curves[setting][method] = runs
     summary = summarise(spec, curves)
     scale = ("full size" if args.full else
+             f"{replica_model} at full size (small enough for a CPU)" if factors["flops"] == 1 else
              f"CPU replica {replica_model}: device FLOP/s x {factors['flops']:.3g}, links x "
              f"{factors['activation_bytes']:.3g} (weights shrank x {factors['weight_bytes']:.3g})")
     seeds = max((len(runs) for by_method in curves.values() for runs in by_method.values()), default=0)
