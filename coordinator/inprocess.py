@@ -24,10 +24,22 @@ log = logging.getLogger("sfl.sim")
 
 
 class InProcessTransport:
+    """The simulation's transport: agents answer synchronously inside :meth:`send`.
+
+    Its liveness clock (:meth:`live_time`, what the engine measures silence and resend
+    timers on) is virtual: an empty :meth:`poll` means nothing can ever arrive, so it
+    advances by the poll's timeout instead of sleeping. An agent that rejects a message is
+    then dropped after ``step_timeout_s`` of that clock, at once in real time.
+    """
+
     def __init__(self, run_id: str, agents: dict[str, AgentCore]):
         self.run_id = run_id
         self.agents = agents
         self._inbox: deque[Message] = deque()
+        self._live = 0.0
+
+    def live_time(self) -> float:
+        return self._live
 
     def deliver_from_agent(self, msg: Message) -> None:
         """Queue a message as if it had arrived from the broker (encoded, then validated)."""
@@ -49,7 +61,10 @@ class InProcessTransport:
         return len(payload)
 
     def poll(self, timeout: float) -> Optional[Message]:
-        return self._inbox.popleft() if self._inbox else None
+        if self._inbox:
+            return self._inbox.popleft()
+        self._live += timeout
+        return None
 
 
 def build_fleet(cfg: RunConfig, data: Dataset, device: str | torch.device = "cpu") -> InProcessTransport:

@@ -336,3 +336,29 @@ def test_disk_full_mid_run_exit_1_agents_not_stopped(tmp_path):
     r = CliRunner().invoke(app, ["simulate", "-c", str(cfg_path), "--resume", "--quiet"])
     assert r.exit_code == 0, r.output
     assert [m["round"] for m in ckpt.read_metrics(out)] == [0, 1, 2, 3]
+
+
+def test_a_simulated_agent_that_rejects_its_assignment_is_dropped_without_waiting(tmp_path):
+    """In a simulation nothing arrives while nothing is sent, so silence is measured on the
+    transport's virtual liveness clock: an agent that rejects every assignment is dropped after
+    step_timeout_s of that clock (here 60 s), and the run does not wait 60 s of real time."""
+    import time
+
+    from sfl_core import wire
+
+    cfg = _cfg(tmp_path, rounds=2, step_timeout_s=60)
+    transport = build_fleet(cfg, load_dataset("digits"))
+    deaf = transport.agents["sim-001"]
+    real_handle = deaf.handle
+
+    def handle(msg):
+        if msg.type == "assign":
+            raise wire.WireError("assign: refused by this test")
+        return real_handle(msg)
+    deaf.handle = handle
+    t0 = time.monotonic()
+    history = _engine(cfg, transport).run()
+    assert time.monotonic() - t0 < 30
+    for rec in history[1:]:
+        assert "sim-001" in rec["selected"] and "sim-001" not in rec["completed"]
+        assert sorted(rec["completed"]) == ["sim-000", "sim-002"]
