@@ -232,6 +232,25 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], args: argparse.Names
     return [fn(j) for j in jobs]
 
 
+CURVE_KEYS = ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")
+"""What a bench keeps of each round's metrics (its curves)."""
+
+
+def simulate_seeds(label: str, make_config: Callable[[int], Any], seeds: int, device: str = "auto"
+                   ) -> list[list[dict[str, Any]]]:
+    """One simulated run per seed of the run config ``make_config(seed)``, one progress line
+    each; returns each run's curve (:data:`CURVE_KEYS` per round)."""
+    from coordinator.api import run_simulation
+    runs = []
+    for seed in range(seeds):
+        t0 = time.time()
+        history, _ = run_simulation(make_config(seed), device=device, quiet=True)
+        runs.append([{k: r[k] for k in CURVE_KEYS} for r in history])
+        print(f"{label} seed {seed}: acc {history[-1]['accuracy']:.4f}  virtual {history[-1]['elapsed_s']:.0f} s  "
+              f"({time.time() - t0:.0f} s wall)", flush=True)
+    return runs
+
+
 def plot_accuracy_vs_time(curves: dict[str, dict[str, list[list[dict[str, Any]]]]], path: Path,
                           by_round: bool = False) -> None:
     """One column per setting, one line per method: seed-mean accuracy against virtual time

@@ -42,7 +42,6 @@ import yaml
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from coordinator.api import run_simulation  # noqa: E402
 from sfl_core.accounting import model_costs  # noqa: E402
 from sfl_core.config import load_profile, run_config_from_dict  # noqa: E402
 from sfl_core.models import ModelSpec  # noqa: E402
@@ -166,7 +165,7 @@ def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], meth
                     break
                 recs = read_metrics(d)
                 if recs and recs[-1]["round"] >= 1:
-                    runs.append([{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")}
+                    runs.append([{k: r[k] for k in common.CURVE_KEYS}
                                  for r in recs])
             if runs:
                 n = min(len(r) for r in runs)       # an interrupted run counts up to where all seeds got
@@ -176,17 +175,12 @@ def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], meth
 
 def fastest_split(cfg: dict[str, Any], costs: dict[int, Any]) -> int:
     """The candidate split whose synchronous round (slowest agent) is shortest for this fleet."""
-    from sfl_core.sliding_split import candidate_splits, estimate_round_time
+    from sfl_core.sliding_split import candidate_splits, fleet_round_time
     cands = (cfg.get("s2fl") or {}).get("candidates") or candidate_splits(cfg["model"])
     samples = cfg.get("batch_size", 32) * cfg.get("local_iters", 10)
     profiles = [load_profile(e["profile"]) for e in cfg["fleet"]]
-
-    def round_time(s: int) -> float:
-        return max(estimate_round_time(costs[s], samples=samples, compute_flops=p.compute_flops,
-                                       uplink_bytes_per_s=p.link_bytes_per_s,
-                                       downlink_bytes_per_s=p.downlink_bytes_per_s,
-                                       server_flops_per_s=cfg["server_flops"]) for p in profiles)
-    return min(cands, key=round_time)
+    return min(cands, key=lambda s: fleet_round_time(costs[s], profiles, samples=samples,
+                                                      server_flops_per_s=cfg["server_flops"]))
 
 
 # --------------------------------------------------------------------------- summary
@@ -337,16 +331,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for setting in settings:
             curves[setting] = {}
             for method in methods:
-                runs = []
-                for seed in range(args.seeds):
-                    t0 = time.time()
-                    cfg = run_config_from_dict(build_config(spec, setting, method, seed, args, factors, work, labels))
-                    history, _ = run_simulation(cfg, device=args.device, quiet=True)
-                    runs.append([{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")}
-                                 for r in history])
-                    print(f"{setting:>10} {method:>16} seed {seed}: acc {history[-1]['accuracy']:.4f}  virtual "
-                          f"{history[-1]['elapsed_s']:.0f} s  ({time.time() - t0:.0f} s wall)", flush=True)
-                curves[setting][method] = runs
+                curves[setting][method] = common.simulate_seeds(
+                    f"{setting:>10} {method:>16}",
+                    lambda seed: run_config_from_dict(build_config(spec, setting, method, seed, args, factors,
+                                                                   work, labels)),
+                    args.seeds, args.device)
     summary = summarise(spec, curves)
     scale = ("full size" if args.full else
              f"{replica_model} at full size (small enough for a CPU)" if factors["flops"] == 1 else

@@ -34,7 +34,6 @@ from typing import Any
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from coordinator.api import run_simulation  # noqa: E402
 from sfl_core.config import run_config_from_dict  # noqa: E402
 
 CLASSES = [f"s2fl-{c}-{r}" for c in ("low", "mid", "high") for r in ("low", "mid", "high")]
@@ -128,22 +127,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setting, method, seed = f.parent.name.rsplit("-", 2)[0], f.parent.name.rsplit("-", 2)[1], f.parent.name.rsplit("-", 2)[2]
             recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
             found.setdefault(setting, {}).setdefault(method, {})[int(seed[1:])] = [
-                {k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")} for r in recs]
+                {k: r[k] for k in common.CURVE_KEYS} for r in recs]
         curves = {s: {m: [found[s][m][k] for k in sorted(found[s][m])] for m in METHODS if m in found[s]}
                   for s in SETTINGS if s in found}
     for setting in args.settings:
         curves[setting] = {}
         for method in args.methods:
-            runs = []
-            for seed in range(args.seeds):
-                t0 = time.time()
-                cfg = run_config_from_dict(config(method, setting, seed, args, args.work))
-                history, _ = run_simulation(cfg, device=args.device, quiet=True)
-                runs.append([{k: r[k] for k in ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")}
-                             for r in history])
-                print(f"{setting:>6} {method:>8} seed {seed}: acc {history[-1]['accuracy']:.4f} "
-                      f"virtual {history[-1]['elapsed_s']:.0f} s  ({time.time() - t0:.0f} s wall)", flush=True)
-            curves[setting][method] = runs
+            curves[setting][method] = common.simulate_seeds(
+                f"{setting:>6} {method:>8}",
+                lambda seed: run_config_from_dict(config(method, setting, seed, args, args.work)),
+                args.seeds, args.device)
     rows, summary = [], {}
     for setting, by_method in curves.items():
         if not by_method:

@@ -254,7 +254,7 @@ def _models_for_run(config: Path) -> None:
     from sfl_core.accounting import split_note
     from sfl_core.config import load_profile
     from sfl_core.data import input_shape_of
-    from sfl_core.sliding_split import estimate_round_time
+    from sfl_core.sliding_split import fleet_round_time
 
     try:
         cfg = load_run_config(config)
@@ -267,12 +267,8 @@ def _models_for_run(config: Path) -> None:
     profiles = [load_profile(p) for p in dict.fromkeys(cfg.agent_profiles())]
     samples = cfg.batch_size * cfg.local_iters
 
-    def round_s(split: int) -> float:
-        return max(estimate_round_time(costs[split], samples=samples, compute_flops=p.compute_flops,
-                                       uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink_bytes_per_s,
-                                       server_flops_per_s=cfg.server_flops, latency_s=p.latency_s) for p in profiles)
-
-    times = {s: round_s(s) for s in sorted(costs) if s < m.num_blocks}
+    times = {s: fleet_round_time(costs[s], profiles, samples=samples, server_flops_per_s=cfg.server_flops)
+             for s in sorted(costs) if s < m.num_blocks}
     fastest = min(times, key=times.get)
     configured = cfg.split or m.default_split
     print(f"{cfg.model} input {shape} for run {cfg.run_id} ({len(profiles)} device profile(s), "

@@ -48,7 +48,7 @@ from sfl_core.accounting import SplitCost
 from sfl_core.timing import agent_round_time
 
 __all__ = ["CANDIDATE_SPLITS", "candidate_splits", "TimeEntry", "ClientTimeTable", "warmup_split",
-           "median_rule", "estimate_round_time"]
+           "median_rule", "estimate_round_time", "fleet_round_time"]
 
 CANDIDATE_SPLITS: dict[str, tuple[int, ...]] = {
     "small_cnn": (1, 2, 3),
@@ -283,3 +283,12 @@ def estimate_round_time(cost: SplitCost, *, samples: int, compute_flops: float, 
         uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s,
         latency_s=latency_s, messages=messages)
     return t.total_s
+
+
+def fleet_round_time(cost: SplitCost, profiles: Sequence[Any], *, samples: int, server_flops_per_s: float) -> float:
+    """A synchronous round at one split for a fleet of device ``profiles`` (objects with
+    ``compute_flops``, ``link_bytes_per_s``, ``downlink_bytes_per_s``, ``latency_s``): the
+    slowest device's :func:`estimate_round_time`. What "the fastest cut for this fleet" means."""
+    return max(estimate_round_time(cost, samples=samples, compute_flops=p.compute_flops,
+                                   uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink_bytes_per_s,
+                                   server_flops_per_s=server_flops_per_s, latency_s=p.latency_s) for p in profiles)
