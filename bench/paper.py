@@ -230,8 +230,32 @@ def summarise(spec: dict[str, Any], curves: dict[str, dict[str, list[list[dict[s
     return out
 
 
+def add_norm_stats(spec: dict[str, Any], summary: dict[str, Any], work: Path, args: Any) -> None:
+    """Each method's final accuracy with BatchNorm statistics recomputed (mean ± std over its
+    seeds' run directories; models without BatchNorm get none)."""
+    import norm_stats
+    image_size = (spec["base"].get("data") or {}).get("image_size")
+    data = norm_stats.load_dataset(args.dataset, args.root, image_size=image_size)
+    for setting, s in summary.items():
+        for method, row in s["methods"].items():
+            dirs = [work / run_dir_name(setting, method, seed) for seed in range(len(row["rounds_to_target"]))]
+            pairs = [r for r in norm_stats.compare(dirs, data, eval_samples=spec["base"].get("eval_samples")).values()
+                     if r is not None]
+            if pairs:
+                after = [a for _, a in pairs]
+                row["norm_stats_recomputed_mean"] = statistics.mean(after)
+                row["norm_stats_recomputed_std"] = statistics.pstdev(after) if len(after) > 1 else 0.0
+
+
+def _recomputed(r: dict[str, Any]) -> str:
+    if "norm_stats_recomputed_mean" not in r:
+        return "—"
+    return f"{100 * r['norm_stats_recomputed_mean']:.1f} ± {100 * r['norm_stats_recomputed_std']:.1f}"
+
+
 def print_summary(spec: dict[str, Any], summary: dict[str, Any], caption: str) -> None:
     bases = spec.get("baselines", [])
+    norm = _has_norm_stats(summary)
     rows = []
     for setting, s in summary.items():
         for m, r in s["methods"].items():
@@ -241,10 +265,16 @@ def print_summary(spec: dict[str, Any], summary: dict[str, Any], caption: str) -
                          common.fmt(r["time_to_target_mean_s"]),
                          *[common.fmt(r.get(f"speedup_vs_{b}")) for b in bases],
                          *[common.fmt(r.get(f"per_round_speedup_vs_{b}")) for b in bases],
+                         *([_recomputed(r)] if norm else []),
                          str(spec.get("published", {}).get(m, ""))])
     common.print_table(f"{spec['title']}", ["setting", "method", "acc %", "target %", "rounds@t", "t@target s",
                                             *[f"× vs {b}" for b in bases], *[f"×/round vs {b}" for b in bases],
+                                            *(["acc %, BN stats recomputed"] if norm else []),
                                             "paper"], rows, caption=caption)
+
+
+def _has_norm_stats(summary: dict[str, Any]) -> bool:
+    return any("norm_stats_recomputed_mean" in r for s in summary.values() for r in s["methods"].values())
 
 
 def dash(v: Any) -> str:
@@ -255,20 +285,27 @@ def markdown_summary(spec: dict[str, Any], summary: dict[str, Any], caption: str
     """The summary as Markdown tables, one per setting (what the README quotes, regenerated
     with every run rather than copied by hand)."""
     bases = spec.get("baselines", [])
+    norm = _has_norm_stats(summary)
     lines = [f"**{spec['title']}** — {caption}", ""]
     for setting, s in summary.items():
         lines += [f"*{setting}* (target {100 * s['target_accuracy']:.1f} %)", "",
                   "| method | final acc % | rounds to target | virtual s to target | "
-                  + " | ".join(f"× vs {b}" for b in bases) + " |",
-                  "|---" * (4 + len(bases)) + "|"]
+                  + " | ".join(f"× vs {b}" for b in bases) + (" | final acc %, BN stats recomputed" if norm else "")
+                  + " |",
+                  "|---" * (4 + len(bases) + norm) + "|"]
         for m, r in s["methods"].items():
             rounds = [x for x in r["rounds_to_target"] if x is not None]
             reached = f"{common.fmt(r['rounds_to_target_mean'])}" if r["rounds_to_target_mean"] is not None else \
                 f"not reached ({len(rounds)}/{len(r['rounds_to_target'])} seeds)"
             lines.append(f"| {m} | {100 * r['final_accuracy_mean']:.1f} ± {100 * r['final_accuracy_std']:.1f} | "
                          f"{reached} | {dash(r['time_to_target_mean_s'])} | "
-                         + " | ".join(dash(r.get(f"speedup_vs_{b}")) for b in bases) + " |")
+                         + " | ".join(dash(r.get(f"speedup_vs_{b}")) for b in bases)
+                         + (f" | {_recomputed(r)}" if norm else "") + " |")
         lines.append("")
+    if norm:
+        lines += ["*BN stats recomputed*: the final model with every BatchNorm layer's running statistics "
+                  "recomputed from 3,000 training images (bench/norm_stats.py). A diagnostic, not a method: "
+                  "it shows how much accuracy the averaged statistics cost.", ""]
     return "\n".join(lines)
 
 
@@ -290,6 +327,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tag", default="", help="suffix of the result file (for runs split over processes)")
     p.add_argument("--merge", nargs="*", type=Path, default=None,
                    help="instead of running, combine the curves of these result files into one report")
+    p.add_argument("--norm-stats", action="store_true",
+                   help="add a column: final accuracy with every BatchNorm layer's statistics recomputed "
+                        "from training images (bench/norm_stats.py; a diagnostic of the averaged statistics)")
     p.add_argument("--from-runs", action="store_true",
                    help="instead of running, rebuild the report from the run directories under --work "
                         "(finished seeds of an interrupted bench)")
@@ -337,6 +377,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                    work, labels)),
                     args.seeds, args.device)
     summary = summarise(spec, curves)
+    if args.norm_stats:
+        add_norm_stats(spec, summary, work, args)
     scale = ("full size" if args.full else
              f"{replica_model} at full size (small enough for a CPU)" if factors["flops"] == 1 else
              f"CPU replica {replica_model}: device FLOP/s x {factors['flops']:.3g}, links x "

@@ -13,8 +13,11 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.parametrize("paper", ["fedfc", "heterosfl", "mergesfl", "noniid", "s2fl"])
 def test_paper_bench_quick(tmp_path, paper):
+    # one paper also recomputes its BatchNorm statistics (the diagnostic column)
+    extra = ["--norm-stats"] if paper == "heterosfl" else []
     out = subprocess.run([sys.executable, "bench/paper.py", paper, "--quick", "--data", "digits", "--out", str(tmp_path),
-                          "--work", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True, timeout=300)
+                          "--work", str(tmp_path / "runs"), *extra], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     doc = json.loads((tmp_path / f"paper-{paper}-quick.json").read_text())
     # every replica but noniid's (whose model is already small) is narrower than the paper's model
@@ -22,7 +25,11 @@ def test_paper_bench_quick(tmp_path, paper):
     assert (doc["scale"]["factors"]["flops"] < 1) == (paper != "noniid")
     (setting, summary), = doc["summary"].items()
     # the Markdown table the README quotes is written beside the JSON
-    assert f"*{setting}*" in (tmp_path / f"paper-{paper}-quick.md").read_text()
+    md = (tmp_path / f"paper-{paper}-quick.md").read_text()
+    assert f"*{setting}*" in md
+    assert ("BN stats recomputed" in md) == bool(extra)
+    if extra:
+        assert all(0.0 <= m["norm_stats_recomputed_mean"] <= 1.0 for m in summary["methods"].values())
     assert len(summary["methods"]) == 2
     for m in summary["methods"].values():
         assert 0.0 <= m["final_accuracy_mean"] <= 1.0 and m["round_time_s_mean"] > 0
