@@ -24,6 +24,8 @@ from rich.console import Console
 from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.config import RunConfig
 from sfl_core.data import Dataset, DatasetError, load_dataset
+from sfl_core.accounting import model_costs
+from sfl_core.methods import build_method
 from sfl_core.models import build_model
 
 from coordinator import state as ckpt
@@ -90,14 +92,8 @@ def _parse_listen(listen: str) -> tuple[str, int]:
 
 def run_info_body(cfg: RunConfig, data) -> dict:
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    # the split points the agents should time: the ones this run can assign them
-    if cfg.strategy == "s2fl":
-        from sfl_core.sliding_split import candidate_splits
-        splits = list(cfg.s2fl.candidates or candidate_splits(cfg.model))
-    elif cfg.strategy == "fedavg":
-        splits = [model.num_blocks]
-    else:
-        splits = [cfg.split or model.default_split]
+    method = build_method(cfg, model, model_costs(cfg.model, data.input_shape, data.num_classes))
+    splits = method.splits_to_time()   # the split points the agents should time: the ones they can be assigned
     return {"model": cfg.model, "dataset": cfg.data.dataset, "input_shape": list(data.input_shape),
             "num_classes": data.num_classes, "splits": splits,
             "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},

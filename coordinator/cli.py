@@ -254,6 +254,7 @@ def _models_for_run(config: Path) -> None:
     from sfl_core.accounting import split_note
     from sfl_core.config import load_profile
     from sfl_core.data import input_shape_of
+    from sfl_core.methods import build_method
     from sfl_core.sliding_split import fleet_round_time
 
     try:
@@ -270,7 +271,7 @@ def _models_for_run(config: Path) -> None:
     times = {s: fleet_round_time(costs[s], profiles, samples=samples, server_flops_per_s=cfg.server_flops)
              for s in sorted(costs) if s < m.num_blocks}
     fastest = min(times, key=times.get)
-    configured = cfg.split or m.default_split
+    configured = build_method(cfg, m, costs).configured_splits
     print(f"{cfg.model} input {shape} for run {cfg.run_id} ({len(profiles)} device profile(s), "
           f"{samples} samples per agent per round)")
     lines = format_cost_table(costs, m.block_names).splitlines()
@@ -278,10 +279,9 @@ def _models_for_run(config: Path) -> None:
     print(lines[1] + "  " + "-" * 13)
     for line, s in zip(lines[2:], sorted(costs)):
         mark = "  <- fastest" if s == fastest else ""
-        mark += "  <- configured" if s == configured and cfg.strategy == "sfl" else ""
+        mark += "  <- configured" if s in configured else ""
         print(line + (f"  {times[s]:13.1f}{mark}" if s in times else ""))
-    note = split_note(costs, configured, shape) if cfg.strategy == "sfl" else None
-    if note:
+    for note in filter(None, (split_note(costs, s, shape) for s in configured)):
         _say(note, style="yellow")
 
 

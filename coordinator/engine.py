@@ -24,15 +24,13 @@ from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
 from sfl_core.config import RunConfig, profile_dict_at_round
+from sfl_core.methods import AgentRound, RoundPlan, build_method
 from sfl_core.models import SplitModel
 from sfl_core.protocol import Message
-from sfl_core.sliding_split import ClientTimeTable
 
 from coordinator import state as ckpt
 from coordinator.export import describe_model, run_model
-from coordinator.planner import Planner, RoundPlan
 from coordinator.registry import Registry
-from coordinator.merge_control import MergeControl
 from coordinator.server_trainer import LossSpec, ServerTrainer
 
 log = logging.getLogger("sfl.coord")
@@ -122,11 +120,10 @@ class RoundEngine:
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
-        self.planner = Planner(cfg, self.model, self.costs)
+        self.method = build_method(cfg, self.model, self.costs)
         loss = LossSpec(cfg.loss, cfg.calibration_tau, cfg.hetero.bdks, cfg.hetero.bdks_alpha,
                         cfg.hetero.bdks_theta)
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss)
-        self.merge = MergeControl(cfg, self.costs[cfg.split or self.model.default_split])
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
         if checkpoint is not None:
@@ -142,8 +139,8 @@ class RoundEngine:
         manager restarts only failed services).
         """
         self.wait_for_agents()
-        notes = [self.merge.describe(len(self.registry.agents))]
-        notes += [split_note(self.costs, s, self.input_shape) for s in self.planner.configured_splits]
+        notes = self.method.notes(len(self.registry.agents))
+        notes += [split_note(self.costs, s, self.input_shape) for s in self.method.configured_splits]
         for note in filter(None, notes):
             log.info(note)
             self.on_event("notice", {"text": note})
@@ -187,11 +184,8 @@ class RoundEngine:
         if not self._online():
             self._wait_for_any_agent(r)
         wall0 = time.monotonic()
-        selected = self.select(r)
-        batches: dict[str, int] = {}
-        if self.merge.active:   # MergeSFL: GA selection and/or regulated batch sizes
-            selected, batches = self.merge.choose(r, self._online(), self.registry.agents, selected)
-        plan = self.planner.plan(r, selected, self.registry.agents)
+        selected, batches = self.method.select(r, self._online(), self.registry.agents, self.select(r))
+        plan = self.method.plan(r, selected, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
         decay = self.cfg.lr_decay ** max(0, r - 1)
@@ -210,7 +204,7 @@ class RoundEngine:
             self._send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
                                    ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
         losses: list[float] = []
-        if self.cfg.strategy != "fedavg":
+        if not self.method.whole_model:
             for k in range(self.cfg.local_iters):
                 acts = self._collect(agents, "activations", r, k)
                 if not acts:
@@ -244,7 +238,7 @@ class RoundEngine:
         online = self._online()
         if not online:
             raise RuntimeError("no agent is online")
-        if self.planner.selects_everyone(r):
+        if self.method.selects_everyone(r):
             return online
         k = min(self.cfg.per_round or len(online), len(online))
         return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(online, k))
@@ -272,13 +266,13 @@ class RoundEngine:
     def _assignment(self, split: int, width: int = 0, codec: str | None = None,
                     batch: int | None = None, lr_scale: float = 1.0) -> Assignment:
         cost = self.costs[split]
-        shape = cost.activation_shape if self.cfg.strategy != "fedavg" else (self.num_classes,)
+        shape = (self.num_classes,) if self.method.whole_model else cost.activation_shape
         if width:
             shape = bottleneck_shape(shape, width)
-        strategy = "fedavg" if self.cfg.strategy == "fedavg" else "sfl"  # what the agent does
+        strategy = "fedavg" if self.method.whole_model else "sfl"  # what the agent does
         return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=width,
                           batch_size=batch or self.cfg.batch_size,
-                          lr=(self.merge.lr(batch) if batch else self.cfg.lr) * lr_scale,
+                          lr=self.method.lr(batch) * lr_scale,
                           momentum=self.cfg.momentum,
                           tau=self.cfg.local_iters, codec=codec or self.cfg.codec, zstd_level=self.cfg.zstd_level,
                           activation_shape=tuple(shape))
@@ -511,9 +505,7 @@ class RoundEngine:
             server = self.server.member_state(a, split)
             # HetBL: an agent of width w trained only the first w decoder input channels
             servers[a] = {**server, **slice_state(server, f"bottlenecks.{split}.", width)} if width else server
-            # MergeSFL Eq. 17 weighs by batch size; otherwise by data size
-            weights[a] = float(agents[a].assignment.batch_size if self.merge.active
-                               else self.registry.agents[a].num_samples)
+            weights[a] = self.method.aggregation_weight(self.registry.agents[a], agents[a].assignment.batch_size)
             done.append(a)
             if msg.body["loss"] == msg.body["loss"]:  # not NaN
                 fed_losses.append(float(msg.body["loss"]))
@@ -523,7 +515,7 @@ class RoundEngine:
                                     server_groups=copy_of)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         accuracy, test_loss = self.evaluate()
-        per_agent, times = {}, {}
+        per_agent, times, observed = {}, {}, []
         for a in done:
             ra, info = agents[a], self.registry.agents[a]
             cost = self.costs[ra.assignment.split]
@@ -535,12 +527,12 @@ class RoundEngine:
                 profile=profile_dict_at_round(info.profile, r), server_flops_per_s=self.cfg.server_flops,
                 messages=ra.messages)
             t = times[a] = parts.total_s
-            act = math.prod(ra.assignment.activation_shape) * 4 if ra.assignment.strategy != "fedavg" else 0
-            self.planner.record_bytes(ra.assignment.split, ra.assignment.codec, ra.bytes_up + ra.bytes_down,
-                                      2 * cost.client_param_bytes + 2 * samples * act)
-            self.merge.observe(a, compute_s=parts.client_compute_s, transfer_s=parts.transfer_s, samples=samples,
-                               fixed_transfer_s=self.merge.fixed_transfer_s(profile_dict_at_round(info.profile, r),
-                                                                            uploads[a].wire_bytes, ra.messages))
+            act = 0 if self.method.whole_model else math.prod(ra.assignment.activation_shape) * 4
+            observed.append(AgentRound(
+                a, info, ra.assignment.split, ra.assignment.codec, samples, compute_s=parts.client_compute_s,
+                transfer_s=parts.transfer_s, profile=profile_dict_at_round(info.profile, r),
+                weights_bytes=uploads[a].wire_bytes, messages=ra.messages, wire_bytes=ra.bytes_up + ra.bytes_down,
+                fp32_bytes=2 * cost.client_param_bytes + 2 * samples * act))
             info.rounds += 1
             info.bytes_up += ra.bytes_up
             info.bytes_down += ra.bytes_down
@@ -560,7 +552,8 @@ class RoundEngine:
             info.client_s += row["client_s"]
             info.transfer_s += row["transfer_s"]
             info.wait_s += slowest - times[a]
-        self.planner.record(r, times, plan.splits)
+        self.method.observe(observed)
+        self.method.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
         record = {
@@ -574,16 +567,13 @@ class RoundEngine:
             "selected": sorted(plan.splits), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
             "agents": per_agent, "rejected": self._rejected_since_last_round(),
         }
-        if self.merge.active:
-            record["mergesfl"] = dict(self.merge.last)
+        record.update(self.method.round_metrics())
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, self.model.state_dict(), {
             "round": r, "elapsed_s": self.clock.elapsed, "model": self.cfg.model, "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
-            "time_table": self.planner.time_table.to_json(), "candidates": list(self.planner.candidates),
-            "wire_ratio": dict(self.planner.wire_ratio),
-            "merge_states": self.merge.to_json(),
+            **self.method.to_json(),
             "model_info": describe_model(self.model, self.cfg.data.dataset, self.preprocessing)})  # lets `sfl-coord export` rebuild it
         self.on_event("round_end", record)
         return record
@@ -628,18 +618,13 @@ class RoundEngine:
                                        f"{self.cfg.rounds} rounds (raise --rounds to train further)")
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
-            registry, merge = st.get("registry", {}), st.get("merge_states", {})
-            self.registry.load_totals(registry)
-            table = ClientTimeTable.from_json(st["time_table"]) if st.get("time_table") else None
-            self.merge.load_json(merge)
+            self.registry.load_totals(st.get("registry", {}))
+            self.method.load_json(st)
             elapsed = float(st.get("elapsed_s", 0.0))
         except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise ckpt.CheckpointError(f"{path}: does not fit this run's model {self.cfg.model!r} ({first})") from None
         history = ckpt.read_metrics(self.out_dir)   # a corrupted metrics file stops us here, untouched
-        if table is not None:
-            self.planner.time_table = table
-        self.planner.wire_ratio = {str(k): float(v) for k, v in st.get("wire_ratio", {}).items()}
         self.clock.restore(elapsed)
         self.start_round = st["round"] + 1
         ckpt.truncate_metrics(self.out_dir, st["round"])

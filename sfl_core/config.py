@@ -35,7 +35,6 @@ __all__ = [
     "PARTITIONS",
     "RunConfig",
     "SERVER_MODES",
-    "STRATEGIES",
     "default_profiles_dir",
     "profiles_origin",
     "list_profiles",
@@ -46,9 +45,9 @@ __all__ = [
     "run_config_to_dict",
 ]
 
-STRATEGIES = ("sfl", "fedavg", "s2fl")
 LOSSES = ("ce", "calibrated")
-"""Training strategies a run may name (the mechanisms of docs/methods.md extend this tuple)."""
+"""The server's loss: cross-entropy, or logit calibration (FedLC, as HeteroSFL uses it).
+Strategies are the methods' names (:func:`sfl_core.methods.strategies`)."""
 SERVER_MODES = ("merged", "per_agent", "sequential")
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1 (a server
 copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent)."""
@@ -329,6 +328,15 @@ def _enum(*choices: str) -> _Conv:
     return conv
 
 
+def _strategy(v: Any, fail: _Fail) -> str:
+    """A built-in strategy or one registered with :func:`sfl_core.methods.register_method`."""
+    from sfl_core.methods import strategies   # late: the methods read RunConfig
+    known = strategies()
+    if v not in known:
+        fail("one of " + ", ".join(repr(c) for c in known))
+    return v
+
+
 def _split_map(v: Any, fail: _Fail) -> dict[str, int]:
     if not isinstance(v, dict) or not v or not all(isinstance(k, str) and isinstance(x, int) and
                                                    not isinstance(x, bool) and x >= 1 for k, x in v.items()):
@@ -577,7 +585,7 @@ _RUN_SPEC: dict[str, _Conv] = {
     "rounds": _pos_int,
     "per_round": _opt(_pos_int),
     "min_agents": _opt(_pos_int),
-    "strategy": _enum(*STRATEGIES),
+    "strategy": _strategy,
     "server_mode": _enum(*SERVER_MODES),
     "split": _opt(_pos_int),
     "profile_splits": _opt(_split_map),

@@ -14,7 +14,6 @@ treat the returned tensors as read-only and copy before modifying them in place.
 from __future__ import annotations
 
 import gzip
-import logging
 import tarfile
 import zlib
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+from sfl_core.plugins import load_entry_points
 
 __all__ = ["DATASET_NAMES", "Dataset", "DatasetError", "load_dataset", "clear_cache", "dataset_names",
            "register_dataset", "input_shape_of"]
@@ -47,7 +48,6 @@ class _Plugin:
 
 
 _PLUGINS: dict[str, _Plugin] = {}
-_entry_points_loaded = False
 
 
 def register_dataset(name: str, loader: Callable[[Optional[str]], tuple], *, scale: float = 255.0,
@@ -87,23 +87,11 @@ def dataset_names() -> tuple[str, ...]:
 def _load_entry_points() -> None:
     """Register the data sets installed packages declare in the ``sfl_edge.datasets`` group (each
     entry point: a loader; optional attributes ``scale``, ``num_classes``, ``input_shape``,
-    ``needs_root``). A plugin that fails to load is skipped with one logged line."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    from importlib.metadata import entry_points
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in DATASET_NAMES or ep.name in _PLUGINS:
-            continue
-        try:
-            loader = ep.load()
-            register_dataset(ep.name, loader, scale=getattr(loader, "scale", 255.0),
-                             num_classes=getattr(loader, "num_classes", 10),
-                             input_shape=getattr(loader, "input_shape", None),
-                             needs_root=getattr(loader, "needs_root", False))
-        except Exception as exc:  # a broken plugin must not stop runs that do not use it
-            logging.getLogger("sfl.data").warning("data set plugin %s (%s) not loaded: %s", ep.name, ep.value, exc)
+    ``needs_root``)."""
+    load_entry_points(ENTRY_POINT_GROUP, lambda name, loader: register_dataset(
+        name, loader, scale=getattr(loader, "scale", 255.0), num_classes=getattr(loader, "num_classes", 10),
+        input_shape=getattr(loader, "input_shape", None), needs_root=getattr(loader, "needs_root", False)),
+        {*DATASET_NAMES, *_PLUGINS}, "data set")
 
 
 def input_shape_of(name: str, image_size: int | None = None) -> tuple[int, ...]:

@@ -20,8 +20,6 @@ feed zeros and consume no randomness).
 
 from __future__ import annotations
 
-import logging
-
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from sfl_core.bottleneck import Bottleneck, Decoder, Encoder
+from sfl_core.plugins import load_entry_points
 
 __all__ = ["SplitModel", "MODEL_NAMES", "NORMS", "ModelSpec", "build_model", "model_base_name", "model_names",
            "register_model"]
@@ -483,7 +482,6 @@ MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet8", "vgg_mini", "vgg11", "vg
 _NATIVE_NORM = {"small_cnn": "none", "alexnet": "none"}   # models designed without normalisation
 
 ENTRY_POINT_GROUP = "sfl_edge.models"
-_entry_points_loaded = False
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
@@ -526,22 +524,10 @@ def model_names() -> tuple[str, ...]:
 
 def _load_entry_points() -> None:
     """Register the models that installed packages declare in the ``sfl_edge.models`` group
-    (each entry point: a builder; its optional ``candidate_splits`` attribute is used). A
-    plugin that fails to load is skipped with one logged line."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    from importlib.metadata import entry_points
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in _BUILDERS:
-            continue
-        try:
-            builder = ep.load()
-            register_model(ep.name, builder, candidate_splits=getattr(builder, "candidate_splits", None),
-                           norms=getattr(builder, "norms", True))
-        except Exception as exc:  # a broken plugin must not stop the run that does not use it
-            logging.getLogger("sfl.models").warning("model plugin %s (%s) not loaded: %s", ep.name, ep.value, exc)
+    (each entry point: a builder; its optional ``candidate_splits`` and ``norms`` attributes are used)."""
+    load_entry_points(ENTRY_POINT_GROUP, lambda name, builder: register_model(
+        name, builder, candidate_splits=getattr(builder, "candidate_splits", None),
+        norms=getattr(builder, "norms", True)), _BUILDERS, "model")
 
 
 @dataclass(frozen=True)

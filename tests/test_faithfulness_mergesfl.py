@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from coordinator.merge_control import BUDGET_WINDOW, MergeControl
+from sfl_core.methods.mergesfl import BUDGET_WINDOW, MergeControl
 from sfl_core.accounting import SplitCost
 from sfl_core.config import run_config_from_dict
 from sfl_core.mergesfl import (

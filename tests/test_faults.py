@@ -394,7 +394,7 @@ def test_coordinator_killed_mid_round_resumes_with_live_agents(mosquitto, procs,
                              out_dir=tmp_path / "at-crash", checkpoint=ckpt.load(tmp_path / "at-crash"))
         table = ClientTimeTable.from_json(snap_state["time_table"])
         assert len(table) == 9 and all(not table.get(a, s).estimated for a in ("a0", "a1", "a2") for s in (1, 2, 3))
-        assert engine.planner.time_table == table and engine.start_round == crash_round
+        assert engine.method.time_table == table and engine.start_round == crash_round
         assert {a: i.rounds for a, i in engine.registry.agents.items()} == {a: crash_round - 1 for a in ("a0", "a1", "a2")}
         # ... and the run kept it: every entry at the end is the checkpoint's or measured after the resume
         final = ClientTimeTable.from_json(state["time_table"])

@@ -30,7 +30,7 @@ def test_regulated_batches_equalise_iteration_time(tmp_path):
     assert max(batches.values()) == 32 and min(batches.values()) < 32   # speeds differ > 10x here
     # Eq. 9 on the estimates the round was planned with: tau d_i (mu_i + beta_i) + fixed_i equal within
     # one sample's time (the fixed part is the weights' transfer, kept out of beta)
-    states = engine.merge.states
+    states = engine.method.control.states
     assert all(s.fixed > 0 and s.beta > 0 for s in states.values())
     t = {a: states[a].round_time(batches[a], 5) for a in batches}
     fastest = min(states, key=lambda a: states[a].round_time(32, 5))

@@ -137,18 +137,18 @@ def test_s2fl_warm_up_measures_every_device(tmp_path):
     from coordinator.api import run_simulation
     history, engine = run_simulation(_s2fl(tmp_path), device="cpu")
     assert [len(rec["selected"]) for rec in history[1:]] == [6, 6, 6, 2, 2]
-    table = engine.planner.time_table
+    table = engine.method.time_table
     assert all(not table.get(a, s).estimated for a in engine.registry.agents for s in (1, 2, 3))
 
 
 def test_planner_estimates_charge_the_measured_wire_bytes(tmp_path):
     from coordinator.api import run_simulation
     _, engine = run_simulation(_s2fl(tmp_path, rounds=3), device="cpu")
-    ratios = engine.planner.wire_ratio
+    ratios = engine.method.wire_ratio
     assert set(ratios) == {"1/fp32", "2/fp32", "3/fp32"}
     assert all(0 < r < 1 for r in ratios.values())       # zstd shrinks what fp32 accounting counts
     # an estimate for a new agent uses the ratio: less transfer than fp32 would charge
-    planner = engine.planner
+    planner = engine.method
     info = engine.registry.agents[sorted(engine.registry.agents)[0]]
     planner.time_table = type(planner.time_table)()
     planner.fill_estimates([info.agent_id], engine.registry.agents)

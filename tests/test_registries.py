@@ -121,8 +121,8 @@ def test_entry_points_register_on_first_use(tmp_path, monkeypatch, clean_registr
     (dist / "entry_points.txt").write_text("[sfl_edge.models]\nwide = my_plugin:wide\nbroken = my_plugin:nothing\n\n"
                                            "[sfl_edge.datasets]\nblobs = my_plugin:blobs\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(models_mod, "_entry_points_loaded", False)
-    monkeypatch.setattr(data_mod, "_entry_points_loaded", False)
+    from sfl_core import plugins
+    monkeypatch.setattr(plugins, "_loaded", set())
     m = build_model("wide", (1, 3, 3), 3)
     assert m.num_blocks == 2 and "wide" in models_mod.model_names() and "broken" not in models_mod.model_names()
     from sfl_core.sliding_split import candidate_splits

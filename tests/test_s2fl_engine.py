@@ -101,7 +101,7 @@ def test_s2fl_simulation_ablations(tmp_path, sliding, balance, expect_groups):
         assert all(s == [3] for s in splits)           # largest candidate, like the paper's SFL
     else:
         assert splits[:3] == [[1], [2], [3]]            # warm-up: one candidate per round
-        table = engine.planner.time_table
+        table = engine.method.time_table
         for a in engine.registry.agents:
             assert all(table.get(a, s) is not None and not table.get(a, s).estimated for s in (1, 2, 3))
         # after warm-up the slow-link agents take a different split from the fast ones

@@ -1,4 +1,7 @@
-"""MergeSFL's control loop on the coordinator (MergeSFL paper, Liao et al. 2023, Alg. 1; docs/methods.md §7).
+"""MergeSFL (Liao et al., 2024): KL-divergence selection and batch-size regulation, as a layer over any split method.
+
+Feature merging is the server trainer's merged step (``server_mode: merged``); this module
+holds the other two mechanisms (paper Alg. 1; docs/methods.md §7).
 
 The algorithms are pure functions in :mod:`sfl_core.mergesfl`; this class holds what they
 need between rounds — each agent's smoothed compute and transfer seconds per sample (μ, β)
@@ -16,11 +19,12 @@ from typing import Any, Mapping, Sequence
 from sfl_core import mergesfl
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
+from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.mergesfl import AgentState
+from sfl_core.methods.base import AgentRound, Layer, Method
 
-from coordinator.registry import AgentInfo, uplink_rate
 
-log = logging.getLogger("sfl.coord.merge")
+log = logging.getLogger("sfl.method.mergesfl")
 
 BUDGET_WINDOW = 10
 """Past rounds the ingress budget is estimated from (:func:`sfl_core.mergesfl.estimate_budget`)."""
@@ -198,3 +202,47 @@ class MergeControl:
         self.states = {a: AgentState(float(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else 0.0)
                        for a, v in agents.items()}
         self.ingress = ingress[-BUDGET_WINDOW:]
+
+
+class MergeSFL(Layer):
+    """Selection (``mergesfl.select``) and/or batch regulation (``mergesfl.regulate``) on top of
+    the inner method's plan; weights are averaged by batch size (paper Eq. 17)."""
+
+    def __init__(self, inner: Method):
+        super().__init__(inner)
+        self.control = MergeControl(self.cfg, self.costs[self.cfg.split or self.model.default_split])
+
+    @staticmethod
+    def wanted(cfg: RunConfig) -> bool:
+        return cfg.mergesfl.regulate or cfg.mergesfl.select
+
+    def notes(self, pool: int) -> list[str]:
+        return [self.control.describe(pool), *self.inner.notes(pool)]
+
+    def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
+               default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+        selected, _ = self.inner.select(r, online, agents, default)
+        return self.control.choose(r, online, agents, selected)
+
+    def lr(self, batch: int | None) -> float:
+        return self.control.lr(batch) if batch else self.inner.lr(batch)
+
+    def aggregation_weight(self, info: AgentInfo, batch_size: int) -> float:
+        return float(batch_size)
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {**self.inner.round_metrics(), "mergesfl": dict(self.control.last)}
+
+    def observe(self, rounds: Sequence[AgentRound]) -> None:
+        self.inner.observe(rounds)
+        for a in rounds:
+            fixed = self.control.fixed_transfer_s(a.profile, a.weights_bytes, a.messages)
+            self.control.observe(a.agent_id, compute_s=a.compute_s, transfer_s=a.transfer_s, samples=a.samples,
+                                 fixed_transfer_s=fixed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.inner.to_json(), "merge_states": self.control.to_json()}
+
+    def load_json(self, st: Mapping[str, Any]) -> None:
+        self.inner.load_json(st)
+        self.control.load_json(st.get("merge_states", {}))

@@ -1,0 +1,236 @@
+"""The method seam: what a split-learning method decides each round, and what it learns back.
+
+The round engine (``coordinator.engine``) runs any method the same way:
+
+1. ``select`` — which of the online agents train this round, and their batch sizes;
+2. ``plan`` — per agent the split point, bottleneck width and codec, and how the server
+   groups the agents' activations (one merged batch, one copy per agent, ...);
+3. the engine assigns, runs the steps, aggregates and evaluates;
+4. ``observe`` / ``record`` — each agent's measured (or simulated) times and bytes come back,
+   so the next round's plan can react.
+
+A method is a base (where the model is cut: :mod:`.fedavg`, :mod:`.sfl`, :mod:`.fedfc`,
+:mod:`.s2fl`) plus optional layers that refine its decisions (:mod:`.heterosfl` adds widths
+and codecs, :mod:`.mergesfl` selection and batch sizes). A layer wraps a method and
+delegates what it does not change, so layers compose with every base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from sfl_core.accounting import SplitCost
+from sfl_core.config import RunConfig
+from sfl_core.fleet import AgentInfo
+from sfl_core.models import SplitModel
+from sfl_core.sliding_split import ClientTimeTable
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    splits: dict[str, int]
+    groups: list[list[str]]
+    phase: str = ""
+    """How the splits were chosen: fixed, warm-up, median rule."""
+    widths: dict[str, int] = field(default_factory=dict)
+    """Bottleneck width per agent (absent or 0 = no bottleneck)."""
+    codecs: dict[str, str] = field(default_factory=dict)
+    """Wire codec per agent (absent = the run's codec)."""
+    sequential: bool = False
+    """SplitFed v2: each group's server copy trains on its members one after another."""
+    server_once: bool = False
+    """FedFC Alg. 3: a group's server copy counts once in the layer-wise average, not once per member."""
+
+
+@dataclass(frozen=True)
+class AgentRound:
+    """What one agent's finished round tells the method (the engine's measurements, by the run's clock)."""
+
+    agent_id: str
+    info: AgentInfo
+    split: int
+    codec: str
+    samples: int
+    """``tau x batch``."""
+    compute_s: float
+    transfer_s: float
+    """Client compute and link seconds of the round."""
+    profile: Mapping[str, Any]
+    """The agent's device profile at this round (capacity schedules applied): the rates the clock charged."""
+    weights_bytes: float
+    """Encoded size of the agent's weights upload."""
+    messages: int
+    wire_bytes: float
+    fp32_bytes: float
+    """What the round's traffic would have been in plain fp32 (the compression ratio's denominator)."""
+
+
+class Method:
+    """A method's decisions; the base class is vanilla behaviour for every hook.
+
+    Subclasses override what they decide. The engine reads only these attributes, never
+    a method's name. State that must survive a restart goes through :meth:`to_json` /
+    :meth:`load_json` (the checkpoint's ``state.json``).
+    """
+
+    whole_model: bool = False
+    """Agents train the whole model and send nothing per step (FedAvg)."""
+
+    def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
+        self.cfg = cfg
+        self.model = model
+        self.costs = costs
+        self.time_table = ClientTimeTable()
+        """Measured and estimated round seconds per (agent, split): S2FL's Table, kept for every method."""
+        self.wire_ratio: dict[str, float] = {}
+        """Measured wire bytes / fp32 bytes per ``"<split>/<codec>"`` (smoothed): the clock charges
+        the real encoded bytes, so estimates must use the same compression."""
+
+    # ----------------------------------------------------------------- what the run trains
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        """The split points the method chooses among each round (empty: it does not choose)."""
+        return ()
+
+    @property
+    def configured_splits(self) -> tuple[int, ...]:
+        """The cuts the run was told to train at (none where the method picks them), for the
+        start-of-run check that none of them sends far more bytes than it needs to."""
+        return ()
+
+    def splits_to_time(self) -> list[int]:
+        """The split points the agents should time at registration: the ones they can be assigned."""
+        return list(self.candidates) or [self.cfg.split or self.model.default_split]
+
+    def notes(self, pool: int) -> list[str]:
+        """Lines a run starts with (what a user must know about how the method reads the config)."""
+        return []
+
+    # ----------------------------------------------------------------- one round
+    def selects_everyone(self, r: int) -> bool:
+        """Round ``r`` trains every online agent, not a sample of ``per_round``."""
+        return False
+
+    def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
+               default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+        """The round's agents and their batch sizes (empty: the run's ``batch_size``).
+        ``default`` is the engine's uniform sample of ``per_round`` agents."""
+        return list(default), {}
+
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
+        raise NotImplementedError
+
+    def lr(self, batch: int | None) -> float:
+        """An agent's learning rate for a batch of ``batch`` samples (``None``: the run's batch)."""
+        return self.cfg.lr
+
+    def aggregation_weight(self, info: AgentInfo, batch_size: int) -> float:
+        """An agent's weight in the layer-wise average: its data size."""
+        return float(info.num_samples)
+
+    def round_metrics(self) -> dict[str, Any]:
+        """Extra keys of the round's metrics record (what the method decided, for the curves)."""
+        return {}
+
+    # ----------------------------------------------------------------- what comes back
+    def observe(self, rounds: Sequence[AgentRound]) -> None:
+        """The round's finished agents: fold the bytes into the compression ratio per split and codec."""
+        for a in rounds:
+            if a.fp32_bytes <= 0 or a.wire_bytes <= 0:
+                continue
+            key, ratio = f"{a.split}/{a.codec}", a.wire_bytes / a.fp32_bytes
+            old = self.wire_ratio.get(key)
+            self.wire_ratio[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
+
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
+        """The round's measured times per agent (after :meth:`observe`)."""
+
+    # ----------------------------------------------------------------- checkpoint
+    def to_json(self) -> dict[str, Any]:
+        return {"time_table": self.time_table.to_json(), "candidates": list(self.candidates),
+                "wire_ratio": dict(self.wire_ratio)}
+
+    def load_json(self, st: Mapping[str, Any]) -> None:
+        """Restore from a checkpoint's state (keys this method never wrote are ignored)."""
+        if st.get("time_table"):
+            self.time_table = ClientTimeTable.from_json(st["time_table"])
+        self.wire_ratio = {str(k): float(v) for k, v in st.get("wire_ratio", {}).items()}
+
+
+class Layer(Method):
+    """A method that refines another one's decisions; everything it does not override is the inner method's."""
+
+    def __init__(self, inner: Method):
+        # no Method.__init__: the settings and tables are the inner method's, one copy for all layers
+        self.inner = inner
+        self.cfg, self.model, self.costs = inner.cfg, inner.model, inner.costs
+
+    @staticmethod
+    def wanted(cfg: RunConfig) -> bool:
+        """Whether the run config asks for this layer."""
+        raise NotImplementedError
+
+    @property
+    def time_table(self) -> ClientTimeTable:  # type: ignore[override]
+        return self.inner.time_table
+
+    @time_table.setter
+    def time_table(self, table: ClientTimeTable) -> None:
+        self.inner.time_table = table
+
+    @property
+    def wire_ratio(self) -> dict[str, float]:  # type: ignore[override]
+        return self.inner.wire_ratio
+
+    @wire_ratio.setter
+    def wire_ratio(self, ratios: dict[str, float]) -> None:
+        self.inner.wire_ratio = ratios
+
+    @property
+    def whole_model(self) -> bool:  # type: ignore[override]
+        return self.inner.whole_model
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        return self.inner.candidates
+
+    @property
+    def configured_splits(self) -> tuple[int, ...]:
+        return self.inner.configured_splits
+
+    def splits_to_time(self) -> list[int]:
+        return self.inner.splits_to_time()
+
+    def notes(self, pool: int) -> list[str]:
+        return self.inner.notes(pool)
+
+    def selects_everyone(self, r: int) -> bool:
+        return self.inner.selects_everyone(r)
+
+    def select(self, r, online, agents, default):
+        return self.inner.select(r, online, agents, default)
+
+    def plan(self, r, selected, agents) -> RoundPlan:
+        return self.inner.plan(r, selected, agents)
+
+    def lr(self, batch: int | None) -> float:
+        return self.inner.lr(batch)
+
+    def aggregation_weight(self, info: AgentInfo, batch_size: int) -> float:
+        return self.inner.aggregation_weight(info, batch_size)
+
+    def round_metrics(self) -> dict[str, Any]:
+        return self.inner.round_metrics()
+
+    def observe(self, rounds) -> None:
+        self.inner.observe(rounds)
+
+    def record(self, r, times, splits) -> None:
+        self.inner.record(r, times, splits)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.inner.to_json()
+
+    def load_json(self, st) -> None:
+        self.inner.load_json(st)

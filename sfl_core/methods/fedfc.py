@@ -1,0 +1,27 @@
+"""FedFC (Tsai et al., 2023): mixed cut layers by device class (``profile_splits``).
+
+Each profile trains at its own split; the server concatenates the features where they meet
+(the engine's merged step joins each agent's rows at its split). With ``server_weight: once``
+a group's server copy counts once in the layer-wise average (the paper's Alg. 3).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from sfl_core.fleet import AgentInfo
+from sfl_core.methods.base import RoundPlan
+from sfl_core.methods.sfl import SFL
+
+
+class FedFC(SFL):
+    @property
+    def configured_splits(self) -> tuple[int, ...]:
+        return tuple(sorted({self.split, *(self.cfg.profile_splits or {}).values()}))
+
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
+        by_profile = self.cfg.profile_splits or {}
+        return RoundPlan({a: by_profile.get(agents[a].profile.get("name"), self.split) for a in selected},
+                         self.groups(selected), "per profile",
+                         sequential=self.cfg.server_mode == "sequential",
+                         server_once=self.cfg.server_weight == "once")

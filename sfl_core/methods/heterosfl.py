@@ -1,0 +1,56 @@
+"""HeteroSFL (Chen et al., 2024): per-group bottleneck widths and codecs by link rate.
+
+A layer over any split method: the round's agents are grouped by uplink rate (quantiles or
+``hetero.thresholds``) and each group gets its bottleneck width (``hetero.widths``, or widths
+proportional to the groups' rates) and/or wire codec (``hetero.codecs``). HetBL aggregation,
+logit calibration and BDKS act in the server trainer and the aggregation (docs/methods.md §6).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import replace
+from typing import Mapping, Sequence
+
+from sfl_core.config import RunConfig
+from sfl_core.fleet import AgentInfo, uplink_rate
+from sfl_core.hetero import group_by_link_rate, widths_for_groups
+from sfl_core.methods.base import Layer, RoundPlan
+
+
+class HeteroSFL(Layer):
+    @staticmethod
+    def wanted(cfg: RunConfig) -> bool:
+        return cfg.hetero.width is not None or cfg.hetero.codecs is not None
+
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
+        plan = self.inner.plan(r, selected, agents)
+        h = self.cfg.hetero
+        groups, indices = self.link_groups(selected, agents)
+        if h.width is not None:
+            plan = replace(plan, widths=self.widths(groups, indices, agents))
+        if h.codecs is not None:
+            plan = replace(plan, codecs={a: h.codecs[i] for g, i in zip(groups, indices) for a in g})
+        return plan
+
+    def link_groups(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> tuple[list[list[str]], list[int]]:
+        """The round's agents by uplink rate, slowest group first, with each group's index into
+        the configured per-group lists (empty groups are dropped, so indices can skip)."""
+        h = self.cfg.hetero
+        rates = {a: uplink_rate(agents[a]) for a in selected}
+        groups = group_by_link_rate(rates, groups=h.groups, thresholds=h.thresholds)
+        if h.thresholds:   # a group's index is the threshold interval its members' rates fall in
+            indices = [bisect.bisect_right(h.thresholds, rates[g[0]]) for g in groups]
+        else:              # quantile groups are empty only when agents < groups: the few take the fastest slots
+            indices = list(range(h.groups - len(groups), h.groups))
+        return groups, indices
+
+    def widths(self, groups: list[list[str]], indices: list[int], agents: Mapping[str, AgentInfo]) -> dict[str, int]:
+        """Bottleneck width per agent: the configured width of its group, or widths proportional to
+        the groups' rates (the slowest member sets a group's pace), the fastest at full width."""
+        h = self.cfg.hetero
+        assert h.width is not None
+        group_rates = [min(uplink_rate(agents[a]) for a in g) for g in groups]
+        fixed = [h.widths[i] for i in indices] if h.widths else None
+        widths = widths_for_groups(group_rates, h.width, fixed=fixed)
+        return {a: w for g, w in zip(groups, widths) for a in g}

@@ -1,0 +1,82 @@
+"""S2FL (Yan et al., 2023): a sliding split per agent and data-balance groups on the server.
+
+``s2fl.sliding``: after a warm-up round per candidate split (every device times each), the
+median rule moves slow agents to shallower splits from the time table. ``s2fl.balance``:
+the server trains groups whose merged label mix is close to uniform. Without ``sliding``
+every agent trains at the largest candidate (the S2FL paper's SFL baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from sfl_core.accounting import SplitCost
+from sfl_core.config import RunConfig
+from sfl_core.fleet import AgentInfo
+from sfl_core.grouping import group_by_balance
+from sfl_core.methods.base import Method, RoundPlan
+from sfl_core.models import SplitModel
+from sfl_core.sliding_split import candidate_splits, estimate_round_time, median_rule, warmup_split
+
+
+class S2FL(Method):
+    def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
+        super().__init__(cfg, model, costs)
+        cands = cfg.s2fl.candidates or candidate_splits(cfg.model)
+        for s in cands:
+            model.check_split(s)
+        self._candidates: tuple[int, ...] = tuple(cands)
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        return self._candidates
+
+    def selects_everyone(self, r: int) -> bool:
+        """The warm-up sends each candidate split to every device (not only the round's
+        selection), so the time table holds a measurement for every agent and split."""
+        return self.cfg.s2fl.sliding and warmup_split(r, self.candidates) is not None
+
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
+        s2 = self.cfg.s2fl
+        if not s2.sliding:
+            splits, phase = {a: self.candidates[-1] for a in selected}, "fixed (largest candidate)"
+        else:
+            warm = warmup_split(r, self.candidates)
+            if warm is not None:
+                splits, phase = {a: warm for a in selected}, f"warm-up {r}/{len(self.candidates)}"
+            else:
+                self.fill_estimates(selected, agents)
+                splits, phase = median_rule(self.time_table, selected, self.candidates), "median rule"
+        if s2.balance:
+            groups = group_by_balance({a: agents[a].label_counts for a in selected}, s2.group_size,
+                                      seed=self.cfg.seed + r)
+        else:
+            groups = [[a] for a in selected]
+        return RoundPlan(splits, groups, phase)
+
+    def fill_estimates(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> None:
+        """Time-model estimates (docs/methods.md §3) for (agent, split) pairs never measured, from profile and measurements."""
+        samples = self.cfg.batch_size * self.cfg.local_iters
+        for a in selected:
+            info = agents[a]
+            measured = info.measured.get("compute_s_per_sample", {}) if isinstance(info.measured, dict) else {}
+            up = info.measured.get("up_bytes_per_s") or info.profile["link_bytes_per_s"]
+            down = info.measured.get("down_bytes_per_s") or info.profile["downlink_bytes_per_s"]
+            for s in self.candidates:
+                entry = self.time_table.get(a, s)
+                if entry is not None and not entry.estimated:
+                    continue
+                per_sample = measured.get(str(s))
+                ratio = self.wire_ratio.get(f"{s}/{self.cfg.codec}", 1.0)
+                self.time_table.set_estimate(a, s, estimate_round_time(
+                    self.costs[s], samples=samples, compute_flops=info.profile["compute_flops"],
+                    uplink_bytes_per_s=float(up), downlink_bytes_per_s=float(down),
+                    server_flops_per_s=self.cfg.server_flops, latency_s=info.profile.get("latency_s", 0.0),
+                    messages=2 * self.cfg.local_iters + 2, wire_ratio=ratio,
+                    measured_compute_s_per_sample=float(per_sample) if isinstance(per_sample, (int, float)) else None))
+
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
+        """Measured round times of this round's agents go into the table (updated every round)."""
+        for a, t in times.items():
+            if splits.get(a) in self.candidates:
+                self.time_table.record(a, splits[a], t, r)

@@ -1,0 +1,73 @@
+"""The method seam: a run's method is its strategy's base plus the layers its config asks for,
+and a new method is one module registered by name (the engine needs no change)."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import pytest
+
+from coordinator.api import run_simulation
+from sfl_core.accounting import model_costs
+from sfl_core.config import ConfigError, run_config_from_dict
+from sfl_core.methods import (
+    FedAvg, FedFC, HeteroSFL, MergeSFL, Method, RoundPlan, S2FL, SFL, build_method, register_method, strategies,
+)
+from sfl_core.methods import _BASES  # noqa: PLC2701  (a test registers and removes its own method)
+from sfl_core.models import build_model
+
+SHAPE = (1, 8, 8)
+
+
+def _cfg(tmp_path, **over):
+    d = {"run": "m", "model": "small_cnn", "data": {"dataset": "digits", "partition": "iid", "seed": 0},
+         "fleet": [{"profile": "s2fl-low-low", "count": 2}, {"profile": "s2fl-high-high", "count": 2}],
+         "rounds": 2, "strategy": "sfl", "batch_size": 8, "lr": 0.05, "local_iters": 2,
+         "output_dir": str(tmp_path / "out")}
+    d.update(over)
+    return run_config_from_dict(d)
+
+
+def _method(cfg):
+    return build_method(cfg, build_model(cfg.model, SHAPE, 10), model_costs(cfg.model, SHAPE, 10))
+
+
+def test_strategy_picks_the_base_and_the_config_adds_layers(tmp_path):
+    assert type(_method(_cfg(tmp_path))) is SFL
+    assert type(_method(_cfg(tmp_path, strategy="fedavg"))) is FedAvg
+    assert type(_method(_cfg(tmp_path, strategy="s2fl"))) is S2FL
+    fedfc = _method(_cfg(tmp_path, profile_splits={"s2fl-low-low": 1, "s2fl-high-high": 2}))
+    assert type(fedfc) is FedFC and fedfc.configured_splits == (1, 2)
+    both = _method(_cfg(tmp_path, hetero={"width": 8, "widths": [2, 8]}, mergesfl={"regulate": True}))
+    # MergeSFL's batch sizes sit on top of HeteroSFL's widths, which sit on top of the fixed split
+    assert type(both) is MergeSFL and type(both.inner) is HeteroSFL and type(both.inner.inner) is SFL
+    # the layers share the base's tables: one time table, however many layers
+    assert both.time_table is both.inner.inner.time_table
+    assert not both.whole_model and _method(_cfg(tmp_path, strategy="fedavg")).whole_model
+
+
+class Alternate(Method):
+    """A method written by a newcomer: every agent at split 1 in odd rounds and 2 in even ones."""
+
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, object]) -> RoundPlan:
+        return RoundPlan({a: 1 if r % 2 else 2 for a in selected}, [list(selected)], f"alternate {r}")
+
+    def splits_to_time(self) -> list[int]:
+        return [1, 2]
+
+
+def test_a_new_method_is_one_class_and_its_registration(tmp_path):
+    assert "alternate" not in strategies()
+    with pytest.raises(ConfigError, match="strategy"):
+        _cfg(tmp_path, strategy="alternate")
+    register_method("alternate", Alternate)
+    try:
+        cfg = _cfg(tmp_path, strategy="alternate", server_mode="merged")
+        history, _ = run_simulation(cfg)
+    finally:
+        del _BASES["alternate"]
+    rounds = [h for h in history if h["round"] >= 1]
+    assert [h["phase"] for h in rounds] == ["alternate 1", "alternate 2"]
+    assert [{a["split"] for a in h["agents"].values()} for h in rounds] == [{1}, {2}]
+    assert all(0.0 <= h["accuracy"] <= 1.0 for h in rounds)
+    assert "alternate" not in strategies()
