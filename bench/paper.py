@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -89,7 +90,10 @@ def scaled_profile(name: str, factors: dict[str, float], out_dir: Path,
     if capacity or p.capacity:
         doc["capacity"] = capacity or [{"from_round": r, "compute": c, "link": l} for r, c, l in p.capacity]
     path = out_dir / f"{p.name}.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    # write beside, then rename: parallel runs of one setting share this file and must never read half of it
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+    os.replace(tmp, path)
     return str(path)
 
 
