@@ -1,8 +1,10 @@
 """The round engine: one implementation for deployments and simulations.
 
 It talks to agents only through a :class:`Transport` (MQTT or in-process) and measures time
-only through a clock (wall or virtual). Everything else — selection, assignment, the
-merged server step, aggregation, evaluation, metrics, checkpoints — lives here once.
+only through a clock (wall or virtual). One round: the method (:mod:`sfl_core.methods`)
+selects and plans, the engine assigns, runs the merged server steps, aggregates, evaluates
+and records (metrics and checkpoints in :mod:`coordinator.state`). Registration, liveness,
+replays and resends are the fleet session's (:mod:`coordinator.session`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -31,14 +32,10 @@ from sfl_core.protocol import Message
 from coordinator import state as ckpt
 from coordinator.export import describe_model, run_model
 from coordinator.registry import Registry
+from coordinator.session import Event, FleetSession, RoundAgent
 from coordinator.server_trainer import LossSpec, ServerTrainer
 
 log = logging.getLogger("sfl.coord")
-
-RETRY_S = 5.0
-"""Seconds after which the last message to an agent that reports itself idle is sent again."""
-MAX_RESENDS = 3
-"""An agent that stays idle through this many resends (it rejects what we send) is dropped."""
 
 
 class Transport(Protocol):
@@ -65,29 +62,6 @@ class Clock(Protocol):
     def end_round(self, agent_times: list[float], wall_s: float) -> float: ...
 
 
-Event = Callable[[str, dict[str, Any]], None]
-
-
-@dataclass
-class _RoundAgent:
-    """Book-keeping for one selected agent during a round; times are on the engine's liveness clock."""
-
-    info_id: str
-    assignment: Assignment
-    last_heard: float
-    last_sent_at: float
-    last_sent: Optional[Message] = None
-    bytes_up: int = 0
-    bytes_down: int = 0
-    labels_withheld: bool = False
-    compute_s: float = 0.0
-    busy_s: float = 0.0
-    """Sum of this agent's own response times (our message sent -> its reply in): no waiting for others."""
-    server_s: float = 0.0
-    messages: int = 0
-    resends: int = 0
-
-
 class RoundEngine:
     def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
@@ -111,10 +85,6 @@ class RoundEngine:
         self.on_event = on_event or (lambda _e, _d: None)
         self._now: Callable[[], float] = getattr(transport, "live_time", time.monotonic)
         self.registry = Registry(num_classes, now=self._now)
-        self._seqs = protocol.ReplayGuard()
-        self._reg_seq: dict[str, int] = {}
-        self.rejections = protocol.Rejections(log)
-        self._rejected_before: dict[str, int] = {}
         torch.manual_seed(cfg.seed)
         self.model: SplitModel = run_model(cfg, self.input_shape, num_classes).to(self.device)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
@@ -124,6 +94,9 @@ class RoundEngine:
         loss = LossSpec(cfg.loss, cfg.calibration_tau, cfg.hetero.bdks, cfg.hetero.bdks_alpha,
                         cfg.hetero.bdks_theta)
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss)
+        self.session = FleetSession(cfg, transport, self.registry, virtual=clock.virtual, now=self._now,
+                                    on_event=self.on_event, on_drop=self.server.drop)
+        self.rejections = self.session.rejections
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
         if checkpoint is not None:
@@ -138,7 +111,7 @@ class RoundEngine:
         coordinator that ``--resume`` starts (a stopped agent would exit 0, and a service
         manager restarts only failed services).
         """
-        self.wait_for_agents()
+        self.session.wait_for_agents()
         notes = self.method.notes(len(self.registry.agents))
         notes += [split_note(self.costs, s, self.input_shape) for s in self.method.configured_splits]
         for note in filter(None, notes):
@@ -151,45 +124,16 @@ class RoundEngine:
         self.shutdown_agents("run finished")
         return self.history
 
-    def wait_for_agents(self) -> None:
-        need = self.cfg.min_agents or self.cfg.num_agents
-        self.on_event("waiting", {"registered": len(self.registry.online()), "needed": need})
-        self._serve_until(lambda: len(self.registry.online()) >= need,
-                          lambda: f"only {len(self.registry.online())} of {need} agents registered within "
-                                  f"{self.cfg.register_timeout_s:.0f} s")
-
-    def _serve_until(self, done: Callable[[], bool], failure: Callable[[], str]) -> None:
-        """Answer registrations and liveness messages until ``done()``; TimeoutError(``failure()``)
-        after ``register_timeout_s``."""
-        deadline = time.monotonic() + self.cfg.register_timeout_s
-        while not done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(failure())
-            msg = self._receive(0.2)
-            if msg is not None:
-                self._dispatch(msg, None)
-
-    def _wait_for_any_agent(self, r: int) -> None:
-        """Mid-run, every agent gone (a network outage, a power cut on site): wait for one to come
-        back rather than end the run; after ``register_timeout_s`` give up with the run
-        checkpointed, so ``--resume`` continues it."""
-        log.warning("no agent online before round %d: waiting up to %.0f s for one to come back", r,
-                    self.cfg.register_timeout_s)
-        self.on_event("waiting", {"registered": 0, "needed": 1})
-        self._serve_until(lambda: bool(self._online()),
-                          lambda: f"no agent online for {self.cfg.register_timeout_s:.0f} s before round {r}; "
-                                  f"rounds up to {r - 1} are checkpointed: restart with --resume")
-
     def run_round(self, r: int) -> dict[str, Any]:
-        if not self._online():
-            self._wait_for_any_agent(r)
+        if not self.session.online():
+            self.session.wait_for_any_agent(r)
         wall0 = time.monotonic()
-        selected, batches = self.method.select(r, self._online(), self.registry.agents, self.select(r))
+        selected, batches = self.method.select(r, self.session.online(), self.registry.agents, self.select(r))
         plan = self.method.plan(r, selected, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
         decay = self.cfg.lr_decay ** max(0, r - 1)
-        agents = {a: _RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
+        agents = {a: RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
                                                      batches.get(a), decay), last_heard=now, last_sent_at=now)
                   for a in selected}
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths,
@@ -201,12 +145,12 @@ class RoundEngine:
             key = (ra.assignment.split, ra.assignment.width)
             if key not in bodies:
                 bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
-            self._send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
+            self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
                                    ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
         losses: list[float] = []
         if not self.method.whole_model:
             for k in range(self.cfg.local_iters):
-                acts = self._collect(agents, "activations", r, k)
+                acts = self.session.collect(agents, "activations", r, k)
                 if not acts:
                     break
                 batches = {a: self._batch(agents[a], m) for a, m in acts.items()}
@@ -214,7 +158,7 @@ class RoundEngine:
                     if b is not None and b[1] is None:
                         agents[a].labels_withheld = True
                 for a in [a for a, b in batches.items() if b is None]:
-                    self._drop(agents, a, "sent invalid activations")
+                    self.session.drop(agents, a, "sent invalid activations")
                     del batches[a]
                 if not batches:
                     break
@@ -226,36 +170,30 @@ class RoundEngine:
                     if a not in agents:   # dropped while the server step waited for its logit gradients
                         continue
                     agents[a].server_s += dt
-                    self._send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
+                    self.session.send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
                                                   {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)},
                                                   round=r, step=k, seq=protocol.next_seq()))
                 self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
-        uploads = self._collect(agents, "weights", r, self.cfg.local_iters - 1)
+        uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
         return self._aggregate_and_record(r, plan, agents, uploads, losses, time.monotonic() - wall0)
+
+    def shutdown_agents(self, reason: str) -> None:
+        """Tell every known agent to stop (the run finished)."""
+        self.session.shutdown_agents(reason)
+
+    def rejected_totals(self) -> dict[str, int]:
+        """Messages dropped so far, by reason: the transport's (undecodable, spoofed) and the session's."""
+        return self.session.rejected_totals()
 
     def select(self, r: int) -> list[str]:
         """Uniform random selection, seeded per round so a resumed run selects the same agents."""
-        online = self._online()
+        online = self.session.online()
         if not online:
             raise RuntimeError("no agent is online")
         if self.method.selects_everyone(r):
             return online
         k = min(self.cfg.per_round or len(online), len(online))
         return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(online, k))
-
-    def _online(self) -> list[str]:
-        # a deployed agent silent for step_timeout_s (no heartbeat either) counts as gone even before its
-        # last will arrives; simulated agents never vanish and send no heartbeats
-        stale = None if self.clock.virtual else self.cfg.step_timeout_s
-        return sorted(a.agent_id for a in self.registry.online(stale_after_s=stale))
-
-    def shutdown_agents(self, reason: str) -> None:
-        for a in list(self.registry.agents):
-            try:
-                self.transport.send(a, Message("shutdown", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                               {"reason": reason}, seq=protocol.next_seq()))
-            except Exception as exc:  # a dead agent must not stop the others from hearing it
-                log.warning("could not tell %s to shut down: %s", a, exc)
 
     # ================================================================ internals
     def _client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
@@ -277,115 +215,7 @@ class RoundEngine:
                           tau=self.cfg.local_iters, codec=codec or self.cfg.codec, zstd_level=self.cfg.zstd_level,
                           activation_shape=tuple(shape))
 
-    def _send(self, ra: _RoundAgent, msg: Message) -> None:
-        n = self.transport.send(ra.info_id, msg)
-        ra.bytes_down += n
-        ra.messages += 1
-        ra.last_sent, ra.last_sent_at = msg, self._now()
-
-    def _collect(self, agents: dict[str, _RoundAgent], kind: str, r: int, k: int) -> dict[str, Message]:
-        """Gather one message of ``kind`` for (r, k) from every agent still in the round.
-
-        Duplicates of earlier steps mean our reply was lost: resend it. An agent silent
-        for ``step_timeout_s`` (heartbeats count) is dropped and the round goes on. What is
-        returned comes only from agents still in the round: one that re-registered (restarted)
-        after its message arrived is out, and so is its message.
-        """
-        got: dict[str, Message] = {}
-        while True:
-            waiting = [a for a in agents if a not in got]
-            if not waiting:
-                return {a: m for a, m in got.items() if a in agents}
-            msg = self._receive(0.1)
-            if msg is not None:
-                self.registry.seen(msg.sender)
-                ra = agents.get(msg.sender)
-                if ra is not None:
-                    ra.last_heard = self._now()
-                if msg.type in ("activations", "logit_grads", "weights"):
-                    self._training_message(msg, agents, kind, r, k, got)
-                elif msg.type == "heartbeat" and ra is not None and msg.sender not in got:
-                    self._maybe_resend(agents, ra, msg)
-                else:
-                    self._dispatch(msg, agents)
-            now = self._now()
-            for a in waiting:
-                ra = agents.get(a)
-                # silent since we last heard from it or last asked it, whichever is later: while we
-                # waited for a dead peer its reply may sit unread behind the peer's timeout
-                if ra is not None and now - max(ra.last_heard, ra.last_sent_at) > self.cfg.step_timeout_s:
-                    self._drop(agents, a, f"silent for {self.cfg.step_timeout_s:g} s")
-
-    def _receive(self, timeout: float) -> Optional[Message]:
-        """The next message from the transport that is not a replay (:class:`protocol.ReplayGuard`),
-        dropped before it can touch any state. Exempt: ``status`` (the broker publishes an
-        agent's will with the seq of its connect); ``heartbeat`` is dropped silently (it comes
-        from another thread of the agent, so it may overtake a message numbered just before it).
-        """
-        msg = self.transport.poll(timeout)
-        if msg is None or msg.type == "status":
-            return msg
-        known = msg.sender in self.registry.agents or msg.type == "register"
-        if self._seqs.is_replay(msg):
-            if msg.type != "heartbeat":
-                self.rejections.reject("replayed", f"{msg.type} from {msg.sender}: seq {msg.seq} is older "
-                                                   f"than {self._seqs.last(msg.sender)}")
-            return None
-        # a heartbeat never raises the bar: numbered after a message still in the agent's send path
-        # (an emulated slow link sleeps before publishing), it can arrive first
-        if known and msg.type != "heartbeat":  # unknown senders get no entry: a flood of invented
-            self._seqs.advance(msg)                # ids must not grow this table
-        return msg
-
-    def _maybe_resend(self, agents: dict[str, _RoundAgent], ra: _RoundAgent, heartbeat: Message) -> None:
-        """An agent that says it is idle while we wait for it lost our last message: resend it.
-
-        A busy agent (computing, e.g. an emulated slow device) is left alone.
-        """
-        self.registry.seen(ra.info_id)
-        if heartbeat.body["state"] == "busy" or ra.last_sent is None:
-            return
-        if self._now() - ra.last_sent_at > RETRY_S:
-            if ra.resends >= MAX_RESENDS:
-                self._drop(agents, ra.info_id, f"idle after {MAX_RESENDS} resends of {ra.last_sent.type}")
-                return
-            log.info("%s is idle while we wait for it: resending %s", ra.info_id, ra.last_sent.type)
-            self.transport.send(ra.info_id, ra.last_sent)
-            ra.last_sent_at = self._now()
-            ra.resends += 1
-
-    def _training_message(self, msg: Message, agents: dict[str, _RoundAgent], kind: str, r: int, k: int,
-                          got: dict[str, Message]) -> None:
-        a = msg.sender
-        ra = agents.get(a)
-        if ra is None:
-            if a in self.registry.agents:
-                self.rejections.reject("not_selected", f"{msg.type} from {a}: not selected for round {r}")
-            else:
-                self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {a}")
-            return
-        if msg.type == kind and msg.round == r and msg.step == k:
-            if a in got:  # duplicate of what we already hold
-                self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {k} already received",
-                                       level=logging.INFO)
-                return
-            ra.bytes_up += msg.wire_bytes
-            ra.messages += 1
-            ra.resends = 0
-            ra.busy_s += self._now() - ra.last_sent_at
-            ra.compute_s = float(msg.body["compute_s"])
-            got[a] = msg
-        elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
-            self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {msg.step} answered again",
-                                   level=logging.INFO)
-            if ra.last_sent is not None:  # our reply to it was lost: send it again
-                self.transport.send(a, ra.last_sent)
-                ra.last_sent_at = self._now()
-        else:
-            self.rejections.reject("stale", f"{msg.type} (round {msg.round} step {msg.step}) from {a}: "
-                                            f"expected {kind} for round {r} step {k}")
-
-    def _batch(self, ra: _RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def _batch(self, ra: RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Validate activations against the assignment before they touch the server model."""
         b = ra.assignment.batch_size
         try:
@@ -402,16 +232,16 @@ class RoundEngine:
             return None
         return x, y
 
-    def _exchange_logits(self, agents: dict[str, _RoundAgent], logits: dict[str, torch.Tensor], r: int,
+    def _exchange_logits(self, agents: dict[str, RoundAgent], logits: dict[str, torch.Tensor], r: int,
                          k: int) -> dict[str, tuple[torch.Tensor, float]]:
         """Labels withheld: send each such agent its rows' logits, collect the gradient of its
         mean loss w.r.t. them (validated: shape, finite) and its loss."""
         asked = {a: agents[a] for a in logits if a in agents}
         for a, ra in asked.items():
-            self._send(ra, Message("logits", self.cfg.run_id, protocol.COORDINATOR_ID,
+            self.session.send(ra, Message("logits", self.cfg.run_id, protocol.COORDINATOR_ID,
                                    {"z": wire.encode_tensor(logits[a], "fp32", self.cfg.zstd_level)},
                                    round=r, step=k, seq=protocol.next_seq()))
-        replies = self._collect(asked, "logit_grads", r, k)
+        replies = self.session.collect(asked, "logit_grads", r, k)
         out: dict[str, tuple[torch.Tensor, float]] = {}
         for a in logits:
             if a not in asked:          # dropped while we waited: out of the round
@@ -424,71 +254,13 @@ class RoundEngine:
                     raise wire.WireError("logit gradients or loss not finite")
             except wire.WireError as exc:
                 self.rejections.reject("invalid", f"logit gradients from {a}: {exc}")
-                self._drop(agents, a, "sent invalid logit gradients")
+                self.session.drop(agents, a, "sent invalid logit gradients")
                 continue
             out[a] = (g, loss)
         return out
 
-    def rejected_totals(self) -> dict[str, int]:
-        """Messages dropped so far, by reason: the transport's (undecodable, spoofed) and ours."""
-        totals = dict(self.rejections.counts())
-        transport = getattr(self.transport, "rejections", None)
-        for reason, n in (transport.counts() if transport is not None else {}).items():
-            totals[reason] = totals.get(reason, 0) + n
-        return totals
-
-    def _rejected_since_last_round(self) -> dict[str, int]:
-        now = self.rejected_totals()
-        delta = {k: v - self._rejected_before.get(k, 0) for k, v in sorted(now.items())}
-        self._rejected_before = now
-        return {k: v for k, v in delta.items() if v}
-
-    def _drop(self, agents: dict[str, _RoundAgent], agent_id: str, why: str) -> None:
-        log.warning("dropping %s from the round: %s", agent_id, why)
-        agents.pop(agent_id, None)
-        self.server.drop(agent_id)
-        self.on_event("agent_dropped", {"agent": agent_id, "reason": why})
-
-    def _dispatch(self, msg: Message, agents: Optional[dict[str, _RoundAgent]]) -> None:
-        """Messages outside the training exchange: registration, liveness."""
-        if msg.type == "register":
-            if self._reg_seq.get(msg.sender) == msg.seq:  # a re-sent registration: our ack was lost
-                self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                        {"message": "already registered"}, seq=protocol.next_seq()))
-                return
-            try:
-                info = self.registry.register(msg)
-            except wire.WireError as exc:
-                self.rejections.reject("invalid", f"registration of {msg.sender}: {exc}")
-                self.transport.send(msg.sender, Message("reject", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                        {"reason": str(exc)}, seq=protocol.next_seq()))
-                return
-            self._reg_seq[msg.sender] = msg.seq
-            ra = agents.get(msg.sender) if agents is not None else None
-            if ra is not None and ra.bytes_up == 0 and ra.last_sent is not None:
-                # restarted before anything of this round reached us (e.g. selected on its status while
-                # it was still starting): nothing to undo, it stays in; it may never have received the
-                # assignment, so send it again, before 'accepted' (the agent refuses older seqs after it)
-                self.transport.send(msg.sender, ra.last_sent)
-                ra.last_sent_at = self._now()
-            elif ra is not None:
-                self._drop(agents, msg.sender, "re-registered mid-round (restarted)")
-            self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                    {"message": f"registered as agent {info.index}"},
-                                                    seq=protocol.next_seq()))
-            self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
-        elif msg.type == "status":
-            self.registry.set_online(msg.sender, msg.body["online"], msg.body["instance"])
-            self.on_event("status", {"agent": msg.sender, "online": msg.body["online"]})
-        elif msg.type == "heartbeat":
-            self.registry.seen(msg.sender)
-        elif msg.sender not in self.registry.agents:
-            self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {msg.sender}")
-        else:
-            log.info("ignored %s from %s outside its round", msg.type, msg.sender)
-
     # ================================================================ round end
-    def _aggregate_and_record(self, r: int, plan: RoundPlan, agents: dict[str, _RoundAgent],
+    def _aggregate_and_record(self, r: int, plan: RoundPlan, agents: dict[str, RoundAgent],
                               uploads: dict[str, Message], losses: list[float], wall_s: float) -> dict[str, Any]:
         """Layer-wise aggregation (S2FL Alg. 2): every layer of the full model is averaged over the
         round's agents, from the agent's client portion if it held the layer, else from the server
@@ -565,7 +337,7 @@ class RoundEngine:
             "bytes_down": sum(p["bytes_down"] for p in per_agent.values()),
             # selected: who was assigned the round (an agent dropped mid-round stays listed); completed: who counted
             "selected": sorted(plan.splits), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
-            "agents": per_agent, "rejected": self._rejected_since_last_round(),
+            "agents": per_agent, "rejected": self.session.rejected_since_last_round(),
         }
         record.update(self.method.round_metrics())
         self.history.append(record)

@@ -1,0 +1,285 @@
+"""The fleet session: everything between the round engine and the agents' messages.
+
+Registration and re-registration, liveness (status, heartbeats, silence), replay protection,
+resends of lost replies, the rejected-message counts, and gathering one kind of message from
+every agent of a round. The round engine (:mod:`coordinator.engine`) decides what to send and
+what to do with what arrives; the session makes sure what reaches it is fresh, from an agent
+of the round, and answers everything else.
+
+Liveness uses the transport's ``live_time`` (virtual in a simulation, so a silent simulated
+agent is dropped without waiting real time); the registration deadline is wall time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from sfl_core import protocol, wire
+from sfl_core.assignment import Assignment
+from sfl_core.config import RunConfig
+from sfl_core.protocol import Message
+
+from coordinator.registry import Registry
+
+log = logging.getLogger("sfl.coord")
+
+RETRY_S = 5.0
+"""Seconds after which the last message to an agent that reports itself idle is sent again."""
+MAX_RESENDS = 3
+"""An agent that stays idle through this many resends (it rejects what we send) is dropped."""
+
+Event = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class RoundAgent:
+    """Book-keeping for one selected agent during a round; times are on the engine's liveness clock."""
+
+    info_id: str
+    assignment: Assignment
+    last_heard: float
+    last_sent_at: float
+    last_sent: Optional[Message] = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    labels_withheld: bool = False
+    compute_s: float = 0.0
+    busy_s: float = 0.0
+    """Sum of this agent's own response times (our message sent -> its reply in): no waiting for others."""
+    server_s: float = 0.0
+    messages: int = 0
+    resends: int = 0
+
+
+class FleetSession:
+    def __init__(self, cfg: RunConfig, transport: Any, registry: Registry, *, virtual: bool,
+                 now: Callable[[], float], on_event: Event, on_drop: Callable[[str], None]):
+        """``transport``: the engine's (send/poll); ``virtual``: a simulation (agents never go
+        stale by silence alone); ``now``: the liveness clock; ``on_drop``: called with each
+        agent dropped from a round (the server trainer forgets its rows)."""
+        self.cfg = cfg
+        self.transport = transport
+        self.registry = registry
+        self.virtual = virtual
+        self._now = now
+        self.on_event = on_event
+        self.on_drop = on_drop
+        self._seqs = protocol.ReplayGuard()
+        self._reg_seq: dict[str, int] = {}
+        self.rejections = protocol.Rejections(log)
+        self._rejected_before: dict[str, int] = {}
+
+    def wait_for_agents(self) -> None:
+        need = self.cfg.min_agents or self.cfg.num_agents
+        self.on_event("waiting", {"registered": len(self.registry.online()), "needed": need})
+        self._serve_until(lambda: len(self.registry.online()) >= need,
+                          lambda: f"only {len(self.registry.online())} of {need} agents registered within "
+                                  f"{self.cfg.register_timeout_s:.0f} s")
+
+    def _serve_until(self, done: Callable[[], bool], failure: Callable[[], str]) -> None:
+        """Answer registrations and liveness messages until ``done()``; TimeoutError(``failure()``)
+        after ``register_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.register_timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(failure())
+            msg = self._receive(0.2)
+            if msg is not None:
+                self.dispatch(msg, None)
+
+    def wait_for_any_agent(self, r: int) -> None:
+        """Mid-run, every agent gone (a network outage, a power cut on site): wait for one to come
+        back rather than end the run; after ``register_timeout_s`` give up with the run
+        checkpointed, so ``--resume`` continues it."""
+        log.warning("no agent online before round %d: waiting up to %.0f s for one to come back", r,
+                    self.cfg.register_timeout_s)
+        self.on_event("waiting", {"registered": 0, "needed": 1})
+        self._serve_until(lambda: bool(self.online()),
+                          lambda: f"no agent online for {self.cfg.register_timeout_s:.0f} s before round {r}; "
+                                  f"rounds up to {r - 1} are checkpointed: restart with --resume")
+
+
+    def online(self) -> list[str]:
+        # a deployed agent silent for step_timeout_s (no heartbeat either) counts as gone even before its
+        # last will arrives; simulated agents never vanish and send no heartbeats
+        stale = None if self.virtual else self.cfg.step_timeout_s
+        return sorted(a.agent_id for a in self.registry.online(stale_after_s=stale))
+
+    def shutdown_agents(self, reason: str) -> None:
+        for a in list(self.registry.agents):
+            try:
+                self.transport.send(a, Message("shutdown", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                               {"reason": reason}, seq=protocol.next_seq()))
+            except Exception as exc:  # a dead agent must not stop the others from hearing it
+                log.warning("could not tell %s to shut down: %s", a, exc)
+
+
+    def send(self, ra: RoundAgent, msg: Message) -> None:
+        n = self.transport.send(ra.info_id, msg)
+        ra.bytes_down += n
+        ra.messages += 1
+        ra.last_sent, ra.last_sent_at = msg, self._now()
+
+    def collect(self, agents: dict[str, RoundAgent], kind: str, r: int, k: int) -> dict[str, Message]:
+        """Gather one message of ``kind`` for (r, k) from every agent still in the round.
+
+        Duplicates of earlier steps mean our reply was lost: resend it. An agent silent
+        for ``step_timeout_s`` (heartbeats count) is dropped and the round goes on. What is
+        returned comes only from agents still in the round: one that re-registered (restarted)
+        after its message arrived is out, and so is its message.
+        """
+        got: dict[str, Message] = {}
+        while True:
+            waiting = [a for a in agents if a not in got]
+            if not waiting:
+                return {a: m for a, m in got.items() if a in agents}
+            msg = self._receive(0.1)
+            if msg is not None:
+                self.registry.seen(msg.sender)
+                ra = agents.get(msg.sender)
+                if ra is not None:
+                    ra.last_heard = self._now()
+                if msg.type in ("activations", "logit_grads", "weights"):
+                    self._training_message(msg, agents, kind, r, k, got)
+                elif msg.type == "heartbeat" and ra is not None and msg.sender not in got:
+                    self._maybe_resend(agents, ra, msg)
+                else:
+                    self.dispatch(msg, agents)
+            now = self._now()
+            for a in waiting:
+                ra = agents.get(a)
+                # silent since we last heard from it or last asked it, whichever is later: while we
+                # waited for a dead peer its reply may sit unread behind the peer's timeout
+                if ra is not None and now - max(ra.last_heard, ra.last_sent_at) > self.cfg.step_timeout_s:
+                    self.drop(agents, a, f"silent for {self.cfg.step_timeout_s:g} s")
+
+    def _receive(self, timeout: float) -> Optional[Message]:
+        """The next message from the transport that is not a replay (:class:`protocol.ReplayGuard`),
+        dropped before it can touch any state. Exempt: ``status`` (the broker publishes an
+        agent's will with the seq of its connect); ``heartbeat`` is dropped silently (it comes
+        from another thread of the agent, so it may overtake a message numbered just before it).
+        """
+        msg = self.transport.poll(timeout)
+        if msg is None or msg.type == "status":
+            return msg
+        known = msg.sender in self.registry.agents or msg.type == "register"
+        if self._seqs.is_replay(msg):
+            if msg.type != "heartbeat":
+                self.rejections.reject("replayed", f"{msg.type} from {msg.sender}: seq {msg.seq} is older "
+                                                   f"than {self._seqs.last(msg.sender)}")
+            return None
+        # a heartbeat never raises the bar: numbered after a message still in the agent's send path
+        # (an emulated slow link sleeps before publishing), it can arrive first
+        if known and msg.type != "heartbeat":  # unknown senders get no entry: a flood of invented
+            self._seqs.advance(msg)                # ids must not grow this table
+        return msg
+
+    def _maybe_resend(self, agents: dict[str, RoundAgent], ra: RoundAgent, heartbeat: Message) -> None:
+        """An agent that says it is idle while we wait for it lost our last message: resend it.
+
+        A busy agent (computing, e.g. an emulated slow device) is left alone.
+        """
+        self.registry.seen(ra.info_id)
+        if heartbeat.body["state"] == "busy" or ra.last_sent is None:
+            return
+        if self._now() - ra.last_sent_at > RETRY_S:
+            if ra.resends >= MAX_RESENDS:
+                self.drop(agents, ra.info_id, f"idle after {MAX_RESENDS} resends of {ra.last_sent.type}")
+                return
+            log.info("%s is idle while we wait for it: resending %s", ra.info_id, ra.last_sent.type)
+            self.transport.send(ra.info_id, ra.last_sent)
+            ra.last_sent_at = self._now()
+            ra.resends += 1
+
+    def _training_message(self, msg: Message, agents: dict[str, RoundAgent], kind: str, r: int, k: int,
+                          got: dict[str, Message]) -> None:
+        a = msg.sender
+        ra = agents.get(a)
+        if ra is None:
+            if a in self.registry.agents:
+                self.rejections.reject("not_selected", f"{msg.type} from {a}: not selected for round {r}")
+            else:
+                self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {a}")
+            return
+        if msg.type == kind and msg.round == r and msg.step == k:
+            if a in got:  # duplicate of what we already hold
+                self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {k} already received",
+                                       level=logging.INFO)
+                return
+            ra.bytes_up += msg.wire_bytes
+            ra.messages += 1
+            ra.resends = 0
+            ra.busy_s += self._now() - ra.last_sent_at
+            ra.compute_s = float(msg.body["compute_s"])
+            got[a] = msg
+        elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
+            self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {msg.step} answered again",
+                                   level=logging.INFO)
+            if ra.last_sent is not None:  # our reply to it was lost: send it again
+                self.transport.send(a, ra.last_sent)
+                ra.last_sent_at = self._now()
+        else:
+            self.rejections.reject("stale", f"{msg.type} (round {msg.round} step {msg.step}) from {a}: "
+                                            f"expected {kind} for round {r} step {k}")
+
+
+    def rejected_totals(self) -> dict[str, int]:
+        """Messages dropped so far, by reason: the transport's (undecodable, spoofed) and ours."""
+        totals = dict(self.rejections.counts())
+        transport = getattr(self.transport, "rejections", None)
+        for reason, n in (transport.counts() if transport is not None else {}).items():
+            totals[reason] = totals.get(reason, 0) + n
+        return totals
+
+    def rejected_since_last_round(self) -> dict[str, int]:
+        now = self.rejected_totals()
+        delta = {k: v - self._rejected_before.get(k, 0) for k, v in sorted(now.items())}
+        self._rejected_before = now
+        return {k: v for k, v in delta.items() if v}
+
+    def drop(self, agents: dict[str, RoundAgent], agent_id: str, why: str) -> None:
+        log.warning("dropping %s from the round: %s", agent_id, why)
+        agents.pop(agent_id, None)
+        self.on_drop(agent_id)
+        self.on_event("agent_dropped", {"agent": agent_id, "reason": why})
+
+    def dispatch(self, msg: Message, agents: Optional[dict[str, RoundAgent]]) -> None:
+        """Messages outside the training exchange: registration, liveness."""
+        if msg.type == "register":
+            if self._reg_seq.get(msg.sender) == msg.seq:  # a re-sent registration: our ack was lost
+                self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                        {"message": "already registered"}, seq=protocol.next_seq()))
+                return
+            try:
+                info = self.registry.register(msg)
+            except wire.WireError as exc:
+                self.rejections.reject("invalid", f"registration of {msg.sender}: {exc}")
+                self.transport.send(msg.sender, Message("reject", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                        {"reason": str(exc)}, seq=protocol.next_seq()))
+                return
+            self._reg_seq[msg.sender] = msg.seq
+            ra = agents.get(msg.sender) if agents is not None else None
+            if ra is not None and ra.bytes_up == 0 and ra.last_sent is not None:
+                # restarted before anything of this round reached us (e.g. selected on its status while
+                # it was still starting): nothing to undo, it stays in; it may never have received the
+                # assignment, so send it again, before 'accepted' (the agent refuses older seqs after it)
+                self.transport.send(msg.sender, ra.last_sent)
+                ra.last_sent_at = self._now()
+            elif ra is not None:
+                self.drop(agents, msg.sender, "re-registered mid-round (restarted)")
+            self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                    {"message": f"registered as agent {info.index}"},
+                                                    seq=protocol.next_seq()))
+            self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
+        elif msg.type == "status":
+            self.registry.set_online(msg.sender, msg.body["online"], msg.body["instance"])
+            self.on_event("status", {"agent": msg.sender, "online": msg.body["online"]})
+        elif msg.type == "heartbeat":
+            self.registry.seen(msg.sender)
+        elif msg.sender not in self.registry.agents:
+            self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {msg.sender}")
+        else:
+            log.info("ignored %s from %s outside its round", msg.type, msg.sender)
