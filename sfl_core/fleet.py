@@ -1,13 +1,19 @@
-"""What the coordinator knows of each agent: the record the registry keeps and the methods read.
+"""What the coordinator knows of each agent: the record the registry keeps (:class:`AgentInfo`)
+and the estimates the methods plan from (:class:`FleetEstimates`).
 
-Methods (:mod:`sfl_core.methods`) plan rounds from these records, so they live beside them in
-``sfl_core``; the coordinator's registry fills them from registration and status messages.
+Methods (:mod:`sfl_core.methods`) plan rounds from these, so they live beside them in
+``sfl_core``; the coordinator's registry fills the records from registration and status
+messages, and every finished round (measured on a device, or by the virtual clock in a
+simulation) feeds the estimates through the method's ``observe``/``record``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from sfl_core.mergesfl import AgentState
+from sfl_core.sliding_split import ClientTimeTable
 
 
 @dataclass
@@ -42,3 +48,18 @@ def uplink_rate(info: AgentInfo) -> float:
     """The agent's measured uplink (bytes/s) when it measured one, else its profile's."""
     measured = info.measured.get("up_bytes_per_s") if isinstance(info.measured, dict) else None
     return float(measured) if isinstance(measured, (int, float)) and measured > 0 else float(info.profile["link_bytes_per_s"])
+
+
+@dataclass
+class FleetEstimates:
+    """Per-agent estimates, one copy for all of a run's methods and layers.
+
+    ``time_table``: round seconds per (agent, split), measured or estimated (S2FL's table);
+    ``rates``: per agent the smoothed compute and transfer seconds per sample and the fixed
+    transfer seconds per round (MergeSFL's μ, β; Eq. 5-6); ``wire_ratio``: measured wire bytes
+    over fp32 bytes per ``"<split>/<codec>"``, so estimates charge what the clock charges.
+    """
+
+    time_table: ClientTimeTable = field(default_factory=ClientTimeTable)
+    rates: dict[str, AgentState] = field(default_factory=dict)
+    wire_ratio: dict[str, float] = field(default_factory=dict)

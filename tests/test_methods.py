@@ -41,8 +41,10 @@ def test_strategy_picks_the_base_and_the_config_adds_layers(tmp_path):
     both = _method(_cfg(tmp_path, hetero={"width": 8, "widths": [2, 8]}, mergesfl={"regulate": True}))
     # MergeSFL's batch sizes sit on top of HeteroSFL's widths, which sit on top of the fixed split
     assert type(both) is MergeSFL and type(both.inner) is HeteroSFL and type(both.inner.inner) is SFL
-    # the layers share the base's tables: one time table, however many layers
-    assert both.time_table is both.inner.inner.time_table
+    # one set of per-agent estimates, however many layers: S2FL's time table and MergeSFL's
+    # (mu, beta) are views of the base's fleet estimates
+    assert both.fleet is both.inner.inner.fleet and both.time_table is both.fleet.time_table
+    assert both.control.states is both.fleet.rates
     assert not both.whole_model and _method(_cfg(tmp_path, strategy="fedavg")).whole_model
 
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
-from sfl_core.fleet import AgentInfo
+from sfl_core.fleet import AgentInfo, FleetEstimates
 from sfl_core.models import SplitModel
 from sfl_core.sliding_split import ClientTimeTable
 
@@ -81,11 +81,26 @@ class Method:
         self.cfg = cfg
         self.model = model
         self.costs = costs
-        self.time_table = ClientTimeTable()
+        self.fleet = FleetEstimates()
+        """What the method knows of each agent's speed (shared with every layer on top of it)."""
+
+    @property
+    def time_table(self) -> ClientTimeTable:
         """Measured and estimated round seconds per (agent, split): S2FL's Table, kept for every method."""
-        self.wire_ratio: dict[str, float] = {}
-        """Measured wire bytes / fp32 bytes per ``"<split>/<codec>"`` (smoothed): the clock charges
-        the real encoded bytes, so estimates must use the same compression."""
+        return self.fleet.time_table
+
+    @time_table.setter
+    def time_table(self, table: ClientTimeTable) -> None:
+        self.fleet.time_table = table
+
+    @property
+    def wire_ratio(self) -> dict[str, float]:
+        """Measured wire bytes / fp32 bytes per ``"<split>/<codec>"`` (smoothed)."""
+        return self.fleet.wire_ratio
+
+    @wire_ratio.setter
+    def wire_ratio(self, ratios: dict[str, float]) -> None:
+        self.fleet.wire_ratio = ratios
 
     # ----------------------------------------------------------------- what the run trains
     @property
@@ -162,7 +177,7 @@ class Layer(Method):
     """A method that refines another one's decisions; everything it does not override is the inner method's."""
 
     def __init__(self, inner: Method):
-        # no Method.__init__: the settings and tables are the inner method's, one copy for all layers
+        # no Method.__init__: the settings and estimates are the inner method's, one copy for all layers
         self.inner = inner
         self.cfg, self.model, self.costs = inner.cfg, inner.model, inner.costs
 
@@ -172,20 +187,8 @@ class Layer(Method):
         raise NotImplementedError
 
     @property
-    def time_table(self) -> ClientTimeTable:  # type: ignore[override]
-        return self.inner.time_table
-
-    @time_table.setter
-    def time_table(self, table: ClientTimeTable) -> None:
-        self.inner.time_table = table
-
-    @property
-    def wire_ratio(self) -> dict[str, float]:  # type: ignore[override]
-        return self.inner.wire_ratio
-
-    @wire_ratio.setter
-    def wire_ratio(self, ratios: dict[str, float]) -> None:
-        self.inner.wire_ratio = ratios
+    def fleet(self) -> FleetEstimates:  # type: ignore[override]
+        return self.inner.fleet
 
     @property
     def whole_model(self) -> bool:  # type: ignore[override]

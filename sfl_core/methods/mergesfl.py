@@ -31,12 +31,14 @@ BUDGET_WINDOW = 10
 
 
 class MergeControl:
-    def __init__(self, cfg: RunConfig, cost: SplitCost):
-        """``cost`` is the split the agents train at: its activation bytes are the ``c`` of Eq. 10."""
+    def __init__(self, cfg: RunConfig, cost: SplitCost, states: dict[str, AgentState] | None = None):
+        """``cost`` is the split the agents train at: its activation bytes are the ``c`` of Eq. 10.
+        ``states``: where the per-agent (μ, β) live (the run's :class:`~sfl_core.fleet.FleetEstimates`
+        ``rates``; updated in place)."""
         self.cfg = cfg
         self.m = cfg.mergesfl
         self.cost = cost
-        self.states: dict[str, AgentState] = {}
+        self.states: dict[str, AgentState] = {} if states is None else states
         self.ingress: list[list[int]] = []
         """``[planned, received]`` activation bytes per local iteration of the last rounds, oldest first."""
         self._planned: dict[str, int] = {}
@@ -199,8 +201,9 @@ class MergeControl:
             ingress = [[int(p), int(r)] for p, r in d.get("ingress", [])]
         else:
             agents, ingress = d, []
-        self.states = {a: AgentState(float(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else 0.0)
-                       for a, v in agents.items()}
+        self.states.clear()     # in place: the dict is the fleet estimates' rates
+        self.states.update({a: AgentState(float(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else 0.0)
+                            for a, v in agents.items()})
         self.ingress = ingress[-BUDGET_WINDOW:]
 
 
@@ -210,7 +213,8 @@ class MergeSFL(Layer):
 
     def __init__(self, inner: Method):
         super().__init__(inner)
-        self.control = MergeControl(self.cfg, self.costs[self.cfg.split or self.model.default_split])
+        self.control = MergeControl(self.cfg, self.costs[self.cfg.split or self.model.default_split],
+                                    states=self.fleet.rates)
 
     @staticmethod
     def wanted(cfg: RunConfig) -> bool:
