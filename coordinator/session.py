@@ -7,7 +7,8 @@ what to do with what arrives; the session makes sure what reaches it is fresh, f
 of the round, and answers everything else.
 
 Liveness uses the transport's ``live_time`` (virtual in a simulation, so a silent simulated
-agent is dropped without waiting real time); the registration deadline is wall time.
+agent is dropped without waiting real time); so does the registration deadline of a
+simulation, while a deployment's is wall time.
 """
 
 from __future__ import annotations
@@ -81,10 +82,13 @@ class FleetSession:
 
     def _serve_until(self, done: Callable[[], bool], failure: Callable[[], str]) -> None:
         """Answer registrations and liveness messages until ``done()``; TimeoutError(``failure()``)
-        after ``register_timeout_s``."""
-        deadline = time.monotonic() + self.cfg.register_timeout_s
+        after ``register_timeout_s``: of the simulation's virtual clock (a fleet that cannot
+        register fails at once), of wall time in a deployment (a broker that stays down does not
+        hold the coordinator forever)."""
+        clock = self._now if self.virtual else time.monotonic
+        deadline = clock() + self.cfg.register_timeout_s
         while not done():
-            if time.monotonic() > deadline:
+            if clock() > deadline:
                 raise TimeoutError(failure())
             msg = self._receive(0.2)
             if msg is not None:

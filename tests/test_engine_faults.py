@@ -362,3 +362,18 @@ def test_a_simulated_agent_that_rejects_its_assignment_is_dropped_without_waitin
     for rec in history[1:]:
         assert "sim-001" in rec["selected"] and "sim-001" not in rec["completed"]
         assert sorted(rec["completed"]) == ["sim-000", "sim-002"]
+
+
+def test_a_simulated_fleet_that_cannot_register_fails_without_waiting_real_time(tmp_path):
+    """The registration deadline of a simulation is on its virtual clock: a fleet short of
+    min_agents times out at once, not after register_timeout_s of wall time."""
+    import time
+
+    cfg = _cfg(tmp_path, register_timeout_s=3600)
+    transport = _fleet(cfg)
+    transport._inbox.pop()                 # one agent's registration never arrives
+    engine = _engine(cfg, transport)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="only 2 of 3 agents registered within 3600 s"):
+        engine.session.wait_for_agents()
+    assert time.monotonic() - t0 < 30
