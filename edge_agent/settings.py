@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterable, Mapping
 
-from sfl_core.config import ConfigError, _check_mapping, _failer, _looks_like_path, _number, _read_yaml
+from sfl_core.fields import ConfigError, check_mapping, failer, looks_like_path, number, read_yaml
 
 __all__ = ["OptionSpec", "command_option_specs", "load_settings_file", "settings_from_mapping", "use_config_file"]
 
@@ -60,12 +60,12 @@ def _convert_scalar(kind: str, value: Any, fail: Any) -> Any:
             fail("true or false")
         return value
     if kind == "int":
-        x = _number(value)
+        x = number(value)
         if x is None or (isinstance(x, float) and not x.is_integer()):
             fail("an integer")
         return int(x)
     if kind == "float":
-        x = _number(value)
+        x = number(value)
         if x is None:
             fail("a number")
         return float(x)
@@ -96,20 +96,20 @@ def settings_from_mapping(raw: Any, options: Mapping[str, OptionSpec], source: s
     """
     if raw is None:
         return {}
-    d = _check_mapping(raw, sorted(options), source, "")
+    d = check_mapping(raw, sorted(options), source, "")
     out: dict[str, Any] = {}
     for key, value in d.items():
         if value is None:
             continue
         spec = options[key]
-        fail = _failer(source, key, value)
+        fail = failer(source, key, value)
         if spec.multiple:
             if not isinstance(value, list):
                 fail(f"a list of values (kind {spec.kind})")
-            items = [_convert_scalar(spec.kind, v, _failer(source, f"{key}[{i}]", v)) for i, v in enumerate(value)]
+            items = [_convert_scalar(spec.kind, v, failer(source, f"{key}[{i}]", v)) for i, v in enumerate(value)]
         else:
             items = [_convert_scalar(spec.kind, value, fail)]
-        if spec.path == "always" or (spec.path == "maybe" and isinstance(items[0], str) and _looks_like_path(items[0])):
+        if spec.path == "always" or (spec.path == "maybe" and isinstance(items[0], str) and looks_like_path(items[0])):
             items = [_resolve(v, base_dir) for v in items]
         out[key] = items if spec.multiple else items[0]
     return out
@@ -118,7 +118,7 @@ def settings_from_mapping(raw: Any, options: Mapping[str, OptionSpec], source: s
 def load_settings_file(path: str | Path, options: Mapping[str, OptionSpec]) -> dict[str, Any]:
     """:func:`settings_from_mapping` of a YAML file (duplicate keys and bad YAML refused)."""
     path = Path(os.path.expanduser(str(path)))
-    return settings_from_mapping(_read_yaml(path), options, str(path), path.resolve().parent)
+    return settings_from_mapping(read_yaml(path), options, str(path), path.resolve().parent)
 
 
 # ------------------------------------------------------------------------ click glue

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
-import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Mapping, Sequence
 
 import yaml
 
-from sfl_core.protocol import check_id
+from sfl_core.fields import (
+    YAML_SUFFIXES, ConfigError, Conv, Fail, check_mapping, convert, failer, field_path, looks_like_path, number,
+    read_yaml,
+)
 from sfl_core.partition import SCHEMES
+from sfl_core.protocol import check_id
 from sfl_core.wire import CODECS, TOPK_PATTERN, is_codec
 
 __all__ = [
@@ -54,19 +57,8 @@ copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated 
 PARTITIONS = SCHEMES
 """How the training set is split over agents (docs/methods.md §4)."""
 
-_YAML_SUFFIXES = (".yaml", ".yml")
-
-
-class ConfigError(ValueError):
-    """A profile or run file is invalid.
-
-    The message always names the file, the field path and what was expected, e.g.
-    ``profiles/runs/demo.yaml: field 'rounds': expected a positive integer, got 'ten'``.
-    """
-
 
 # ------------------------------------------------------------------------ dataclasses
-
 
 def capacity_scales(capacity: Sequence[Sequence[float]], r: int) -> tuple[float, float]:
     """(compute, link) scale in force in round ``r`` under a capacity schedule (1, 1 before any)."""
@@ -239,36 +231,12 @@ class RunConfig:
 
 # ------------------------------------------------------------------------ field checks
 
-_Fail = Callable[[str], NoReturn]
-_Conv = Callable[[Any, _Fail], Any]
-
-
-def _number(v: Any) -> float | int | None:
-    """int/float as is, numeric strings ('5e9', '1_000') parsed; bools and NaN/inf rejected."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, str):
-        s = v.strip().replace("_", "")
-        try:
-            return int(s)
-        except ValueError:
-            pass
-        try:
-            x = float(s)
-        except ValueError:
-            return None
-        return x if math.isfinite(x) else None
-    return None
 
 
 def _float(lo: float | None = None, lo_open: bool = True, hi: float | None = None,
-           hi_open: bool = False, what: str = "a number") -> _Conv:
-    def conv(v: Any, fail: _Fail) -> float:
-        x = _number(v)
+           hi_open: bool = False, what: str = "a number") -> Conv:
+    def conv(v: Any, fail: Fail) -> float:
+        x = number(v)
         if x is None:
             fail(what)
         x = float(x)
@@ -280,9 +248,9 @@ def _float(lo: float | None = None, lo_open: bool = True, hi: float | None = Non
     return conv
 
 
-def _int(lo: int, hi: int | None = None, what: str = "an integer") -> _Conv:
-    def conv(v: Any, fail: _Fail) -> int:
-        x = _number(v)
+def _int(lo: int, hi: int | None = None, what: str = "an integer") -> Conv:
+    def conv(v: Any, fail: Fail) -> int:
+        x = number(v)
         if x is None or (isinstance(x, float) and not x.is_integer()):
             fail(what)
         x = int(x)
@@ -298,13 +266,13 @@ _pos_int = _int(1, what="a positive integer")
 _nonneg_int = _int(0, what="a non-negative integer")
 
 
-def _str(v: Any, fail: _Fail) -> str:
+def _str(v: Any, fail: Fail) -> str:
     if not isinstance(v, str) or not v.strip():
         fail("a non-empty string")
     return v
 
 
-def _text(v: Any, fail: _Fail) -> str:
+def _text(v: Any, fail: Fail) -> str:
     """Free text (descriptions); empty is fine, but a number or list is a mistake."""
     if v is None:
         return ""
@@ -313,22 +281,22 @@ def _text(v: Any, fail: _Fail) -> str:
     return v
 
 
-def _ident(v: Any, fail: _Fail) -> str:
+def _ident(v: Any, fail: Fail) -> str:
     try:
         return check_id("run", v)
     except ValueError:
         fail("1-64 characters of letters, digits, '-' or '_' (it becomes an MQTT topic level)")
 
 
-def _enum(*choices: str) -> _Conv:
-    def conv(v: Any, fail: _Fail) -> str:
+def _enum(*choices: str) -> Conv:
+    def conv(v: Any, fail: Fail) -> str:
         if v not in choices:
             fail("one of " + ", ".join(repr(c) for c in choices))
         return v
     return conv
 
 
-def _strategy(v: Any, fail: _Fail) -> str:
+def _strategy(v: Any, fail: Fail) -> str:
     """A built-in strategy or one registered with :func:`sfl_core.methods.register_method`."""
     from sfl_core.methods import strategies   # late: the methods read RunConfig
     known = strategies()
@@ -337,110 +305,36 @@ def _strategy(v: Any, fail: _Fail) -> str:
     return v
 
 
-def _split_map(v: Any, fail: _Fail) -> dict[str, int]:
+def _split_map(v: Any, fail: Fail) -> dict[str, int]:
     if not isinstance(v, dict) or not v or not all(isinstance(k, str) and isinstance(x, int) and
                                                    not isinstance(x, bool) and x >= 1 for k, x in v.items()):
         fail("a mapping of device profile name to split point (an integer >= 1), or null")
     return dict(v)
 
 
-def _codec(v: Any, fail: _Fail) -> str:
+def _codec(v: Any, fail: Fail) -> str:
     if not is_codec(v):
         fail("one of " + ", ".join(repr(c) for c in CODECS) + f" or {TOPK_PATTERN}")
     return v
 
 
-def _opt(conv: _Conv) -> _Conv:
+def _opt(conv: Conv) -> Conv:
     """``None`` (YAML ``null`` or ``~``) means 'use the automatic value'."""
-    def wrapped(v: Any, fail: _Fail) -> Any:
+    def wrapped(v: Any, fail: Fail) -> Any:
         return None if v is None else conv(v, fail)
     return wrapped
 
 
-def _path(prefix: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{prefix}[{key}]"
-    return f"{prefix}.{key}" if prefix else key
-
-
-def _failer(source: str, path: str, value: Any) -> _Fail:
-    def fail(expected: str) -> NoReturn:
-        raise ConfigError(f"{source}: field '{path}': expected {expected}, got {value!r}")
-    return fail
-
-
-def _check_mapping(d: Any, allowed: Sequence[str], source: str, prefix: str) -> dict[str, Any]:
-    if not isinstance(d, Mapping):
-        where = f"field '{prefix}'" if prefix else "top level"
-        raise ConfigError(f"{source}: {where}: expected a mapping (key: value lines), got {d!r}")
-    for k in d:
-        if not isinstance(k, str) or k not in allowed:
-            close = difflib.get_close_matches(str(k), allowed, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(
-                f"{source}: field '{_path(prefix, str(k))}': unknown key{hint} "
-                f"(expected one of: {', '.join(allowed)})"
-            )
-    return dict(d)
-
-
-def _convert(d: dict[str, Any], spec: Mapping[str, _Conv], source: str, prefix: str) -> dict[str, Any]:
-    out = {}
-    for key, value in d.items():
-        path = _path(prefix, key)
-        out[key] = spec[key](value, _failer(source, path, value))
-    return out
 
 
 # ------------------------------------------------------------------------ YAML reading
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
-    mapping: dict[Any, Any] = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in mapping
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"unhashable key {key!r}", key_node.start_mark) from None
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
-        mapping[key] = loader.construct_object(value_node, deep=deep)
-    return mapping
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _read_yaml(path: Path) -> Any:
-    source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: cannot read: {exc}") from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{source}: line {mark.line + 1}, column {mark.column + 1}" if mark else source
-        problem = exc.problem or exc.context or "syntax error"
-        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
 
 
 # ------------------------------------------------------------------------ device profiles
 
-def _capacity(v: Any, fail: _Fail) -> tuple[tuple[int, float, float], ...]:
+def _capacity(v: Any, fail: Fail) -> tuple[tuple[int, float, float], ...]:
     what = ("a list of {from_round: R >= 1, compute: scale > 0, link: scale > 0} with rounds ascending")
     if v is None:
         return ()
@@ -450,7 +344,7 @@ def _capacity(v: Any, fail: _Fail) -> tuple[tuple[int, float, float], ...]:
     for e in v:
         if not isinstance(e, dict) or set(e) - {"from_round", "compute", "link"} or "from_round" not in e:
             fail(what)
-        r, c, l = e["from_round"], _number(e.get("compute", 1.0)), _number(e.get("link", 1.0))
+        r, c, l = e["from_round"], number(e.get("compute", 1.0)), number(e.get("link", 1.0))
         if not isinstance(r, int) or isinstance(r, bool) or r < 1 or c is None or l is None or c <= 0 or l <= 0:
             fail(what)
         out.append((r, float(c), float(l)))
@@ -459,7 +353,7 @@ def _capacity(v: Any, fail: _Fail) -> tuple[tuple[int, float, float], ...]:
     return tuple(out)
 
 
-_PROFILE_SPEC: dict[str, _Conv] = {
+_PROFILE_SPEC: dict[str, Conv] = {
     "name": _str,
     "compute_flops": _pos_float,
     "link_bytes_per_s": _pos_float,
@@ -514,11 +408,11 @@ def _search_dirs(search_dirs: Sequence[Path] | None) -> list[Path]:
 
 def profile_from_dict(d: Any, source: str = "<dict>", default_name: str | None = None) -> DeviceProfile:
     """Validate a profile mapping (a YAML file's content, or one sent by an agent)."""
-    d = _check_mapping({} if d is None else d, list(_PROFILE_SPEC), source, "")
+    d = check_mapping({} if d is None else d, list(_PROFILE_SPEC), source, "")
     for key in _PROFILE_REQUIRED:
         if key not in d:
             raise ConfigError(f"{source}: field '{key}': expected a positive number, but it is missing")
-    values = _convert(d, _PROFILE_SPEC, source, "")
+    values = convert(d, _PROFILE_SPEC, source, "")
     if "name" not in values:
         if default_name is None:
             raise ConfigError(f"{source}: field 'name': expected a non-empty string, but it is missing")
@@ -526,8 +420,6 @@ def profile_from_dict(d: Any, source: str = "<dict>", default_name: str | None =
     return DeviceProfile(**values)
 
 
-def _looks_like_path(name_or_path: str) -> bool:
-    return name_or_path.endswith(_YAML_SUFFIXES) or "/" in name_or_path or os.sep in name_or_path
 
 
 def list_profiles(search_dirs: Sequence[Path] | None = None) -> list[str]:
@@ -535,7 +427,7 @@ def list_profiles(search_dirs: Sequence[Path] | None = None) -> list[str]:
     names: set[str] = set()
     for d in _search_dirs(search_dirs):
         if d.is_dir():
-            names.update(p.stem for p in d.iterdir() if p.suffix in _YAML_SUFFIXES and p.is_file())
+            names.update(p.stem for p in d.iterdir() if p.suffix in YAML_SUFFIXES and p.is_file())
     return sorted(names)
 
 
@@ -543,15 +435,15 @@ def load_profile(name_or_path: str, search_dirs: Sequence[Path] | None = None) -
     """A YAML path, or a name looked up as ``<dir>/<name>.yaml`` (first dir that has it wins)."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ConfigError(f"<profile>: expected a profile name or path, got {name_or_path!r}")
-    if _looks_like_path(name_or_path):
+    if looks_like_path(name_or_path):
         path = Path(name_or_path)
-        return profile_from_dict(_read_yaml(path), str(path), default_name=path.stem)
+        return profile_from_dict(read_yaml(path), str(path), default_name=path.stem)
     dirs = _search_dirs(search_dirs)
     for d in dirs:
-        for suffix in _YAML_SUFFIXES:
+        for suffix in YAML_SUFFIXES:
             path = d / f"{name_or_path}{suffix}"
             if path.is_file():
-                prof = profile_from_dict(_read_yaml(path), str(path), default_name=name_or_path)
+                prof = profile_from_dict(read_yaml(path), str(path), default_name=name_or_path)
                 if prof.name != name_or_path:
                     # Otherwise a fleet entry 'jetson-nano' could silently become another device.
                     raise ConfigError(f"{path}: field 'name': expected {name_or_path!r} "
@@ -568,7 +460,7 @@ def load_profile(name_or_path: str, search_dirs: Sequence[Path] | None = None) -
 
 # ------------------------------------------------------------------------ run configs
 
-_DATA_SPEC: dict[str, _Conv] = {
+_DATA_SPEC: dict[str, Conv] = {
     "dataset": _str,
     "root": _opt(_str),
     "partition": _enum(*PARTITIONS),
@@ -577,7 +469,7 @@ _DATA_SPEC: dict[str, _Conv] = {
     "image_size": _opt(_pos_int),
 }
 
-_RUN_SPEC: dict[str, _Conv] = {
+_RUN_SPEC: dict[str, Conv] = {
     "run": _ident,
     "model": lambda v, fail: _model(v, fail),
     "data": lambda v, fail: v,  # checked by _data()
@@ -612,7 +504,7 @@ _RUN_SPEC: dict[str, _Conv] = {
 _YAML_TO_ATTR = {"run": "run_id"}
 
 
-def _model(v: Any, fail: _Fail) -> str:
+def _model(v: Any, fail: Fail) -> str:
     """A zoo model name, a spec string (``vgg16:width=0.25,norm=group``) or a mapping
     ``{name: vgg16, width: 0.25, norm: group}``; stored as the canonical spec string."""
     from sfl_core.models import ModelSpec   # torch is only needed once a model is named
@@ -632,13 +524,13 @@ def _model(v: Any, fail: _Fail) -> str:
         raise
 
 
-def _bool(v: Any, fail: _Fail) -> bool:
+def _bool(v: Any, fail: Fail) -> bool:
     if not isinstance(v, bool):
         fail("true or false")
     return v
 
 
-def _split_list(v: Any, fail: _Fail) -> tuple[int, ...] | None:
+def _split_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
@@ -648,7 +540,7 @@ def _split_list(v: Any, fail: _Fail) -> tuple[int, ...] | None:
     return tuple(v)
 
 
-_S2FL_SPEC: dict[str, _Conv] = {
+_S2FL_SPEC: dict[str, Conv] = {
     "sliding": _bool,
     "balance": _bool,
     "group_size": _pos_int,
@@ -656,7 +548,7 @@ _S2FL_SPEC: dict[str, _Conv] = {
 }
 
 
-_MERGESFL_SPEC: dict[str, _Conv] = {
+_MERGESFL_SPEC: dict[str, Conv] = {
     "regulate": _bool,
     "max_batch": _opt(_int(1, 4096, what="an integer from 1 to 4096")),
     "select": _bool,
@@ -674,16 +566,16 @@ _MERGESFL_SPEC: dict[str, _Conv] = {
 
 
 def _mergesfl(v: Any, source: str) -> MergeSflConfig:
-    d = _check_mapping({} if v is None else v, list(_MERGESFL_SPEC), source, "mergesfl")
-    return MergeSflConfig(**_convert(d, _MERGESFL_SPEC, source, "mergesfl"))
+    d = check_mapping({} if v is None else v, list(_MERGESFL_SPEC), source, "mergesfl")
+    return MergeSflConfig(**convert(d, _MERGESFL_SPEC, source, "mergesfl"))
 
 
 def _s2fl(v: Any, source: str) -> S2flConfig:
-    d = _check_mapping({} if v is None else v, list(_S2FL_SPEC), source, "s2fl")
-    return S2flConfig(**_convert(d, _S2FL_SPEC, source, "s2fl"))
+    d = check_mapping({} if v is None else v, list(_S2FL_SPEC), source, "s2fl")
+    return S2flConfig(**convert(d, _S2FL_SPEC, source, "s2fl"))
 
 
-def _pos_int_list(v: Any, fail: _Fail) -> tuple[int, ...] | None:
+def _pos_int_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
@@ -691,16 +583,16 @@ def _pos_int_list(v: Any, fail: _Fail) -> tuple[int, ...] | None:
     return tuple(v)
 
 
-def _rate_list(v: Any, fail: _Fail) -> tuple[float, ...] | None:
+def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
     if v is None:
         return None
-    nums = [_number(x) for x in v] if isinstance(v, list) else None
+    nums = [number(x) for x in v] if isinstance(v, list) else None
     if not nums or any(x is None or x <= 0 for x in nums) or any(b <= a for a, b in zip(nums, nums[1:])):
         fail("a strictly ascending list of positive rates in bytes/s, or null")
     return tuple(float(x) for x in nums)
 
 
-def _codec_list(v: Any, fail: _Fail) -> tuple[str, ...] | None:
+def _codec_list(v: Any, fail: Fail) -> tuple[str, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not v or not all(is_codec(c) for c in v):
@@ -708,7 +600,7 @@ def _codec_list(v: Any, fail: _Fail) -> tuple[str, ...] | None:
     return tuple(v)
 
 
-_HETERO_SPEC: dict[str, _Conv] = {
+_HETERO_SPEC: dict[str, Conv] = {
     "width": _opt(_pos_int),
     "groups": _int(1, 4, what="an integer from 1 to 4"),
     "widths": _pos_int_list,
@@ -721,8 +613,8 @@ _HETERO_SPEC: dict[str, _Conv] = {
 
 
 def _hetero(v: Any, source: str) -> HeteroConfig:
-    d = _check_mapping({} if v is None else v, list(_HETERO_SPEC), source, "hetero")
-    cfg = HeteroConfig(**_convert(d, _HETERO_SPEC, source, "hetero"))
+    d = check_mapping({} if v is None else v, list(_HETERO_SPEC), source, "hetero")
+    cfg = HeteroConfig(**convert(d, _HETERO_SPEC, source, "hetero"))
     if cfg.codecs is not None and len(cfg.codecs) != cfg.groups:
         raise ConfigError(f"{source}: field 'hetero.codecs': expected {cfg.groups} codecs (one per group), "
                           f"got {list(cfg.codecs)}")
@@ -743,8 +635,8 @@ def _hetero(v: Any, source: str) -> HeteroConfig:
 
 
 def _data(v: Any, source: str) -> DataConfig:
-    d = _check_mapping({} if v is None else v, list(_DATA_SPEC), source, "data")
-    return DataConfig(**_convert(d, _DATA_SPEC, source, "data"))
+    d = check_mapping({} if v is None else v, list(_DATA_SPEC), source, "data")
+    return DataConfig(**convert(d, _DATA_SPEC, source, "data"))
 
 
 def _resolve_profile_path(p: str, base_dir: Path | None) -> str:
@@ -769,13 +661,13 @@ def _fleet(v: Any, source: str, base_dir: Path | None,
         prefix = f"fleet[{i}]"
         if isinstance(item, str):  # shorthand: '- jetson-nano' means one agent
             item = {"profile": item}
-        d = _check_mapping(item, ["profile", "count"], source, prefix)
+        d = check_mapping(item, ["profile", "count"], source, prefix)
         if "profile" not in d:
             raise ConfigError(f"{source}: field '{prefix}.profile': expected a device profile "
                               f"name or YAML path, but it is missing")
-        name = _str(d["profile"], _failer(source, f"{prefix}.profile", d["profile"]))
-        count = _pos_int(d.get("count", 1), _failer(source, f"{prefix}.count", d.get("count")))
-        if _looks_like_path(name):
+        name = _str(d["profile"], failer(source, f"{prefix}.profile", d["profile"]))
+        count = _pos_int(d.get("count", 1), failer(source, f"{prefix}.count", d.get("count")))
+        if looks_like_path(name):
             name = _resolve_profile_path(name, base_dir)
         try:
             load_profile(name, search_dirs)  # fail now, not when agent 37 starts
@@ -792,8 +684,8 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
 
     ``base_dir`` anchors relative profile paths in ``fleet`` (the run file's directory).
     """
-    d = _check_mapping({} if d is None else d, list(_RUN_SPEC), source, "")
-    values = _convert(d, _RUN_SPEC, source, "")
+    d = check_mapping({} if d is None else d, list(_RUN_SPEC), source, "")
+    values = convert(d, _RUN_SPEC, source, "")
     kwargs: dict[str, Any] = {_YAML_TO_ATTR.get(k, k): v for k, v in values.items()}
     kwargs["data"] = _data(d.get("data"), source)
     kwargs["s2fl"] = _s2fl(d.get("s2fl"), source)
@@ -842,7 +734,7 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
 def load_run_config(path: str | Path) -> RunConfig:
     """Read and validate a run YAML file, resolving every fleet profile (fails early)."""
     path = Path(path)
-    return run_config_from_dict(_read_yaml(path), str(path), base_dir=path.parent)
+    return run_config_from_dict(read_yaml(path), str(path), base_dir=path.parent)
 
 
 def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
