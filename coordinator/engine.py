@@ -379,15 +379,7 @@ class RoundEngine:
         """Continue after the checkpoint's round. Everything is checked before anything on disk
         changes: a checkpoint that does not fit this run is a CheckpointError naming the file."""
         path = self.out_dir / ckpt.MODEL_FILE
-        if st["model"] != self.cfg.model:
-            raise ckpt.CheckpointError(f"{path}: a checkpoint of model {st['model']!r}, but the run config says "
-                                       f"{self.cfg.model!r}")
-        if st.get("run", self.cfg.run_id) != self.cfg.run_id:
-            raise ckpt.CheckpointError(f"{path}: a checkpoint of run {st['run']!r}, but the run config says "
-                                       f"{self.cfg.run_id!r}")
-        if st["round"] > self.cfg.rounds:
-            raise ckpt.CheckpointError(f"{path}: already after round {st['round']}, beyond the config's "
-                                       f"{self.cfg.rounds} rounds (raise --rounds to train further)")
+        ckpt.check_fits(path, st, model=self.cfg.model, run_id=self.cfg.run_id, rounds=self.cfg.rounds)
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))

@@ -160,6 +160,18 @@ def load(out_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return model, state
 
 
+def check_fits(path: Path, st: dict[str, Any], *, model: str, run_id: str, rounds: int) -> None:
+    """CheckpointError unless the checkpoint ``st`` (read from ``path``) can continue a run of
+    ``model`` named ``run_id`` with ``rounds`` rounds."""
+    if st["model"] != model:
+        raise CheckpointError(f"{path}: a checkpoint of model {st['model']!r}, but the run config says {model!r}")
+    if st.get("run", run_id) != run_id:
+        raise CheckpointError(f"{path}: a checkpoint of run {st['run']!r}, but the run config says {run_id!r}")
+    if st["round"] > rounds:
+        raise CheckpointError(f"{path}: already after round {st['round']}, beyond the config's "
+                              f"{rounds} rounds (raise --rounds to train further)")
+
+
 def load_state(out_dir: Path) -> dict[str, Any]:
     """The run state alone (``sfl-coord status``), from the checkpoint itself."""
     return load(out_dir)[1]

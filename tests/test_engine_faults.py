@@ -377,3 +377,14 @@ def test_a_simulated_fleet_that_cannot_register_fails_without_waiting_real_time(
     with pytest.raises(TimeoutError, match="only 2 of 3 agents registered within 3600 s"):
         engine.session.wait_for_agents()
     assert time.monotonic() - t0 < 30
+
+
+def test_a_checkpoint_of_another_run_model_or_horizon_is_refused_by_name(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    st = {"model": "small_cnn", "run": "ef", "round": 5}
+    ckpt.check_fits(path, st, model="small_cnn", run_id="ef", rounds=5)          # fits: nothing raised
+    for kwargs, what in [({"model": "resnet8"}, "a checkpoint of model 'small_cnn'"),
+                         ({"run_id": "other"}, "a checkpoint of run 'ef'"),
+                         ({"rounds": 4}, "already after round 5, beyond the config's 4 rounds")]:
+        with pytest.raises(ckpt.CheckpointError, match=f"checkpoint.pt: {what}"):
+            ckpt.check_fits(path, st, **{"model": "small_cnn", "run_id": "ef", "rounds": 5, **kwargs})
