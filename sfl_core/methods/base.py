@@ -211,10 +211,11 @@ class Layer(Method):
     def selects_everyone(self, r: int) -> bool:
         return self.inner.selects_everyone(r)
 
-    def select(self, r, online, agents, default):
+    def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
+               default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
         return self.inner.select(r, online, agents, default)
 
-    def plan(self, r, selected, agents) -> RoundPlan:
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         return self.inner.plan(r, selected, agents)
 
     def lr(self, batch: int | None) -> float:
@@ -226,14 +227,14 @@ class Layer(Method):
     def round_metrics(self) -> dict[str, Any]:
         return self.inner.round_metrics()
 
-    def observe(self, rounds) -> None:
+    def observe(self, rounds: Sequence[AgentRound]) -> None:
         self.inner.observe(rounds)
 
-    def record(self, r, times, splits) -> None:
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
         self.inner.record(r, times, splits)
 
     def to_json(self) -> dict[str, Any]:
         return self.inner.to_json()
 
-    def load_json(self, st) -> None:
+    def load_json(self, st: Mapping[str, Any]) -> None:
         self.inner.load_json(st)
