@@ -238,8 +238,9 @@ def add_norm_stats(spec: dict[str, Any], summary: dict[str, Any], work: Path, ar
     """Each method's final accuracy with BatchNorm statistics recomputed (mean ± std over its
     seeds' run directories; models without BatchNorm get none)."""
     import norm_stats
+    from sfl_core.data import load_dataset
     image_size = (spec["base"].get("data") or {}).get("image_size")
-    data = norm_stats.load_dataset(args.dataset, args.root, image_size=image_size)
+    data = load_dataset(args.dataset, args.root, image_size=image_size)
     for setting, s in summary.items():
         for method, row in s["methods"].items():
             dirs = [work / run_dir_name(setting, method, seed) for seed in range(len(row["rounds_to_target"]))]

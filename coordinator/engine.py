@@ -96,7 +96,6 @@ class RoundEngine:
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss)
         self.session = FleetSession(cfg, transport, self.registry, virtual=clock.virtual, now=self._now,
                                     on_event=self.on_event, on_drop=self.server.drop)
-        self.rejections = self.session.rejections
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
         if checkpoint is not None:
@@ -134,7 +133,7 @@ class RoundEngine:
         now = self._now()
         decay = self.cfg.lr_decay ** max(0, r - 1)
         agents = {a: RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
-                                                     batches.get(a), decay), last_heard=now, last_sent_at=now)
+                                                    batches.get(a), decay), last_heard=now, last_sent_at=now)
                   for a in selected}
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths,
                                 label_counts={a: self.registry.agents[a].label_counts for a in selected},
@@ -146,7 +145,7 @@ class RoundEngine:
             if key not in bodies:
                 bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
             self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                   ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
+                                          ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
         losses: list[float] = []
         if not self.method.whole_model:
             for k in range(self.cfg.local_iters):
@@ -170,9 +169,9 @@ class RoundEngine:
                     if a not in agents:   # dropped while the server step waited for its logit gradients
                         continue
                     agents[a].server_s += dt
+                    g_body = {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)}
                     self.session.send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                  {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)},
-                                                  round=r, step=k, seq=protocol.next_seq()))
+                                                         g_body, round=r, step=k, seq=protocol.next_seq()))
                 self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
         return self._aggregate_and_record(r, plan, agents, uploads, losses, time.monotonic() - wall0)
@@ -228,7 +227,7 @@ class RoundEngine:
             if y is not None and (y.min() < 0 or y.max() >= self.num_classes):
                 raise wire.WireError(f"labels outside 0..{self.num_classes - 1}")
         except wire.WireError as exc:
-            self.rejections.reject("invalid", f"activations from {ra.info_id}: {exc}")
+            self.session.rejections.reject("invalid", f"activations from {ra.info_id}: {exc}")
             return None
         return x, y
 
@@ -239,8 +238,8 @@ class RoundEngine:
         asked = {a: agents[a] for a in logits if a in agents}
         for a, ra in asked.items():
             self.session.send(ra, Message("logits", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                   {"z": wire.encode_tensor(logits[a], "fp32", self.cfg.zstd_level)},
-                                   round=r, step=k, seq=protocol.next_seq()))
+                                          {"z": wire.encode_tensor(logits[a], "fp32", self.cfg.zstd_level)},
+                                          round=r, step=k, seq=protocol.next_seq()))
         replies = self.session.collect(asked, "logit_grads", r, k)
         out: dict[str, tuple[torch.Tensor, float]] = {}
         for a in logits:
@@ -253,7 +252,7 @@ class RoundEngine:
                 if not torch.isfinite(g).all() or loss != loss or abs(loss) == float("inf"):
                     raise wire.WireError("logit gradients or loss not finite")
             except wire.WireError as exc:
-                self.rejections.reject("invalid", f"logit gradients from {a}: {exc}")
+                self.session.rejections.reject("invalid", f"logit gradients from {a}: {exc}")
                 self.session.drop(agents, a, "sent invalid logit gradients")
                 continue
             out[a] = (g, loss)
@@ -272,7 +271,7 @@ class RoundEngine:
             try:
                 clients[a] = wire.decode_state(msg.body["weights"], self._client_state(split, width))
             except wire.WireError as exc:
-                self.rejections.reject("invalid", f"weights from {a}: {exc}")
+                self.session.rejections.reject("invalid", f"weights from {a}: {exc}")
                 continue
             server = self.server.member_state(a, split)
             # HetBL: an agent of width w trained only the first w decoder input channels

@@ -47,10 +47,6 @@ class MergeControl:
         """What the last :meth:`choose` decided (KL, budget, load), for the round's metrics."""
 
     @property
-    def active(self) -> bool:
-        return self.m.regulate or self.m.select
-
-    @property
     def max_batch(self) -> int:
         return self.m.max_batch or self.cfg.batch_size
 
