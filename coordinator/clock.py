@@ -7,6 +7,7 @@ import time
 from typing import Iterable
 
 from sfl_core import timing
+from sfl_core.config import DeviceProfile
 
 
 class WallClock:
@@ -51,12 +52,12 @@ class VirtualClock:
         self._t = elapsed_s
 
     def agent_time(self, *, client_flops: float, server_flops: float, bytes_up: float, bytes_down: float,
-                   profile: dict, server_flops_per_s: float, messages: int, **_: float) -> timing.AgentTime:
+                   profile: DeviceProfile, server_flops_per_s: float, messages: int, **_: float) -> timing.AgentTime:
         return timing.agent_round_time(
             client_flops=client_flops, server_flops=server_flops, bytes_up=bytes_up, bytes_down=bytes_down,
-            client_flops_per_s=profile["compute_flops"], server_flops_per_s=server_flops_per_s,
-            uplink_bytes_per_s=profile["link_bytes_per_s"], downlink_bytes_per_s=profile["downlink_bytes_per_s"],
-            latency_s=profile.get("latency_s", 0.0), messages=messages,
+            client_flops_per_s=profile.compute_flops, server_flops_per_s=server_flops_per_s,
+            uplink_bytes_per_s=profile.link_bytes_per_s, downlink_bytes_per_s=profile.downlink,
+            latency_s=profile.latency_s, messages=messages,
         )
 
     def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:

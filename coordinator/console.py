@@ -79,7 +79,7 @@ def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
         table.add_column(col, justify="right" if col not in ("agent", "profile", "last assignment") else "left")
     last_round = history[-1].get("agents", {}) if history else {}
     for a in sorted(registry.agents.values(), key=lambda i: i.index):
-        table.add_row(a.agent_id, str(a.profile.get("name", "?")), _assignment(last_round.get(a.agent_id)),
+        table.add_row(a.agent_id, a.profile.name, _assignment(last_round.get(a.agent_id)),
                       str(a.rounds), f"{a.client_s:.2f}", f"{a.transfer_s:.2f}", f"{a.wait_s:.2f}",
                       _mb(a.bytes_up), _mb(a.bytes_down))
     return table

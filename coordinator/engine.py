@@ -24,7 +24,7 @@ from sfl_core.accounting import model_costs, split_note
 from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
-from sfl_core.config import RunConfig, profile_dict_at_round
+from sfl_core.config import RunConfig
 from sfl_core.methods import AgentRound, RoundPlan, build_method
 from sfl_core.models import SplitModel
 from sfl_core.protocol import Message
@@ -295,13 +295,13 @@ class RoundEngine:
                 measured_s=ra.busy_s + ra.server_s, compute_s=ra.compute_s, server_s=ra.server_s,
                 client_flops=cost.client_flops * samples,
                 server_flops=cost.server_flops * samples, bytes_up=ra.bytes_up, bytes_down=ra.bytes_down,
-                profile=profile_dict_at_round(info.profile, r), server_flops_per_s=self.cfg.server_flops,
+                profile=info.profile.at_round(r), server_flops_per_s=self.cfg.server_flops,
                 messages=ra.messages)
             t = times[a] = parts.total_s
             act = 0 if self.method.whole_model else math.prod(ra.assignment.activation_shape) * 4
             observed.append(AgentRound(
                 a, info, ra.assignment.split, ra.assignment.codec, samples, compute_s=parts.client_compute_s,
-                transfer_s=parts.transfer_s, profile=profile_dict_at_round(info.profile, r),
+                transfer_s=parts.transfer_s, profile=info.profile.at_round(r),
                 weights_bytes=uploads[a].wire_bytes, messages=ra.messages, wire_bytes=ra.bytes_up + ra.bytes_down,
                 fp32_bytes=2 * cost.client_param_bytes + 2 * samples * act))
             info.rounds += 1

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any, Callable
 
 from sfl_core import wire
+from sfl_core.config import ConfigError, profile_from_dict
 from sfl_core.fleet import AgentInfo
 from sfl_core.protocol import Message
-
-PROFILE_FIELDS = ("compute_flops", "link_bytes_per_s", "downlink_bytes_per_s", "latency_s")
-
 
 TOTALS = ("rounds", "bytes_up", "bytes_down", "compute_s", "client_s", "transfer_s", "wait_s")
 """An agent's running totals: kept across re-registration and restored from checkpoints."""
@@ -36,21 +33,12 @@ class Registry:
             raise wire.WireError("register.num_samples must be positive and equal the sum of label_counts")
         if b["index"] < 0:
             raise wire.WireError(f"register.index must be >= 0, got {b['index']}")
-        prof = b["profile"]
-        for key in PROFILE_FIELDS:
-            v = prof.get(key)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (key != "latency_s" and v <= 0):
-                raise wire.WireError(f"register.profile.{key}: expected a positive number, got {v!r}")
-        cap = prof.get("capacity", [])
-        ok = isinstance(cap, list) and len(cap) <= 1000 and all(
-            isinstance(e, list) and len(e) == 3 and isinstance(e[0], int) and not isinstance(e[0], bool) and e[0] >= 1
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in e[1:])
-            for e in cap) and all(b[0] > a[0] for a, b in zip(cap, cap[1:]))
-        if not ok:
-            raise wire.WireError("register.profile.capacity: expected up to 1000 [from_round >= 1, compute scale > 0, "
-                                 "link scale > 0] entries with rounds ascending")
+        try:
+            profile = profile_from_dict(b["profile"], "register.profile")
+        except ConfigError as exc:
+            raise wire.WireError(str(exc)) from None
         old = self.agents.get(msg.sender)
-        info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=dict(prof), measured=dict(b["measured"]),
+        info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=profile, measured=dict(b["measured"]),
                          label_counts=list(counts), num_samples=b["num_samples"], last_seen=self.now())
         if old is not None:
             for total in TOTALS:
@@ -85,13 +73,16 @@ class Registry:
                 if a.online and (stale_after_s is None or now - a.last_seen <= stale_after_s)]
 
     def to_json(self) -> dict[str, Any]:
-        return {a: {k: v for k, v in asdict(i).items() if k not in ("last_seen", "instance")}
+        return {a: {**{k: getattr(i, k) for k in AgentInfo.__dataclass_fields__ if k not in ("last_seen", "instance")},
+                    "profile": i.profile.to_dict()}
                 for a, i in self.agents.items()}
 
     def load_totals(self, data: dict[str, Any]) -> None:
         """After --resume, agents re-register; their running totals come from the checkpoint."""
         for a, d in data.items():
-            info = AgentInfo(**{k: v for k, v in d.items() if k in AgentInfo.__dataclass_fields__})
+            fields = {k: v for k, v in d.items() if k in AgentInfo.__dataclass_fields__}
+            fields["profile"] = profile_from_dict(d.get("profile"), f"checkpoint registry.{a}.profile")
+            info = AgentInfo(**fields)
             info.online, info.registered = False, False
             self.agents[a] = info
 

@@ -13,8 +13,9 @@ the command's options: they are read from the command itself, so an option added
 ``start`` later (TLS files, a password file, ...) works in the file without changes.
 
 Why check the file ourselves first: click would silently turn ``index: 3.5`` into 3
-and report a bad value without naming the file. As in :mod:`sfl_core.config`, unknown
-keys are refused with a did-you-mean, wrong types name the file and the key, and
+and report a bad value without naming the file. So the file is validated by a pydantic
+model built from the command's options; as in :mod:`sfl_core.config`, unknown keys are
+refused with a did-you-mean, wrong types name the file and the key, and
 relative paths are taken relative to the file's directory (a unit's working directory
 is not where the operator wrote the file).
 """
@@ -26,9 +27,11 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterable, Mapping
+from typing import Annotated, Any, Collection, Iterable, Mapping, Optional
 
-from sfl_core.fields import ConfigError, check_mapping, failer, looks_like_path, number, read_yaml
+from pydantic import BaseModel, BeforeValidator, create_model
+
+from sfl_core.fields import STRICT, ConfigError, Section, checked, invalid, looks_like_path, number, read_yaml, validate
 
 __all__ = ["OptionSpec", "command_option_specs", "load_settings_file", "settings_from_mapping", "use_config_file"]
 
@@ -85,6 +88,27 @@ def _resolve(value: str, base_dir: Path) -> str:
     return str(p if p.is_absolute() else base_dir / p)
 
 
+class _SettingsBase(Section, BaseModel):
+    model_config = STRICT
+
+
+def _settings_model(options: Mapping[str, OptionSpec]) -> type[BaseModel]:
+    """A pydantic model of the command's options (every one optional: a file sets some of them)."""
+    def one(kind: str) -> Any:
+        return Annotated[Any, checked(lambda v, fail: _convert_scalar(kind, v, fail))]
+
+    def a_list(kind: str) -> Any:
+        def require_list(v: Any) -> Any:
+            if not isinstance(v, list):
+                raise invalid("", f"expected a list of values (kind {kind}), got {v!r}")
+            return v
+        return Annotated[list[one(kind)], BeforeValidator(require_list)]  # type: ignore[misc]
+
+    fields: dict[str, Any] = {key: (Optional[a_list(spec.kind) if spec.multiple else one(spec.kind)], None)
+                              for key, spec in options.items()}
+    return create_model("AgentSettings", __base__=_SettingsBase, **fields)
+
+
 def settings_from_mapping(raw: Any, options: Mapping[str, OptionSpec], source: str,
                           base_dir: Path) -> dict[str, Any]:
     """Checked, converted settings from a parsed YAML document.
@@ -96,19 +120,13 @@ def settings_from_mapping(raw: Any, options: Mapping[str, OptionSpec], source: s
     """
     if raw is None:
         return {}
-    d = check_mapping(raw, sorted(options), source, "")
+    if isinstance(raw, Mapping):
+        raw = {k: v for k, v in raw.items() if v is not None}
+    settings = validate(_settings_model(dict(sorted(options.items()))), raw, source)
     out: dict[str, Any] = {}
-    for key, value in d.items():
-        if value is None:
-            continue
-        spec = options[key]
-        fail = failer(source, key, value)
-        if spec.multiple:
-            if not isinstance(value, list):
-                fail(f"a list of values (kind {spec.kind})")
-            items = [_convert_scalar(spec.kind, v, failer(source, f"{key}[{i}]", v)) for i, v in enumerate(value)]
-        else:
-            items = [_convert_scalar(spec.kind, value, fail)]
+    for key in [k for k in raw if k in settings.model_fields_set]:
+        value, spec = getattr(settings, key), options[key]
+        items = value if spec.multiple else [value]
         if spec.path == "always" or (spec.path == "maybe" and isinstance(items[0], str) and looks_like_path(items[0])):
             items = [_resolve(v, base_dir) for v in items]
         out[key] = items if spec.multiple else items[0]

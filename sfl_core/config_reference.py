@@ -12,6 +12,7 @@ with it. After adding a key: document it in :data:`FIELDS`, then regenerate with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import textwrap
 from pathlib import Path
@@ -157,10 +158,11 @@ _END = "# " + "=" * 86
 
 def accepted_keys() -> set[str]:
     """Every key path the run-config loader accepts."""
-    keys = set(config._RUN_SPEC)
-    for section, spec in (("data", config._DATA_SPEC), ("s2fl", config._S2FL_SPEC),
-                          ("mergesfl", config._MERGESFL_SPEC), ("hetero", config._HETERO_SPEC)):
-        keys |= {f"{section}.{k}" for k in spec}
+    to_yaml = {attr: key for key, attr in config.RunConfig.YAML_KEYS.items()}
+    keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig)}
+    for section, cls in (("data", config.DataConfig), ("s2fl", config.S2flConfig),
+                         ("mergesfl", config.MergeSflConfig), ("hetero", config.HeteroConfig)):
+        keys |= {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
     return keys
 
 

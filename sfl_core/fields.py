@@ -3,7 +3,8 @@
 
 One style of error for all of them — ``<file>: field '<path>': expected <what>, got <value>``,
 unknown keys with a did-you-mean, duplicate keys and YAML syntax errors with their line —
-so an operator fixes any file the same way.
+so an operator fixes any file the same way. The files are validated by pydantic v2 models;
+the glue at the end of this module keeps pydantic's errors in that style.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import difflib
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, ClassVar, Mapping, NoReturn, Sequence
 
 import yaml
+from pydantic import ConfigDict, PlainValidator, TypeAdapter, ValidationError, model_validator
+from pydantic_core import ArgsKwargs, PydanticCustomError
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -57,36 +60,6 @@ def field_path(prefix: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{prefix}[{key}]"
     return f"{prefix}.{key}" if prefix else key
-
-
-def failer(source: str, path: str, value: Any) -> Fail:
-    def fail(expected: str) -> NoReturn:
-        raise ConfigError(f"{source}: field '{path}': expected {expected}, got {value!r}")
-    return fail
-
-
-def check_mapping(d: Any, allowed: Sequence[str], source: str, prefix: str) -> dict[str, Any]:
-    if not isinstance(d, Mapping):
-        where = f"field '{prefix}'" if prefix else "top level"
-        raise ConfigError(f"{source}: {where}: expected a mapping (key: value lines), got {d!r}")
-    for k in d:
-        if not isinstance(k, str) or k not in allowed:
-            close = difflib.get_close_matches(str(k), allowed, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(
-                f"{source}: field '{field_path(prefix, str(k))}': unknown key{hint} "
-                f"(expected one of: {', '.join(allowed)})"
-            )
-    return dict(d)
-
-
-def convert(d: dict[str, Any], spec: Mapping[str, Conv], source: str, prefix: str) -> dict[str, Any]:
-    """Each value through its key's converter (``spec``), errors naming the file and field path."""
-    out = {}
-    for key, value in d.items():
-        path = field_path(prefix, key)
-        out[key] = spec[key](value, failer(source, path, value))
-    return out
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -134,3 +107,104 @@ def read_yaml(path: Path) -> Any:
 
 def looks_like_path(name_or_path: str) -> bool:
     return name_or_path.endswith(YAML_SUFFIXES) or "/" in name_or_path or os.sep in name_or_path
+
+
+# ------------------------------------------------------------------------ pydantic glue
+#
+# The config types are pydantic v2 dataclasses: pydantic walks the nesting, builds the frozen
+# objects, re-validates on ``dataclasses.replace`` and reports where each problem is (its
+# ``loc``). What it cannot give by itself is this product's one-line message style, so each
+# field's check is one of the converters above wrapped by :func:`checked`, sections reject
+# unknown keys with a did-you-mean (:class:`Section`), and :func:`validate` turns the first
+# error into a :class:`ConfigError` naming the file and the field path.
+
+
+STRICT = ConfigDict(extra="forbid", arbitrary_types_allowed=False)
+"""The pydantic config of every section: unknown keys are errors (``Section`` names them first)."""
+
+
+def _raise_expected(what: str) -> NoReturn:
+    raise PydanticCustomError("expected", "expected {what}", {"what": what})
+
+
+def invalid(field: str, message: str) -> PydanticCustomError:
+    """A relational error found after a section's fields were checked: ``field`` is the path below
+    the section (``'widths'``, ``'mergesfl.max_batch'``), ``message`` what follows its name."""
+    return PydanticCustomError("config", "{message}", {"field": field, "message": message})
+
+
+def checked(conv: Conv) -> PlainValidator:
+    """A converter (``conv(value, fail)``) as a pydantic validator: its ``fail(what)`` becomes an
+    ``expected`` error that :func:`validate` words as ``expected <what>, got <value>``."""
+    def validate_one(v: Any) -> Any:
+        return conv(v, _raise_expected)
+    return PlainValidator(validate_one)
+
+
+class Section:
+    """Mixin of every config type (pydantic dataclasses and models): ``null`` is an empty section, a non-mapping or an unknown
+    key is refused with the allowed keys (and a did-you-mean), and a required field's absence
+    says what it expected. ``YAML_KEYS`` renames YAML keys to attributes (``run`` -> ``run_id``);
+    ``REQUIRED`` maps each required YAML key to what it expects."""
+
+    YAML_KEYS: ClassVar[Mapping[str, str]] = {}
+    REQUIRED: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping_with_known_keys(cls, data: Any) -> Any:
+        if data is None:
+            return {}
+        if isinstance(data, (ArgsKwargs, cls)):   # built in code (``DataConfig()``, a default): pydantic checks it
+            return data
+        if not isinstance(data, Mapping):
+            raise PydanticCustomError("config", "{message}", {
+                "field": "", "message": f"expected a mapping (key: value lines), got {data!r}"})
+        to_yaml = {attr: key for key, attr in cls.YAML_KEYS.items()}
+        allowed = [to_yaml.get(f, f) for f in cls.__pydantic_fields__]  # type: ignore[attr-defined]
+        for k in data:
+            if not isinstance(k, str) or k not in allowed:
+                close = difflib.get_close_matches(str(k), allowed, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise PydanticCustomError("config", "{message}", {
+                    "field": str(k), "message": f"unknown key{hint} (expected one of: {', '.join(allowed)})"})
+        for key, what in cls.REQUIRED.items():
+            if key not in data:
+                raise PydanticCustomError("config", "{message}", {
+                    "field": key, "message": f"expected {what}, but it is missing"})
+        return {cls.YAML_KEYS.get(k, k): v for k, v in data.items()}
+
+
+def _path(loc: Sequence[Any], renames: Mapping[str, str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part:
+            out = field_path(out, renames.get(part, part))
+    return out
+
+
+def error_line(source: str, err: Mapping[str, Any], renames: Mapping[str, str] = {}) -> str:
+    """One pydantic error as this product words it (``<file>: field '<path>': expected ...``)."""
+    ctx = err.get("ctx") or {}
+    path = _path(list(err["loc"]) + str(ctx.get("field", "")).split("."), renames)
+    if err["type"] == "config":
+        message = ctx["message"]
+    elif err["type"] == "expected":
+        message = f"expected {ctx['what']}, got {err['input']!r}"
+    else:   # pydantic's own wording, for what the sections leave to it
+        message = f"{err['msg']}, got {err.get('input')!r}"
+    if not path:
+        return f"{source}: top level: {message}"
+    return f"{source}: field '{path}': {message}"
+
+
+def validate(cls: type, data: Any, source: str, context: Mapping[str, Any] | None = None) -> Any:
+    """``data`` (a YAML document or a received body) as a ``cls`` instance, or a
+    :class:`ConfigError` naming ``source`` and the first bad field."""
+    try:
+        return TypeAdapter(cls).validate_python(data, context=dict(context or {}))
+    except ValidationError as exc:
+        renames = {attr: key for key, attr in getattr(cls, "YAML_KEYS", {}).items()}
+        raise ConfigError(error_line(source, exc.errors()[0], renames)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sfl_core.config import DeviceProfile
 from sfl_core.mergesfl import AgentState
 from sfl_core.sliding_split import ClientTimeTable
 
@@ -20,7 +21,8 @@ from sfl_core.sliding_split import ClientTimeTable
 class AgentInfo:
     agent_id: str
     index: int
-    profile: dict[str, Any]
+    profile: DeviceProfile
+    """As registered (validated like a profile file); ``profile.at_round(r)`` applies its capacity schedule."""
     measured: dict[str, Any]
     label_counts: list[int]
     num_samples: int
@@ -47,7 +49,7 @@ class AgentInfo:
 def uplink_rate(info: AgentInfo) -> float:
     """The agent's measured uplink (bytes/s) when it measured one, else its profile's."""
     measured = info.measured.get("up_bytes_per_s") if isinstance(info.measured, dict) else None
-    return float(measured) if isinstance(measured, (int, float)) and measured > 0 else float(info.profile["link_bytes_per_s"])
+    return float(measured) if isinstance(measured, (int, float)) and measured > 0 else info.profile.link_bytes_per_s
 
 
 @dataclass

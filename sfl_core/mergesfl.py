@@ -13,9 +13,9 @@ module trades the two off before each round:
 2. **Batch regulation** (Eq. 7-9): give the fastest agent the maximum batch ``D`` and
    everyone else a batch that takes equally long, :func:`regulate_batches`; learning rates
    scale linearly with batch (Eq. 15, :func:`scale_lr`), aggregation weights are ``d_i / sum d``
-   (Eq. 17, :func:`batch_weights`).
-3. **Bandwidth budget** (Eq. 10): ``sum_{i in S} d_i * c <= B``, :func:`within_budget`;
-   ``B`` estimated from past rounds, :func:`observed_ingress`, :func:`estimate_budget`.
+   (Eq. 17: the method's ``aggregation_weight`` is the batch, and the average normalises).
+3. **Bandwidth budget** (Eq. 10): ``sum_{i in S} d_i * c <= B``, kept by every selection and
+   fill below (:func:`_sample_capacity`); ``B`` estimated from past rounds, :func:`observed_ingress`, :func:`estimate_budget`.
 4. **Worker selection** (Eq. 11-13): choose the set ``S`` whose merged label mix
    ``Phi_h`` (Eq. 11) is closest in KL (Eq. 12) to the population's ``Phi_0`` under the
    budget, with a genetic algorithm seeded by participation priority, :func:`select_workers`.
@@ -60,10 +60,9 @@ from sfl_core import timing
 
 __all__ = [
     "AgentState", "KL_EPS", "MergePlan", "Selection", "Tuning",
-    "added_wait", "batch_weights", "estimate_budget", "fill_budget", "fixed_transfer_time", "kl",
+    "estimate_budget", "fill_budget", "fixed_transfer_time", "kl",
     "mixed_distribution", "observed_ingress", "plan_round", "population_distribution", "priorities",
     "regulate_batches", "scale_lr", "select_workers", "smooth", "split_transfer", "tune_batches",
-    "waiting_time", "within_budget",
 ]
 
 KL_EPS = 1e-12
@@ -148,7 +147,8 @@ def _selected_ids(selected: Collection[str]) -> list[str]:
 
 
 def _sample_capacity(bytes_per_sample: float, budget: float) -> int:
-    """The largest integer ``n`` with ``n * c <= B``, by exactly the test :func:`within_budget` uses."""
+    """The largest integer ``n`` with ``n * c <= B``: Eq. 10's test, the sum taken in integers
+    before the one multiplication, so every function here applies exactly the same test."""
     n = math.floor(budget / bytes_per_sample)
     while n > 0 and n * bytes_per_sample > budget:
         n -= 1
@@ -300,71 +300,7 @@ def scale_lr(base_lr: float, batch: int, base_batch: int) -> float:
     return lr * _positive_int("batch", batch) / _positive_int("base_batch", base_batch)
 
 
-def batch_weights(batches: Mapping[str, int]) -> dict[str, float]:
-    """Eq. 17: aggregation weights ``d_i / sum_j d_j``.
-
-    With regulated batches an agent with batch ``d_i`` took ``tau * d_i`` samples' worth of
-    steps, so its client portion moved proportionally further; weighting by batch keeps
-    the average unbiased. Raises ``ValueError`` for no agents or a non-positive batch.
-    """
-    if not batches:
-        raise ValueError("batch_weights needs at least one agent")
-    ids = sorted(batches)
-    d = _batch_vector(ids, batches)
-    total = int(d.sum())
-    return {a: int(x) / total for a, x in zip(ids, d)}
-
-
-def waiting_time(states: Mapping[str, AgentState], batches: Mapping[str, int], tau: int = 1) -> float:
-    """Eq. 7-8: mean over the agents in ``batches`` of ``max_j t_j - t_i``,
-    ``t_i = tau * d_i * (mu_i + beta_i) + fixed_i`` (:meth:`AgentState.round_time`)."""
-    ids = sorted(batches)
-    if not ids:
-        raise ValueError("waiting_time needs at least one agent")
-    missing = [a for a in ids if a not in states]
-    if missing:
-        raise ValueError(f"no state for agents {missing[:5]}")
-    t = _positive_int("tau", tau) * _batch_vector(ids, batches) * np.array([states[a].per_sample for a in ids])
-    t = t + np.array([states[a].fixed for a in ids])
-    return timing.waiting_time(t.tolist())
-
-
-def added_wait(states: Mapping[str, AgentState], before: Mapping[str, int], after: Mapping[str, int]) -> float:
-    """Eq. 14: ``Delta(S) = 1/R * sum_i |Delta d_i| * (mu_i + beta_i)`` over the agents of ``after``.
-
-    The waiting time per iteration that moving batches away from the aligned Eq. 9 sizes
-    adds. The paper writes ``Delta d_i`` unsigned; we take the magnitude, because a smaller
-    batch makes that agent wait and a larger one makes the others wait — both cost time.
-    """
-    ids = sorted(after)
-    if not ids:
-        raise ValueError("added_wait needs at least one agent")
-    missing = [a for a in ids if a not in states]
-    if missing:
-        raise ValueError(f"no state for agents {missing[:5]}")
-    delta = np.abs(_batch_vector(ids, after) - _batch_vector(ids, before))
-    return float(np.mean(delta * np.array([states[a].per_sample for a in ids])))
-
-
 # ====================================================================== 3. bandwidth budget (Eq. 10)
-
-
-def within_budget(selected: Collection[str], batches: Mapping[str, int], bytes_per_sample: float,
-                  budget: float) -> bool:
-    """Eq. 10: ``sum_{i in S} d_i * c <= B``.
-
-    ``c`` is the activation bytes one sample sends to the coordinator per iteration, ``B``
-    the coordinator's ingress budget in the same unit (bytes per iteration). The sum is
-    taken in integers before the one multiplication, so every function here applies the
-    exact same test. An empty selection is trivially within budget.
-    """
-    c = _nonneg_float("bytes_per_sample", bytes_per_sample, positive=True)
-    b = _nonneg_float("budget", budget)
-    if isinstance(selected, str):
-        raise ValueError("selected must be a collection of agent ids, not one string")
-    ids = list(selected)
-    load = int(_batch_vector(ids, batches).sum()) if ids else 0
-    return load * c <= b
 
 
 def observed_ingress(nominal: float, planned: float, received: float) -> float:

@@ -178,6 +178,8 @@ def profile_body(profile: Any) -> dict[str, Any]:
     if getattr(profile, "capacity", ()):
         # a schedule of capacity changes (emulation/simulation): the virtual clock applies it
         body["capacity"] = [[int(r), float(c), float(lk)] for r, c, lk in profile.capacity]
+    if getattr(profile, "memory_bytes", None):
+        body["memory_bytes"] = float(profile.memory_bytes)   # what a planner may place on the device
     return body
 
 

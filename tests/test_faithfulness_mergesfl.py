@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mergesfl_oracles import waiting_time
 from sfl_core.methods.mergesfl import BUDGET_WINDOW, MergeControl
 from sfl_core.accounting import SplitCost
-from sfl_core.config import run_config_from_dict
+from sfl_core.config import DeviceProfile, run_config_from_dict
 from sfl_core.mergesfl import (
-    AgentState, fixed_transfer_time, observed_ingress, regulate_batches, split_transfer, waiting_time,
+    AgentState, fixed_transfer_time, observed_ingress, regulate_batches, split_transfer,
 )
 
 C = 2048          # activation bytes per sample
@@ -37,7 +38,7 @@ def _control(tmp_path, per_round=None, **merge) -> MergeControl:
 
 
 def _agent(label_counts, rounds=0):
-    profile = {"compute_flops": 1e10, "link_bytes_per_s": 1e6, "downlink_bytes_per_s": 1e6, "latency_s": 0.0}
+    profile = DeviceProfile("p", compute_flops=1e10, link_bytes_per_s=1e6, downlink_bytes_per_s=1e6, latency_s=0.0)
     return SimpleNamespace(profile=profile, measured={}, label_counts=list(label_counts), rounds=rounds)
 
 
@@ -108,7 +109,7 @@ def test_a_small_batch_does_not_stick_when_the_weights_transfer_is_kept_apart(tm
 
 def test_fixed_transfer_from_the_profile_at_that_round(tmp_path):
     ctrl = _control(tmp_path)
-    profile = {"link_bytes_per_s": 1e5, "downlink_bytes_per_s": 4e5, "latency_s": 0.01}
+    profile = DeviceProfile("p", compute_flops=1e10, link_bytes_per_s=1e5, downlink_bytes_per_s=4e5, latency_s=0.01)
     # 20 kB weights up at 100 kB/s and down at 400 kB/s, 12 messages of 10 ms
     assert ctrl.fixed_transfer_s(profile, 20_000, 12) == pytest.approx(0.2 + 0.05 + 0.12)
     # first estimate before any measurement: fp32 client state both ways, 2 tau + 2 messages

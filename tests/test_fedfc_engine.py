@@ -24,7 +24,7 @@ def test_mixed_cut_layers_by_profile_train_in_one_server_pass(tmp_path):
     cfg = _cfg(tmp_path, profile_splits={"s2fl-low-low": 1, "s2fl-high-high": 3})
     history, engine = run_simulation(cfg, device="cpu")
     last = history[-1]
-    prof = {a: engine.registry.agents[a].profile["name"] for a in last["agents"]}
+    prof = {a: engine.registry.agents[a].profile.name for a in last["agents"]}
     splits = {prof[a]: v["split"] for a, v in last["agents"].items()}
     assert splits == {"s2fl-low-low": 1, "s2fl-mid-mid": 2, "s2fl-high-high": 3}
     assert last["groups"] == [sorted(last["agents"])]          # one merged server batch

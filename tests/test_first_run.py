@@ -54,7 +54,7 @@ def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
     for a, info in engine.registry.agents.items():
         rows = [rec["agents"][a] for rec in history if a in rec["agents"]]
         expected = sum(costs[r["split"]].client_flops * r["batch_size"] * cfg.local_iters for r in rows) \
-            / info.profile["compute_flops"]
+            / info.profile.compute_flops
         assert info.client_s == pytest.approx(expected, rel=1e-3)
         assert info.transfer_s == pytest.approx(sum(r["transfer_s"] for r in rows), abs=1e-3) and info.transfer_s > 0
         assert info.wait_s >= 0

@@ -23,7 +23,7 @@ def test_slow_link_group_gets_narrow_width_and_sends_fewer_bytes(tmp_path):
     history, engine = run_simulation(_cfg(tmp_path, rounds=8, width=16, groups=2), device="cpu")
     assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.3, [h["accuracy"] for h in history]
     last = history[-1]["agents"]
-    prof = {a: engine.registry.agents[a].profile["name"] for a in last}
+    prof = {a: engine.registry.agents[a].profile.name for a in last}
     low = [v for a, v in last.items() if prof[a] == "s2fl-mid-low"]
     high = [v for a, v in last.items() if prof[a] == "s2fl-mid-high"]
     # 1e6 vs 5e6 B/s: widths proportional to the rates, the fast group at full width

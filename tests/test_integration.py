@@ -143,8 +143,8 @@ def test_simulation_virtual_clock(tmp_path):
     r1 = history[1]
     assert r1["clock"] == "virtual"
     times = {a: v["time_s"] for a, v in r1["agents"].items()}
-    low = [t for a, t in times.items() if engine.registry.agents[a].profile["name"] == "s2fl-low-low"]
-    high = [t for a, t in times.items() if engine.registry.agents[a].profile["name"] == "s2fl-high-high"]
+    low = [t for a, t in times.items() if engine.registry.agents[a].profile.name == "s2fl-low-low"]
+    high = [t for a, t in times.items() if engine.registry.agents[a].profile.name == "s2fl-high-high"]
     assert min(low) > 2 * max(high)            # 4x slower compute and 5x slower link
     assert r1["round_time_s"] == pytest.approx(max(times.values()), rel=1e-3)
     assert history[-1]["elapsed_s"] == pytest.approx(sum(r["round_time_s"] for r in history), rel=1e-3)

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
+from mergesfl_oracles import added_wait, waiting_time, within_budget
 from sfl_core.mergesfl import (
-    KL_EPS, AgentState, added_wait, batch_weights, estimate_budget, fill_budget, kl, mixed_distribution, plan_round,
+    KL_EPS, AgentState, estimate_budget, fill_budget, kl, mixed_distribution, plan_round,
     population_distribution, priorities, regulate_batches, scale_lr, select_workers, smooth, tune_batches,
-    waiting_time, within_budget,
 )
 
 C = 100.0  # bytes per sample in the instances below
@@ -122,13 +122,9 @@ def test_regulate_rejects_bad_input(states, max_batch):
         regulate_batches(states, max_batch)
 
 
-def test_scale_lr_and_batch_weights():
+def test_scale_lr():
     assert scale_lr(0.1, 32, 64) == pytest.approx(0.05)
     assert scale_lr(0.1, 64, 64) == pytest.approx(0.1)
-    w = batch_weights({"b": 3, "a": 1})
-    assert w == {"a": 0.25, "b": 0.75}
-    with pytest.raises(ValueError):
-        batch_weights({"a": 0})
     with pytest.raises(ValueError):
         scale_lr(0.0, 1, 1)
 

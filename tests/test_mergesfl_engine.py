@@ -84,7 +84,7 @@ def test_capacity_change_is_followed_by_the_estimates_and_batches(tmp_path):
 
     fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-high", "count": 1}]
     history, engine = run_simulation(_cfg(tmp_path, rounds=5, fleet=fleet, regulate=True, max_batch=32), device="cpu")
-    by_profile = lambda rec: {engine.registry.agents[a].profile["name"]: v for a, v in rec["agents"].items()}
+    by_profile = lambda rec: {engine.registry.agents[a].profile.name: v for a, v in rec["agents"].items()}
     before, after = by_profile(history[2]), by_profile(history[5])
     per_sample = lambda v: v["time_s"] / v["batch_size"]
     assert per_sample(after["throttled"]) > 5 * per_sample(before["throttled"])

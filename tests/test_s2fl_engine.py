@@ -106,6 +106,6 @@ def test_s2fl_simulation_ablations(tmp_path, sliding, balance, expect_groups):
             assert all(table.get(a, s) is not None and not table.get(a, s).estimated for s in (1, 2, 3))
         # after warm-up the slow-link agents take a different split from the fast ones
         last = history[-1]["agents"]
-        low = {v["split"] for a, v in last.items() if engine.registry.agents[a].profile["name"] == "s2fl-low-low"}
-        high = {v["split"] for a, v in last.items() if engine.registry.agents[a].profile["name"] == "s2fl-high-high"}
+        low = {v["split"] for a, v in last.items() if engine.registry.agents[a].profile.name == "s2fl-low-low"}
+        high = {v["split"] for a, v in last.items() if engine.registry.agents[a].profile.name == "s2fl-high-high"}
         assert low.isdisjoint(high), (low, high)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from sfl_core.accounting import SplitCost
-from sfl_core.config import RunConfig
+from sfl_core.config import DeviceProfile, RunConfig
 from sfl_core.fleet import AgentInfo, FleetEstimates
 from sfl_core.models import SplitModel
 from sfl_core.sliding_split import ClientTimeTable
@@ -56,7 +56,7 @@ class AgentRound:
     compute_s: float
     transfer_s: float
     """Client compute and link seconds of the round."""
-    profile: Mapping[str, Any]
+    profile: DeviceProfile
     """The agent's device profile at this round (capacity schedules applied): the rates the clock charged."""
     weights_bytes: float
     """Encoded size of the agent's weights upload."""

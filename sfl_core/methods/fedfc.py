@@ -21,7 +21,7 @@ class FedFC(SFL):
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         by_profile = self.cfg.profile_splits or {}
-        return RoundPlan({a: by_profile.get(agents[a].profile.get("name"), self.split) for a in selected},
+        return RoundPlan({a: by_profile.get(agents[a].profile.name, self.split) for a in selected},
                          self.groups(selected), "per profile",
                          sequential=self.cfg.server_mode == "sequential",
                          server_once=self.cfg.server_weight == "once")

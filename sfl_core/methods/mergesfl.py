@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from sfl_core import mergesfl
 from sfl_core.accounting import SplitCost
-from sfl_core.config import RunConfig
+from sfl_core.config import DeviceProfile, RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.mergesfl import AgentState
 from sfl_core.methods.base import AgentRound, Layer, Method
@@ -96,13 +96,13 @@ class MergeControl:
         measured = info.measured.get("compute_s_per_sample", {}) if isinstance(info.measured, dict) else {}
         per_sample = measured.get(str(self.cost.split)) if isinstance(measured, dict) else None
         mu = float(per_sample) if isinstance(per_sample, (int, float)) and per_sample > 0 else \
-            self.cost.client_flops / float(info.profile["compute_flops"])
-        down = float(info.profile.get("downlink_bytes_per_s") or info.profile["link_bytes_per_s"])
+            self.cost.client_flops / info.profile.compute_flops
+        down = info.profile.downlink
         beta = self.cost.activation_bytes / uplink_rate(info) + self.cost.activation_bytes / down
         # assignment, tau activations, tau gradients, weights: 2 tau + 2 messages
         fixed = mergesfl.fixed_transfer_time(self.cost.client_param_bytes, uplink_rate(info), down,
                                              messages=2 * self.cfg.local_iters + 2,
-                                             latency_s=float(info.profile.get("latency_s") or 0.0))
+                                             latency_s=info.profile.latency_s)
         return AgentState(mu=mu, beta=beta, fixed=fixed)
 
     def choose(self, r: int, candidates: Sequence[str], agents: Mapping[str, AgentInfo],
@@ -146,10 +146,10 @@ class MergeControl:
         """Eq. 15: learning rate scaled linearly with the agent's batch."""
         return mergesfl.scale_lr(self.cfg.lr, batch, self.cfg.batch_size)
 
-    def fixed_transfer_s(self, profile: Mapping[str, Any], weights_bytes: float, messages: int) -> float:
+    def fixed_transfer_s(self, profile: DeviceProfile, weights_bytes: float, messages: int) -> float:
         """The link seconds of one agent's round that do not grow with its batch, for :meth:`observe`:
         the client portion's weights down and up, plus one latency per message, at the rates of
-        ``profile`` (the agent's profile at that round, ``profile_dict_at_round``) — the rates the
+        ``profile`` (the agent's profile at that round, ``DeviceProfile.at_round``) — the rates the
         virtual clock charged, so in simulation the split of the measured transfer is exact.
 
         ``weights_bytes`` is the encoded size of the agent's weights upload. It stands for the
@@ -158,10 +158,10 @@ class MergeControl:
         the fp32 ``SplitCost.client_param_bytes``, because compression makes the wire smaller
         and overstating the fixed part would understate ``beta``.
         """
-        up = float(profile["link_bytes_per_s"])
-        down = float(profile.get("downlink_bytes_per_s") or up)
+        up = profile.link_bytes_per_s
+        down = profile.downlink
         return mergesfl.fixed_transfer_time(weights_bytes, up, down, messages=messages,
-                                            latency_s=float(profile.get("latency_s") or 0.0))
+                                            latency_s=profile.latency_s)
 
     def observe(self, agent_id: str, *, compute_s: float, transfer_s: float, samples: int,
                 fixed_transfer_s: float = 0.0) -> None:

@@ -60,8 +60,8 @@ class S2FL(Method):
         for a in selected:
             info = agents[a]
             measured = info.measured.get("compute_s_per_sample", {}) if isinstance(info.measured, dict) else {}
-            up = info.measured.get("up_bytes_per_s") or info.profile["link_bytes_per_s"]
-            down = info.measured.get("down_bytes_per_s") or info.profile["downlink_bytes_per_s"]
+            up = info.measured.get("up_bytes_per_s") or info.profile.link_bytes_per_s
+            down = info.measured.get("down_bytes_per_s") or info.profile.downlink
             for s in self.candidates:
                 entry = self.time_table.get(a, s)
                 if entry is not None and not entry.estimated:
@@ -69,9 +69,9 @@ class S2FL(Method):
                 per_sample = measured.get(str(s))
                 ratio = self.wire_ratio.get(f"{s}/{self.cfg.codec}", 1.0)
                 self.time_table.set_estimate(a, s, estimate_round_time(
-                    self.costs[s], samples=samples, compute_flops=info.profile["compute_flops"],
+                    self.costs[s], samples=samples, compute_flops=info.profile.compute_flops,
                     uplink_bytes_per_s=float(up), downlink_bytes_per_s=float(down),
-                    server_flops_per_s=self.cfg.server_flops, latency_s=info.profile.get("latency_s", 0.0),
+                    server_flops_per_s=self.cfg.server_flops, latency_s=info.profile.latency_s,
                     messages=2 * self.cfg.local_iters + 2, wire_ratio=ratio,
                     measured_compute_s_per_sample=float(per_sample) if isinstance(per_sample, (int, float)) else None))
 
