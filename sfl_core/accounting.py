@@ -42,6 +42,9 @@ class SplitCost:
     server_flops: float  # forward+backward FLOPs per sample of blocks[s:] (incl. grad wrt its input)
     activation_shape: tuple[int, ...]  # per sample, output of blocks[:s]; () for s == num_blocks
     activation_bytes: int  # per sample at fp32 (0 for s == num_blocks)
+    client_activation_bytes: int = 0
+    """Per sample at fp32, every output of ``blocks[:s]``: what training keeps for the backward
+    pass on the device (with the input), the part of its memory that grows with the batch."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ def split_costs(model: SplitModel) -> dict[int, SplitCost]:
             server_flops=float(total - client_flops),
             activation_shape=shape,
             activation_bytes=0 if whole else 4 * math.prod(shape),
+            client_activation_bytes=4 * sum(math.prod(p.out_shape) for p in profiles[:s]),
         )
     return costs
 

@@ -190,9 +190,9 @@ def _bool(v: Any, fail: Fail) -> bool:
 def _split_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
     if v is None:
         return None
-    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
         fail("a non-empty list of split points (integers >= 1), or null")
-    if sorted(set(v)) != v:
+    if sorted(set(v)) != list(v):
         fail("strictly increasing split points")
     return tuple(v)
 
@@ -200,7 +200,7 @@ def _split_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
 def _pos_int_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
     if v is None:
         return None
-    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
         fail("a non-empty list of positive integers, or null")
     return tuple(v)
 
@@ -208,7 +208,7 @@ def _pos_int_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
 def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
     if v is None:
         return None
-    nums = [number(x) for x in v] if isinstance(v, list) else None
+    nums = [number(x) for x in v] if isinstance(v, (list, tuple)) else None
     if not nums or any(x is None or x <= 0 for x in nums) or any(b <= a for a, b in zip(nums, nums[1:])):
         fail("a strictly ascending list of positive rates in bytes/s, or null")
     return tuple(float(x) for x in nums)
@@ -217,7 +217,7 @@ def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
 def _codec_list(v: Any, fail: Fail) -> tuple[str, ...] | None:
     if v is None:
         return None
-    if not isinstance(v, list) or not v or not all(is_codec(c) for c in v):
+    if not isinstance(v, (list, tuple)) or not v or not all(is_codec(c) for c in v):
         fail("a non-empty list of codecs (" + ", ".join(CODECS) + f" or {TOPK_PATTERN}), or null")
     return tuple(v)
 
@@ -445,6 +445,36 @@ class HeteroConfig(Section):
         return self
 
 
+def _codec_tuple(v: Any, fail: Fail) -> tuple[str, ...]:
+    out = _codec_list(v, fail)
+    if out is None:
+        fail("a non-empty list of codecs (" + ", ".join(CODECS) + f" or {TOPK_PATTERN})")
+    return out
+
+
+@dataclass(frozen=True, config=STRICT)
+class AutoConfig(Section):
+    """``strategy: auto`` (docs/methods.md §8): split, codec and batch per agent, planned jointly each round."""
+
+    candidates: Annotated[Optional[tuple[int, ...]], checked(_split_list)] = None   # None = the model's candidate cuts
+    codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
+    max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
+    """Strongest activation compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""
+    regulate: Annotated[bool, _bool_c] = True        # batch sizes planned with the rest; false = the run's batch
+    max_batch: Annotated[Optional[int], checked(_opt(_int(1, 4096, what="an integer from 1 to 4096")))] = None
+    """Largest batch of one agent; None = 2 x batch_size."""
+    min_batch: Annotated[int, _batch_c] = 2
+    epsilon: Annotated[float, _at_least_0] = 0.05    # nats the merged label mix may drift from equal batches'
+    smoothing: Annotated[float, checked(_float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"))] = 0.5
+    """Weight of the previous speed estimate when a round's measurement arrives (MergeSFL Eq. 5-6)."""
+
+    @model_validator(mode="after")
+    def _relations(self) -> "AutoConfig":
+        if self.max_batch is not None and self.max_batch < self.min_batch:
+            raise invalid("max_batch", f"expected at least auto.min_batch {self.min_batch}, got {self.max_batch}")
+        return self
+
+
 @dataclass(frozen=True, config=STRICT)
 class RunConfig(Section):
     """One training run. Field meanings are documented at the top of profiles/runs/demo.yaml."""
@@ -484,6 +514,7 @@ class RunConfig(Section):
     s2fl: S2flConfig = field(default_factory=S2flConfig)
     hetero: HeteroConfig = field(default_factory=HeteroConfig)
     mergesfl: MergeSflConfig = field(default_factory=MergeSflConfig)
+    auto: AutoConfig = field(default_factory=AutoConfig)
 
     @field_validator("fleet", mode="before")
     @classmethod
@@ -642,7 +673,7 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("data", "s2fl", "hetero", "mergesfl"):
+        if f.name in ("data", "s2fl", "hetero", "mergesfl", "auto"):
             value = {g.name: (list(getattr(value, g.name)) if isinstance(getattr(value, g.name), tuple)
                               else getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":

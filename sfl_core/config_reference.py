@@ -53,7 +53,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('min_agents',
      'agents to wait for before round 1 (<= fleet size); null = whole fleet.'),
     ('strategy',
-     'sfl (split learning) | fedavg (whole model on the agent) | s2fl (sliding split + data-balance groups, see s2fl).'),
+     'sfl (split learning) | fedavg (whole model on the agent) | s2fl (sliding split + data-balance groups, see s2fl) | auto (split, codec and batch planned per agent every round, see auto).'),
     ('server_mode',
      'merged (feature merging: one server forward/backward over the concatenated activations of all agents) | per_agent (SplitFed v1: one server copy per agent, copies averaged) | sequential (SplitFed v2: one server copy updated agent after agent).'),
     ('server_weight',
@@ -148,10 +148,28 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'weight of the narrow-to-wide distillation, >= 0.'),
     ('hetero.bdks_theta',
      "a class is under-represented in a group when its share of the group's data is below bdks_theta x its share of all agents' data, in [0, 1]."),
+    ('auto',
+     'the joint planner, used when strategy is auto (docs/methods.md section 8): each round, per agent, the split, codec and batch that make the slowest agent finish first while the merged batch keeps its size'),
+    ('auto.candidates',
+     "the cuts it chooses among (strictly increasing); null = the model's candidate splits."),
+    ('auto.codecs',
+     'the activation codecs it may choose among (only those within max_compression are used).'),
+    ('auto.max_compression',
+     'the strongest activation compression allowed, >= 1: fp16/bf16 = 2, int8 = 4, topk<P> = 67/P. Default 2 (fp16 measured at about 4e-4 relative error).'),
+    ('auto.regulate',
+     "plan batch sizes too (faster agents train larger batches, learning rate scaled with the batch, MergeSFL Eq. 15); false = every agent trains the run's batch_size."),
+    ('auto.max_batch',
+     'largest batch of one agent (1-4096); null = 2 x batch_size.'),
+    ('auto.min_batch',
+     'smallest batch of one agent (1-4096; batch-norm needs >= 2).'),
+    ('auto.epsilon',
+     "how far (KL, nats) regulated batches may move the merged batch's label mix from what equal batches would give, >= 0."),
+    ('auto.smoothing',
+     "weight of the previous estimate when a round's measured compute and link seconds arrive, in [0, 1); lower follows a device's slowdown faster."),
 )
 """(key path, meaning) in the order users read them; a section's keys follow the section."""
 
-_NO_DEFAULT = ("data", "fleet", "s2fl", "mergesfl", "hetero")   # sections, and the one required key
+_NO_DEFAULT = ("data", "fleet", "s2fl", "mergesfl", "hetero", "auto")   # sections, and the one required key
 _RULE = "# " + "=" * 76 + " run config"
 _END = "# " + "=" * 86
 
@@ -161,7 +179,8 @@ def accepted_keys() -> set[str]:
     to_yaml = {attr: key for key, attr in config.RunConfig.YAML_KEYS.items()}
     keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig)}
     for section, cls in (("data", config.DataConfig), ("s2fl", config.S2flConfig),
-                         ("mergesfl", config.MergeSflConfig), ("hetero", config.HeteroConfig)):
+                         ("mergesfl", config.MergeSflConfig), ("hetero", config.HeteroConfig),
+                         ("auto", config.AutoConfig)):
         keys |= {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
     return keys
 

@@ -72,6 +72,17 @@ def is_codec(name: str) -> bool:
     return isinstance(name, str) and (name in CODECS or _TOPK_RE.fullmatch(name) is not None)
 
 
+def nominal_ratio(codec: str) -> float:
+    """Bytes on the wire over fp32 bytes for an activation tensor, before zstd: what a planner
+    assumes for a codec until the run has measured it (int8 adds a scale per channel, top-k
+    sends fp16 values and int32 indices for P % of the entries)."""
+    check_codec(codec)
+    m = _TOPK_RE.fullmatch(codec)
+    if m:
+        return int(m.group(1)) / 100 * (2 + 4) / 4
+    return {"fp32": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.25}[codec]
+
+
 def check_codec(name: str) -> None:
     """Raise ValueError naming the valid codecs unless :func:`is_codec` accepts ``name``."""
     if not is_codec(name):

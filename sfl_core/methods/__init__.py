@@ -4,6 +4,7 @@ A run's method is its ``strategy`` (the base: where the model is cut) plus the l
 config asks for::
 
     strategy: fedavg | sfl | s2fl        ->  FedAvg, SFL (FedFC with profile_splits), S2FL
+    strategy: auto                       ->  the joint planner (split, codec, batch per agent)
     hetero: {width / codecs}             ->  + HeteroSFL (per-group widths and codecs)
     mergesfl: {select / regulate}        ->  + MergeSFL (selection and batch sizes)
 
@@ -17,6 +18,7 @@ from typing import Callable, Mapping
 
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
+from sfl_core.methods.auto import Auto
 from sfl_core.methods.base import AgentRound, Layer, Method, RoundPlan
 from sfl_core.methods.fedavg import FedAvg
 from sfl_core.methods.fedfc import FedFC
@@ -28,7 +30,7 @@ from sfl_core.models import SplitModel
 from sfl_core.plugins import load_entry_points
 
 __all__ = ["AgentRound", "Layer", "Method", "RoundPlan", "build_method", "register_layer", "register_method", "strategies",
-           "FedAvg", "FedFC", "HeteroSFL", "MergeSFL", "S2FL", "SFL"]
+           "Auto", "FedAvg", "FedFC", "HeteroSFL", "MergeSFL", "S2FL", "SFL"]
 
 ENTRY_POINT_GROUP = "sfl_edge.methods"
 MethodFactory = Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Method]
@@ -37,6 +39,7 @@ _BASES: dict[str, MethodFactory] = {
     "sfl": lambda cfg, model, costs: (FedFC if cfg.profile_splits else SFL)(cfg, model, costs),
     "fedavg": FedAvg,
     "s2fl": S2FL,
+    "auto": Auto,
 }
 _LAYERS: list[type[Layer]] = [HeteroSFL, MergeSFL]
 """Applied in this order, innermost first: MergeSFL's selection sees HeteroSFL's plan underneath."""

@@ -1,0 +1,197 @@
+"""``strategy: auto``: split, codec and batch per agent, planned jointly every round.
+
+The base method that chooses for the user. Each round it builds, for every selected agent,
+the options the run allows (each candidate split × each codec within ``auto.max_compression``),
+prices them with the time model (docs/methods.md §3, the function the virtual clock charges)
+from the agent's profile, its registration measurements and what its past rounds showed,
+and lets :func:`sfl_core.joint_plan.plan_round` pick the assignment whose slowest agent
+finishes first while the merged batch keeps its size. Agents whose memory cannot hold any
+client portion at the smallest batch sit the round out.
+
+It adapts: after each round the measured client compute and link seconds (by the run's
+clock) over the predicted ones update two smoothed factors per agent (Eq. 5-6 of MergeSFL),
+so a device that slows down is handed a lighter cut, a stronger codec or a smaller batch
+within a few rounds. Each round's metrics carry the assignment and the predicted against
+the measured round time (the planner's error).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from sfl_core import mergesfl
+from sfl_core.accounting import SplitCost
+from sfl_core.config import RunConfig
+from sfl_core.fleet import AgentInfo
+from sfl_core.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
+from sfl_core.methods.base import AgentRound, Method, RoundPlan
+from sfl_core.models import SplitModel
+from sfl_core.sliding_split import candidate_splits
+from sfl_core.wire import nominal_ratio
+
+log = logging.getLogger(__name__)
+
+
+class Auto(Method):
+    def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
+        super().__init__(cfg, model, costs)
+        a = cfg.auto
+        cands = a.candidates or _default_candidates(cfg, model)
+        for s in cands:
+            model.check_split(s)
+        self._candidates: tuple[int, ...] = tuple(cands)
+        self.codecs = tuple(c for c in a.codecs if 1 / nominal_ratio(c) <= a.max_compression) or (cfg.codec,)
+        self.max_batch = a.max_batch or 2 * cfg.batch_size
+        self.scales: dict[str, list[float]] = {}
+        """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
+        self.current: JointPlan | None = None
+        self.unscaled: dict[str, tuple[float, float]] = {}
+        """Per agent of this round: predicted compute and link seconds before the factors."""
+        self.last: dict[str, Any] = {}
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        return self._candidates
+
+    def notes(self, pool: int) -> list[str]:
+        return [f"auto: plans split {list(self.candidates)}, codec {list(self.codecs)} and batch "
+                f"{self.cfg.auto.min_batch}..{self.max_batch} per agent each round"]
+
+    # ----------------------------------------------------------------- the round
+    def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True) -> list[Option]:
+        """Every (split, codec) this agent may train, priced by the time model."""
+        measured = info.measured if isinstance(info.measured, dict) else {}
+        per_sample = measured.get("compute_s_per_sample") or {}
+        up = _positive(measured.get("up_bytes_per_s")) or info.profile.link_bytes_per_s
+        down = _positive(measured.get("down_bytes_per_s")) or info.profile.downlink
+        cs, ls = self.scales.get(agent_id, (1.0, 1.0)) if scaled else (1.0, 1.0)
+        momentum_copies = 3 if self.cfg.momentum > 0 else 2   # weights, grads (and momentum)
+        out = []
+        for s in self.candidates:
+            cost = self.costs[s]
+            seconds = _positive(per_sample.get(str(s))) if isinstance(per_sample, dict) else None
+            speed = cost.client_flops / seconds if seconds else info.profile.compute_flops
+            for codec in self.codecs:
+                ratio = self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec)
+                out.append(option_for(
+                    split=s, codec=codec, tau=self.cfg.local_iters, client_flops=cost.client_flops,
+                    server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
+                    activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
+                    server_flops_per_s=self.cfg.server_flops, uplink_bytes_per_s=up, downlink_bytes_per_s=down,
+                    latency_s=info.profile.latency_s, messages=2 * self.cfg.local_iters + 2,
+                    compute_scale=cs, link_scale=ls, mem_fixed=momentum_copies * cost.client_param_bytes,
+                    mem_per_sample=2 * cost.client_activation_bytes))
+        return out
+
+    def joint_plan(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> JointPlan:
+        """The round's assignment for ``selected`` (no side effects: ``sfl-coord plan`` calls it too)."""
+        a = self.cfg.auto
+        options = {x: self.options(x, agents[x]) for x in selected}
+        memory = {x: agents[x].profile.memory_bytes for x in selected}
+        total = len(selected) * self.cfg.batch_size
+        plan = plan_round(options, memory, total=total, lo=a.min_batch, hi=self.max_batch, regulate=a.regulate)
+        if a.regulate and plan.agents:
+            counts = {x: agents[x].label_counts for x in plan.agents}
+            target = _population(agents)
+            batches = {x: p.batch for x, p in plan.agents.items()}
+            equal = _equal(batches)
+            fair = limit_skew(batches, equal, counts, target, a.epsilon)
+            if fair != batches:
+                fair = {x: min(self.max_batch, max(a.min_batch, b)) for x, b in fair.items()}
+                plan = with_batches(plan, fair, options, memory)
+        return plan
+
+    def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
+               default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+        plan = self.joint_plan(default, agents)
+        if plan.infeasible:
+            log.warning("round %d: %s cannot hold any client portion in memory; left out", r, ", ".join(plan.infeasible))
+        self.current = plan
+        self.unscaled = {}
+        for x, p in plan.agents.items():
+            raw = {(o.split, o.codec): o for o in self.options(x, agents[x], scaled=False)}[(p.option.split, p.option.codec)]
+            compute = raw.compute_per_sample_s * p.batch
+            self.unscaled[x] = (compute, raw.time(p.batch) - compute - self._server_s(p))
+        return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
+
+    def _server_s(self, p: Any) -> float:
+        cost = self.costs[p.option.split]
+        return cost.server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
+
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
+        plan = self.current
+        if plan is None or set(plan.agents) != set(selected):
+            plan = self.current = self.joint_plan(selected, agents)
+        splits = {x: p.option.split for x, p in plan.agents.items()}
+        codecs = {x: p.option.codec for x, p in plan.agents.items()}
+        return RoundPlan(splits, [sorted(splits)], "joint plan", codecs=codecs)
+
+    def lr(self, batch: int | None) -> float:
+        """MergeSFL's Eq. 15: the learning rate scales with the agent's batch."""
+        return self.cfg.lr if batch is None else mergesfl.scale_lr(self.cfg.lr, batch, self.cfg.batch_size)
+
+    def aggregation_weight(self, info: AgentInfo, batch_size: int) -> float:
+        return float(batch_size)
+
+    # ----------------------------------------------------------------- what comes back
+    def observe(self, rounds: Sequence[AgentRound]) -> None:
+        super().observe(rounds)
+        alpha = self.cfg.auto.smoothing
+        for a in rounds:
+            if a.agent_id not in self.unscaled:
+                continue
+            compute, link = self.unscaled[a.agent_id]
+            old = self.scales.get(a.agent_id)
+            new = [a.compute_s / compute if compute > 0 else 1.0, a.transfer_s / link if link > 0 else 1.0]
+            self.scales[a.agent_id] = new if old is None else [alpha * o + (1 - alpha) * n for o, n in zip(old, new)]
+
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
+        super().record(r, times, splits)
+        plan = self.current
+        if plan is None:
+            return
+        predicted = plan.round_s
+        measured = max((times[a] for a in plan.agents if a in times), default=0.0)
+        self.last = {
+            "predicted_round_s": round(predicted, 4), "measured_round_s": round(measured, 4),
+            "error": round((predicted - measured) / measured, 4) if measured > 0 else None,
+            "assign": {a: {"split": p.option.split, "codec": p.option.codec, "batch": p.batch,
+                           "predicted_s": round(p.time_s, 4)} for a, p in sorted(plan.agents.items())},
+        }
+        for a in plan.agents:
+            if a in times:
+                self.time_table.record(a, plan.agents[a].option.split, times[a], r)
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {"auto": dict(self.last)} if self.last else {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "auto_scales": {a: list(v) for a, v in self.scales.items()}}
+
+    def load_json(self, st: Mapping[str, Any]) -> None:
+        super().load_json(st)
+        self.scales = {str(a): [float(x) for x in v][:2] for a, v in (st.get("auto_scales") or {}).items()}
+
+
+def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:
+    try:
+        return candidate_splits(cfg.model)
+    except ValueError:
+        return (cfg.split or model.default_split,)
+
+
+def _positive(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+
+def _population(agents: Mapping[str, AgentInfo]) -> np.ndarray:
+    total = np.sum([np.asarray(a.label_counts, dtype=float) for a in agents.values()], axis=0)
+    return total / max(total.sum(), 1e-12)
+
+
+def _equal(batches: Mapping[str, int]) -> dict[str, int]:
+    n, total = len(batches), sum(batches.values())
+    return {a: total // n + (1 if i < total % n else 0) for i, a in enumerate(sorted(batches))}

@@ -1,0 +1,81 @@
+"""``strategy: auto`` inside the engine (simulation): per-agent assignments that follow the fleet,
+a plan that changes after a capacity drop, the planner's error in the metrics, and real training."""
+
+from __future__ import annotations
+
+import yaml
+
+from sfl_core.config import run_config_from_dict
+
+
+def _cfg(tmp_path, fleet, rounds=4, local_iters=5, **auto):
+    return run_config_from_dict({
+        "run": "auto", "model": "small_cnn", "data": {"dataset": "digits", "partition": "iid"},
+        "fleet": fleet, "rounds": rounds, "strategy": "auto", "batch_size": 16, "lr": 0.05, "momentum": 0.5,
+        "local_iters": local_iters, "output_dir": str(tmp_path / "out"), "auto": auto,
+    })
+
+
+def _by_profile(engine, record):
+    return {engine.registry.agents[a].profile.name: v for a, v in record["auto"]["assign"].items()}
+
+
+def test_unequal_agents_get_different_assignments_and_the_model_learns(tmp_path):
+    from coordinator.api import run_simulation
+
+    fleet = [{"profile": "s2fl-low-high", "count": 1}, {"profile": "s2fl-high-low", "count": 1},
+             {"profile": "s2fl-high-high", "count": 1}]
+    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=4), device="cpu")
+    last = _by_profile(engine, history[-1])
+    # agents of different classes get different assignments
+    assert len({(v["split"], v["codec"], v["batch"]) for v in last.values()}) == 3
+    # the fast device trains the largest batch; the merged batch keeps its size
+    assert last["s2fl-high-high"]["batch"] == max(v["batch"] for v in last.values())
+    assert sum(v["batch"] for v in last.values()) == 3 * 16
+    # what the agents were told is what the plan says
+    for a, v in history[-1]["auto"]["assign"].items():
+        assert history[-1]["agents"][a]["split"] == v["split"] and history[-1]["agents"][a]["batch_size"] == v["batch"]
+    # the planner's prediction is recorded next to the clock's measurement, and close to it once learned
+    assert abs(history[-1]["auto"]["error"]) < 0.25
+    assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.3
+
+
+def test_a_throttled_device_gets_a_lighter_assignment_within_a_few_rounds(tmp_path):
+    prof = tmp_path / "throttled.yaml"
+    prof.write_text(yaml.safe_dump({"name": "throttled", "compute_flops": 2e10, "link_bytes_per_s": 5e6,
+                                    "capacity": [{"from_round": 3, "compute": 0.05, "link": 1.0}]}))
+    from coordinator.api import run_simulation
+
+    fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-high", "count": 1}]
+    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=6), device="cpu")
+    before, after = _by_profile(engine, history[2]), _by_profile(engine, history[6])
+    # 20x less compute: a shallower cut or a smaller batch for it, more of the batch for the other
+    assert (after["throttled"]["split"], after["throttled"]["batch"]) < (before["throttled"]["split"],
+                                                                         before["throttled"]["batch"])
+    assert after["throttled"]["batch"] < before["throttled"]["batch"]
+    assert after["s2fl-high-high"]["batch"] > before["s2fl-high-high"]["batch"]
+    # the speed factor it learned says "about 20x slower compute"
+    assert engine.method.scales[next(a for a in engine.registry.agents
+                                     if engine.registry.agents[a].profile.name == "throttled")][0] > 5
+
+
+def test_memory_limit_keeps_a_device_off_the_portions_it_cannot_hold(tmp_path):
+    prof = tmp_path / "small-ram.yaml"
+    # the twin of s2fl-high-low with 300 kB for training: the deepest cut's weights alone do not fit,
+    # and with 20 steps a round its small activations make that cut the twin's fastest
+    prof.write_text(yaml.safe_dump({"name": "small-ram", "compute_flops": 2e10, "link_bytes_per_s": 1e6,
+                                    "memory_bytes": 3e5}))
+    from coordinator.api import run_simulation
+
+    fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-low", "count": 1}]
+    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=3, local_iters=20), device="cpu")
+    cost = engine.method.costs
+    twin_took_more = False
+    for record in history[1:]:
+        got = _by_profile(engine, record)
+        s, b = got["small-ram"]["split"], got["small-ram"]["batch"]
+        # weights, gradients and momentum, plus every client activation (and its gradient) per sample
+        assert 3 * cost[s].client_param_bytes + 2 * b * cost[s].client_activation_bytes <= 3e5
+        t, tb = got["s2fl-high-low"]["split"], got["s2fl-high-low"]["batch"]
+        twin_took_more |= 3 * cost[t].client_param_bytes + 2 * tb * cost[t].client_activation_bytes > 3e5
+    assert twin_took_more   # without the limit the same device is given more than 300 kB
