@@ -286,6 +286,54 @@ def _models_for_run(config: Path) -> None:
 
 
 @app.command()
+def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAML."),
+         json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the comparison as JSON here."),
+         data: Optional[Path] = typer.Option(None, help="Override data.root (for the label counts).")) -> None:
+    """Before any training: each method's predicted round time, bytes and waiting time on this fleet,
+    and auto's assignment per agent (time model from the device profiles; a run refines it)."""
+    import json
+
+    from sfl_core.methods.preview import fleet_of, preview
+    from sfl_core.partition import partition_indices
+
+    cfg = _load(config, None, None, data)
+    try:
+        ds = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+    except DatasetError as exc:
+        _say(str(exc))
+        raise typer.Exit(2)
+    n = cfg.num_agents
+    labels = ds.y_train.numpy()
+    shards = partition_indices(labels, n, cfg.data.partition, alpha=cfg.data.alpha, seed=cfg.data.seed,
+                               num_classes=ds.num_classes)
+    counts = [[int((labels[s] == c).sum()) for c in range(ds.num_classes)] for s in shards]
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes)
+    costs = model_costs(cfg.model, ds.input_shape, ds.num_classes)
+    agents = fleet_of(cfg, counts)
+    rows = preview(cfg, model, costs, agents)
+    per_round = cfg.per_round or n
+    table = Table(title=f"{cfg.run_id}: {cfg.model}, {n} agents, {per_round} per round, "
+                        f"{cfg.local_iters} steps of batch {cfg.batch_size} (predicted by the time model)")
+    for col in ("method", "round s", "vs auto", "MB per round", "waiting s"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    auto = next(r for r in rows if r.method == "auto")
+    for r in rows:
+        table.add_row(r.method, f"{r.round_s:.3g}", f"{r.round_s / auto.round_s:.2f}x" if auto.round_s else "-",
+                      f"{r.bytes_per_round / 1e6:.3g}", f"{r.waiting_s:.3g}")
+    Console().print(table)
+    names = {a: info.profile.name for a, info in agents.items()}
+    detail = Table(title="auto's assignment (first round)")
+    for col in ("agent", "profile", "split", "codec", "batch", "round s"):
+        detail.add_column(col)
+    for a, x in sorted(auto.agents.items()):
+        detail.add_row(a, names[a], str(x.split), x.codec, str(x.batch), f"{x.time_s:.3g}")
+    Console().print(detail)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"run": cfg.run_id, "model": cfg.model,
+                                        "methods": [r.to_json() for r in rows]}, indent=1))
+
+
+@app.command()
 def profiles() -> None:
     """List the device profiles (devices/) and run configs (runs/) of the profiles folder in use."""
     from sfl_core.config import load_profile, profiles_origin

@@ -63,28 +63,11 @@ class Auto(Method):
     # ----------------------------------------------------------------- the round
     def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True) -> list[Option]:
         """Every (split, codec) this agent may train, priced by the time model."""
-        measured = info.measured if isinstance(info.measured, dict) else {}
-        per_sample = measured.get("compute_s_per_sample") or {}
-        up = _positive(measured.get("up_bytes_per_s")) or info.profile.link_bytes_per_s
-        down = _positive(measured.get("down_bytes_per_s")) or info.profile.downlink
         cs, ls = self.scales.get(agent_id, (1.0, 1.0)) if scaled else (1.0, 1.0)
-        momentum_copies = 3 if self.cfg.momentum > 0 else 2   # weights, grads (and momentum)
-        out = []
-        for s in self.candidates:
-            cost = self.costs[s]
-            seconds = _positive(per_sample.get(str(s))) if isinstance(per_sample, dict) else None
-            speed = cost.client_flops / seconds if seconds else info.profile.compute_flops
-            for codec in self.codecs:
-                ratio = self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec)
-                out.append(option_for(
-                    split=s, codec=codec, tau=self.cfg.local_iters, client_flops=cost.client_flops,
-                    server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
-                    activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
-                    server_flops_per_s=self.cfg.server_flops, uplink_bytes_per_s=up, downlink_bytes_per_s=down,
-                    latency_s=info.profile.latency_s, messages=2 * self.cfg.local_iters + 2,
-                    compute_scale=cs, link_scale=ls, mem_fixed=momentum_copies * cost.client_param_bytes,
-                    mem_per_sample=2 * cost.client_activation_bytes))
-        return out
+        return [price_option(self.cfg, self.costs[s], codec, info,
+                             ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
+                             compute_scale=cs, link_scale=ls)
+                for s in self.candidates for codec in self.codecs]
 
     def joint_plan(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> JointPlan:
         """The round's assignment for ``selected`` (no side effects: ``sfl-coord plan`` calls it too)."""
@@ -174,6 +157,30 @@ class Auto(Method):
     def load_json(self, st: Mapping[str, Any]) -> None:
         super().load_json(st)
         self.scales = {str(a): [float(x) for x in v][:2] for a, v in (st.get("auto_scales") or {}).items()}
+
+
+def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *, ratio: float,
+                 compute_scale: float = 1.0, link_scale: float = 1.0) -> Option:
+    """One agent's round at one cut and codec, by the time model, from what is known of it: its
+    registration measurements (compute seconds per sample at that cut, link rates) where it
+    measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (codec,
+    bottleneck). Memory: weights, gradients (and momentum) plus every client activation and its
+    gradient per sample. ``sfl-coord plan`` prices every method's assignment with this too."""
+    measured = info.measured if isinstance(info.measured, dict) else {}
+    per_sample = measured.get("compute_s_per_sample") or {}
+    seconds = _positive(per_sample.get(str(cost.split))) if isinstance(per_sample, dict) else None
+    speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
+    up = _positive(measured.get("up_bytes_per_s")) or info.profile.link_bytes_per_s
+    down = _positive(measured.get("down_bytes_per_s")) or info.profile.downlink
+    copies = 3 if cfg.momentum > 0 else 2
+    return option_for(
+        split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
+        server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
+        activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
+        server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=up, downlink_bytes_per_s=down,
+        latency_s=info.profile.latency_s, messages=2 * cfg.local_iters + 2,
+        compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
+        mem_per_sample=2 * cost.client_activation_bytes)
 
 
 def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:

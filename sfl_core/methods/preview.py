@@ -1,0 +1,121 @@
+"""What each method would do with a fleet before any training: ``sfl-coord plan``.
+
+For a run config, every method (FedAvg, SFL, S2FL, HeteroSFL, MergeSFL, FedFC, auto) is built
+from the same config with its own switches, asked for its round plan exactly as the engine
+asks it (``select`` then ``plan``), and each agent's assignment is priced by the time model
+(:func:`sfl_core.methods.auto.price_option`, the function auto plans with, which the virtual
+clock charges). The result: per method the predicted round time, bytes moved per round and
+mean waiting time, and per agent its split, codec, width and batch. Nothing is measured yet,
+so the numbers are the profiles' (registration measurements refine them in a run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from sfl_core import timing
+from sfl_core.accounting import SplitCost
+from sfl_core.config import DeviceProfile, RunConfig, load_profile
+from sfl_core.fleet import AgentInfo
+from sfl_core.methods import build_method
+from sfl_core.methods.auto import price_option
+from sfl_core.models import SplitModel
+from sfl_core.sliding_split import candidate_splits, fleet_round_time
+from sfl_core.wire import nominal_ratio
+
+
+@dataclass(frozen=True)
+class Assignment:
+    split: int
+    codec: str
+    batch: int
+    width: int
+    time_s: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class MethodPreview:
+    method: str
+    round_s: float
+    bytes_per_round: float
+    waiting_s: float
+    agents: dict[str, Assignment]
+    phase: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"method": self.method, "round_s": self.round_s, "bytes_per_round": self.bytes_per_round,
+                "waiting_s": self.waiting_s, "phase": self.phase,
+                "agents": {a: dataclasses.asdict(x) for a, x in self.agents.items()}}
+
+
+def fleet_of(cfg: RunConfig, label_counts: Sequence[Sequence[int]]) -> dict[str, AgentInfo]:
+    """The run's fleet as the coordinator will know it after registration (no measurements yet)."""
+    out = {}
+    for i, (name, counts) in enumerate(zip(cfg.agent_profiles(), label_counts)):
+        profile: DeviceProfile = load_profile(name)
+        out[f"agent-{i:03d}"] = AgentInfo(agent_id=f"agent-{i:03d}", index=i, profile=profile, measured={},
+                                          label_counts=list(counts), num_samples=int(sum(counts)))
+    return out
+
+
+def variants(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
+    """Each method on this config: the user's settings, each method's own switches."""
+    replace = dataclasses.replace
+    split = cfg.split or model.default_split
+    base = replace(cfg, profile_splits=None, hetero=replace(cfg.hetero, width=None, widths=None, codecs=None,
+                                                            bdks=False),
+                   mergesfl=replace(cfg.mergesfl, regulate=False, select=False), server_mode="merged")
+    out = {"FedAvg": replace(base, strategy="fedavg"), "SFL": replace(base, strategy="sfl")}
+    try:
+        candidate_splits(cfg.model)
+        out["S2FL"] = replace(base, strategy="s2fl")
+    except ValueError:
+        pass
+    channels = costs[split].activation_shape[0] if costs[split].activation_shape else 0
+    if channels > 1:
+        out["HeteroSFL"] = replace(base, strategy="sfl", split=split,
+                                   hetero=replace(base.hetero, width=channels, groups=2))
+    out["MergeSFL"] = replace(base, strategy="sfl", mergesfl=replace(base.mergesfl, regulate=True, select=True))
+    profiles = {p: load_profile(p) for p in dict.fromkeys(cfg.agent_profiles())}
+    samples = cfg.batch_size * cfg.local_iters
+    cuts = [s for s in sorted(costs) if s < model.num_blocks]
+    fastest = {prof.name: min(cuts, key=lambda s: fleet_round_time(costs[s], [prof], samples=samples,
+                                                                   server_flops_per_s=cfg.server_flops))
+               for prof in profiles.values()}
+    out["FedFC"] = replace(base, strategy="sfl", profile_splits=fastest)   # each device class at its fastest cut
+    out["auto"] = replace(base, strategy="auto")
+    return out
+
+
+def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
+            *, build: Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Any] = build_method
+            ) -> list[MethodPreview]:
+    """Every method's first planned round on ``agents`` (after S2FL's warm-up: its steady state)."""
+    ids = sorted(agents)
+    k = cfg.per_round or len(ids)
+    default = ids[:k]
+    out = []
+    for name, variant in variants(cfg, model, costs).items():
+        method = build(variant, model, costs)
+        r = len(method.candidates) + 1
+        selected, batches = method.select(r, ids, agents, default)
+        plan = method.plan(r, selected, agents)
+        rows = {}
+        for a in selected:
+            split = model.num_blocks if method.whole_model else plan.splits[a]
+            cost = costs[split]
+            codec = plan.codecs.get(a, variant.codec)
+            width = plan.widths.get(a, 0)
+            channels = cost.activation_shape[0] if cost.activation_shape else 1
+            ratio = nominal_ratio(codec) * (width / channels if width else 1.0)
+            batch = batches.get(a) or variant.batch_size
+            opt = price_option(variant, cost, codec, agents[a], ratio=ratio)
+            traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
+            rows[a] = Assignment(split, codec, batch, width, opt.time(batch), traffic)
+        times = [x.time_s for x in rows.values()]
+        out.append(MethodPreview(name, timing.round_time(times), sum(x.bytes for x in rows.values()),
+                                 timing.waiting_time(times), rows, plan.phase))
+    return out

@@ -1,0 +1,27 @@
+"""``strategy: auto`` over Mosquitto with real coordinator and agent processes (wall clock): the
+planner works from the agents' measurements and the round times the coordinator measures."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import finish, logs, metrics, start_agents, start_coord, write_config
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def test_auto_runs_with_agent_processes(mosquitto, tmp_path):
+    config = write_config(tmp_path, "auto", strategy="auto", rounds=3)
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "auto", tmp_path)
+    assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == [0, 1, 2, 3]
+    assert m[3]["accuracy"] > m[0]["accuracy"] + 0.2, m
+    for r in m[1:]:
+        plan = r["auto"]
+        assert r["clock"] == "wall" and len(r["completed"]) == 3
+        assert sum(a["batch"] for a in plan["assign"].values()) == 3 * 16   # the merged batch keeps its size
+        for agent, a in plan["assign"].items():             # the agents trained what the plan said
+            assert r["agents"][agent]["split"] == a["split"] and r["agents"][agent]["batch_size"] == a["batch"]
+        assert plan["measured_round_s"] > 0 and plan["predicted_round_s"] > 0
