@@ -97,10 +97,10 @@ def status_table(metrics: list[dict[str, Any]], title: str) -> Table:
 
 
 def _assignment(m: dict[str, Any] | None) -> str:
-    """'split 2', plus the bottleneck width and codec where HeteroSFL set them."""
+    """'split 2 b16', plus the bottleneck width and codec where a method set them."""
     if not m:
         return "-"
-    parts = [f"split {m.get('split', '?')}"]
+    parts = [f"split {m.get('split', '?')}" + (f" b{m['batch_size']}" if m.get("batch_size") else "")]
     if m.get("width"):
         parts.append(f"width {m['width']}")
     if m.get("codec") and m["codec"] != "fp32":

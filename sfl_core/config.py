@@ -454,7 +454,7 @@ def _codec_tuple(v: Any, fail: Fail) -> tuple[str, ...]:
 
 @dataclass(frozen=True, config=STRICT)
 class AutoConfig(Section):
-    """``strategy: auto`` (docs/methods.md §8): split, codec and batch per agent, planned jointly each round."""
+    """``strategy: auto`` (docs/methods.md §11): split, codec and batch per agent, planned jointly each round."""
 
     candidates: Annotated[Optional[tuple[int, ...]], checked(_split_list)] = None   # None = the model's candidate cuts
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
@@ -488,7 +488,7 @@ class RunConfig(Section):
     rounds: Annotated[int, _pos_int_c] = 5
     per_round: Annotated[Optional[int], _opt_pos_int_c] = None  # agents selected per round; None = all
     min_agents: Annotated[Optional[int], _opt_pos_int_c] = None  # agents to wait for before round 1; None = fleet size
-    strategy: Annotated[str, checked(_strategy)] = "sfl"
+    strategy: Annotated[str, checked(_strategy)] = "auto"
     server_mode: Annotated[str, checked(_enum(*SERVER_MODES))] = "merged"
     split: Annotated[Optional[int], _opt_pos_int_c] = None  # None = the model's default split point
     profile_splits: Annotated[Optional[dict[str, int]], checked(_opt(_split_map))] = None

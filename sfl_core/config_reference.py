@@ -149,7 +149,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('hetero.bdks_theta',
      "a class is under-represented in a group when its share of the group's data is below bdks_theta x its share of all agents' data, in [0, 1]."),
     ('auto',
-     'the joint planner, used when strategy is auto (docs/methods.md section 8): each round, per agent, the split, codec and batch that make the slowest agent finish first while the merged batch keeps its size'),
+     'the joint planner, used when strategy is auto (docs/methods.md section 11): each round, per agent, the split, codec and batch that make the slowest agent finish first while the merged batch keeps its size'),
     ('auto.candidates',
      "the cuts it chooses among (strictly increasing); null = the model's candidate splits."),
     ('auto.codecs',

@@ -79,3 +79,20 @@ def test_memory_limit_keeps_a_device_off_the_portions_it_cannot_hold(tmp_path):
         t, tb = got["s2fl-high-low"]["split"], got["s2fl-high-low"]["batch"]
         twin_took_more |= 3 * cost[t].client_param_bytes + 2 * tb * cost[t].client_activation_bytes > 3e5
     assert twin_took_more   # without the limit the same device is given more than 300 kB
+
+
+def test_learned_speed_factors_survive_a_checkpoint(tmp_path):
+    from coordinator.api import run_simulation
+    from sfl_core.methods import build_method
+
+    prof = tmp_path / "throttled.yaml"
+    prof.write_text(yaml.safe_dump({"name": "throttled", "compute_flops": 2e10, "link_bytes_per_s": 5e6,
+                                    "capacity": [{"from_round": 1, "compute": 0.1, "link": 0.5}]}))
+    cfg = _cfg(tmp_path, [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-high", "count": 1}], rounds=2)
+    _, engine = run_simulation(cfg, device="cpu")
+    state = engine.method.to_json()
+    fresh = build_method(cfg, engine.method.model, engine.method.costs)
+    fresh.load_json(state)
+    assert fresh.scales == engine.method.scales and len(fresh.scales) == 2
+    throttled = max(fresh.scales.values())
+    assert throttled[0] > 5 and 1.5 < throttled[1] < 2.5     # 10x slower compute, 2x slower link, as learned

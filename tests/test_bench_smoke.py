@@ -76,3 +76,11 @@ def test_server_rejects_bad_input_shape(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH / "server.py"), "--quick", "--out", str(tmp_path), "--input-shape", "3,x"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "3,x" in proc.stderr
+
+
+def test_planner_quick(tmp_path: Path) -> None:
+    doc = _run("planner.py", tmp_path)
+    timing, = doc["results"]["planning_time"]
+    assert timing["agents"] == 20 and 0 < timing["plan_s"] < 10
+    err = doc["results"]["prediction_error"]["virtual clock"]
+    assert err["rounds"] >= 1 and math.isfinite(err["median"])

@@ -115,7 +115,7 @@ def test_demo_and_baselines_content():
         "small_cnn", "digits", "dirichlet", 0.5)
     assert demo.num_agents == 4 and len(set(demo.agent_profiles())) == 4
     assert demo.rounds <= 10 and demo.batch_size <= 32  # the demo must stay quick on 2 cores
-    assert (demo.strategy, demo.server_mode) == ("sfl", "merged")
+    assert (demo.strategy, demo.server_mode) == ("auto", "merged")   # the default method, shown by the demo
     fedavg = load_run_config(PROFILES / "runs" / "fedavg-demo.yaml")
     sfv1 = load_run_config(PROFILES / "runs" / "splitfed-v1-demo.yaml")
     assert fedavg.strategy == "fedavg"

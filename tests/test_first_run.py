@@ -15,8 +15,9 @@ RUNNER = CliRunner()
 
 
 def _run_config(tmp_path: Path, **changes) -> Path:
+    """The demo's run config at one fixed cut (strategy sfl), which these tests are about."""
     doc = yaml.safe_load((default_profiles_dir() / "runs" / "demo.yaml").read_text())
-    doc.update(changes)
+    doc.update({"strategy": "sfl", **changes})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
