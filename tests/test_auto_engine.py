@@ -3,6 +3,7 @@ a plan that changes after a capacity drop, the planner's error in the metrics, a
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from sfl_core.config import run_config_from_dict
@@ -96,3 +97,29 @@ def test_learned_speed_factors_survive_a_checkpoint(tmp_path):
     assert fresh.scales == engine.method.scales and len(fresh.scales) == 2
     throttled = max(fresh.scales.values())
     assert throttled[0] > 5 and 1.5 < throttled[1] < 2.5     # 10x slower compute, 2x slower link, as learned
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_never_predicts_a_longer_round_than_the_plans_it_could_have_made(seed):
+    """SFL's plan (one cut, equal batches) and S2FL's (a cut per agent among the same candidates,
+    equal batches) are in auto's search space, so under the time model auto's round is never
+    longer; nor is it when the label-mix bound pulls its batches back towards equal ones."""
+    import numpy as np
+
+    from sfl_core.accounting import model_costs
+    from sfl_core.methods.preview import fleet_of, preview
+    from sfl_core.models import build_model
+
+    rng = np.random.default_rng(seed)
+    names = ["s2fl-low-low", "s2fl-low-high", "s2fl-high-low", "s2fl-high-high", "s2fl-mid-mid", "jetson-nano", "rpi4"]
+    fleet = [{"profile": str(p), "count": int(rng.integers(1, 3))} for p in rng.choice(names, 4, replace=False)]
+    cfg = run_config_from_dict({"run": "cmp", "model": "small_cnn", "fleet": fleet, "batch_size": 16,
+                                "local_iters": int(rng.integers(2, 20)), "strategy": "auto",
+                                "auto": {"epsilon": float(rng.choice([0.0, 0.05, 1.0]))}})
+    shape = (1, 8, 8)
+    model, costs = build_model(cfg.model, shape, 10), model_costs(cfg.model, shape, 10)
+    counts = [rng.multinomial(100, rng.dirichlet([0.3] * 10)).tolist() for _ in range(cfg.num_agents)]
+    rows = {r.method: r for r in preview(cfg, model, costs, fleet_of(cfg, counts))}
+    assert rows["auto"].round_s <= rows["SFL"].round_s * (1 + 1e-6)
+    assert rows["auto"].round_s <= rows["S2FL"].round_s * (1 + 1e-6)
+    assert sum(a.batch for a in rows["auto"].agents.values()) == cfg.num_agents * 16
