@@ -79,14 +79,30 @@ def scale_factors(full_model: str, replica_model: str, shape: tuple[int, ...], s
 def scaled_profile(name: str, factors: dict[str, float], out_dir: Path,
                    capacity: list[dict[str, Any]] | None = None) -> str:
     """A copy of profile ``name`` with FLOP/s and link rates scaled (and, for time-varying
-    fleets, a capacity schedule); returns its path."""
-    p = load_profile(name)
+    fleets, a capacity schedule); returns its path. ``name`` is a profile name
+    (profiles/devices/) or a path to a profile YAML, relative to bench/configs/ (where the
+    paper configs live) or to the working directory; the copy keeps the profile's ``name``."""
+    from sfl_core.fields import looks_like_path
+    if looks_like_path(name) and not Path(name).is_absolute() and (CONFIG_DIR / name).is_file():
+        p = load_profile(str(CONFIG_DIR / name))
+    else:
+        p = load_profile(name)
     doc = {"name": p.name, "compute_flops": p.compute_flops * factors["flops"],
            "link_bytes_per_s": p.link_bytes_per_s * factors["activation_bytes"],
            "downlink_bytes_per_s": p.downlink_bytes_per_s * factors["activation_bytes"],
            "latency_s": p.latency_s,
            "description": p.description + (" (scaled for a CPU replica)" if factors["flops"] != 1 else ""),
            "source": f"{name} x flops {factors['flops']:.4g}, links x {factors['activation_bytes']:.4g}"}
+    if p.memory_bytes:
+        # Memory limits (what strategy: auto plans against) scale with the replica's client
+        # weight bytes (about width² when the model is narrowed), so a limit that excludes
+        # the full model's largest client portions still excludes the replica's. The batch
+        # part of training memory (activations) shrinks only by about width, so a narrowed
+        # replica's memory-bound batch sizes are smaller than the full model's; at width 1
+        # (a model run at full size) the limit is the profile's own.
+        wf = factors.get("weight_bytes", 1.0)
+        doc["memory_bytes"] = p.memory_bytes * wf
+        doc["source"] += f", memory x {wf:.4g}"
     if capacity or p.capacity:
         doc["capacity"] = capacity or [{"from_round": r, "compute": c, "link": l} for r, c, l in p.capacity]
     path = out_dir / f"{p.name}.yaml"
