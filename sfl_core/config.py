@@ -255,6 +255,8 @@ _str_c = checked(_str)
 _fraction_c = checked(_float(0.0, lo_open=False, hi=1.0, what="a number in [0, 1]"))
 _at_least_0 = checked(_float(0.0, lo_open=False, what="a number >= 0"))
 _batch_c = checked(_int(1, 4096, what="an integer from 1 to 4096"))
+_opt_batch_c = checked(_opt(_int(1, 4096, what="an integer from 1 to 4096")))
+_unit_open_c = checked(_float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"))
 
 
 # ------------------------------------------------------------------------ device profiles
@@ -387,14 +389,14 @@ class MergeSflConfig(Section):
     ingress budget, on top of feature merging (``server_mode: merged``)."""
 
     regulate: Annotated[bool, _bool_c] = False    # Eq. 9: fastest agent gets max_batch, the others equal time
-    max_batch: Annotated[Optional[int], checked(_opt(_int(1, 4096, what="an integer from 1 to 4096")))] = None  # D; None = batch_size
+    max_batch: Annotated[Optional[int], _opt_batch_c] = None  # D; None = batch_size
     select: Annotated[bool, _bool_c] = False      # Eq. 10-13: GA picks the agents whose mixed labels are closest to IID
     min_agents: Annotated[int, _pos_int_c] = 1    # with select: fewest agents per round (where the budget fits them)
     max_agents: Annotated[Optional[int], _opt_pos_int_c] = None    # with select: most agents per round; None = no bound
     min_batch: Annotated[int, _batch_c] = 2       # smallest regulated batch (batch-norm needs >= 2 samples)
     budget_bytes: Annotated[Optional[float], _opt_pos_float_c] = None   # ingress budget per round; None = per_round x batch_size samples
     epsilon: Annotated[float, _at_least_0] = 0.01                       # Eq. 14: KL target (nats) of the batch fine-tuning
-    smoothing: Annotated[float, checked(_float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"))] = 0.8
+    smoothing: Annotated[float, _unit_open_c] = 0.8
     """Eq. 5-6: weight of the previous estimate of mu and beta."""
     ga_population: Annotated[int, checked(_int(2, 10_000, what="an integer from 2 to 10000"))] = 60
     ga_generations: Annotated[int, checked(_int(1, 100_000, what="an integer from 1 to 100000"))] = 100
@@ -461,11 +463,11 @@ class AutoConfig(Section):
     max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
     """Strongest activation compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""
     regulate: Annotated[bool, _bool_c] = True        # batch sizes planned with the rest; false = the run's batch
-    max_batch: Annotated[Optional[int], checked(_opt(_int(1, 4096, what="an integer from 1 to 4096")))] = None
+    max_batch: Annotated[Optional[int], _opt_batch_c] = None
     """Largest batch of one agent; None = 2 x batch_size."""
     min_batch: Annotated[int, _batch_c] = 2
     epsilon: Annotated[float, _at_least_0] = 0.05    # nats the merged label mix may drift from equal batches'
-    smoothing: Annotated[float, checked(_float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"))] = 0.5
+    smoothing: Annotated[float, _unit_open_c] = 0.5
     """Weight of the previous speed estimate when a round's measurement arrives (MergeSFL Eq. 5-6)."""
 
     @model_validator(mode="after")
@@ -499,7 +501,7 @@ class RunConfig(Section):
     lr: Annotated[float, _pos_float_c] = 0.05
     lr_decay: Annotated[float, checked(_float(0.0, hi=1.0, what="a number in (0, 1]"))] = 1.0
     """Learning rate of round r (from 1) = lr x lr_decay^(r-1), agents and server alike."""
-    momentum: Annotated[float, checked(_float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"))] = 0.0
+    momentum: Annotated[float, _unit_open_c] = 0.0
     local_iters: Annotated[int, _pos_int_c] = 10  # tau
     codec: Annotated[str, checked(_codec)] = "fp32"
     zstd_level: Annotated[int, checked(_int(0, 22, what="an integer from 0 (no compression) to 22"))] = 3

@@ -46,10 +46,27 @@ class AgentInfo:
     again in this session (its status message alone must not start a round it cannot join)."""
 
 
+def _measured(info: AgentInfo, key: str, *sub: str) -> float | None:
+    """A positive number the agent measured at registration (``measured[key][sub]``), else None."""
+    v: Any = info.measured if isinstance(info.measured, dict) else {}
+    for k in (key, *sub):
+        v = v.get(k) if isinstance(v, dict) else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+
 def uplink_rate(info: AgentInfo) -> float:
     """The agent's measured uplink (bytes/s) when it measured one, else its profile's."""
-    measured = info.measured.get("up_bytes_per_s") if isinstance(info.measured, dict) else None
-    return float(measured) if isinstance(measured, (int, float)) and measured > 0 else info.profile.link_bytes_per_s
+    return _measured(info, "up_bytes_per_s") or info.profile.link_bytes_per_s
+
+
+def downlink_rate(info: AgentInfo) -> float:
+    """The agent's measured downlink (bytes/s) when it measured one, else its profile's."""
+    return _measured(info, "down_bytes_per_s") or info.profile.downlink
+
+
+def compute_s_per_sample(info: AgentInfo, split: int) -> float | None:
+    """Client compute seconds per sample at ``split`` as the agent timed it at registration, if it did."""
+    return _measured(info, "compute_s_per_sample", str(split))
 
 
 @dataclass

@@ -25,7 +25,7 @@ import numpy as np
 from sfl_core import mergesfl
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
-from sfl_core.fleet import AgentInfo
+from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
 from sfl_core.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
 from sfl_core.methods.base import AgentRound, Method, RoundPlan
 from sfl_core.models import SplitModel
@@ -94,15 +94,16 @@ class Auto(Method):
             log.warning("round %d: %s cannot hold any client portion in memory; left out", r, ", ".join(plan.infeasible))
         self.current = plan
         self.unscaled = {}
-        for x, p in plan.agents.items():
-            raw = {(o.split, o.codec): o for o in self.options(x, agents[x], scaled=False)}[(p.option.split, p.option.codec)]
+        for x, p in plan.agents.items():   # what the factors divide: this option's seconds before them
+            raw = self.options(x, agents[x], scaled=False)[self._index(p.option)]
             compute = raw.compute_per_sample_s * p.batch
-            self.unscaled[x] = (compute, raw.time(p.batch) - compute - self._server_s(p))
+            server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
+            self.unscaled[x] = (compute, raw.time(p.batch) - compute - server)
         return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
 
-    def _server_s(self, p: Any) -> float:
-        cost = self.costs[p.option.split]
-        return cost.server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
+    def _index(self, option: Option) -> int:
+        """Where ``option`` sits in :meth:`options` (candidates outer, codecs inner)."""
+        return self.candidates.index(option.split) * len(self.codecs) + self.codecs.index(option.codec)
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         plan = self.current
@@ -166,18 +167,15 @@ def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *
     measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (codec,
     bottleneck). Memory: weights, gradients (and momentum) plus every client activation and its
     gradient per sample. ``sfl-coord plan`` prices every method's assignment with this too."""
-    measured = info.measured if isinstance(info.measured, dict) else {}
-    per_sample = measured.get("compute_s_per_sample") or {}
-    seconds = _positive(per_sample.get(str(cost.split))) if isinstance(per_sample, dict) else None
+    seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
-    up = _positive(measured.get("up_bytes_per_s")) or info.profile.link_bytes_per_s
-    down = _positive(measured.get("down_bytes_per_s")) or info.profile.downlink
     copies = 3 if cfg.momentum > 0 else 2
     return option_for(
         split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
         server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
         activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
-        server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=up, downlink_bytes_per_s=down,
+        server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
+        downlink_bytes_per_s=downlink_rate(info),
         latency_s=info.profile.latency_s, messages=2 * cfg.local_iters + 2,
         compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
         mem_per_sample=2 * cost.client_activation_bytes)
@@ -188,10 +186,6 @@ def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:
         return candidate_splits(cfg.model)
     except ValueError:
         return (cfg.split or model.default_split,)
-
-
-def _positive(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
 
 
 def _population(agents: Mapping[str, AgentInfo]) -> np.ndarray:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from sfl_core import timing
 from sfl_core.accounting import SplitCost
@@ -90,16 +90,15 @@ def variants(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) 
     return out
 
 
-def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
-            *, build: Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Any] = build_method
-            ) -> list[MethodPreview]:
+def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
+            agents: Mapping[str, AgentInfo]) -> list[MethodPreview]:
     """Every method's first planned round on ``agents`` (after S2FL's warm-up: its steady state)."""
     ids = sorted(agents)
     k = cfg.per_round or len(ids)
     default = ids[:k]
     out = []
     for name, variant in variants(cfg, model, costs).items():
-        method = build(variant, model, costs)
+        method = build_method(variant, model, costs)
         r = len(method.candidates) + 1
         selected, batches = method.select(r, ids, agents, default)
         plan = method.plan(r, selected, agents)

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
-from sfl_core.fleet import AgentInfo
+from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
 from sfl_core.grouping import group_by_balance
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.models import SplitModel
@@ -59,21 +59,17 @@ class S2FL(Method):
         samples = self.cfg.batch_size * self.cfg.local_iters
         for a in selected:
             info = agents[a]
-            measured = info.measured.get("compute_s_per_sample", {}) if isinstance(info.measured, dict) else {}
-            up = info.measured.get("up_bytes_per_s") or info.profile.link_bytes_per_s
-            down = info.measured.get("down_bytes_per_s") or info.profile.downlink
             for s in self.candidates:
                 entry = self.time_table.get(a, s)
                 if entry is not None and not entry.estimated:
                     continue
-                per_sample = measured.get(str(s))
                 ratio = self.wire_ratio.get(f"{s}/{self.cfg.codec}", 1.0)
                 self.time_table.set_estimate(a, s, estimate_round_time(
                     self.costs[s], samples=samples, compute_flops=info.profile.compute_flops,
-                    uplink_bytes_per_s=float(up), downlink_bytes_per_s=float(down),
+                    uplink_bytes_per_s=uplink_rate(info), downlink_bytes_per_s=downlink_rate(info),
                     server_flops_per_s=self.cfg.server_flops, latency_s=info.profile.latency_s,
                     messages=2 * self.cfg.local_iters + 2, wire_ratio=ratio,
-                    measured_compute_s_per_sample=float(per_sample) if isinstance(per_sample, (int, float)) else None))
+                    measured_compute_s_per_sample=compute_s_per_sample(info, s)))
 
     def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
         """Measured round times of this round's agents go into the table (updated every round)."""
