@@ -97,13 +97,14 @@ def status_table(metrics: list[dict[str, Any]], title: str) -> Table:
 
 
 def _assignment(m: dict[str, Any] | None) -> str:
-    """'split 2 b16', plus the bottleneck width and codec where a method set them."""
+    """'split 2 b16' (or 'whole model b16'), plus the bottleneck width and codec where a method set them."""
     if not m:
         return "-"
-    parts = [f"split {m.get('split', '?')}" + (f" b{m['batch_size']}" if m.get("batch_size") else "")]
+    where = "whole model" if m.get("whole_model") else f"split {m.get('split', '?')}"
+    parts = [where + (f" b{m['batch_size']}" if m.get("batch_size") else "")]
     if m.get("width"):
         parts.append(f"width {m['width']}")
-    if m.get("codec") and m["codec"] != "fp32":
+    if m.get("codec") and m["codec"] != "fp32" and not m.get("whole_model"):
         parts.append(m["codec"])
     return ", ".join(parts)
 

@@ -147,9 +147,11 @@ class RoundEngine:
             self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
                                           ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
         losses: list[float] = []
-        if not self.method.whole_model:
+        # agents holding the whole model train locally and only send weights (FedAvg, or auto's choice)
+        split_agents = [a for a, ra in agents.items() if not ra.assignment.whole_model]
+        if split_agents:
             for k in range(self.cfg.local_iters):
-                acts = self.session.collect(agents, "activations", r, k)
+                acts = self.session.collect(agents, "activations", r, k, only=split_agents)
                 if not acts:
                     break
                 batches = {a: self._batch(agents[a], m) for a, m in acts.items()}
@@ -203,10 +205,11 @@ class RoundEngine:
     def _assignment(self, split: int, width: int = 0, codec: str | None = None,
                     batch: int | None = None, lr_scale: float = 1.0) -> Assignment:
         cost = self.costs[split]
-        shape = (self.num_classes,) if self.method.whole_model else cost.activation_shape
+        whole = split == self.model.num_blocks
+        shape = (self.num_classes,) if whole else cost.activation_shape
         if width:
             shape = bottleneck_shape(shape, width)
-        strategy = "fedavg" if self.method.whole_model else "sfl"  # what the agent does
+        strategy = "fedavg" if whole else "sfl"  # what the agent does
         return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=width,
                           batch_size=batch or self.cfg.batch_size,
                           lr=self.method.lr(batch) * lr_scale,
@@ -240,11 +243,10 @@ class RoundEngine:
             self.session.send(ra, Message("logits", self.cfg.run_id, protocol.COORDINATOR_ID,
                                           {"z": wire.encode_tensor(logits[a], "fp32", self.cfg.zstd_level)},
                                           round=r, step=k, seq=protocol.next_seq()))
-        replies = self.session.collect(asked, "logit_grads", r, k)
+        replies = self.session.collect(agents, "logit_grads", r, k, only=list(asked))
         out: dict[str, tuple[torch.Tensor, float]] = {}
         for a in logits:
-            if a not in asked:          # dropped while we waited: out of the round
-                agents.pop(a, None)
+            if a not in agents:          # dropped while we waited: out of the round
                 continue
             try:
                 g = wire.decode_tensor(replies[a].body["g"], shape=tuple(logits[a].shape), dtypes=("float32", "float16"))
@@ -298,7 +300,7 @@ class RoundEngine:
                 profile=info.profile.at_round(r), server_flops_per_s=self.cfg.server_flops,
                 messages=ra.messages)
             t = times[a] = parts.total_s
-            act = 0 if self.method.whole_model else math.prod(ra.assignment.activation_shape) * 4
+            act = 0 if ra.assignment.whole_model else math.prod(ra.assignment.activation_shape) * 4
             observed.append(AgentRound(
                 a, info, ra.assignment.split, ra.assignment.codec, samples, compute_s=parts.client_compute_s,
                 transfer_s=parts.transfer_s, profile=info.profile.at_round(r),
@@ -314,6 +316,7 @@ class RoundEngine:
                             "client_s": round(parts.client_compute_s, 4), "transfer_s": round(parts.transfer_s, 4),
                             "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
+                            "whole_model": ra.assignment.whole_model,
                             "width": ra.assignment.width, "codec": ra.assignment.codec,
                             "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
                             "labels_withheld": ra.labels_withheld}

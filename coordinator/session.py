@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from sfl_core import protocol, wire
 from sfl_core.assignment import Assignment
@@ -70,6 +70,8 @@ class FleetSession:
         self.on_drop = on_drop
         self._seqs = protocol.ReplayGuard()
         self._reg_seq: dict[str, int] = {}
+        self._early: dict[str, Message] = {}
+        """Weights of whole-model agents that finished while the round's split agents still trained."""
         self.rejections = protocol.Rejections(log)
         self._rejected_before: dict[str, int] = {}
 
@@ -127,17 +129,25 @@ class FleetSession:
         ra.messages += 1
         ra.last_sent, ra.last_sent_at = msg, self._now()
 
-    def collect(self, agents: dict[str, RoundAgent], kind: str, r: int, k: int) -> dict[str, Message]:
-        """Gather one message of ``kind`` for (r, k) from every agent still in the round.
+    def collect(self, agents: dict[str, RoundAgent], kind: str, r: int, k: int,
+                only: Collection[str] | None = None) -> dict[str, Message]:
+        """Gather one message of ``kind`` for (r, k) from every agent still in the round (or from
+        those of them in ``only``).
 
         Duplicates of earlier steps mean our reply was lost: resend it. An agent silent
         for ``step_timeout_s`` (heartbeats count) is dropped and the round goes on. What is
         returned comes only from agents still in the round: one that re-registered (restarted)
-        after its message arrived is out, and so is its message.
+        after its message arrived is out, and so is its message. A round agent outside ``only``
+        that finishes early (one training the whole model, while the others exchange
+        activations) has its weights kept for the round's weights collection.
         """
+        expected = set(agents) if only is None else set(only)
         got: dict[str, Message] = {}
+        if kind == "weights":
+            got = {a: m for a, m in self._early.items() if m.round == r and a in agents and a in expected}
+            self._early = {}
         while True:
-            waiting = [a for a in agents if a not in got]
+            waiting = [a for a in agents if a in expected and a not in got]
             if not waiting:
                 return {a: m for a, m in got.items() if a in agents}
             msg = self._receive(0.1)
@@ -146,9 +156,12 @@ class FleetSession:
                 ra = agents.get(msg.sender)
                 if ra is not None:
                     ra.last_heard = self._now()
-                if msg.type in ("activations", "logit_grads", "weights"):
+                if msg.type == "weights" and kind != "weights" and msg.sender in agents \
+                        and msg.sender not in expected:
+                    self._early_weights(msg, agents[msg.sender], r)
+                elif msg.type in ("activations", "logit_grads", "weights"):
                     self._training_message(msg, agents, kind, r, k, got)
-                elif msg.type == "heartbeat" and ra is not None and msg.sender not in got:
+                elif msg.type == "heartbeat" and ra is not None and msg.sender in expected and msg.sender not in got:
                     self._maybe_resend(agents, ra, msg)
                 else:
                     self.dispatch(msg, agents)
@@ -198,6 +211,27 @@ class FleetSession:
             ra.last_sent_at = self._now()
             ra.resends += 1
 
+    def _early_weights(self, msg: Message, ra: RoundAgent, r: int) -> None:
+        """Weights from an agent we are not waiting on at this step: kept if they end its round."""
+        if msg.round != r or msg.step != ra.assignment.tau - 1 or not ra.assignment.whole_model:
+            self.rejections.reject("stale", f"weights (round {msg.round} step {msg.step}) from {msg.sender}: "
+                                            f"not expected before the round's other agents finish")
+            return
+        if msg.sender in self._early:
+            self.rejections.reject("duplicate", f"weights from {msg.sender}: round {r} already received",
+                                   level=logging.INFO)
+            return
+        self._count(ra, msg)
+        self._early[msg.sender] = msg
+
+    def _count(self, ra: RoundAgent, msg: Message) -> None:
+        """A message the round waited for arrived: its bytes, its timing, the agent's compute so far."""
+        ra.bytes_up += msg.wire_bytes
+        ra.messages += 1
+        ra.resends = 0
+        ra.busy_s += self._now() - ra.last_sent_at
+        ra.compute_s = float(msg.body["compute_s"])
+
     def _training_message(self, msg: Message, agents: dict[str, RoundAgent], kind: str, r: int, k: int,
                           got: dict[str, Message]) -> None:
         a = msg.sender
@@ -213,11 +247,7 @@ class FleetSession:
                 self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {k} already received",
                                        level=logging.INFO)
                 return
-            ra.bytes_up += msg.wire_bytes
-            ra.messages += 1
-            ra.resends = 0
-            ra.busy_s += self._now() - ra.last_sent_at
-            ra.compute_s = float(msg.body["compute_s"])
+            self._count(ra, msg)
             got[a] = msg
         elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
             self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {msg.step} answered again",

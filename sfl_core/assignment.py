@@ -29,6 +29,11 @@ class Assignment:
     zstd_level: int
     activation_shape: tuple[int, ...]
 
+    @property
+    def whole_model(self) -> bool:
+        """The agent trains the whole model locally and sends only its weights (no per-step exchange)."""
+        return self.strategy == "fedavg"
+
     def to_body(self, weights: dict[str, Any]) -> dict[str, Any]:
         return {"model": self.model, "strategy": self.strategy, "split": self.split, "width": self.width,
                 "batch_size": self.batch_size, "lr": float(self.lr), "momentum": float(self.momentum),

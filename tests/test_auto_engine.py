@@ -3,6 +3,8 @@ a plan that changes after a capacity drop, the planner's error in the metrics, a
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import yaml
 
@@ -120,6 +122,61 @@ def test_auto_never_predicts_a_longer_round_than_the_plans_it_could_have_made(se
     model, costs = build_model(cfg.model, shape, 10), model_costs(cfg.model, shape, 10)
     counts = [rng.multinomial(100, rng.dirichlet([0.3] * 10)).tolist() for _ in range(cfg.num_agents)]
     rows = {r.method: r for r in preview(cfg, model, costs, fleet_of(cfg, counts))}
-    assert rows["auto"].round_s <= rows["SFL"].round_s * (1 + 1e-6)
-    assert rows["auto"].round_s <= rows["S2FL"].round_s * (1 + 1e-6)
+    for other in ("SFL", "S2FL", "FedFC", "FedAvg"):   # the whole model on the agent is in the search space too
+        assert rows["auto"].round_s <= rows[other].round_s * (1 + 1e-6), other
     assert sum(a.batch for a in rows["auto"].agents.values()) == cfg.num_agents * 16
+
+
+def test_weights_cheaper_than_activations_put_the_whole_model_on_the_agent(tmp_path):
+    """small_cnn's whole model is 2 MB of weights; at 10 steps of batch 16 a fast device on a slow
+    link sends less by training it all (FedAvg-style) than by streaming activations, while slow
+    devices on the same links keep an early cut. Both kinds train in the same round."""
+    from coordinator.api import run_simulation
+
+    fleet = [{"profile": p, "count": 1} for p in ("s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high")]
+    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=4, local_iters=10), device="cpu")
+    whole = engine.model.num_blocks
+    cost = engine.method.costs[whole]
+    for record in history[1:]:
+        got = _by_profile(engine, record)
+        assert got["s2fl-high-high"]["split"] == whole
+        assert got["s2fl-low-low"]["split"] < whole
+        for a, row in record["agents"].items():
+            assert row["whole_model"] == (row["split"] == whole)
+            if row["whole_model"]:   # weights up and down, nothing per step
+                assert row["bytes_up"] < 1.2 * cost.client_param_bytes
+    assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.3
+
+    # the option can be switched off: only cuts then
+    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=1, local_iters=10, whole_model=False),
+                                     device="cpu")
+    assert all(v["split"] < engine.model.num_blocks for v in history[-1]["auto"]["assign"].values())
+
+
+def test_selection_prefers_a_balanced_label_mix_and_rotates_everyone_through():
+    from sfl_core.config import DeviceProfile
+    from sfl_core.fleet import AgentInfo
+    from sfl_core.methods.auto import select_by_label_mix
+
+    # 8 agents, each holding one of 4 classes: a balanced round of 4 takes one of each class
+    profile = DeviceProfile(name="d", compute_flops=1e9, link_bytes_per_s=1e6)
+    agents = {f"a{i}": AgentInfo(f"a{i}", i, profile, {}, [100 if c == i % 4 else 0 for c in range(4)], 100)
+              for i in range(8)}
+    def classes(chosen):
+        return len({int(a[1:]) % 4 for a in chosen})
+
+    # a uniform sample of 4 covers all 4 classes in 16 of the 70 subsets (23 %)
+    uniform = sum(classes(c) == 4 for c in itertools.combinations(agents, 4)) / 70
+    seen, balanced = set(), 0
+    for r in range(20):
+        chosen = select_by_label_mix(list(agents), agents, 4, seed=r)
+        assert len(chosen) == 4
+        balanced += classes(chosen) == 4
+        for a in chosen:
+            agents[a].rounds += 1
+        seen |= set(chosen)
+    # the pool of 6 holds all 4 classes unless it misses both agents of one (about 43 % of pools)
+    assert balanced / 20 > 2 * uniform
+    assert seen == set(agents)
+    counts = sorted(a.rounds for a in agents.values())
+    assert counts[-1] - counts[0] <= 5    # a uniform sample spreads them by 6 on average

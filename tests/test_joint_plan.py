@@ -114,3 +114,19 @@ def test_bad_batch_bounds_are_refused():
 def test_option_without_deadline_room_fits_nothing():
     o = Option(split=1, codec="fp32", fixed_s=5.0, per_sample_s=1.0)
     assert o.largest_batch(4.0, None, 10) == -1 and o.largest_batch(8.0, None, 10) == 3
+
+
+def test_weights_smaller_than_activations_put_the_whole_model_on_the_agent():
+    def whole(compute, link, weight_bytes):
+        return option_for(split=4, codec="fp32", tau=TAU, client_flops=9e6, server_flops=0.0,
+                          weight_bytes=weight_bytes, activation_bytes=0.0, compute_flops_per_s=compute,
+                          server_flops_per_s=1e12, uplink_bytes_per_s=link, downlink_bytes_per_s=link,
+                          latency_s=0.01, messages=2)
+
+    fleet = {"fast-cpu": options(1e10, 1e5, latency=0.01) + [whole(1e10, 1e5, 2e5)],
+             "slow-cpu": options(1e7, 1e8, latency=0.01) + [whole(1e7, 1e8, 2e5)],
+             "heavy": options(1e10, 1e5, latency=0.01) + [whole(1e10, 1e5, 1e8)]}
+    plan = plan_round(fleet, {}, total=48, lo=16, hi=16, regulate=False)
+    assert plan.agents["fast-cpu"].option.split == 4      # 0.2 MB of weights beat 80 x 4 kB of activations
+    assert plan.agents["slow-cpu"].option.split == 1      # too slow to run the whole model
+    assert plan.agents["heavy"].option.split == 3         # 100 MB of weights cost more than activations

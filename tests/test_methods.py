@@ -45,7 +45,6 @@ def test_strategy_picks_the_base_and_the_config_adds_layers(tmp_path):
     # (mu, beta) are views of the base's fleet estimates
     assert both.fleet is both.inner.inner.fleet and both.time_table is both.fleet.time_table
     assert both.control.states is both.fleet.rates
-    assert not both.whole_model and _method(_cfg(tmp_path, strategy="fedavg")).whole_model
 
 
 class Alternate(Method):

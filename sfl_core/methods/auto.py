@@ -39,10 +39,12 @@ class Auto(Method):
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         super().__init__(cfg, model, costs)
         a = cfg.auto
-        cands = a.candidates or _default_candidates(cfg, model)
+        cands = tuple(a.candidates or _default_candidates(cfg, model))
         for s in cands:
             model.check_split(s)
-        self._candidates: tuple[int, ...] = tuple(cands)
+        if a.whole_model and model.num_blocks not in cands:
+            cands += (model.num_blocks,)
+        self._candidates: tuple[int, ...] = cands
         self.codecs = tuple(c for c in a.codecs if 1 / nominal_ratio(c) <= a.max_compression) or (cfg.codec,)
         self.max_batch = a.max_batch or 2 * cfg.batch_size
         self.scales: dict[str, list[float]] = {}
@@ -57,17 +59,26 @@ class Auto(Method):
         return self._candidates
 
     def notes(self, pool: int) -> list[str]:
-        return [f"auto: plans split {list(self.candidates)}, codec {list(self.codecs)} and batch "
-                f"{self.cfg.auto.min_batch}..{self.max_batch} per agent each round"]
+        cuts = [s for s in self.candidates if s != self.model.num_blocks]
+        whole = " (or the whole model)" if self.model.num_blocks in self.candidates else ""
+        return [f"auto: plans split {cuts}{whole}, codec {list(self.codecs)} and batch "
+                f"{self.cfg.auto.min_batch}..{self.max_batch} per agent each round; "
+                f"selection: {self.cfg.auto.selection}"]
 
     # ----------------------------------------------------------------- the round
+    def choices(self) -> list[tuple[int, str]]:
+        """Every (split, codec) pair an agent may be given; the whole model sends no activations,
+        so it takes the run's codec only."""
+        return [(s, codec) for s in self.candidates
+                for codec in (self.codecs if s != self.model.num_blocks else (self.cfg.codec,))]
+
     def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True) -> list[Option]:
-        """Every (split, codec) this agent may train, priced by the time model."""
+        """Every (split, codec) this agent may train, priced by the time model (in :meth:`choices` order)."""
         cs, ls = self.scales.get(agent_id, (1.0, 1.0)) if scaled else (1.0, 1.0)
         return [price_option(self.cfg, self.costs[s], codec, info,
                              ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
                              compute_scale=cs, link_scale=ls)
-                for s in self.candidates for codec in self.codecs]
+                for s, codec in self.choices()]
 
     def joint_plan(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> JointPlan:
         """The round's assignment for ``selected`` (no side effects: ``sfl-coord plan`` calls it too)."""
@@ -78,7 +89,7 @@ class Auto(Method):
         plan = plan_round(options, memory, total=total, lo=a.min_batch, hi=self.max_batch, regulate=a.regulate)
         if a.regulate and plan.agents:
             counts = {x: agents[x].label_counts for x in plan.agents}
-            target = _population(agents)
+            target = mergesfl.population_distribution({x: i.label_counts for x, i in agents.items()})
             batches = {x: p.batch for x, p in plan.agents.items()}
             equal = _equal(batches)
             fair = limit_skew(batches, equal, counts, target, a.epsilon)
@@ -89,21 +100,20 @@ class Auto(Method):
 
     def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
                default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
-        plan = self.joint_plan(default, agents)
+        chosen = default
+        if self.cfg.auto.selection == "kl" and len(default) < len(online):
+            chosen = select_by_label_mix(online, agents, len(default), seed=self.cfg.seed * 100_003 + r)
+        plan = self.joint_plan(chosen, agents)
         if plan.infeasible:
             log.warning("round %d: %s cannot hold any client portion in memory; left out", r, ", ".join(plan.infeasible))
         self.current = plan
         self.unscaled = {}
         for x, p in plan.agents.items():   # what the factors divide: this option's seconds before them
-            raw = self.options(x, agents[x], scaled=False)[self._index(p.option)]
+            raw = self.options(x, agents[x], scaled=False)[self.choices().index((p.option.split, p.option.codec))]
             compute = raw.compute_per_sample_s * p.batch
             server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
             self.unscaled[x] = (compute, raw.time(p.batch) - compute - server)
         return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
-
-    def _index(self, option: Option) -> int:
-        """Where ``option`` sits in :meth:`options` (candidates outer, codecs inner)."""
-        return self.candidates.index(option.split) * len(self.codecs) + self.codecs.index(option.codec)
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         plan = self.current
@@ -170,13 +180,14 @@ def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *
     seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
     copies = 3 if cfg.momentum > 0 else 2
+    whole = cost.activation_bytes == 0   # the whole model on the agent: weights only, no per-step exchange
     return option_for(
         split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
         server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
         activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
         server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
         downlink_bytes_per_s=downlink_rate(info),
-        latency_s=info.profile.latency_s, messages=2 * cfg.local_iters + 2,
+        latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
         compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
         mem_per_sample=2 * cost.client_activation_bytes)
 
@@ -188,9 +199,34 @@ def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:
         return (cfg.split or model.default_split,)
 
 
-def _population(agents: Mapping[str, AgentInfo]) -> np.ndarray:
-    total = np.sum([np.asarray(a.label_counts, dtype=float) for a in agents.values()], axis=0)
-    return total / max(total.sum(), 1e-12)
+def select_by_label_mix(online: Sequence[str], agents: Mapping[str, AgentInfo], k: int, *, seed: int) -> list[str]:
+    """``k`` of the ``online`` agents whose merged label mix (equal batches) is close to the whole
+    population's (MergeSFL's objective, Eq. 11-12), taking rarely chosen agents first.
+
+    Every agent gets a random key weighted by MergeSFL's priority (Eq. 13: the fewer rounds it
+    took part in, the larger); a pool of the ``1.5 k`` largest keys is then filled greedily,
+    each time with the agent that brings the mix closest to the population's, ties going to
+    the larger key. The pool and the tie-break keep it fair (an agent the label mix never
+    needs enters the pool more often the longer it sits out); greedy keeps it linear in the
+    fleet (MergeSFL's genetic search is :func:`sfl_core.mergesfl.select_workers`)."""
+    ids = sorted(online)
+    rng = np.random.default_rng(seed)
+    weights = mergesfl.priorities({a: agents[a].rounds for a in ids}, ids)
+    keys = rng.random(len(ids)) ** (1.0 / weights)          # Efraimidis-Spirakis: weighted, no replacement
+    pool = [ids[i] for i in np.argsort(-keys)[:min(len(ids), k + max(1, k // 2))]]   # largest key first
+    target = mergesfl.population_distribution({a: i.label_counts for a, i in agents.items()})
+    rows = np.array([np.asarray(agents[a].label_counts, dtype=float) for a in pool])
+    rows = rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-12)
+    chosen: list[int] = []
+    mix = np.zeros_like(target)
+    for n in range(1, min(k, len(pool)) + 1):
+        trial = (mix * (n - 1) + rows) / n                   # the mix with each candidate added
+        score = np.sum(trial * np.log((trial + 1e-12) / (target + 1e-12)), axis=1)
+        score[chosen] = np.inf
+        best = int(np.flatnonzero(score <= score.min() + 1e-9)[0])   # pool order: the larger key wins ties
+        chosen.append(best)
+        mix = trial[best]
+    return sorted(pool[i] for i in chosen)
 
 
 def _equal(batches: Mapping[str, int]) -> dict[str, int]:

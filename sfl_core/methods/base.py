@@ -30,6 +30,8 @@ from sfl_core.sliding_split import ClientTimeTable
 @dataclass(frozen=True)
 class RoundPlan:
     splits: dict[str, int]
+    """Per agent its cut; the model's ``num_blocks`` puts the whole model on the agent (it trains
+    locally and sends only its weights, FedAvg-style), and agents of both kinds may share a round."""
     groups: list[list[str]]
     phase: str = ""
     """How the splits were chosen: fixed, warm-up, median rule."""
@@ -73,9 +75,6 @@ class Method:
     a method's name. State that must survive a restart goes through :meth:`to_json` /
     :meth:`load_json` (the checkpoint's ``state.json``).
     """
-
-    whole_model: bool = False
-    """Agents train the whole model and send nothing per step (FedAvg)."""
 
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         self.cfg = cfg
@@ -189,10 +188,6 @@ class Layer(Method):
     @property
     def fleet(self) -> FleetEstimates:  # type: ignore[override]
         return self.inner.fleet
-
-    @property
-    def whole_model(self) -> bool:  # type: ignore[override]
-        return self.inner.whole_model
 
     @property
     def candidates(self) -> tuple[int, ...]:

@@ -9,8 +9,6 @@ from sfl_core.methods.base import Method, RoundPlan
 
 
 class FedAvg(Method):
-    whole_model = True
-
     def splits_to_time(self) -> list[int]:
         return [self.model.num_blocks]
 

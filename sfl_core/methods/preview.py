@@ -104,7 +104,7 @@ def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
         plan = method.plan(r, selected, agents)
         rows = {}
         for a in selected:
-            split = model.num_blocks if method.whole_model else plan.splits[a]
+            split = plan.splits[a]
             cost = costs[split]
             codec = plan.codecs.get(a, variant.codec)
             width = plan.widths.get(a, 0)
