@@ -3,6 +3,7 @@ a plan that changes after a capacity drop, the planner's error in the metrics, a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -180,3 +181,13 @@ def test_selection_prefers_a_balanced_label_mix_and_rotates_everyone_through():
     assert seen == set(agents)
     counts = sorted(a.rounds for a in agents.values())
     assert counts[-1] - counts[0] <= 5    # a uniform sample spreads them by 6 on average
+
+
+def test_the_server_side_follows_server_mode(tmp_path):
+    from coordinator.api import run_simulation
+
+    fleet = [{"profile": p, "count": 1} for p in ("s2fl-low-low", "s2fl-high-high")]
+    cfg = _cfg(tmp_path, fleet, rounds=1, whole_model=False)
+    for mode, groups in (("merged", 1), ("per_agent", 2)):
+        history, _ = run_simulation(dataclasses.replace(cfg, server_mode=mode), device="cpu")
+        assert len(history[-1]["groups"]) == groups, mode

@@ -121,7 +121,11 @@ class Auto(Method):
             plan = self.current = self.joint_plan(selected, agents)
         splits = {x: p.option.split for x, p in plan.agents.items()}
         codecs = {x: p.option.codec for x, p in plan.agents.items()}
-        return RoundPlan(splits, [sorted(splits)], "joint plan", codecs=codecs)
+        # the server side follows server_mode as SFL's does (merged: one copy on the merged batch)
+        mode = self.cfg.server_mode
+        groups = [[a] for a in sorted(splits)] if mode == "per_agent" else [sorted(splits)]
+        return RoundPlan(splits, groups, "joint plan", codecs=codecs, sequential=mode == "sequential",
+                         server_once=self.cfg.server_weight == "once")
 
     def lr(self, batch: int | None) -> float:
         """MergeSFL's Eq. 15: the learning rate scales with the agent's batch."""
