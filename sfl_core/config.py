@@ -461,8 +461,8 @@ class AutoConfig(Section):
     candidates: Annotated[Optional[tuple[int, ...]], checked(_split_list)] = None   # None = the model's candidate cuts
     whole_model: Annotated[bool, _bool_c] = True
     """Also consider the whole model on the agent (it sends weights only) where that is faster."""
-    selection: Annotated[str, checked(_enum("kl", "uniform"))] = "kl"
-    """Which agents train: 'kl' = label mix closest to the population's, rarely chosen agents first."""
+    selection: Annotated[str, checked(_enum("uniform", "kl"))] = "uniform"
+    """Which agents train: the engine's uniform sample, or 'kl' = label mix closest to the population's."""
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
     max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
     """Strongest activation compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""

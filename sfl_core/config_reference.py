@@ -155,7 +155,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('auto.whole_model',
      'also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut.'),
     ('auto.selection',
-     "which agents train each round: kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12); uniform = a uniform sample."),
+     "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default uniform: kl reached the target later in the mixed-fleet and MergeSFL benches."),
     ('auto.codecs',
      'the activation codecs it may choose among (only those within max_compression are used).'),
     ('auto.max_compression',
