@@ -51,7 +51,8 @@ def synthetic_fleet(n: int, seed: int) -> dict[str, AgentInfo]:
 
 def planning_time(n: int, repeats: int) -> dict[str, float]:
     cfg = run_config_from_dict({"run": "plan", "model": "vgg16", "strategy": "auto", "min_agents": n,
-                                "batch_size": 32, "local_iters": 10, "data": {"image_size": 32}})
+                                "batch_size": 32, "local_iters": 10, "data": {"image_size": 32},
+                                "auto": {"selection": "kl"}})
     shape = (3, 32, 32)
     model = build_model(cfg.model, shape, 10)
     method = build_method(cfg, model, model_costs(cfg.model, shape, 10))
@@ -59,7 +60,7 @@ def planning_time(n: int, repeats: int) -> dict[str, float]:
     ids = sorted(agents)
     seconds = common.median_seconds(lambda: method.select(2, ids, agents, ids), repeats=repeats)
     plan = method.current
-    # a tenth of them selected by label mix first (auto.selection: kl), then planned
+    # a tenth of them chosen by label mix first (auto.selection: kl), then planned
     tenth = ids[: n // 10]
     select_s = common.median_seconds(lambda: method.select(2, ids, agents, tenth), repeats=repeats)
     return {"agents": n, "options_per_agent": len(method.choices()), "plan_s": seconds,
