@@ -25,3 +25,6 @@ def test_auto_runs_with_agent_processes(mosquitto, tmp_path):
         for agent, a in plan["assign"].items():             # the agents trained what the plan said
             assert r["agents"][agent]["split"] == a["split"] and r["agents"][agent]["batch_size"] == a["batch"]
         assert plan["measured_round_s"] > 0 and plan["predicted_round_s"] > 0
+    # high-high's fast compute trains the whole model (weights only), low-low keeps a cut, in the same round
+    whole = [{a: v["whole_model"] for a, v in r["agents"].items()} for r in m[1:]]
+    assert any(len(set(w.values())) == 2 for w in whole), whole
