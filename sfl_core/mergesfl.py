@@ -107,7 +107,7 @@ def _batch_vector(ids: Sequence[str], batches: Mapping[str, int]) -> np.ndarray:
     return np.array([_positive_int(f"batch of agent {a!r}", batches[a]) for a in ids], dtype=np.int64)
 
 
-def _dist_matrix(ids: Sequence[str], label_dists: Mapping[str, Sequence[float]]) -> np.ndarray:
+def dist_matrix(ids: Sequence[str], label_dists: Mapping[str, Sequence[float]]) -> np.ndarray:
     """Rows ``V_i`` (normalised, so raw label counts work too) for ``ids``, validated."""
     missing = [a for a in ids if a not in label_dists]
     if missing:
@@ -365,11 +365,11 @@ def population_distribution(label_counts: Mapping[str, Sequence[float]], *, pool
         raise ValueError("population_distribution needs at least one agent")
     ids = sorted(label_counts)
     if pooled:
-        raw = _dist_matrix(ids, label_counts)  # validates; rows normalised ...
+        raw = dist_matrix(ids, label_counts)  # validates; rows normalised ...
         sizes = np.array([float(np.sum(np.asarray(label_counts[a], dtype=np.float64))) for a in ids])
         total = (raw * sizes[:, None]).sum(axis=0)  # ... so undo it to pool the counts
     else:
-        total = _dist_matrix(ids, label_counts).mean(axis=0)
+        total = dist_matrix(ids, label_counts).mean(axis=0)
     return total / total.sum()
 
 
@@ -383,7 +383,7 @@ def mixed_distribution(selected: Collection[str], batches: Mapping[str, int],
     """
     ids = _selected_ids(selected)
     d = _batch_vector(ids, batches).astype(np.float64)
-    return d @ _dist_matrix(ids, label_dists) / d.sum()
+    return d @ dist_matrix(ids, label_dists) / d.sum()
 
 
 def kl(p: Sequence[float] | np.ndarray, q: Sequence[float] | np.ndarray, eps: float = KL_EPS) -> float:
@@ -397,10 +397,10 @@ def kl(p: Sequence[float] | np.ndarray, q: Sequence[float] | np.ndarray, eps: fl
     qq = _distribution("q", q)
     if pp.shape != qq.shape:
         raise ValueError(f"p and q must have the same length, got {pp.size} and {qq.size}")
-    return float(_kl_rows(pp[None, :], qq, eps)[0])
+    return float(kl_rows(pp[None, :], qq, eps)[0])
 
 
-def _kl_rows(P: np.ndarray, q: np.ndarray, eps: float = KL_EPS) -> np.ndarray:
+def kl_rows(P: np.ndarray, q: np.ndarray, eps: float = KL_EPS) -> np.ndarray:
     """KL of each row of ``P`` (rows are distributions) against ``q``; vectorised Eq. 12."""
     logq = np.log(np.maximum(q, eps))
     safe = np.where(P > 0, P, 1.0)
@@ -507,7 +507,7 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
         raise ValueError("select_workers needs at least one candidate agent")
     ids = sorted(batches)
     d_all = _batch_vector(ids, batches)
-    V_all = _dist_matrix(ids, label_dists)
+    V_all = dist_matrix(ids, label_dists)
     q = population_distribution(label_dists) if target is None else _distribution("target", target)
     if q.size != V_all.shape[1]:
         raise ValueError(f"target has {q.size} classes, label distributions have {V_all.shape[1]}")
@@ -610,7 +610,7 @@ def _mix_kl(X: np.ndarray, d: np.ndarray, U: np.ndarray, q: np.ndarray) -> np.nd
     ok = tot > 0
     if ok.any():
         num = np.einsum("pn,nm->pm", X[ok].astype(np.float64), U)
-        f[ok] = _kl_rows(num / tot[ok, None], q)
+        f[ok] = kl_rows(num / tot[ok, None], q)
     return f
 
 
@@ -678,7 +678,7 @@ def tune_batches(selected: Collection[str], batches: Mapping[str, int], label_di
     d0 = _batch_vector(ids, batches)
     if (d0 < lo).any() or (d0 > hi).any():
         raise ValueError(f"input batches must lie in [{lo}, {max_batch}], got {dict(zip(ids, d0.tolist()))}")
-    V = _dist_matrix(ids, label_dists)
+    V = dist_matrix(ids, label_dists)
     q = population_distribution(label_dists) if target is None else _distribution("target", target)
     if q.size != V.shape[1]:
         raise ValueError(f"target has {q.size} classes, label distributions have {V.shape[1]}")
@@ -686,7 +686,7 @@ def tune_batches(selected: Collection[str], batches: Mapping[str, int], label_di
 
     d = d0.copy()
     num = d.astype(np.float64) @ V
-    cur = float(_kl_rows((num / d.sum())[None, :], q)[0])
+    cur = float(kl_rows((num / d.sum())[None, :], q)[0])
     steps = 0
     step = np.concatenate([np.ones(len(ids), dtype=np.int64), -np.ones(len(ids), dtype=np.int64)])
     who = np.concatenate([np.arange(len(ids)), np.arange(len(ids))])
@@ -694,7 +694,7 @@ def tune_batches(selected: Collection[str], batches: Mapping[str, int], label_di
         new_d = d[who] + step
         valid = (new_d >= lo) & (new_d <= hi)
         P = (num[None, :] + step[:, None] * V[who]) / np.maximum(d.sum() + step, 1)[:, None]
-        gain = cur - _kl_rows(np.where(valid[:, None], P, 1.0 / q.size), q)
+        gain = cur - kl_rows(np.where(valid[:, None], P, 1.0 / q.size), q)
         cost = s[who] * (np.abs(new_d - d0[who]) - np.abs(d[who] - d0[who]))
         useful = valid & (gain > _TINY)
         if not useful.any():
@@ -706,7 +706,7 @@ def tune_batches(selected: Collection[str], batches: Mapping[str, int], label_di
         pick = int(top[np.argmax(gain[top])])
         d[who[pick]] += step[pick]
         num += step[pick] * V[who[pick]]
-        cur = float(_kl_rows((num / d.sum())[None, :], q)[0])  # recomputed, so no drift
+        cur = float(kl_rows((num / d.sum())[None, :], q)[0])  # recomputed, so no drift
         steps += 1
     out = {a: int(x) for a, x in zip(ids, d)}
     return Tuning(batches=out, kl=cur, reached=cur <= eps, added_wait=float(np.mean(np.abs(d - d0) * s)), steps=steps)

@@ -27,7 +27,7 @@ from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
 from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
 from sfl_core.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
-from sfl_core.methods.base import AgentRound, Method, RoundPlan
+from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.models import SplitModel
 from sfl_core.sliding_split import candidate_splits
 from sfl_core.wire import nominal_ratio
@@ -121,11 +121,7 @@ class Auto(Method):
             plan = self.current = self.joint_plan(selected, agents)
         splits = {x: p.option.split for x, p in plan.agents.items()}
         codecs = {x: p.option.codec for x, p in plan.agents.items()}
-        # the server side follows server_mode as SFL's does (merged: one copy on the merged batch)
-        mode = self.cfg.server_mode
-        groups = [[a] for a in sorted(splits)] if mode == "per_agent" else [sorted(splits)]
-        return RoundPlan(splits, groups, "joint plan", codecs=codecs, sequential=mode == "sequential",
-                         server_once=self.cfg.server_weight == "once")
+        return split_plan(self.cfg, splits, "joint plan", codecs=codecs)
 
     def lr(self, batch: int | None) -> float:
         """MergeSFL's Eq. 15: the learning rate scales with the agent's batch."""
@@ -219,13 +215,12 @@ def select_by_label_mix(online: Sequence[str], agents: Mapping[str, AgentInfo], 
     keys = rng.random(len(ids)) ** (1.0 / weights)          # Efraimidis-Spirakis: weighted, no replacement
     pool = [ids[i] for i in np.argsort(-keys)[:min(len(ids), k + max(1, k // 2))]]   # largest key first
     target = mergesfl.population_distribution({a: i.label_counts for a, i in agents.items()})
-    rows = np.array([np.asarray(agents[a].label_counts, dtype=float) for a in pool])
-    rows = rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-12)
+    rows = mergesfl.dist_matrix(pool, {a: agents[a].label_counts for a in pool})
     chosen: list[int] = []
     mix = np.zeros_like(target)
     for n in range(1, min(k, len(pool)) + 1):
         trial = (mix * (n - 1) + rows) / n                   # the mix with each candidate added
-        score = np.sum(trial * np.log((trial + 1e-12) / (target + 1e-12)), axis=1)
+        score = mergesfl.kl_rows(trial, target)
         score[chosen] = np.inf
         best = int(np.flatnonzero(score <= score.min() + 1e-9)[0])   # pool order: the larger key wins ties
         chosen.append(best)

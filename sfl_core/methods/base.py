@@ -45,6 +45,15 @@ class RoundPlan:
     """FedFC Alg. 3: a group's server copy counts once in the layer-wise average, not once per member."""
 
 
+def split_plan(cfg: RunConfig, splits: Mapping[str, int], phase: str, **extra: Any) -> RoundPlan:
+    """A plan whose server side follows ``cfg.server_mode`` (merged: one copy for all; per_agent:
+    one copy each; sequential: one copy, agent after agent) and ``cfg.server_weight``."""
+    ids = sorted(splits)
+    groups = [[a] for a in ids] if cfg.server_mode == "per_agent" else [ids]
+    return RoundPlan(dict(splits), groups, phase, sequential=cfg.server_mode == "sequential",
+                     server_once=cfg.server_weight == "once", **extra)
+
+
 @dataclass(frozen=True)
 class AgentRound:
     """What one agent's finished round tells the method (the engine's measurements, by the run's clock)."""

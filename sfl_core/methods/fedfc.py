@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from sfl_core.fleet import AgentInfo
-from sfl_core.methods.base import RoundPlan
+from sfl_core.methods.base import RoundPlan, split_plan
 from sfl_core.methods.sfl import SFL
 
 
@@ -21,7 +21,5 @@ class FedFC(SFL):
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         by_profile = self.cfg.profile_splits or {}
-        return RoundPlan({a: by_profile.get(agents[a].profile.name, self.split) for a in selected},
-                         self.groups(selected), "per profile",
-                         sequential=self.cfg.server_mode == "sequential",
-                         server_once=self.cfg.server_weight == "once")
+        return split_plan(self.cfg, {a: by_profile.get(agents[a].profile.name, self.split) for a in selected},
+                          "per profile")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from sfl_core.fleet import AgentInfo
-from sfl_core.methods.base import Method, RoundPlan
+from sfl_core.methods.base import Method, RoundPlan, split_plan
 
 
 class SFL(Method):
@@ -22,10 +22,5 @@ class SFL(Method):
     def configured_splits(self) -> tuple[int, ...]:
         return (self.split,)
 
-    def groups(self, selected: Sequence[str]) -> list[list[str]]:
-        return [[a] for a in selected] if self.cfg.server_mode == "per_agent" else [list(selected)]
-
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
-        return RoundPlan({a: self.split for a in selected}, self.groups(selected), "fixed",
-                         sequential=self.cfg.server_mode == "sequential",
-                         server_once=self.cfg.server_weight == "once")
+        return split_plan(self.cfg, {a: self.split for a in selected}, "fixed")
