@@ -160,6 +160,10 @@ def build_config(spec: dict[str, Any], setting: str, method: str, seed: int, arg
     if reduce:                               # bottleneck widths as data reductions of the full width p̄
         full = costs[cfg["split"]].activation_shape[0]
         cfg["hetero"].update(width=full, widths=[max(1, full // r) for r in reduce])
+    reduce = (cfg.get("auto") or {}).pop("reduce", None)
+    if reduce:                               # auto's widths, the same way
+        full = costs[cfg["split"]].activation_shape[0]
+        cfg["auto"]["widths"] = sorted({max(1, full // r) for r in reduce})
     cfg["data"] = {**cfg["data"], "seed": seed, "root": args.root, "dataset": args.dataset}
     cfg.update(run=f"paper-{args.paper}", seed=seed, output_dir=str(work / run_dir_name(setting, method, seed)))
     if args.quick:

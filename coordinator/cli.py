@@ -327,8 +327,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
         detail.add_column(col)
     for a, x in sorted(auto.agents.items()):
         whole = x.split == model.num_blocks
-        detail.add_row(a, names[a], "whole model" if whole else str(x.split), "-" if whole else x.codec,
-                       str(x.batch), f"{x.time_s:.3g}")
+        codec = "-" if whole else f"{x.codec}, width {x.width}" if x.width else x.codec
+        detail.add_row(a, names[a], "whole model" if whole else str(x.split), codec, str(x.batch), f"{x.time_s:.3g}")
     Console().print(detail)
     if json_out is not None:
         json_out.write_text(json.dumps({"run": cfg.run_id, "model": cfg.model,

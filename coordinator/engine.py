@@ -129,6 +129,7 @@ class RoundEngine:
         wall0 = time.monotonic()
         selected, batches = self.method.select(r, self.session.online(), self.registry.agents, self.select(r))
         plan = self.method.plan(r, selected, self.registry.agents)
+        self._widen_bottlenecks(plan)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
         decay = self.cfg.lr_decay ** max(0, r - 1)
@@ -197,6 +198,18 @@ class RoundEngine:
         return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(online, k))
 
     # ================================================================ internals
+    def _widen_bottlenecks(self, plan: RoundPlan) -> None:
+        """The full model runs a bottleneck at the widest width any agent has trained there, so
+        evaluation, export and the rows of agents cut before the pair never use channels that
+        nobody trained (auto may give every agent a narrow width; HeteroSFL starts at its widest).
+        Rows cut before the pair pass it at that width too, so every row reaches the server's
+        later layers through the same channels (tried: giving them the full width stalled
+        training in the test fleet, the later layers then see two different distributions)."""
+        for a, w in plan.widths.items():
+            pair = self.model.bottleneck(plan.splits[a]) if w else None
+            if pair is not None and w > pair.infer_width:
+                pair.infer_width = w
+
     def _client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
         state = self.model.client_state(split)
@@ -386,6 +399,10 @@ class RoundEngine:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))
             self.method.load_json(st)
+            for b in (st.get("model_info") or {}).get("bottlenecks") or []:   # the widths trained so far
+                pair = self.model.bottleneck(int(b["split"]))
+                if pair is not None:
+                    pair.infer_width = min(pair.width, max(1, int(b["infer_width"])))
             elapsed = float(st.get("elapsed_s", 0.0))
         except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__

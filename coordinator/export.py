@@ -38,13 +38,20 @@ def describe_model(model: SplitModel, dataset: Optional[str] = None,
 
 
 def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """The (untrained) global model of a run: the zoo model plus, with ``hetero.width``, the
-    bottleneck at the run's split. With fixed per-group widths nobody trains the channels past
-    the widest, so the full model is evaluated without them."""
+    """The (untrained) global model of a run: the zoo model plus, with ``hetero.width`` (or
+    ``auto.widths`` under strategy auto), the bottleneck at the run's split. With fixed
+    per-group widths nobody trains the channels past the widest, so the full model is
+    evaluated without them; under auto it starts at the narrowest width."""
     model = build_model(cfg.model, input_shape, num_classes)
+    split = cfg.split or model.default_split
     if cfg.hetero.width is not None:
-        pair = model.add_bottleneck(cfg.split or model.default_split, cfg.hetero.width)
+        pair = model.add_bottleneck(split, cfg.hetero.width)
         pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
+    elif cfg.strategy == "auto" and cfg.auto.widths:   # runs at the widest width trained so far (the engine widens it)
+        pair = model.add_bottleneck(split, max(cfg.auto.widths))
+        channels = pair.activation_shape[0]
+        pair.infer_width = min((w for w in cfg.auto.widths if channels / w <= cfg.auto.max_compression + 1e-9),
+                               default=pair.width)   # the narrowest width auto may assign
     return model
 
 

@@ -15,7 +15,8 @@ own rows. That gradient is scaled by ``N / b_i`` so it is the gradient of the me
 mean loss, which keeps a client learning rate meaning the same whatever the group size.
 
 HeteroSFL (docs/methods.md §6) adds to that: a bottlenecked member's rows pass the first ``width``
-input channels of the group's decoder before they join; the loss may be logit-calibrated
+input channels of the group's decoder before they join (rows that joined earlier pass the
+whole pair, encode and decode, as in the full model's forward); the loss may be logit-calibrated
 per member (each row scored against its own agent's label counts); and with BDKS every
 member wider than the round's narrowest width also runs its rows through the narrower
 sub-bottlenecks, so the wide and narrow paths teach each other (:func:`_bdks_terms`).
@@ -69,9 +70,11 @@ class _Group:
         self.model = copy.deepcopy(model)
         self.model.train()
         params = [p for blk in self.model.blocks[self.first:] for p in blk.parameters()]
-        # the decoders of bottlenecks at or after the first split belong to the server side
-        params += [p for key, pair in self.model.bottlenecks.items() if int(key) >= self.first
-                   for p in pair.decoder.parameters()]
+        # a bottleneck at the first split: its decoder is the server's; one further on is a whole
+        # layer of the server side (the rows of members cut before it pass it encode and decode)
+        for key, pair in self.model.bottlenecks.items():
+            if int(key) >= self.first:
+                params += list((pair.decoder if int(key) == self.first else pair).parameters())
         self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
 
     def state_for(self, split: int) -> dict[str, torch.Tensor]:
@@ -182,6 +185,8 @@ class ServerTrainer:
                 # a bottlenecked agent's rows pass its slice of the decoder before joining (HetBL)
                 joining.append(pair.decode(x) if pair is not None else x)
                 pos += 1
+            if pair is not None and h is not None:   # rows that joined earlier pass the whole pair
+                h = pair(h)
             if joining:
                 h = torch.cat(([h] if h is not None else []) + joining)
             if h is not None:

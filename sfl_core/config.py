@@ -465,7 +465,11 @@ class AutoConfig(Section):
     """Which agents train: the engine's uniform sample, or 'kl' = label mix closest to the population's."""
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
     max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
-    """Strongest activation compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""
+    """Strongest activation compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x; a bottleneck
+    of width w multiplies the codec's by channels/w)."""
+    widths: Annotated[Optional[tuple[int, ...]], checked(_pos_int_list)] = None
+    """Bottleneck widths an agent cut at the run's split may send (HeteroSFL's encoder/decoder pair
+    there, the widest = its full width); None = no bottleneck. Cuts then stop at that split."""
     regulate: Annotated[bool, _bool_c] = True        # batch sizes planned with the rest; false = the run's batch
     max_batch: Annotated[Optional[int], _opt_batch_c] = None
     """Largest batch of one agent; None = 2 x batch_size."""
@@ -545,6 +549,9 @@ class RunConfig(Section):
         if m.min_batch > (m.max_batch or self.batch_size):
             raise invalid("mergesfl.min_batch", f"expected at most max_batch {m.max_batch or self.batch_size}, "
                                                 f"got {m.min_batch}")
+        if self.hetero.width is not None and self.strategy == "auto":
+            raise invalid("hetero.width", "HeteroSFL's link-rate groups need strategy sfl; strategy auto "
+                                          "(the default) plans widths itself from auto.widths")
         if self.hetero.width is not None and (self.strategy == "fedavg" or
                                               (self.strategy == "s2fl" and self.s2fl.sliding)):
             raise invalid("hetero.width", f"a bottleneck needs one fixed split point (strategy sfl, or s2fl with "

@@ -46,8 +46,9 @@ __all__ = ["Option", "AgentPlan", "JointPlan", "option_for", "plan_round", "with
 
 @dataclass(frozen=True)
 class Option:
-    """One way an agent can train a round: cut ``split``, wire ``codec``; its round time and memory
-    as lines in the batch size (per-sample terms already include the ``tau`` steps)."""
+    """One way an agent can train a round: cut ``split``, wire ``codec`` and bottleneck ``width``;
+    its round time and memory as lines in the batch size (per-sample terms already include
+    the ``tau`` steps)."""
 
     split: int
     codec: str
@@ -57,6 +58,8 @@ class Option:
     """The client-compute part of ``per_sample_s`` (what a compute slowdown scales)."""
     mem_fixed: float = 0.0
     mem_per_sample: float = 0.0
+    width: int = 0
+    """Bottleneck width at the cut (0: none)."""
 
     def time(self, batch: int) -> float:
         return self.fixed_s + self.per_sample_s * batch
@@ -82,7 +85,7 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
                weight_bytes: float, activation_bytes: float, compute_flops_per_s: float,
                server_flops_per_s: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float,
                latency_s: float, messages: int, compute_scale: float = 1.0, link_scale: float = 1.0,
-               mem_fixed: float = 0.0, mem_per_sample: float = 0.0) -> Option:
+               mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0) -> Option:
     """An :class:`Option` from the time model itself (:func:`sfl_core.timing.agent_round_time`, the
     function the virtual clock charges), evaluated at batch 0 and 1 (it is linear in the batch).
 
@@ -106,7 +109,7 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
     zero, one = parts(0), parts(1)
     return Option(split=split, codec=codec, fixed_s=scaled(zero), per_sample_s=scaled(one) - scaled(zero),
                   compute_per_sample_s=(one.client_compute_s - zero.client_compute_s) * compute_scale,
-                  mem_fixed=mem_fixed, mem_per_sample=mem_per_sample)
+                  mem_fixed=mem_fixed, mem_per_sample=mem_per_sample, width=width)
 
 
 @dataclass(frozen=True)

@@ -119,19 +119,29 @@ class SplitModel(nn.Module):
         return self.bottlenecks[str(int(s))] if str(int(s)) in self.bottlenecks else None
 
     def client(self, s: int) -> nn.Sequential:
-        """``blocks[:s]`` (plus the encoder of a bottleneck at ``s``), sharing module objects."""
+        """``blocks[:s]`` (plus the encoder of a bottleneck at ``s``), sharing module objects.
+
+        A bottleneck is a layer of the model: a pair at an earlier cut runs whole (encode and
+        decode at its ``infer_width``) inside this portion, as in :meth:`forward`."""
         self.check_split(s)
-        parts = list(self.blocks[: int(s)])
+        parts: list[nn.Module] = []
+        for i, block in enumerate(self.blocks[: int(s)]):
+            if self.bottleneck(i) is not None:
+                parts.append(self.bottleneck(i))
+            parts.append(block)
         if self.bottleneck(s) is not None:
             parts.append(Encoder(self.bottleneck(s)))
         return nn.Sequential(*parts)
 
     def server(self, s: int) -> nn.Sequential:
-        """``blocks[s:]`` (after the decoder of a bottleneck at ``s``); empty for ``s == num_blocks``."""
+        """``blocks[s:]`` (after the decoder of a bottleneck at ``s``); empty for ``s == num_blocks``.
+        A pair at a later cut runs whole inside this portion (see :meth:`client`)."""
         self.check_split(s)
-        parts = list(self.blocks[int(s):])
-        if self.bottleneck(s) is not None:
-            parts.insert(0, Decoder(self.bottleneck(s)))
+        parts: list[nn.Module] = [Decoder(self.bottleneck(s))] if self.bottleneck(s) is not None else []
+        for i in range(int(s), self.num_blocks):
+            if i > int(s) and self.bottleneck(i) is not None:
+                parts.append(self.bottleneck(i))
+            parts.append(self.blocks[i])
         return nn.Sequential(*parts)
 
     # ------------------------------------------------------------------ state
@@ -143,19 +153,19 @@ class SplitModel(nn.Module):
     def _owner(self, key: str, s: int) -> str:
         """'client', 'server' or 'other' for a state key at split ``s``."""
         i = self._block_index(key)
-        if key.startswith("bottlenecks."):
-            if i != int(s):
-                return "other"  # a bottleneck at another split is not part of this cut
+        if key.startswith("bottlenecks.") and i == int(s):
             return "client" if key.split(".")[2] == "encoder" else "server"
+        # a block, or a bottleneck at another cut (a whole layer of the side that runs it)
         return "client" if i < int(s) else "server"
 
     def client_keys(self, s: int) -> list[str]:
-        """State-dict keys (parameters AND buffers) of ``blocks[:s]`` and of an encoder at ``s``."""
+        """State-dict keys (parameters AND buffers) of ``blocks[:s]``, of bottlenecks before ``s``
+        and of an encoder at ``s``."""
         self.check_split(s)
         return [k for k in self.state_dict() if self._owner(k, s) == "client"]
 
     def server_keys(self, s: int) -> list[str]:
-        """State-dict keys of ``blocks[s:]`` and of a decoder at ``s``."""
+        """State-dict keys of ``blocks[s:]``, of bottlenecks after ``s`` and of a decoder at ``s``."""
         self.check_split(s)
         return [k for k in self.state_dict() if self._owner(k, s) == "server"]
 

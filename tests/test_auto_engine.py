@@ -191,3 +191,35 @@ def test_the_server_side_follows_server_mode(tmp_path):
     for mode, groups in (("merged", 1), ("per_agent", 2)):
         history, _ = run_simulation(dataclasses.replace(cfg, server_mode=mode), device="cpu")
         assert len(history[-1]["groups"]) == groups, mode
+
+
+def test_bottleneck_widths_beside_earlier_cuts_train_one_model(tmp_path):
+    """auto.widths: a slow-link agent sends a narrow bottleneck at the run's split while a slow-CPU
+    agent cuts earlier (its rows pass the whole pair on the server) in the same rounds; the
+    full model runs the pair at the widest width trained, and it learns."""
+    from coordinator.api import run_simulation
+
+    slow_cpu, slow_link = tmp_path / "slow-cpu.yaml", tmp_path / "slow-link.yaml"
+    slow_cpu.write_text(yaml.safe_dump({"name": "slow-cpu", "compute_flops": 3e6, "link_bytes_per_s": 1e9}))
+    slow_link.write_text(yaml.safe_dump({"name": "slow-link", "compute_flops": 2e10, "link_bytes_per_s": 3e4}))
+    fleet = [{"profile": str(slow_cpu), "count": 1}, {"profile": str(slow_link), "count": 1},
+             {"profile": "s2fl-high-high", "count": 1}]
+    cfg = dataclasses.replace(_cfg(tmp_path, fleet, rounds=8, widths=[8, 16, 32], max_compression=8,
+                                   codecs=["fp32"]), split=2)
+    history, engine = run_simulation(cfg, device="cpu")
+    for record in history[1:]:
+        by = _by_profile(engine, record)
+        assert (by["slow-cpu"]["split"], by["slow-cpu"]["width"]) == (1, 0)
+        assert (by["slow-link"]["split"], by["slow-link"]["width"]) == (2, 8)
+    trained = {v["width"] for h in history[1:] for v in h["agents"].values() if v["split"] == 2}
+    assert engine.model.bottleneck(2).infer_width == max(trained) < 32
+    assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.2
+    # resuming restores the width trained so far (recorded in the run state), not the narrowest
+    from coordinator import state as ckpt
+
+    weights, st = ckpt.load(tmp_path / "out")
+    assert st["model_info"]["bottlenecks"] == [{"split": 2, "width": 32, "infer_width": max(trained)}]
+    st["model_info"]["bottlenecks"][0]["infer_width"] = 16    # as if an agent had trained 16 channels
+    ckpt.save(tmp_path / "out", weights, st)
+    resumed, again = run_simulation(cfg, resume=True, device="cpu")
+    assert len(resumed) == len(history) and again.model.bottleneck(2).infer_width == 16

@@ -28,3 +28,20 @@ def test_auto_runs_with_agent_processes(mosquitto, tmp_path):
     # high-high's fast compute trains the whole model (weights only), low-low keeps a cut, in the same round
     whole = [{a: v["whole_model"] for a, v in r["agents"].items()} for r in m[1:]]
     assert any(len(set(w.values())) == 2 for w in whole), whole
+
+
+def test_auto_bottleneck_widths_with_agent_processes(mosquitto, tmp_path):
+    """auto.widths over the wire: agents cut at the run's split build the narrow encoder they are
+    assigned, train it, and the coordinator merges their rows through the full pair."""
+    config = write_config(tmp_path, "autow", strategy="auto", rounds=4, split=2,
+                          auto={"widths": [8, 16, 32], "max_compression": 4, "codecs": ["fp32"]})
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "autow", tmp_path)
+    assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == [0, 1, 2, 3, 4] and all(len(r["completed"]) == 3 for r in m[1:])
+    rows = [a for r in m[1:] for a in r["agents"].values()]
+    assert all(a["split"] <= 2 for a in rows)
+    assert all(a["width"] in (8, 16, 32) for a in rows if a["split"] == 2)
+    assert any(a["split"] == 2 and a["width"] < 32 for a in rows), rows
+    assert m[4]["accuracy"] > m[0]["accuracy"] + 0.2, [(r["accuracy"], r["agents"]) for r in m[1:]]

@@ -73,3 +73,24 @@ def test_client_and_server_halves_expose_exactly_their_bottleneck_parameters():
     assert not {id(p) for p in pair.decoder.parameters()} & client
     assert {id(p) for p in pair.decoder.parameters()} <= server
     assert not {id(p) for p in pair.encoder.parameters()} & server
+
+
+def test_a_bottleneck_is_a_layer_of_every_portion_that_spans_it():
+    """With a pair at cut 2, an agent cut at 1 (or at the whole model) runs it inside its portion,
+    encode and decode at the full model's width, so every cut computes the full model's forward
+    and the state splits into exactly the two sides."""
+    torch.manual_seed(0)
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    pair = model.add_bottleneck(2, 8)
+    pair.infer_width = 6
+    model.eval()
+    x = torch.randn(3, 1, 8, 8)
+    for s in model.valid_splits:
+        z = model.client(s)(x)
+        if s == 2:   # the encoder's full width crosses the link; the full model runs the first 6 channels
+            z = z[:, :6]
+        torch.testing.assert_close(model.server(s)(z), model(x))
+        client, server = set(model.client_keys(s)), set(model.server_keys(s))
+        assert client | server == set(model.state_dict()) and not client & server
+        pair_keys = {k for k in model.state_dict() if k.startswith("bottlenecks.2.")}
+        assert pair_keys <= (server if s < 2 else client if s > 2 else client | server)

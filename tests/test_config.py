@@ -356,7 +356,7 @@ def test_defaults_match_dataclass():
 
 
 def test_hetero_section():
-    base = {"fleet": [{"profile": "s2fl-mid-low", "count": 2}], "split": 2}
+    base = {"fleet": [{"profile": "s2fl-mid-low", "count": 2}], "split": 2, "strategy": "sfl"}
     cfg = run_config_from_dict({**base, "loss": "calibrated", "calibration_tau": 0.5,
                                 "hetero": {"width": 16, "groups": 2, "widths": [2, 16], "thresholds": [1e6],
                                            "codecs": ["int8", "fp32"], "bdks": True, "bdks_alpha": 0.5}})

@@ -112,3 +112,23 @@ def test_withheld_labels_give_the_labelled_paths_gradients(withheld):
         torch.testing.assert_close(g_wh[a], g_lab[a])
     for k in state_lab:
         torch.testing.assert_close(state_wh[k], state_lab[k])
+
+
+def test_rows_cut_before_the_bottleneck_pass_the_whole_pair():
+    """An agent cut at 1 beside one at the pair's cut 2 (strategy auto with auto.widths): its rows
+    run the encoder and decoder on the server, as the full model does, and it gets the gradient
+    of that forward; the server's optimiser steps the whole pair (its encoder too)."""
+    model = _model()
+    g = torch.Generator().manual_seed(2)
+    early = (torch.randn(4, 16, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))
+    at_cut = (torch.randn(3, 4, 4, 4, generator=g), torch.randint(0, 10, (3,), generator=g))
+    ref = copy.deepcopy(model)
+    trainer = ServerTrainer(model, lr=0.1)
+    trainer.begin_round([["e", "c"]], {"e": 1, "c": 2}, widths={"c": 4})
+    grads, _ = trainer.step({"e": early, "c": at_cut})
+    h = early[0].clone().requires_grad_(True)
+    logits = torch.cat([ref.server(1)(h), ref.server(2)(at_cut[0])])
+    F.cross_entropy(logits, torch.cat([early[1], at_cut[1]])).backward()
+    torch.testing.assert_close(grads["e"], h.grad * 7 / 4)
+    new = trainer.member_state("e", 1)
+    assert not torch.equal(new["bottlenecks.2.encoder.weight"], ref.state_dict()["bottlenecks.2.encoder.weight"])

@@ -1,7 +1,8 @@
-"""``strategy: auto``: split, codec and batch per agent, planned jointly every round.
+"""``strategy: auto``: split, codec, bottleneck width and batch per agent, planned jointly every round.
 
 The base method that chooses for the user. Each round it builds, for every selected agent,
-the options the run allows (each candidate split × each codec within ``auto.max_compression``),
+the options the run allows (each candidate split × each codec, and with ``auto.widths`` each
+bottleneck width at the run's split, within ``auto.max_compression``),
 prices them with the time model (docs/methods.md §3, the function the virtual clock charges)
 from the agent's profile, its registration measurements and what its past rounds showed,
 and lets :func:`sfl_core.joint_plan.plan_round` pick the assignment whose slowest agent
@@ -42,10 +43,18 @@ class Auto(Method):
         cands = tuple(a.candidates or _default_candidates(cfg, model))
         for s in cands:
             model.check_split(s)
-        if a.whole_model and model.num_blocks not in cands:
+        self.codecs = tuple(c for c in a.codecs if 1 / nominal_ratio(c) <= a.max_compression) or (cfg.codec,)
+        self.widths: tuple[int, ...] = tuple(sorted(set(a.widths or ())))
+        self.bottleneck_at: int | None = None
+        """The cut holding the bottleneck pair (the run's split) when ``auto.widths`` is set."""
+        if self.widths:
+            cands = self._cuts_before_bottleneck(cands, explicit=a.candidates is not None)
+        elif a.whole_model and model.num_blocks not in cands:
             cands += (model.num_blocks,)
         self._candidates: tuple[int, ...] = cands
-        self.codecs = tuple(c for c in a.codecs if 1 / nominal_ratio(c) <= a.max_compression) or (cfg.codec,)
+        if not self.choices():
+            raise ValueError(f"auto.widths: no width of {list(self.widths)} compresses within "
+                             f"auto.max_compression {a.max_compression:g}")
         self.max_batch = a.max_batch or 2 * cfg.batch_size
         self.scales: dict[str, list[float]] = {}
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
@@ -54,6 +63,20 @@ class Auto(Method):
         """Per agent of this round: predicted compute and link seconds before the factors."""
         self.last: dict[str, Any] = {}
 
+    def _cuts_before_bottleneck(self, cands: tuple[int, ...], *, explicit: bool) -> tuple[int, ...]:
+        """The candidate cuts with a bottleneck at the run's split: that cut and the earlier ones.
+        (An agent cut later would have to run the pair inside its own portion; agents hold a
+        bottleneck only where they cut. The whole model is then never an option either.)"""
+        b = self.bottleneck_at = self.cfg.split or self.model.default_split
+        channels = self.costs[b].activation_shape[0]
+        if self.widths[-1] > channels:
+            raise ValueError(f"auto.widths: {self.widths[-1]} is wider than the {channels} channels at split {b}")
+        beyond = [s for s in cands if s > b]
+        if explicit and beyond:
+            raise ValueError(f"auto.candidates: cuts {beyond} lie beyond the bottleneck at split {b} "
+                             f"(auto.widths); list cuts up to {b}, or set split")
+        return tuple(sorted({s for s in cands if s <= b} | {b}))
+
     @property
     def candidates(self) -> tuple[int, ...]:
         return self._candidates
@@ -61,24 +84,35 @@ class Auto(Method):
     def notes(self, pool: int) -> list[str]:
         cuts = [s for s in self.candidates if s != self.model.num_blocks]
         whole = " (or the whole model)" if self.model.num_blocks in self.candidates else ""
-        return [f"auto: plans split {cuts}{whole}, codec {list(self.codecs)} and batch "
+        widths = f", bottleneck width {list(self.widths)} at split {self.bottleneck_at}" if self.widths else ""
+        return [f"auto: plans split {cuts}{whole}, codec {list(self.codecs)}{widths} and batch "
                 f"{self.cfg.auto.min_batch}..{self.max_batch} per agent each round; "
                 f"selection: {self.cfg.auto.selection}"]
 
     # ----------------------------------------------------------------- the round
-    def choices(self) -> list[tuple[int, str]]:
-        """Every (split, codec) pair an agent may be given; the whole model sends no activations,
-        so it takes the run's codec only."""
-        return [(s, codec) for s in self.candidates
-                for codec in (self.codecs if s != self.model.num_blocks else (self.cfg.codec,))]
+    def choices(self) -> list[tuple[int, str, int]]:
+        """Every (split, codec, bottleneck width) an agent may be given. The whole model sends no
+        activations, so it takes the run's codec only; at the bottleneck's cut every width whose
+        compression (channels / width, times the codec's) stays within ``auto.max_compression``."""
+        out = []
+        for s in self.candidates:
+            if s == self.model.num_blocks:
+                out.append((s, self.cfg.codec, 0))
+            elif s != self.bottleneck_at:
+                out += [(s, codec, 0) for codec in self.codecs]
+            else:
+                channels = self.costs[s].activation_shape[0]
+                out += [(s, codec, w) for codec in self.codecs for w in self.widths
+                        if channels / w / nominal_ratio(codec) <= self.cfg.auto.max_compression + 1e-9]
+        return out
 
     def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True) -> list[Option]:
-        """Every (split, codec) this agent may train, priced by the time model (in :meth:`choices` order)."""
+        """Every choice this agent may train, priced by the time model (in :meth:`choices` order)."""
         cs, ls = self.scales.get(agent_id, (1.0, 1.0)) if scaled else (1.0, 1.0)
         return [price_option(self.cfg, self.costs[s], codec, info,
                              ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
-                             compute_scale=cs, link_scale=ls)
-                for s, codec in self.choices()]
+                             compute_scale=cs, link_scale=ls, width=w)
+                for s, codec, w in self.choices()]
 
     def joint_plan(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> JointPlan:
         """The round's assignment for ``selected`` (no side effects: ``sfl-coord plan`` calls it too)."""
@@ -109,7 +143,8 @@ class Auto(Method):
         self.current = plan
         self.unscaled = {}
         for x, p in plan.agents.items():   # what the factors divide: this option's seconds before them
-            raw = self.options(x, agents[x], scaled=False)[self.choices().index((p.option.split, p.option.codec))]
+            o = p.option
+            raw = self.options(x, agents[x], scaled=False)[self.choices().index((o.split, o.codec, o.width))]
             compute = raw.compute_per_sample_s * p.batch
             server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
             self.unscaled[x] = (compute, raw.time(p.batch) - compute - server)
@@ -121,7 +156,8 @@ class Auto(Method):
             plan = self.current = self.joint_plan(selected, agents)
         splits = {x: p.option.split for x, p in plan.agents.items()}
         codecs = {x: p.option.codec for x, p in plan.agents.items()}
-        return split_plan(self.cfg, splits, "joint plan", codecs=codecs)
+        widths = {x: p.option.width for x, p in plan.agents.items() if p.option.width}
+        return split_plan(self.cfg, splits, "joint plan", codecs=codecs, widths=widths)
 
     def lr(self, batch: int | None) -> float:
         """MergeSFL's Eq. 15: the learning rate scales with the agent's batch."""
@@ -152,7 +188,7 @@ class Auto(Method):
         self.last = {
             "predicted_round_s": round(predicted, 4), "measured_round_s": round(measured, 4),
             "error": round((predicted - measured) / measured, 4) if measured > 0 else None,
-            "assign": {a: {"split": p.option.split, "codec": p.option.codec, "batch": p.batch,
+            "assign": {a: {"split": p.option.split, "codec": p.option.codec, "width": p.option.width, "batch": p.batch,
                            "predicted_s": round(p.time_s, 4)} for a, p in sorted(plan.agents.items())},
         }
         for a in plan.agents:
@@ -171,12 +207,15 @@ class Auto(Method):
 
 
 def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *, ratio: float,
-                 compute_scale: float = 1.0, link_scale: float = 1.0) -> Option:
+                 compute_scale: float = 1.0, link_scale: float = 1.0, width: int = 0) -> Option:
     """One agent's round at one cut and codec, by the time model, from what is known of it: its
     registration measurements (compute seconds per sample at that cut, link rates) where it
-    measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (codec,
-    bottleneck). Memory: weights, gradients (and momentum) plus every client activation and its
-    gradient per sample. ``sfl-coord plan`` prices every method's assignment with this too."""
+    measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (the
+    codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
+    gradients (and momentum) plus every client activation and its gradient per sample.
+    ``sfl-coord plan`` prices every method's assignment with this too."""
+    if width:
+        ratio *= width / cost.activation_shape[0]
     seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
     copies = 3 if cfg.momentum > 0 else 2
@@ -189,7 +228,7 @@ def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *
         downlink_bytes_per_s=downlink_rate(info),
         latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
         compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
-        mem_per_sample=2 * cost.client_activation_bytes)
+        mem_per_sample=2 * cost.client_activation_bytes, width=width)
 
 
 def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:
