@@ -321,6 +321,11 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
         table.add_row(r.method, f"{r.round_s:.3g}", f"{r.round_s / auto.round_s:.2f}x" if auto.round_s else "-",
                       f"{r.bytes_per_round / 1e6:.3g}", f"{r.waiting_s:.3g}")
     Console().print(table)
+    rival = min((r for r in rows if r.method != "auto"), key=lambda r: r.round_s)
+    if rival.round_s < auto.round_s:
+        hint = (" Its bottleneck is one of auto's options: list widths in auto.widths (docs/methods.md §11)."
+                if rival.method == "HeteroSFL" and not cfg.auto.widths else "")
+        _say(f"{rival.method}'s round is predicted {auto.round_s / rival.round_s:.2f}x shorter than auto's.{hint}", "yellow")
     names = {a: info.profile.name for a, info in agents.items()}
     detail = Table(title="auto's assignment (first round)")
     for col in ("agent", "profile", "split", "codec", "batch", "round s"):

@@ -127,3 +127,20 @@ def test_a_costly_default_split_is_named_at_start_and_by_models(tmp_path):
     assert res.exit_code == 0
     rows = {l.split()[0]: l for l in res.output.splitlines() if l.strip()[:1].isdigit()}
     assert rows["3"].endswith("<- fastest") and rows["2"].endswith("<- configured")
+
+
+def test_plan_points_at_auto_widths_where_heterosfl_is_ahead_and_shows_them_once_set(tmp_path):
+    """On links far apart (the HeteroSFL demo's fleet) the plan names the faster method and the
+    key that gives auto its bottleneck; with that key set, auto's assignment shows the widths."""
+    doc = yaml.safe_load((default_profiles_dir() / "runs" / "heterosfl-demo.yaml").read_text())
+    path = tmp_path / "het.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "HeteroSFL's round is predicted" in res.output and "auto.widths" in res.output
+    split = doc.get("split", 2)
+    doc.update(strategy="auto", hetero={}, split=split, auto={"widths": [4, 8, 16, 32], "max_compression": 8})
+    path.write_text(yaml.safe_dump(doc))
+    res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert ", width " in res.output and "auto.widths" not in res.output
