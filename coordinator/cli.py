@@ -19,6 +19,7 @@ from rich.table import Table
 from sfl_core.accounting import format_cost_table, model_costs
 from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
 from sfl_core.data import DatasetError, load_dataset
+from sfl_core.methods import build_method
 from sfl_core.models import build_model, model_names
 from sfl_core.version import version_option
 
@@ -27,6 +28,7 @@ from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFi
 from coordinator import state as ckpt
 from coordinator.console import status_table, summary_table
 from coordinator.engine import RoundEngine  # noqa: F401  (the API's result type)
+from coordinator.export import run_model
 from coordinator.api import RunError, output_dir, run_simulation
 from coordinator.api import serve as serve_run
 
@@ -65,11 +67,17 @@ def _load(config: Path, rounds: Optional[int], output: Optional[Path], data: Opt
     if data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(data)))
     try:    # read the data set now, so a wrong path names where it came from (cached for the run)
-        load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+        ds = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
     except DatasetError as exc:
         field = "data.image_size" if str(exc).startswith("image_size") else "data.root"
         where = "--data" if data is not None and field == "data.root" else f"{config}: field '{field}'"
         _say(f"{where}: {exc}")
+        raise typer.Exit(2)
+    try:    # settings only the model can judge (a cut it lacks, a bottleneck wider than the cut)
+        build_method(cfg, run_model(cfg, ds.input_shape, ds.num_classes),
+                     model_costs(cfg.model, ds.input_shape, ds.num_classes))
+    except ValueError as exc:
+        _say(f"{config}: {exc}")
         raise typer.Exit(2)
     return cfg
 
@@ -254,7 +262,6 @@ def _models_for_run(config: Path) -> None:
     from sfl_core.accounting import split_note
     from sfl_core.config import load_profile
     from sfl_core.data import input_shape_of
-    from sfl_core.methods import build_method
     from sfl_core.sliding_split import fleet_round_time
 
     try:

@@ -144,3 +144,18 @@ def test_plan_points_at_auto_widths_where_heterosfl_is_ahead_and_shows_them_once
     res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
     assert ", width " in res.output and "auto.widths" not in res.output
+
+
+@pytest.mark.parametrize("auto, says", [
+    ({"widths": [4, 8], "candidates": [1, 2, 3]}, "auto.candidates: cuts [3] lie beyond the bottleneck at split 2"),
+    ({"widths": [64]}, "bottleneck width 64 outside 1..32"),
+    ({"candidates": [9]}, "invalid split point 9"),
+])
+def test_settings_only_the_model_can_judge_are_one_line_naming_the_file(tmp_path, auto, says):
+    cfg = _run_config(tmp_path, strategy="auto", split=2, auto=auto, output_dir=str(tmp_path / "out"))
+    for command in (["plan", "-c", str(cfg)], ["simulate", "-c", str(cfg)]):
+        res = RUNNER.invoke(app, command, env={"COLUMNS": "300"})
+        assert res.exit_code == 2, res.output
+        line, = [l for l in res.output.splitlines() if says in l]
+        assert line.startswith(f"{cfg}: ") and "Traceback" not in res.output
+    assert not (tmp_path / "out").exists()
