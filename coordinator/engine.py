@@ -30,7 +30,7 @@ from sfl_core.models import SplitModel
 from sfl_core.protocol import Message
 
 from coordinator import state as ckpt
-from coordinator.export import describe_model, run_model
+from coordinator.export import describe_model, restore_widths, run_model
 from coordinator.registry import Registry
 from coordinator.session import Event, FleetSession, RoundAgent
 from coordinator.server_trainer import LossSpec, ServerTrainer
@@ -399,10 +399,7 @@ class RoundEngine:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))
             self.method.load_json(st)
-            for b in (st.get("model_info") or {}).get("bottlenecks") or []:   # the widths trained so far
-                pair = self.model.bottleneck(int(b["split"]))
-                if pair is not None:
-                    pair.infer_width = min(pair.width, max(1, int(b["infer_width"])))
+            restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
             elapsed = float(st.get("elapsed_s", 0.0))
         except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__

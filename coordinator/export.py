@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from sfl_core.methods.auto import within_compression
 from sfl_core.models import SplitModel, build_model
 from sfl_core.onnx_export import export_onnx
 
@@ -50,7 +51,8 @@ def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) 
     elif cfg.strategy == "auto" and cfg.auto.widths:   # runs at the widest width trained so far (the engine widens it)
         pair = model.add_bottleneck(split, max(cfg.auto.widths))
         channels = pair.activation_shape[0]
-        pair.infer_width = min((w for w in cfg.auto.widths if channels / w <= cfg.auto.max_compression + 1e-9),
+        pair.infer_width = min((w for w in cfg.auto.widths
+                                if within_compression(1.0, w, channels, cfg.auto.max_compression)),
                                default=pair.width)   # the narrowest width auto may assign
     return model
 
@@ -59,9 +61,18 @@ def rebuild_model(info: dict[str, Any]) -> SplitModel:
     """The untrained model :func:`describe_model` described (load the checkpoint into it)."""
     model = build_model(info["name"], info["input_shape"], int(info["num_classes"]))
     for b in info.get("bottlenecks") or []:
-        pair = model.add_bottleneck(int(b["split"]), int(b["width"]))
-        pair.infer_width = int(b.get("infer_width", b["width"]))
+        model.add_bottleneck(int(b["split"]), int(b["width"]))
+    restore_widths(model, info)
     return model
+
+
+def restore_widths(model: SplitModel, info: dict[str, Any]) -> None:
+    """Each bottleneck of ``model`` at the width the described run's full model ran it
+    (``infer_width``: the widest trained so far), within the pair's width."""
+    for b in info.get("bottlenecks") or []:
+        pair = model.bottleneck(int(b["split"]))
+        if pair is not None:
+            pair.infer_width = min(pair.width, max(1, int(b.get("infer_width", b["width"]))))
 
 
 def _info_from_config(config: Path) -> dict[str, Any]:

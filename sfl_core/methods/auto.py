@@ -103,7 +103,7 @@ class Auto(Method):
             else:
                 channels = self.costs[s].activation_shape[0]
                 out += [(s, codec, w) for codec in self.codecs for w in self.widths
-                        if channels / w / nominal_ratio(codec) <= self.cfg.auto.max_compression + 1e-9]
+                        if within_compression(nominal_ratio(codec), w, channels, self.cfg.auto.max_compression)]
         return out
 
     def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True) -> list[Option]:
@@ -214,8 +214,7 @@ def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *
     codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
     gradients (and momentum) plus every client activation and its gradient per sample.
     ``sfl-coord plan`` prices every method's assignment with this too."""
-    if width:
-        ratio *= width / cost.activation_shape[0]
+    ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
     seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
     copies = 3 if cfg.momentum > 0 else 2
@@ -229,6 +228,17 @@ def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *
         latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
         compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
         mem_per_sample=2 * cost.client_activation_bytes, width=width)
+
+
+def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:
+    """Activation bytes on the wire over fp32: the codec's ratio, times ``width / channels`` where a
+    bottleneck of ``width`` channels (0: none) crosses instead of the cut's ``channels``."""
+    return codec_ratio * (width / channels if width else 1.0)
+
+
+def within_compression(codec_ratio: float, width: int, channels: int, max_compression: float) -> bool:
+    """Whether a codec and bottleneck width together compress at most ``auto.max_compression``."""
+    return 1.0 / wire_fraction(codec_ratio, width, channels) <= max_compression + 1e-9
 
 
 def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:

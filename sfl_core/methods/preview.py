@@ -20,7 +20,7 @@ from sfl_core.accounting import SplitCost
 from sfl_core.config import DeviceProfile, RunConfig, load_profile
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods import build_method
-from sfl_core.methods.auto import price_option
+from sfl_core.methods.auto import price_option, wire_fraction
 from sfl_core.models import SplitModel
 from sfl_core.sliding_split import candidate_splits, fleet_round_time
 from sfl_core.wire import nominal_ratio
@@ -109,9 +109,9 @@ def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
             codec = plan.codecs.get(a, variant.codec)
             width = plan.widths.get(a, 0)
             channels = cost.activation_shape[0] if cost.activation_shape else 1
-            ratio = nominal_ratio(codec) * (width / channels if width else 1.0)
             batch = batches.get(a) or variant.batch_size
-            opt = price_option(variant, cost, codec, agents[a], ratio=ratio)
+            opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width)
+            ratio = wire_fraction(nominal_ratio(codec), width, channels)
             traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
             rows[a] = Assignment(split, codec, batch, width, opt.time(batch), traffic)
         times = [x.time_s for x in rows.values()]
