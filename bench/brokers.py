@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["MosquittoBroker", "find_mosquitto", "free_port", "wait_port", "MOSQUITTO_MISSING"]
+__all__ = ["MosquittoBroker", "RabbitMQNode", "find_mosquitto", "find_rabbitmq", "free_port", "wait_port",
+           "MOSQUITTO_MISSING", "RABBITMQ_MISSING"]
 
 MOSQUITTO_MISSING = "mosquitto not installed (apt-get install mosquitto); these benches need a real broker"
+RABBITMQ_MISSING = "rabbitmq-server not installed (apt-get install rabbitmq-server)"
 MESSAGE_SIZE_LIMIT = 64 * 2**20 + 65536
 """The protocol's 64 MiB message bound plus room for MQTT headers (same as the tests)."""
 
@@ -82,6 +84,7 @@ class MosquittoBroker:
             f"message_size_limit {MESSAGE_SIZE_LIMIT}\n"
             "max_inflight_messages 0\n"
             "max_queued_messages 0\n"
+            "set_tcp_nodelay true\n"
             "log_dest stderr\n"
             "log_type error\n"
             "log_type warning\n"
@@ -92,6 +95,13 @@ class MosquittoBroker:
     @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The running broker's process id (for CPU sampling)."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError("mosquitto is not running")
+        return self._proc.pid
 
     def version(self) -> str:
         """First line of ``mosquitto -h`` (e.g. 'mosquitto version 2.0.18'), for the JSON record."""
@@ -146,3 +156,103 @@ class MosquittoBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def find_rabbitmq() -> Optional[str]:
+    """Directory of RabbitMQ's own scripts (rabbitmq-server, rabbitmqctl), or None.
+
+    The Debian package's /usr/sbin wrappers switch to the ``rabbitmq`` user and its home;
+    the scripts under /usr/lib/rabbitmq/bin run as the caller, with the caller's environment,
+    which is what a throw-away node in a temp dir needs."""
+    for cand in ("/usr/lib/rabbitmq/bin", "/usr/local/lib/rabbitmq/bin", "/opt/homebrew/sbin"):
+        if os.access(os.path.join(cand, "rabbitmq-server"), os.X_OK):
+            return cand
+    return None
+
+
+class RabbitMQNode:
+    """One RabbitMQ node with its MQTT plugin, on 127.0.0.1 and free ports, in a temp dir.
+
+    Why RabbitMQ: it is a broker that clusters, so it shows that the product needs nothing
+    Mosquitto-specific. Nodes given the same ``cookie_home`` share an Erlang cookie, so one can
+    ``join(other)`` to form a cluster; each keeps its own MQTT listener. Killed at exit.
+    """
+
+    def __init__(self, name: str, cookie_home: Optional[str] = None, bindir: Optional[str] = None) -> None:
+        bindir = bindir or find_rabbitmq()
+        if bindir is None:
+            raise RuntimeError(RABBITMQ_MISSING)
+        self.bindir = bindir
+        self.port = free_port()
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"sfl-rabbitmq-{name}-")
+        work = Path(self._tmp.name)
+        self.node = f"{name}{self.port}@localhost"
+        (work / "rabbitmq.conf").write_text(
+            "listeners.tcp = none\n"          # no AMQP listener: MQTT only
+            f"mqtt.listeners.tcp.default = 127.0.0.1:{self.port}\n"
+            "mqtt.allow_anonymous = true\n"
+            "loopback_users = none\n"
+            f"max_message_size = {MESSAGE_SIZE_LIMIT}\n"
+            "tcp_listen_options.nodelay = true\n"
+            "mqtt.tcp_listen_options.nodelay = true\n"
+        )
+        (work / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
+        home = cookie_home or str(work)
+        self.env = dict(
+            os.environ, HOME=home, RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_PORT=str(free_port()), RABBITMQ_DIST_PORT=str(free_port()),
+            RABBITMQ_MNESIA_BASE=str(work / "mnesia"), RABBITMQ_LOG_BASE=str(work / "log"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(work / "enabled_plugins"),
+            RABBITMQ_CONFIG_FILE=str(work / "rabbitmq"), RABBITMQ_PID_FILE=str(work / "pid"),
+            RABBITMQ_LOGS=str(work / "rabbit.log"))
+        self.log = work / "rabbit.log"
+        self._proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def ctl(self, *args: str, timeout: float = 60) -> str:
+        """Run ``rabbitmqctl -n NODE ARGS``; raise with its output if it fails."""
+        out = subprocess.run([os.path.join(self.bindir, "rabbitmqctl"), "-n", self.node, *args],
+                             env=self.env, capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {out.stdout}{out.stderr}")
+        return out.stdout
+
+    def start(self, timeout: float = 90.0) -> "RabbitMQNode":
+        """Start the node and wait until its MQTT listener accepts connections."""
+        atexit.register(self.close)
+        self._proc = subprocess.Popen([os.path.join(self.bindir, "rabbitmq-server")], env=self.env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True)
+        if not wait_port("127.0.0.1", self.port, timeout) or self._proc.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            self.close()
+            raise RuntimeError(f"RabbitMQ node {self.node} did not open MQTT port {self.port}:\n{tail}")
+        return self
+
+    def join(self, other: "RabbitMQNode") -> None:
+        """Make this node a member of ``other``'s cluster (its MQTT listener comes back after)."""
+        self.ctl("stop_app")
+        self.ctl("join_cluster", other.node)
+        self.ctl("start_app")
+        if not wait_port("127.0.0.1", self.port, 60):
+            raise RuntimeError(f"RabbitMQ node {self.node} did not reopen MQTT after joining {other.node}")
+
+    def close(self) -> None:
+        """Kill the node's whole process group (the Erlang VM and epmd children) and its files."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, 9)
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+        try:
+            self._tmp.cleanup()
+        except OSError:
+            pass

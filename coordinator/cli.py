@@ -183,10 +183,19 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
          rounds: Optional[int] = typer.Option(None, help="Override the number of rounds."),
          output: Optional[Path] = typer.Option(None, help="Override the output directory."),
          data: Optional[Path] = DATA_OPTION,
+         broker: Optional[str] = typer.Option(None, help="Run through this MQTT broker (mqtt://host:port, "
+                                              "anonymous clients allowed) instead of an embedded one: a "
+                                              "quick check that a broker carries the protocol."),
          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Zero-setup demo: embedded broker + coordinator + one emulated agent process per fleet member."""
     _setup_logging(verbose)
     cfg = _load(config or default_profiles_dir() / DEMO_CONFIG, rounds, output, data)
+    if broker is not None:
+        try:
+            address_from_options(broker, None, None, None, None)
+        except ValueError as exc:
+            console.print(f"[red]--broker: {exc}")
+            raise typer.Exit(2)
     procs: list[subprocess.Popen] = []
     logs_dir = output_dir(cfg) / "agent-logs"
 
@@ -205,7 +214,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     t0 = time.monotonic()
     finished = False
     try:
-        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, None, on_broker=launch, console=console))
+        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, broker, on_broker=launch, console=console))
         finished = True
     finally:
         # after a finished run the agents exit by themselves; otherwise (they would wait for a resumed

@@ -327,7 +327,7 @@ class RoundEngine:
             # transfer_s: by the run's clock (the time model in a simulation)
             per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4),
                             "client_s": round(parts.client_compute_s, 4), "transfer_s": round(parts.transfer_s, 4),
-                            "bytes_up": ra.bytes_up,
+                            "server_s": round(ra.server_s, 4), "bytes_up": ra.bytes_up,
                             "bytes_down": ra.bytes_down, "split": ra.assignment.split,
                             "whole_model": ra.assignment.whole_model,
                             "width": ra.assignment.width, "codec": ra.assignment.codec,

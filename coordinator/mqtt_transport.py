@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
+import time
 import uuid
 from typing import Any, Optional
 
@@ -21,6 +23,8 @@ from sfl_core.transport.mqtt_link import MqttLink
 log = logging.getLogger("sfl.coord.mqtt")
 
 MAX_PROBE_REPLY = 4 * 2**20
+INFO_REPEAT_MIN_S = 1.0
+"""At most one repeat of the run description per this many seconds, however many agents appear."""
 
 
 class MqttTransport:
@@ -34,6 +38,9 @@ class MqttTransport:
         self._reassembler = wire.Reassembler(max_bytes)
         self.rejections = protocol.Rejections(log)
         self._run_info: Optional[bytes] = None
+        self._info_repeated_at = float("-inf")
+        self._info_repeat: Optional[threading.Timer] = None
+        self._info_lock = threading.Lock()
         self.link = MqttLink(url, f"sfl-coord-{run_id}", self._on_message,
                              subscriptions=[protocol.up_wildcard(run_id), protocol.status_wildcard(run_id)])
 
@@ -61,6 +68,9 @@ class MqttTransport:
     def close(self, finished: bool = True) -> None:
         """Disconnect. A ``finished`` run clears its retained description; an interrupted one
         keeps it, so agents (re)started before ``--resume`` still find what to train."""
+        with self._info_lock:
+            if self._info_repeat is not None:
+                self._info_repeat.cancel()
         try:
             if finished:
                 self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
@@ -112,7 +122,31 @@ class MqttTransport:
         if msg.type == "probe":
             self._answer_probe(msg)
             return
+        if msg.type == "status" and msg.body["online"]:
+            self._repeat_run_info()
         self._queue.put(msg)
+
+    def _repeat_run_info(self) -> None:
+        """An agent came online: publish the run description again, the same bytes (same seq, so
+        agents that already joined ignore it). Brokers whose retained store is per node
+        (RabbitMQ 3.x in a cluster) do not hand an agent on another node the retained copy, and
+        RabbitMQ hands retained messages only to exact-topic subscriptions; a live publish
+        reaches every subscriber on every node. At most one repeat per ``INFO_REPEAT_MIN_S``: an
+        agent that comes online sooner gets the next one, so a fleet booting at once costs one
+        message a second and every agent is answered."""
+        with self._info_lock:
+            if self._info_repeat is not None:
+                return                         # a repeat is already due, after this agent subscribed
+            wait = max(0.0, self._info_repeated_at + INFO_REPEAT_MIN_S - time.monotonic())
+            self._info_repeat = threading.Timer(wait, self._fire_info_repeat)
+            self._info_repeat.daemon = True
+            self._info_repeat.start()
+
+    def _fire_info_repeat(self) -> None:
+        with self._info_lock:
+            self._info_repeat = None
+            self._info_repeated_at = time.monotonic()
+        self._republish_run_info()
 
     def _answer_probe(self, msg: Message) -> None:
         n = msg.body["reply_bytes"]

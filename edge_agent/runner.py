@@ -353,6 +353,8 @@ class AgentRunner:
                                                    f"{self._seqs.last(msg.sender)}")
                 return
             self._seqs.advance(msg)
+        if msg.type == "run_info" and self._run_info is not None and msg.seq == self._run_info.seq:
+            return  # the coordinator repeating its description for an agent that just came online
         self.bytes_down += msg.wire_bytes
         if msg.type == "run_info":
             self._run_info = msg

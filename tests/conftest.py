@@ -22,6 +22,7 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 MOSQUITTO_MISSING = "mosquitto not installed: apt-get install mosquitto"
+RABBITMQ_MISSING = "rabbitmq-server not installed: apt-get install rabbitmq-server"
 
 
 def _load_brokers():
@@ -52,6 +53,30 @@ def mosquitto() -> Iterator:
         broker.close()
 
 
+@pytest.fixture(scope="module")
+def rabbitmq_cluster() -> Iterator[tuple]:
+    """Two RabbitMQ nodes (MQTT plugin) joined in one cluster, each with its own MQTT port.
+
+    Module-scoped: a node takes ~12 s to boot, and the tests of a module can share a cluster
+    because every test uses its own run id."""
+    import tempfile
+
+    if _brokers.find_rabbitmq() is None:
+        if os.environ.get("SFL_REQUIRE_RABBITMQ") == "1":
+            pytest.fail(RABBITMQ_MISSING)
+        pytest.skip(RABBITMQ_MISSING)
+    with tempfile.TemporaryDirectory(prefix="sfl-rabbitmq-cookie-") as home:
+        nodes = [_brokers.RabbitMQNode(name, cookie_home=home) for name in ("a", "b")]
+        try:
+            for node in nodes:
+                node.start()
+            nodes[1].join(nodes[0])
+            yield tuple(nodes)
+        finally:
+            for node in nodes:
+                node.close()
+
+
 @pytest.fixture
 def embedded_broker():
     from coordinator.broker import EmbeddedBroker
@@ -63,7 +88,7 @@ def embedded_broker():
         broker.stop()
 
 
-_BROKER_FIXTURES = {"mosquitto", "embedded_broker", "bench_broker"}
+_BROKER_FIXTURES = {"mosquitto", "embedded_broker", "bench_broker", "rabbitmq_cluster"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -100,3 +100,20 @@ def test_round_quick(bench_broker, tmp_path):
         assert r["ratio"] > 0.9, r
     later = w["rounds_detail"][1:]
     assert w["mean_ratio_excl_round1"] == pytest.approx(sum(r["ratio"] for r in later) / len(later))
+
+
+@pytest.mark.slow
+def test_coordinator_load_quick(bench_broker, tmp_path):
+    """The load bench drives a real ``sfl-coord serve`` with protocol-speaking agents; every round
+    must complete with every agent, and the figures must add up."""
+    doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "3", "--registered", "5", timeout=140)
+    assert doc["benchmark"] == "coordinator_load" and doc["quick"] is True
+    (lvl,) = doc["levels"]
+    assert lvl["agents"] == 3 and lvl["registered"] == 5 and lvl["rounds_measured"] == 1
+    for key in ("steps_per_s", "act_mb_per_s", "step_ms_p50", "coord_cpu_pct", "coord_rss_mb"):
+        assert _positive(lvl[key]), (key, lvl)
+    assert lvl["broker_cpu_pct"] >= 0  # a few-ms window may fall between two CPU samples of the broker
+    assert lvl["agent_steps_per_s"] == pytest.approx(3 * lvl["steps_per_s"])
+    assert lvl["step_ms_p99"] >= lvl["step_ms_p90"] >= lvl["step_ms_p50"]
+    assert lvl["act_mb_per_s"] == pytest.approx(lvl["act_kb_per_message"] * 1e-3 * lvl["agent_steps_per_s"])
+    assert 0 < lvl["server_step_pct"] < 100

@@ -113,6 +113,17 @@ def test_round_trip_2mib_payload(broker) -> None:
         sub.close()
 
 
+def test_link_sends_small_packets_at_once(broker) -> None:
+    """TCP_NODELAY: without it a PUBACK or a step's message written behind an unacknowledged
+    packet waits for the peer's delayed ACK (40 ms), once per training step."""
+    link = _link(broker.url, "nodelay")
+    try:
+        sock = link._client.socket()  # noqa: SLF001 - the option lives on paho's socket
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        link.close()
+
+
 def test_hundred_small_messages_arrive_in_order(broker) -> None:
     inbox = Inbox()
     sub = _link(broker.url, "sub", ["t/seq"], inbox)
@@ -140,6 +151,39 @@ def test_retained_message_reaches_late_subscriber(broker) -> None:
             late.close()
     finally:
         pub.close()
+
+
+def test_coordinator_repeats_the_run_description_when_agents_come_online(mosquitto) -> None:
+    """A broker may hold the retained description on another node (RabbitMQ 3.x): each agent's
+    online status makes the coordinator publish the same bytes again, at most once a second,
+    and a burst of agents is answered by one repeat after it, not dropped."""
+    from coordinator.mqtt_transport import INFO_REPEAT_MIN_S, MqttTransport
+    from sfl_core import protocol
+    from sfl_core.protocol import Message
+
+    transport = MqttTransport(mosquitto.url, "rep").start()
+    inbox = Inbox()
+    agent = _link(mosquitto.url, "agent-x", [protocol.info_topic("rep")], inbox)
+    try:
+        transport.publish_run_info({"model": "m"})
+        _, first = inbox.get()                       # the retained (or live) copy
+        online = lambda i: Message("status", "rep", f"a{i}", {"online": True, "instance": "i"}, seq=i).encode()
+        for i in range(5):                           # five agents come online at once
+            agent.publish(protocol.status_topic("rep", f"a{i}"), online(i))
+        repeats = [inbox.get(timeout=5)[1]]
+        try:
+            repeats.append(inbox.get(timeout=3 * INFO_REPEAT_MIN_S)[1])
+        except queue.Empty:
+            pass
+        assert repeats and all(r == first for r in repeats)   # identical bytes: the same seq
+        assert len(repeats) <= 2 and inbox.q.empty()
+        late = time.monotonic()
+        agent.publish(protocol.status_topic("rep", "a9"), online(9))
+        assert inbox.get(timeout=5)[1] == first       # a later agent gets its own repeat
+        assert time.monotonic() - late < 3
+    finally:
+        agent.close()
+        transport.close()
 
 
 _WILL_CHILD = """

@@ -159,3 +159,10 @@ def test_settings_only_the_model_can_judge_are_one_line_naming_the_file(tmp_path
         line, = [l for l in res.output.splitlines() if says in l]
         assert line.startswith(f"{cfg}: ") and "Traceback" not in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_through_a_bad_broker_url_is_one_line_and_starts_nothing(tmp_path):
+    res = RUNNER.invoke(app, ["demo", "--broker", "foo://broker", "--rounds", "1", "--output", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "--broker: unsupported MQTT broker URL scheme 'foo'" in " ".join(res.output.split())
+    assert "Traceback" not in res.output and not (tmp_path / "out" / "agent-logs").exists()

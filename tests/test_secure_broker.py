@@ -211,7 +211,8 @@ def test_broker_config_cli_is_idempotent(tmp_path):
     assert (out / "credentials" / "dev1.password").read_text() == first
     assert {p.name for p in (out / "credentials").iterdir()} == {"coordinator.password", "dev1.password",
                                                                  "dev2.password"}
-    assert "listener 1883" in (out / "mosquitto.conf").read_text()
+    conf = (out / "mosquitto.conf").read_text()
+    assert "listener 1883" in conf and "set_tcp_nodelay true" in conf  # the secure_broker fixture runs with it
     assert [ln.split(":")[0] for ln in (out / "passwd").read_text().splitlines()] == ["coordinator", "dev1", "dev2"]
     bad = subprocess.run([*cmd, "-a", "no/slash"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "letters, digits" in bad.stderr

@@ -1,0 +1,445 @@
+"""Coordinator load: how many selected agents per round one ``sfl-coord serve`` process carries.
+
+Command (full run, ~10 minutes on 2 CPU cores)::
+
+    python bench/coordinator_load.py                          # 10 50 100 200 500 agents per round
+    python bench/coordinator_load.py --agents 10 100 --rounds 4
+    python bench/coordinator_load.py --registered 1000 --agents 10   # a large idle fleet, few selected
+    python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
+
+Writes ``bench/results/coordinator_load.json``.
+
+What runs, per load level: a real Mosquitto on 127.0.0.1, the real ``sfl-coord serve`` (one
+Python process, server portion on the CPU), and ``--procs`` load-generator processes that host
+the agents. Each agent is a real MQTT client (its own connection, retained online status, last
+will, heartbeats every 2 s) that speaks the protocol (docs/protocol.md) but does no training: its
+activations are one real batch of the data set through the real client portion, computed and
+encoded once, and its weights are the client portion it was assigned, sent back unchanged. So the
+coordinator sees exactly the traffic of a real fleet of that size, while the generators stay
+light enough to share the machine with it. Every agent is selected every round (``per_round`` =
+agents) unless ``--registered`` adds idle agents.
+
+Measured over rounds 2..R (round 1 pays model builds and first connections):
+
+- ``steps/s``: local steps the whole fleet completes per second (``local_iters`` x rounds / time
+  from the first assignment of round 2 to the last weights of round R, by the agents' clocks);
+  ``agent-steps/s`` = steps/s x agents.
+- ``act MB/s``: encoded activation bytes into the coordinator per second.
+- ``step p50/p90/p99 ms``: per agent and step, activations sent -> gradients received. In merged
+  training the server waits for every agent's activations, so this is the lock-step latency a
+  device sees, not the server's time for its rows.
+- ``coord CPU %`` (100 = one core), ``CPU ms/agent-step``, ``coord RSS MB`` (peak), ``broker CPU %``,
+  ``gen CPU %`` (all generator processes), from /proc, sampled every 0.2 s.
+- ``server step %``: the share of the coordinator's round time spent in the server portion's
+  forward/backward (``server_s`` in the run's metrics); the rest is receiving, decoding,
+  validating, encoding and publishing.
+
+Everything shares this machine's cores: the coordinator's share of them is reported beside its
+throughput, so the curve says which resource ran out first (a coordinator process near 100 %
+CPU is bound by its one Python thread; a broker near 100 % by Mosquitto; a machine at 100 % by
+the cores, generators included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import common  # noqa: F401  (puts the repository on sys.path)
+import torch
+import yaml
+from brokers import MosquittoBroker, find_mosquitto, MOSQUITTO_MISSING
+
+from sfl_core import protocol, wire
+from sfl_core.config import load_profile
+from sfl_core.data import load_dataset
+from sfl_core.models import build_model
+from sfl_core.protocol import Message
+from sfl_core.transport.mqtt_link import MqttLink
+
+RUN = "load"
+PROFILE = "jetson-nano"
+TICK_S = 0.2
+
+
+# =========================================================================== the load agents
+
+
+class LoadAgent:
+    """One protocol-speaking agent without a trainer.
+
+    Runs on its MQTT client's network thread: every reply is published from the callback (the
+    link does not wait for PUBACKs there), so a generator process needs no thread per agent
+    beyond paho's own.
+    """
+
+    def __init__(self, agent_id: str, index: int, url: str, payload: "Payload", times: list):
+        self.id = agent_id
+        self.index = index
+        self.payload = payload
+        self.times = times          # (agent, round, step, "act" | "grad" | "assign" | "weights", monotonic s, bytes)
+        self.reassembler = wire.Reassembler()
+        self.assign: Optional[Message] = None
+        self.step = -1
+        self.done = threading.Event()
+        self.registered = threading.Event()
+        self.instance = uuid.uuid4().hex[:12]
+        status = protocol.status_topic(RUN, agent_id)
+        will = Message("status", RUN, agent_id, {"online": False, "instance": self.instance}).encode()
+        self.link = MqttLink(url, f"load-{agent_id}-{self.instance[:6]}", self._on_message,
+                             subscriptions=[protocol.down_topic(RUN, agent_id), protocol.info_topic(RUN)],
+                             will=(status, will, True))
+
+    def start(self) -> None:
+        self.link.connect(timeout=60)
+        self.link.publish(protocol.status_topic(RUN, self.id),
+                          self._msg("status", {"online": True, "instance": self.instance}).encode(), retain=True)
+
+    def heartbeat(self) -> None:
+        self.link.publish(protocol.up_topic(RUN, self.id), self._msg("heartbeat", {"state": "idle"}).encode(),
+                          timeout=None, qos=0)
+
+    def _msg(self, mtype: str, body: dict, rnd: int = 0, step: int = 0) -> Message:
+        return Message(mtype, RUN, self.id, body, round=rnd, step=step, seq=protocol.next_seq())
+
+    def _send(self, msg: Message) -> int:
+        topic = protocol.up_topic(RUN, self.id)
+        payload = msg.encode()
+        for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12]):
+            self.link.publish(topic, piece)
+        return len(payload)
+
+    def _note(self, rnd: int, step: int, kind: str, t: float, nbytes: int = 0) -> None:
+        self.times.append((self.id, rnd, step, kind, t, nbytes))
+
+    def _on_message(self, topic: str, data: bytes) -> None:
+        if not data:
+            return
+        whole = self.reassembler.feed(topic, data)
+        if whole is None:
+            return
+        msg = protocol.decode(whole, run=RUN, allowed=protocol.COORD_TYPES)
+        now = time.monotonic()
+        if msg.type == "run_info" and not self.registered.is_set():
+            self._send(self._msg("register", self.payload.register_body(self.index)))
+        elif msg.type == "accepted":
+            self.registered.set()
+        elif msg.type == "reject":
+            print(f"{self.id}: rejected: {msg.body['reason']}", file=sys.stderr)
+            self.done.set()
+        elif msg.type == "shutdown":
+            self.done.set()
+        elif msg.type == "assign":
+            self.assign, self.step = msg, 0
+            self._note(msg.round, 0, "assign", now)
+            self._activations(msg.round)
+        elif msg.type == "gradients" and self.assign is not None and msg.step == self.step:
+            self._note(msg.round, msg.step, "grad", now)
+            if self.step + 1 < self.assign.body["tau"]:
+                self.step += 1
+                self._activations(msg.round)
+            else:
+                self._send(self._msg("weights", {"weights": self.assign.body["weights"], "num_samples":
+                                                 self.payload.num_samples, "compute_s": 0.0,
+                                                 "loss": float("nan")}, msg.round, self.step))
+                self._note(msg.round, self.step, "weights", time.monotonic())
+
+    def _activations(self, rnd: int) -> None:
+        body = {"x": self.payload.x(self.assign.body["codec"]), "y": self.payload.y, "compute_s": 0.0}
+        t = time.monotonic()
+        self._note(rnd, self.step, "act", t, self._send(self._msg("activations", body, rnd, self.step)))
+
+
+class Payload:
+    """What every agent of a generator sends: one real batch through the real client portion."""
+
+    def __init__(self, spec: dict):
+        data = load_dataset(spec["dataset"], spec["root"])
+        torch.manual_seed(0)
+        model = build_model(spec["model"], data.input_shape, data.num_classes)
+        xb, yb = data.x_train[:spec["batch_size"]], data.y_train[:spec["batch_size"]]
+        with torch.no_grad():
+            self.out = model.client(spec["split"])(xb)
+        self.y = wire.encode_tensor(yb.to(torch.int64), "fp32", spec["zstd_level"])
+        self.zstd = spec["zstd_level"]
+        self.num_classes = data.num_classes
+        self.num_samples = 600
+        self.profile = protocol.profile_body(load_profile(PROFILE))
+        self.split = spec["split"]
+        self._x: dict[str, dict] = {}
+
+    def x(self, codec: str) -> dict:
+        if codec not in self._x:
+            self._x[codec] = wire.encode_tensor(self.out, codec, self.zstd)
+        return self._x[codec]
+
+    def register_body(self, index: int) -> dict:
+        counts = [self.num_samples // self.num_classes] * self.num_classes
+        counts[0] += self.num_samples - sum(counts)
+        return {"index": index, "profile": self.profile, "label_counts": counts, "num_samples": self.num_samples,
+                "measured": {"compute_s_per_sample": {str(self.split): 1e-4}, "up_bytes_per_s": 1e8,
+                             "down_bytes_per_s": 1e8, "rtt_s": 1e-3},
+                "emulate": False, "resume": {"rounds_done": 0}}
+
+
+def worker(spec_file: str) -> int:
+    """A generator process: connect its agents, serve until the run's shutdown, write the timings."""
+    spec = json.loads(Path(spec_file).read_text())
+    torch.set_num_threads(1)
+    payload = Payload(spec)
+    times: list = []
+    agents = [LoadAgent(a, i, spec["url"], payload, times) for a, i in spec["agents"]]
+    for a in agents:
+        a.start()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(2.0):
+            for a in agents:
+                a.heartbeat()
+
+    threading.Thread(target=beat, daemon=True).start()
+    deadline = time.monotonic() + spec["timeout_s"]
+    for a in agents:
+        a.done.wait(max(0.1, deadline - time.monotonic()))
+    stop.set()
+    for a in agents:
+        a.link.close()
+    Path(spec["out"]).write_text(json.dumps({"times": times, "done": sum(a.done.is_set() for a in agents)}))
+    return 0
+
+
+# =========================================================================== measuring a level
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """utime + stime of a process (and its reaped children), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> Optional[float]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class Sampler(threading.Thread):
+    """CPU seconds of each watched process (by role) and peak RSS, every TICK_S."""
+
+    def __init__(self, roles: dict[str, list[int]]):
+        super().__init__(daemon=True)
+        self.roles = roles
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.peak_rss: dict[str, float] = {}
+        self.last: dict[int, float] = {}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(TICK_S):
+            row: dict[str, float] = {}
+            for role, pids in self.roles.items():
+                total = 0.0
+                for pid in pids:
+                    c = cpu_seconds(pid)
+                    if c is not None:
+                        self.last[pid] = c
+                    total += self.last.get(pid, 0.0)
+                    r = rss_mb(pid)
+                    if r is not None and role == "coord":
+                        self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), r)
+                row[role] = total
+            self.samples.append((time.monotonic(), row))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def cpu_between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU % (100 = one core) of each role from the last sample at or before ``t0`` to the
+        first at or after ``t1`` (the window's edges to within one tick)."""
+        before = [s for s in self.samples if s[0] <= t0]
+        after = [s for s in self.samples if s[0] >= t1]
+        if not before or not after:
+            return {}
+        (a, ra), (b, rb) = before[-1], after[0]
+        return {role: 100 * (rb[role] - ra[role]) / (b - a) for role in rb}
+
+
+def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
+    cfg = {
+        "run": RUN, "model": args.model,
+        "data": {"dataset": args.dataset_name, "root": args.dataset_root, "partition": "iid", "seed": 0},
+        "fleet": [{"profile": PROFILE, "count": registered}], "per_round": agents, "rounds": args.rounds,
+        "strategy": "sfl", "split": args.split, "server_mode": "merged", "batch_size": args.batch,
+        "local_iters": args.tau, "codec": args.codec, "zstd_level": 3, "lr": 0.01,
+        "eval_samples": 256, "step_timeout_s": 300, "register_timeout_s": 600,
+        "output_dir": str(tmp / "out"),
+    }
+    path = tmp / "load.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_level(url: str, broker_pid: int, args: Any, agents: int, registered: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="sfl-bench-load-") as tmp_s:
+        tmp = Path(tmp_s)
+        config = write_config(tmp, args, agents, registered)
+        coord_log = open(tmp / "coord.log", "w")
+        spy = ["py-spy", "record", "--format", "raw", "--threads", "--subprocesses", "-o",
+               f"{args.py_spy}-{agents}.txt", "--"] if args.py_spy else []
+        coord = subprocess.Popen([*spy, sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config),
+                                  "--broker", url, "--quiet", "--device", "cpu"],
+                                 stdout=coord_log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT,
+                                 env={**os.environ, "OMP_NUM_THREADS": str(args.coord_threads)})
+        ids = [(f"a{i}", i) for i in range(registered)]
+        procs, outs = [], []
+        n_procs = min(args.procs, registered)
+        for p in range(n_procs):
+            out = tmp / f"gen{p}.json"
+            spec = {"url": url, "agents": ids[p::n_procs], "out": str(out), "timeout_s": args.timeout,
+                    "model": args.model, "dataset": args.dataset_name, "root": args.dataset_root,
+                    "split": args.split, "batch_size": args.batch, "zstd_level": 3}
+            spec_file = tmp / f"gen{p}.spec.json"
+            spec_file.write_text(json.dumps(spec))
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec_file)],
+                                          stdout=open(tmp / f"gen{p}.log", "w"), stderr=subprocess.STDOUT,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            outs.append(out)
+        sampler = Sampler({"coord": [coord.pid], "broker": [broker_pid], "gen": [p.pid for p in procs]})
+        sampler.start()
+        try:
+            code = coord.wait(timeout=args.timeout)
+            for p in procs:
+                p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = -1
+        finally:
+            sampler.stop()
+            for p in [coord, *procs]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            coord_log.close()
+        if code != 0:
+            raise RuntimeError(f"{agents} agents: sfl-coord serve exited {code}:\n"
+                               f"{(tmp / 'coord.log').read_text(errors='replace')[-3000:]}")
+        metrics = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()
+                   if line.strip()]
+        times = [t for out in outs for t in json.loads(out.read_text())["times"]]
+    return summarise(args, agents, registered, metrics, times, sampler)
+
+
+def summarise(args: Any, agents: int, registered: int, metrics: list[dict], times: list,
+              sampler: Sampler) -> dict[str, Any]:
+    rounds = [m for m in metrics if m["round"] >= 2]
+    if not rounds or any(len(m["completed"]) != agents for m in rounds):
+        raise RuntimeError(f"{agents} agents: expected every round complete, got "
+                           f"{[(m['round'], len(m['completed'])) for m in metrics if m['round'] >= 1]}")
+    measured = [t for t in times if t[1] >= 2]
+    t0 = min(t for _, r, _, kind, t, _ in measured if kind == "assign" and r == 2)
+    t1 = max(t for _, r, _, kind, t, _ in measured if kind == "weights" and r == args.rounds)
+    window = t1 - t0
+    steps = args.tau * len(rounds)
+    act_bytes = sum(n for _, _, _, kind, _, n in measured if kind == "act")
+    latencies = step_latencies(measured)
+    q = statistics.quantiles(latencies, n=100)
+    cpu = sampler.cpu_between(t0, t1)
+    coord_cpu = cpu.get("coord", float("nan"))
+    wall = sum(m["wall_s"] for m in rounds)
+    server_s = sum(max(a["server_s"] for a in m["agents"].values()) for m in rounds)
+    return {
+        "agents": agents, "registered": registered, "rounds_measured": len(rounds), "window_s": round(window, 3),
+        "steps_per_s": steps / window, "agent_steps_per_s": steps * agents / window,
+        "act_mb_per_s": act_bytes / 1e6 / window, "act_kb_per_message": act_bytes / 1e3 / (steps * agents),
+        "step_ms_p50": 1e3 * q[49], "step_ms_p90": 1e3 * q[89], "step_ms_p99": 1e3 * q[98],
+        "coord_cpu_pct": coord_cpu, "coord_cpu_ms_per_agent_step": 10 * coord_cpu * window / (steps * agents),
+        "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
+        "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,
+    }
+
+
+def step_latencies(times: list) -> list[float]:
+    """Activations sent -> gradients received, per agent and step."""
+    sent = {(a, r, k): t for a, r, k, kind, t, _ in times if kind == "act"}
+    return [t - sent[(a, r, k)] for a, r, k, kind, t, _ in times if kind == "grad" and (a, r, k) in sent]
+
+
+# =========================================================================== main
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = common.base_parser(__doc__)
+    p.add_argument("--agents", type=int, nargs="+", default=None,
+                   help="selected agents per round, one load level each (default 10 50 100 200 500)")
+    p.add_argument("--registered", type=int, default=None,
+                   help="agents registered in all (default: as many as selected); the rest heartbeat idle")
+    p.add_argument("--procs", type=int, default=4, help="load-generator processes (default 4)")
+    p.add_argument("--model", default="small_cnn", help="zoo model (default small_cnn)")
+    p.add_argument("--split", type=int, default=2, help="split point (default 2)")
+    p.add_argument("--batch", type=int, default=8, help="batch per agent and step (default 8)")
+    p.add_argument("--tau", type=int, default=5, help="local steps per round (default 5)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per level; round 1 is not measured (default 3)")
+    p.add_argument("--codec", default="fp16", help="activation codec (default fp16)")
+    p.add_argument("--coord-threads", type=int, default=1, help="OMP_NUM_THREADS of the coordinator (default 1)")
+    p.add_argument("--py-spy", metavar="PREFIX", default=None,
+                   help="profile the coordinator with py-spy (pip install py-spy): writes PREFIX-<agents>.txt, "
+                        "collapsed stacks per thread (its CPU figures then include py-spy's own)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per level (default 900)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.agents, args.rounds, args.tau, args.procs = args.agents or [4], 2, 2, 2
+    levels = args.agents or [10, 50, 100, 200, 500]
+    if find_mosquitto() is None:
+        raise SystemExit(MOSQUITTO_MISSING)
+    ds = common.load_data(args.data)
+    args.dataset_name = ds.name
+    given = Path(args.data).expanduser()
+    args.dataset_root = str(given.resolve()) if given.exists() else None
+
+    results = []
+    with MosquittoBroker() as broker:
+        for n in levels:
+            registered = max(n, args.registered or n)
+            print(f"{n} agents per round ({registered} registered) ...", flush=True)
+            res = run_level(broker.url, broker.pid, args, n, registered)
+            results.append(res)
+            print(f"  {res['steps_per_s']:.2f} steps/s, coordinator CPU {res['coord_cpu_pct']:.0f} %", flush=True)
+        version = broker.version()
+    cores = os.cpu_count()
+    rows = [[r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
+             r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
+             r["coord_cpu_ms_per_agent_step"], r["coord_rss_mb"], r["broker_cpu_pct"], r["gen_cpu_pct"],
+             r["server_step_pct"]] for r in results]
+    common.print_table(
+        f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
+        f"tau {args.tau}, {args.codec}, server on CPU, {cores} cores shared by all processes",
+        ["agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
+         "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %"],
+        rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
+    doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results}
+    path = common.write_result(args.out, "coordinator_load", doc)
+    print(f"wrote {path}")
+    return doc
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2]))
+    main()
