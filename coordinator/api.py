@@ -161,9 +161,13 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
 
 
 def run_simulation(cfg: RunConfig, *, resume: bool = False, device: str = "auto", quiet: bool = True,
-                   console: Optional[Console] = None) -> tuple[list[dict], RoundEngine]:
+                   console: Optional[Console] = None, ray: Optional[str] = None,
+                   ray_workers: Optional[int] = None) -> tuple[list[dict], RoundEngine]:
     """The same engine as :func:`serve`, with in-process agents and a virtual clock: real
-    training on real data, times from the device profiles and the real encoded bytes."""
+    training on real data, times from the device profiles and the real encoded bytes.
+
+    ``ray``: place the agents in Ray actors instead, ``"local"`` for a Ray started here, else
+    a cluster address (``ray_workers`` actors, default one per CPU); same results, in parallel."""
     from coordinator.inprocess import build_fleet
 
     console = console or Console(stderr=True)
@@ -171,11 +175,23 @@ def run_simulation(cfg: RunConfig, *, resume: bool = False, device: str = "auto"
     out = output_dir(cfg)
     checkpoint = _prepare_out_dir(out, resume, console)
     dev = pick_device(device)
-    transport = build_fleet(cfg, data, dev)
-    with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
-        engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
-                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                             device=dev, on_event=display, checkpoint=checkpoint,
-                             preprocessing=data.preprocessing)
-        history = engine.run()
+    if ray is not None:
+        from coordinator.ray_fleet import build_ray_fleet
+        try:
+            transport = build_ray_fleet(cfg, data, None if ray == "local" else ray, ray_workers)
+        except RuntimeError as exc:
+            raise RunError(str(exc)) from exc
+    else:
+        transport = build_fleet(cfg, data, dev)
+    try:
+        with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
+            engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
+                                 input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
+                                 device=dev, on_event=display, checkpoint=checkpoint,
+                                 preprocessing=data.preprocessing)
+            history = engine.run()
+    finally:
+        close = getattr(transport, "close", None)
+        if close is not None:
+            close()
     return history, engine

@@ -168,12 +168,25 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
              data: Optional[Path] = DATA_OPTION,
              resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
              device: str = typer.Option("auto", help="Server-portion device."),
+             ray: bool = typer.Option(False, "--ray", help="Train the agents in Ray actors, in parallel, on a "
+                                      "local Ray (same results as without it). Needs pip install 'sfl-edge[ray]'."),
+             ray_address: Optional[str] = typer.Option(None, help="With --ray (implies it): join this Ray cluster "
+                                                       "instead, e.g. ray://head:10001 or auto."),
+             ray_workers: Optional[int] = typer.Option(None, min=1, help="With --ray: number of actors "
+                                                       "(default: one per CPU of the Ray cluster)."),
              quiet: bool = typer.Option(False, "--quiet", "-q"),
              verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
-    """Simulate the fleet in this process with a virtual clock (times from the device profiles; docs/methods.md §3)."""
+    """Simulate the fleet with a virtual clock (times from the device profiles; docs/methods.md §3):
+    agents in this process, or in Ray actors with --ray."""
     _setup_logging(verbose)
+    if ray_workers is not None and not (ray or ray_address):
+        console.print("[red]--ray-workers needs --ray (or --ray-address)")
+        raise typer.Exit(2)
     cfg = _load(config, rounds, output, data)
-    history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=resume, device=device, quiet=quiet, console=console))
+    history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=resume, device=device, quiet=quiet,
+                                                              console=console,
+                                                              ray=ray_address or ("local" if ray else None),
+                                                              ray_workers=ray_workers))
     console.print(summary_table(history, engine.registry))
     console.print(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}")
 

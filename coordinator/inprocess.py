@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -67,23 +68,47 @@ class InProcessTransport:
         return None
 
 
-def build_fleet(cfg: RunConfig, data: Dataset, device: str | torch.device = "cpu") -> InProcessTransport:
-    """Create every agent of the config with its own shard and queue their registrations."""
-    n = cfg.num_agents
-    shards = partition_indices(data.y_train.numpy(), n, cfg.data.partition, alpha=cfg.data.alpha,
+@dataclass
+class SimAgent:
+    """What one simulated agent is made of: enough to build its :class:`AgentCore` anywhere
+    (in this process, or in a Ray worker on another machine)."""
+
+    agent_id: str
+    index: int
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    input_shape: tuple[int, ...]
+    seed: int
+
+    def core(self, run_id: str, device: str | torch.device = "cpu") -> AgentCore:
+        return AgentCore(self.agent_id, run_id, LocalData(self.x, self.y, self.num_classes), self.input_shape,
+                         seed=self.seed, device=device)
+
+
+def fleet_agents(cfg: RunConfig, data: Dataset) -> tuple[list[SimAgent], list[Message]]:
+    """Every agent of the config with its shard, and the registration each one sends first."""
+    shards = partition_indices(data.y_train.numpy(), cfg.num_agents, cfg.data.partition, alpha=cfg.data.alpha,
                                seed=cfg.data.seed, num_classes=data.num_classes)
-    agents: dict[str, AgentCore] = {}
-    transport = InProcessTransport(cfg.run_id, agents)
+    agents, registrations = [], []
     for i, profile_name in enumerate(cfg.agent_profiles()):
         profile = load_profile(profile_name)
         idx = torch.as_tensor(shards[i], dtype=torch.long)
         local = LocalData(data.x_train[idx], data.y_train[idx], data.num_classes)
-        agent_id = f"sim-{i:03d}"
-        agents[agent_id] = AgentCore(agent_id, cfg.run_id, local, data.input_shape, seed=cfg.seed * 1000 + i,
-                                      device=device)
-        transport.deliver_from_agent(Message(
-            "register", cfg.run_id, agent_id, round=0, seq=1,
-            body={"index": i, "profile": protocol.profile_body(profile), "measured": {}, "label_counts": local.label_counts(),
-                  "num_samples": len(local), "emulate": True, "resume": {}}))
-    return transport
+        agent = SimAgent(f"sim-{i:03d}", i, local.x, local.y, data.num_classes, tuple(data.input_shape),
+                         seed=cfg.seed * 1000 + i)
+        agents.append(agent)
+        registrations.append(Message(
+            "register", cfg.run_id, agent.agent_id, round=0, seq=1,
+            body={"index": i, "profile": protocol.profile_body(profile), "measured": {},
+                  "label_counts": local.label_counts(), "num_samples": len(local), "emulate": True, "resume": {}}))
+    return agents, registrations
 
+
+def build_fleet(cfg: RunConfig, data: Dataset, device: str | torch.device = "cpu") -> InProcessTransport:
+    """Create every agent of the config with its own shard and queue their registrations."""
+    agents, registrations = fleet_agents(cfg, data)
+    transport = InProcessTransport(cfg.run_id, {a.agent_id: a.core(cfg.run_id, device) for a in agents})
+    for msg in registrations:
+        transport.deliver_from_agent(msg)
+    return transport

@@ -149,7 +149,9 @@ class FleetSession:
         while True:
             waiting = [a for a in agents if a in expected and a not in got]
             if not waiting:
-                return {a: m for a, m in got.items() if a in agents}
+                # in the round's agent order, not arrival order: the merged batch and the
+                # aggregation sums then do not depend on which agent answered first
+                return {a: got[a] for a in agents if a in got}
             msg = self._receive(0.1)
             if msg is not None:
                 self.registry.seen(msg.sender)

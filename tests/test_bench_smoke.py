@@ -84,3 +84,15 @@ def test_planner_quick(tmp_path: Path) -> None:
     assert timing["agents"] == 20 and 0 < timing["plan_s"] < 10
     err = doc["results"]["prediction_error"]["virtual clock"]
     assert err["rounds"] >= 1 and math.isfinite(err["median"])
+
+
+@pytest.mark.slow
+def test_ray_sim_quick(tmp_path: Path) -> None:
+    """The Ray simulation bench: serial and 2 actors, same results, positive times."""
+    pytest.importorskip("ray")
+    doc = _run("ray_sim.py", tmp_path)
+    serial, ray2 = doc["results"]
+    assert serial["mode"] == "serial" and ray2["mode"] == "ray 2" and ray2["workers"] == 2
+    assert serial["same_as_serial"] and ray2["same_as_serial"], doc["results"]
+    for row in doc["results"]:
+        assert row["rounds_wall_s"] > 0 and row["total_wall_s"] >= row["rounds_wall_s"] + row["round1_wall_s"]
