@@ -240,8 +240,18 @@ def rss_mb(pid: int) -> Optional[float]:
     return None
 
 
+def with_children(pid: int) -> list[int]:
+    """``pid`` and its child processes (``serve --server-workers`` starts its other ranks)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *(int(k) for k in kids)]
+
+
 class Sampler(threading.Thread):
-    """CPU seconds of each watched process (by role) and peak RSS, every TICK_S."""
+    """CPU seconds of each watched process (by role) and peak RSS, every TICK_S. The
+    coordinator's role counts its child processes too (its other server workers)."""
 
     def __init__(self, roles: dict[str, list[int]]):
         super().__init__(daemon=True)
@@ -255,15 +265,17 @@ class Sampler(threading.Thread):
         while not self._halt.wait(TICK_S):
             row: dict[str, float] = {}
             for role, pids in self.roles.items():
-                total = 0.0
+                if role == "coord":
+                    pids = self.roles[role] = sorted(set(pids) | set(with_children(pids[0])))
+                total, rss = 0.0, 0.0
                 for pid in pids:
                     c = cpu_seconds(pid)
                     if c is not None:
                         self.last[pid] = c
                     total += self.last.get(pid, 0.0)
-                    r = rss_mb(pid)
-                    if r is not None and role == "coord":
-                        self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), r)
+                    rss += rss_mb(pid) or 0.0
+                if role == "coord":
+                    self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), rss)
                 row[role] = total
             self.samples.append((time.monotonic(), row))
 
@@ -305,7 +317,8 @@ def run_level(url: str, broker_pid: int, args: Any, agents: int, registered: int
         spy = ["py-spy", "record", "--format", "raw", "--threads", "--subprocesses", "-o",
                f"{args.py_spy}-{agents}.txt", "--"] if args.py_spy else []
         coord = subprocess.Popen([*spy, sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config),
-                                  "--broker", url, "--quiet", "--device", "cpu"],
+                                  "--broker", url, "--quiet", "--device", "cpu",
+                                  "--server-workers", str(args.server_workers)],
                                  stdout=coord_log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT,
                                  env={**os.environ, "OMP_NUM_THREADS": str(args.coord_threads)})
         ids = [(f"a{i}", i) for i in range(registered)]
@@ -398,6 +411,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3, help="rounds per level; round 1 is not measured (default 3)")
     p.add_argument("--codec", default="fp16", help="activation codec (default fp16)")
     p.add_argument("--coord-threads", type=int, default=1, help="OMP_NUM_THREADS of the coordinator (default 1)")
+    p.add_argument("--server-workers", type=int, default=1,
+                   help="sfl-coord serve --server-workers N (default 1); results go to coordinator_load_workersN.json")
     p.add_argument("--py-spy", metavar="PREFIX", default=None,
                    help="profile the coordinator with py-spy (pip install py-spy): writes PREFIX-<agents>.txt, "
                         "collapsed stacks per thread (its CPU figures then include py-spy's own)")
@@ -429,12 +444,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
              r["server_step_pct"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
-        f"tau {args.tau}, {args.codec}, server on CPU, {cores} cores shared by all processes",
+        f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
+        f"shared by all processes",
         ["agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
          "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results}
-    path = common.write_result(args.out, "coordinator_load", doc)
+    name = "coordinator_load" + (f"_workers{args.server_workers}" if args.server_workers > 1 else "")
+    path = common.write_result(args.out, name, doc)
     print(f"wrote {path}")
     return doc
 

@@ -112,9 +112,15 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     """
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import MqttTransport
+    from coordinator.server_workers import from_env
 
     console = console or Console(stderr=True)
     data = _dataset(cfg)
+    shards = from_env(pick_device(device), timeout_s=max(1800.0, 3 * cfg.register_timeout_s))
+    if shards is not None and broker is None:
+        raise RunError("server workers need --broker: every one connects to the same broker")
+    if shards is not None and not shards.leader:
+        return _serve_shard(cfg, broker, data, shards)
     out = output_dir(cfg)
     checkpoint = _prepare_out_dir(out, resume, console)
     embedded = None
@@ -145,8 +151,8 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
         with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
             engine = RoundEngine(cfg, transport, WallClock(), (data.x_test, data.y_test),
                                  input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                                 device=pick_device(device), on_event=display, checkpoint=checkpoint,
-                                 preprocessing=data.preprocessing)
+                                 device=shards.device if shards else pick_device(device), on_event=display,
+                                 checkpoint=checkpoint, preprocessing=data.preprocessing, shards=shards)
             history = engine.run()
         finished = True
         rejected = engine.rejected_totals()
@@ -158,6 +164,22 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
         transport.close(finished=finished)
         if embedded is not None:
             embedded.stop()
+
+
+def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) -> tuple[list[dict], RoundEngine]:
+    """A server worker other than the leader: its own MQTT connection, its agents' rows."""
+    from coordinator.mqtt_transport import MqttTransport
+
+    transport = MqttTransport(broker, cfg.run_id, worker=shards.rank)
+    try:
+        transport.start()
+        engine = RoundEngine(cfg, transport, WallClock(), (data.x_test[:0], data.y_test[:0]),
+                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=output_dir(cfg),
+                             device=shards.device, preprocessing=data.preprocessing, shards=shards)
+        engine.serve_shard()
+        return [], engine
+    finally:
+        transport.close(finished=False)   # the leader owns the run's retained description
 
 
 def run_simulation(cfg: RunConfig, *, resume: bool = False, device: str = "auto", quiet: bool = True,

@@ -31,6 +31,7 @@ from coordinator.engine import RoundEngine  # noqa: F401  (the API's result type
 from coordinator.export import run_model
 from coordinator.api import RunError, output_dir, run_simulation
 from coordinator.api import serve as serve_run
+from coordinator.server_workers import launch_workers
 
 app = typer.Typer(help="Split federated learning coordinator.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True)
@@ -138,11 +139,17 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
           output: Optional[Path] = typer.Option(None, help="Override the output directory."),
           data: Optional[Path] = DATA_OPTION,
           device: str = typer.Option("auto", help="Server-portion device: auto, cpu, cuda, cuda:1 ..."),
+          server_workers: int = typer.Option(1, min=1, help="Server processes that share the round's agents "
+                                             "(torch.distributed: gloo on CPU, NCCL with one GPU each); needs "
+                                             "--broker. Or start every rank with torchrun."),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
           verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Coordinate a real deployment: agents connect through the MQTT broker."""
     _setup_logging(verbose)
     cfg = _load(config, rounds, output, data)
+    if server_workers > 1 and broker is None:
+        console.print("[red]--server-workers needs --broker: every server worker connects to the same broker")
+        raise typer.Exit(2)
     address = None
     if broker is not None:
         try:
@@ -154,9 +161,17 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
         console.print("[red]--ca-file/--cert-file/--key-file/--password-file need --broker (the embedded broker "
                       "has neither TLS nor passwords)")
         raise typer.Exit(2)
-    history, engine = _run_daemon(cfg, lambda: serve_run(cfg, address, resume=resume, device=device, listen=listen,
-                                                          quiet=quiet, insecure_listen=insecure_listen,
-                                                          console=console))
+    workers = []
+    if server_workers > 1 and "RANK" not in os.environ:   # not started by torchrun: start ranks 1..N-1
+        workers = launch_workers(server_workers, sys.argv[1:])
+    try:
+        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, address, resume=resume, device=device,
+                                                              listen=listen, quiet=quiet,
+                                                              insecure_listen=insecure_listen, console=console))
+    finally:
+        _end_processes(workers, grace_s=30)
+    if engine.shards is not None and not engine.shards.leader:
+        return                                             # the leader reports the run
     console.print(summary_table(history, engine.registry))
     console.print(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}")
 
@@ -465,7 +480,10 @@ def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.
                   client_certs: bool = typer.Option(False, "--client-certs", help="Require client certificates; their "
                                                     "common name is the user name (no passwords)."),
                   persistence_dir: Optional[Path] = typer.Option(None, help="Keep retained messages and sessions "
-                                                                 "here across broker restarts.")) -> None:
+                                                                 "here across broker restarts."),
+                  server_workers: int = typer.Option(1, min=1, help="Also create the users of `serve "
+                                                     "--server-workers N`'s further ranks (<coordinator>-w1 ...), "
+                                                     "with the coordinator's rights and password.")) -> None:
     """Write a Mosquitto configuration: TLS listener, one user per device, an ACL that confines each
     agent to its own topics (`mosquitto -c OUT/mosquitto.conf`)."""
     from coordinator.broker_config import BrokerTls, write_broker_config
@@ -484,7 +502,7 @@ def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.
     port = port or (8883 if tls else 1883)
     try:
         files = write_broker_config(out, names, coordinator_user=coordinator_user, port=port, bind=bind, tls=tls,
-                                    persistence_dir=persistence_dir)
+                                    persistence_dir=persistence_dir, server_workers=server_workers)
     except ValueError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2)

@@ -34,8 +34,15 @@ from coordinator.export import describe_model, restore_widths, run_model
 from coordinator.registry import Registry
 from coordinator.session import Event, FleetSession, RoundAgent
 from coordinator.server_trainer import LossSpec, ServerTrainer
+from coordinator.server_workers import GradReducer, ServerShards, shard_agents
 
 log = logging.getLogger("sfl.coord")
+
+
+def _counters(ra: RoundAgent) -> dict[str, Any]:
+    """What a server worker counted for one of its agents this round (sent to the leader)."""
+    return {"bytes_up": ra.bytes_up, "bytes_down": ra.bytes_down, "messages": ra.messages, "busy_s": ra.busy_s,
+            "server_s": ra.server_s, "labels_withheld": ra.labels_withheld}
 
 
 class Transport(Protocol):
@@ -67,10 +74,13 @@ class RoundEngine:
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
                  device: torch.device | str = "cpu", on_event: Optional[Event] = None,
                  checkpoint: Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]] = None,
-                 preprocessing: Optional[dict[str, Any]] = None):
+                 preprocessing: Optional[dict[str, Any]] = None, shards: Optional[ServerShards] = None):
         """``checkpoint``: what :func:`coordinator.state.load` read from ``out_dir``, to resume
         after its round (load it before starting anything, so a bad file stops nothing).
-        ``preprocessing``: the data set's (``Dataset.preprocessing``), kept with the model."""
+        ``preprocessing``: the data set's (``Dataset.preprocessing``), kept with the model.
+        ``shards``: this process is one of several server workers (:mod:`coordinator.server_workers`);
+        the leader runs :meth:`run`, the others :meth:`serve_shard`."""
+        self.shards = shards
         self.preprocessing = preprocessing
         self.cfg = cfg
         self.transport = transport
@@ -93,9 +103,11 @@ class RoundEngine:
         self.method = build_method(cfg, self.model, self.costs)
         loss = LossSpec(cfg.loss, cfg.calibration_tau, cfg.hetero.bdks, cfg.hetero.bdks_alpha,
                         cfg.hetero.bdks_theta)
-        self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss)
+        self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss,
+                                    reducer=GradReducer(shards) if shards is not None else None)
         self.session = FleetSession(cfg, transport, self.registry, virtual=clock.virtual, now=self._now,
-                                    on_event=self.on_event, on_drop=self.server.drop)
+                                    on_event=self.on_event, on_drop=self.server.drop,
+                                    follower=shards is not None and not shards.leader)
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
         if checkpoint is not None:
@@ -121,7 +133,16 @@ class RoundEngine:
         for r in range(self.start_round, self.cfg.rounds + 1):
             self.run_round(r)
         self.shutdown_agents("run finished")
+        if self.shards is not None:
+            self.shards.broadcast(None)   # the server workers stop
         return self.history
+
+    def serve_shard(self) -> None:
+        """A server worker other than the leader: train the rows of this rank's agents, round after
+        round, until the leader says the run is over."""
+        assert self.shards is not None and not self.shards.leader
+        while (doc := self.shards.broadcast()) is not None:
+            self._shard_round(doc)
 
     def run_round(self, r: int) -> dict[str, Any]:
         if not self.session.online():
@@ -136,10 +157,14 @@ class RoundEngine:
         agents = {a: RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
                                                     batches.get(a), decay), last_heard=now, last_sent_at=now)
                   for a in selected}
-        self.server.begin_round(plan.groups, plan.splits, widths=plan.widths,
-                                label_counts={a: self.registry.agents[a].label_counts for a in selected},
-                                lr=self.cfg.lr * decay, sequential=plan.sequential,
-                                population_counts={a: i.label_counts for a, i in self.registry.agents.items()})
+        label_counts = {a: self.registry.agents[a].label_counts for a in selected}
+        population = {a: i.label_counts for a, i in self.registry.agents.items()}
+        # agents holding the whole model train locally and only send weights (FedAvg, or auto's choice)
+        split_agents = [a for a, ra in agents.items() if not ra.assignment.whole_model]
+        mine = self._start_shards(r, plan, agents, split_agents, label_counts, population, decay) \
+            if self.shards is not None else split_agents
+        self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
+                                lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         for a, ra in agents.items():
             key = (ra.assignment.split, ra.assignment.width)
@@ -147,37 +172,110 @@ class RoundEngine:
                 bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
             self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
                                           ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
-        losses: list[float] = []
-        # agents holding the whole model train locally and only send weights (FedAvg, or auto's choice)
-        split_agents = [a for a, ra in agents.items() if not ra.assignment.whole_model]
-        if split_agents:
-            for k in range(self.cfg.local_iters):
-                acts = self.session.collect(agents, "activations", r, k, only=split_agents)
-                if not acts:
-                    break
-                batches = {a: self._batch(agents[a], m) for a, m in acts.items()}
-                for a, b in batches.items():
-                    if b is not None and b[1] is None:
-                        agents[a].labels_withheld = True
-                for a in [a for a, b in batches.items() if b is None]:
-                    self.session.drop(agents, a, "sent invalid activations")
-                    del batches[a]
-                if not batches:
-                    break
-                t0 = time.monotonic()
-                grads, loss = self.server.step(batches, lambda z, r=r, k=k: self._exchange_logits(agents, z, r, k))
-                dt = time.monotonic() - t0
-                losses.append(loss)
-                for a, g in grads.items():
-                    if a not in agents:   # dropped while the server step waited for its logit gradients
-                        continue
-                    agents[a].server_s += dt
-                    g_body = {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)}
-                    self.session.send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                         g_body, round=r, step=k, seq=protocol.next_seq()))
-                self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
+        # server workers step together even in a round without split agents (each step is a collective)
+        losses = self._train_steps(r, agents, mine) if split_agents or self.shards is not None else []
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
+        if self.shards is not None:
+            self._merge_shard_counters(agents, mine)
         return self._aggregate_and_record(r, plan, agents, uploads, losses, time.monotonic() - wall0)
+
+    def _train_steps(self, r: int, agents: dict[str, RoundAgent], mine: list[str]) -> list[float]:
+        """The round's server steps for the split agents in ``mine`` (all of them, or this server
+        worker's shard): gather their activations, train, answer with gradients; the mean losses.
+        Server workers step together, rows or not (each step is an all-reduce), so they never
+        stop early."""
+        losses: list[float] = []
+        for k in range(self.cfg.local_iters):
+            acts = self.session.collect(agents, "activations", r, k, only=mine)
+            if not acts and self.shards is None:
+                break
+            batches = {a: self._batch(agents[a], m) for a, m in acts.items()}
+            for a, b in batches.items():
+                if b is not None and b[1] is None:
+                    agents[a].labels_withheld = True
+            for a in [a for a, b in batches.items() if b is None]:
+                self.session.drop(agents, a, "sent invalid activations")
+                del batches[a]
+            if not batches and self.shards is None:
+                break
+            t0 = time.monotonic()
+            grads, loss = self.server.step(batches, lambda z, r=r, k=k: self._exchange_logits(agents, z, r, k))
+            dt = time.monotonic() - t0
+            if self.server.last_rows:
+                losses.append(loss)
+            for a, g in grads.items():
+                if a not in agents:   # dropped while the server step waited for its logit gradients
+                    continue
+                agents[a].server_s += dt
+                g_body = {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)}
+                self.session.send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                     g_body, round=r, step=k, seq=protocol.next_seq()))
+            self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
+        return losses
+
+    # ================================================================ server workers
+    def _start_shards(self, r: int, plan: RoundPlan, agents: dict[str, RoundAgent], split_agents: list[str],
+                      label_counts: dict, population: dict, decay: float) -> list[str]:
+        """The leader shares out the round's split agents, hands the workers the plan and the
+        model, and waits until each has subscribed to its agents; returns the leader's own shard."""
+        assert self.shards is not None
+        if plan.sequential:
+            raise RuntimeError("server workers cannot share a sequential server (server_mode: sequential): "
+                               "it trains on one agent after another")
+        owners = shard_agents(split_agents, self.shards.world)
+        self.transport.not_mine = frozenset(a for a, rank in owners.items() if rank != 0)
+        self.shards.broadcast({
+            "round": r, "owners": owners, "lr": self.cfg.lr * decay,
+            "assignments": {a: agents[a].assignment.to_body({}) for a in split_agents},
+            "groups": plan.groups, "splits": plan.splits, "widths": plan.widths,
+            "infer_widths": {k: pair.infer_width for k, pair in self.model.bottlenecks.items()},
+            "label_counts": label_counts, "population": population})
+        self.shards.broadcast_model(self.model)
+        self.shards.barrier()
+        log.info("round %d: server workers' agents: %s", r, "; ".join(
+            f"{rank}: {', '.join(a for a, o in owners.items() if o == rank) or '-'}" for rank in range(self.shards.world)))
+        return [a for a in split_agents if owners[a] == 0]
+
+    def _shard_round(self, doc: dict[str, Any]) -> None:
+        """A server worker's round: the leader's plan and model, then this rank's agents' steps."""
+        assert self.shards is not None
+        r = doc["round"]
+        self.shards.broadcast_model(self.model)
+        plan = RoundPlan(splits={a: int(s) for a, s in doc["splits"].items()}, groups=doc["groups"],
+                         widths={a: int(w) for a, w in doc["widths"].items()})
+        for key, width in doc["infer_widths"].items():   # the leader's, resumed or widened
+            self.model.bottlenecks[key].infer_width = int(width)
+        mine = [a for a, rank in doc["owners"].items() if rank == self.shards.rank]
+        self.transport.follow(set(mine))
+        self.shards.barrier()
+        now = self._now()
+        agents = {a: RoundAgent(a, Assignment.from_body(doc["assignments"][a]), last_heard=now, last_sent_at=now)
+                  for a in mine}
+        self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
+                                lr=doc["lr"], population_counts=doc["population"])
+        losses = self._train_steps(r, agents, mine)
+        log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r, ", ".join(mine) or "-",
+                 f"{losses[-1]:.4f}" if losses else "-")
+        self.shards.gather({a: _counters(ra) for a, ra in agents.items()})
+
+    def _merge_shard_counters(self, agents: dict[str, RoundAgent], mine: list[str]) -> None:
+        """Add what the other server workers counted for their agents (bytes, messages, times)
+        to what the leader counted itself (the assignment and the weights)."""
+        assert self.shards is not None
+        self.transport.not_mine = frozenset()
+        for counters in self.shards.gather({a: _counters(agents[a]) for a in mine if a in agents})[1:]:
+            for a, c in counters.items():
+                ra = agents.get(a)
+                if ra is None:
+                    continue
+                ra.bytes_up += c["bytes_up"]
+                ra.bytes_down += c["bytes_down"]
+                ra.messages += c["messages"]
+                ra.server_s += c["server_s"]
+                # the leader timed only the weights upload, from the assignment on: the steps are the worker's
+                ra.busy_s = c["busy_s"]
+                if c["labels_withheld"]:
+                    ra.labels_withheld = True
 
     def shutdown_agents(self, reason: str) -> None:
         """Tell every known agent to stop (the run finished)."""

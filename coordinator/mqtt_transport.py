@@ -8,6 +8,7 @@ the rest for the round engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,6 +19,7 @@ from typing import Any, Optional
 from sfl_core import protocol, wire
 from sfl_core.protocol import COORDINATOR_ID, Message
 
+from sfl_core.transport.broker_url import BrokerAddress, parse_broker_url
 from sfl_core.transport.mqtt_link import MqttLink
 
 log = logging.getLogger("sfl.coord.mqtt")
@@ -27,9 +29,22 @@ INFO_REPEAT_MIN_S = 1.0
 """At most one repeat of the run description per this many seconds, however many agents appear."""
 
 
+def _worker_address(url: "str | BrokerAddress", rank: int) -> BrokerAddress:
+    """A server worker logs in as its own user (:func:`coordinator.server_workers.worker_user`)."""
+    from coordinator.server_workers import worker_user
+
+    address = url if isinstance(url, BrokerAddress) else parse_broker_url(url)
+    if address.username:
+        address = dataclasses.replace(address, username=worker_user(address.username, rank))
+    return address
+
+
 class MqttTransport:
     def __init__(self, url: str, run_id: str, *, max_bytes: int = wire.MAX_MESSAGE_BYTES,
-                 chunk_bytes: int = wire.CHUNK_BYTES, publish_timeout_s: float = 10.0):
+                 chunk_bytes: int = wire.CHUNK_BYTES, publish_timeout_s: float = 10.0, worker: int = 0):
+        """``worker``: the rank of a server worker other than the leader
+        (:mod:`coordinator.server_workers`): it subscribes to nothing until :meth:`follow` names
+        its agents."""
         self.run_id = protocol.check_id("run id", run_id)
         self.max_bytes = max_bytes
         self.chunk_bytes = chunk_bytes
@@ -41,8 +56,15 @@ class MqttTransport:
         self._info_repeated_at = float("-inf")
         self._info_repeat: Optional[threading.Timer] = None
         self._info_lock = threading.Lock()
-        self.link = MqttLink(url, f"sfl-coord-{run_id}", self._on_message,
-                             subscriptions=[protocol.up_wildcard(run_id), protocol.status_wildcard(run_id)])
+        self.not_mine: frozenset[str] = frozenset()
+        """Agents whose training messages another server worker handles: dropped on arrival."""
+        self._following: set[str] = set()
+        self._worker = worker
+        subs = [] if worker else [protocol.up_wildcard(run_id), protocol.status_wildcard(run_id)]
+        if worker:
+            url = _worker_address(url, worker)
+        self.link = MqttLink(url, f"sfl-coord-{run_id}" + (f"-w{worker}" if worker else ""), self._on_message,
+                             subscriptions=subs)
 
     def start(self, timeout: float = 10.0) -> "MqttTransport":
         self.link.connect(timeout)
@@ -76,6 +98,14 @@ class MqttTransport:
                 self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
         finally:
             self.link.close()
+
+    def follow(self, agents: set[str]) -> None:
+        """A server worker: receive exactly these agents' upward messages from now on."""
+        for a in sorted(self._following - agents):
+            self.link.unsubscribe(protocol.up_topic(self.run_id, a))
+        for a in sorted(agents - self._following):
+            self.link.subscribe(protocol.up_topic(self.run_id, a), timeout=self.publish_timeout_s)
+        self._following = set(agents)
 
     def live_time(self) -> float:
         """Time in which agents could reach us (stands still while the broker is down)."""
@@ -122,6 +152,10 @@ class MqttTransport:
         if msg.type == "probe":
             self._answer_probe(msg)
             return
+        if msg.type in ("activations", "logit_grads") and msg.sender in self.not_mine:
+            return
+        if self._worker and msg.type in ("register", "weights"):
+            return   # the leader's: it registers agents and aggregates their weights
         if msg.type == "status" and msg.body["online"]:
             self._repeat_run_info()
         self._queue.put(msg)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from sfl_core.hetero import under_represented_classes
 from sfl_core.losses import logit_calibrated_ce, n2w_loss, w2n_loss
 from sfl_core.models import SplitModel
+
+if TYPE_CHECKING:
+    from coordinator.server_workers import GradReducer
 
 Batch = tuple[torch.Tensor, torch.Tensor | None]
 """An agent's activations and labels (``None``: the agent withheld them)."""
@@ -75,6 +78,8 @@ class _Group:
         for key, pair in self.model.bottlenecks.items():
             if int(key) >= self.first:
                 params += list((pair.decoder if int(key) == self.first else pair).parameters())
+        self.params = params
+        self.buffers = [b for blk in self.model.blocks[self.first:] for b in blk.buffers()]
         self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
 
     def state_for(self, split: int) -> dict[str, torch.Tensor]:
@@ -84,8 +89,12 @@ class _Group:
 
 class ServerTrainer:
     def __init__(self, model: SplitModel, *, lr: float = 0.05, momentum: float = 0.0,
-                 device: torch.device | str = "cpu", loss: LossSpec = LossSpec()):
+                 device: torch.device | str = "cpu", loss: LossSpec = LossSpec(),
+                 reducer: "GradReducer | None" = None):
+        """``reducer``: this trainer is one of several server workers that share the round's
+        rows (:mod:`coordinator.server_workers`); every step all-reduces the gradients."""
         self.model = model
+        self.reducer = reducer
         self.lr = lr
         self.momentum = momentum
         self.device = torch.device(device)
@@ -96,6 +105,8 @@ class ServerTrainer:
         self._counts: dict[str, torch.Tensor] = {}
         self._under: dict[int, list[int]] = {}
         self._sequential = False
+        self.last_rows = 0
+        """Rows the last :meth:`step` trained on (every server worker's, with a reducer)."""
 
     def begin_round(self, groups: Sequence[Sequence[str]], splits: Mapping[str, int], *,
                     widths: Mapping[str, int] | None = None,
@@ -157,6 +168,12 @@ class ServerTrainer:
             raise ValueError("an agent withheld its labels but no logits exchange was given")
         for group in self._groups:
             present = {a: batches[a] for a in group.members if a in batches}
+            if self.reducer is not None:       # every rank steps every group, rows or not
+                g, loss, n = self._train(group, present, exchange) if present else self._idle(group)
+                grads.update(g)
+                losses += loss * n
+                rows += n
+                continue
             if not present:
                 continue
             # SplitFed v2 trains the one copy on each member's rows in turn; otherwise one merged batch
@@ -165,7 +182,21 @@ class ServerTrainer:
                 grads.update(g)
                 losses += loss * n
                 rows += n
+        self.last_rows = rows
         return grads, losses / max(rows, 1)
+
+    def _idle(self, group: _Group) -> tuple[dict[str, torch.Tensor], float, int]:
+        """A server worker none of whose agents is in this group this step: it still takes part
+        in the group's all-reduce (with no gradient) and takes the same optimiser step."""
+        assert self.reducer is not None
+        if group.opt is not None:
+            group.opt.zero_grad(set_to_none=True)
+        total = self.reducer.rows(0)
+        self.reducer.sync(group.params, group.buffers, 0, total)
+        loss = self.reducer.mean(0.0, 0, total)
+        if group.opt is not None and total:
+            group.opt.step()
+        return {}, loss, total
 
     def _train(self, group: _Group, batches: Mapping[str, Batch], exchange: Exchange | None = None
                ) -> tuple[dict[str, torch.Tensor], float, int]:
@@ -197,6 +228,11 @@ class ServerTrainer:
         sizes = [inputs[a].shape[0] for a in order]
         n = sum(sizes)
         loss = self._backward(group, order, inputs, h, {a: batches[a][1] for a in order}, exchange)
+        rows = n
+        if self.reducer is not None:   # the mean loss over every rank's rows, one model on every rank
+            rows = self.reducer.rows(n)
+            self.reducer.sync(group.params, group.buffers, n, rows)
+            loss = self.reducer.mean(loss, n, rows)
         if group.opt is not None:
             group.opt.step()
         # scale on the device, then one device->host copy per distinct activation shape
@@ -212,7 +248,7 @@ class ServerTrainer:
             host = torch.cat([out[a] for a in members]).cpu()
             for a, g in zip(members, torch.split(host, [out[a].shape[0] for a in members])):
                 grads[a] = g
-        return grads, loss, n
+        return grads, loss, rows
 
     def _backward(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
                   logits: torch.Tensor, labels: Mapping[str, torch.Tensor | None],

@@ -57,10 +57,14 @@ class RoundAgent:
 
 class FleetSession:
     def __init__(self, cfg: RunConfig, transport: Any, registry: Registry, *, virtual: bool,
-                 now: Callable[[], float], on_event: Event, on_drop: Callable[[str], None]):
+                 now: Callable[[], float], on_event: Event, on_drop: Callable[[str], None],
+                 follower: bool = False):
         """``transport``: the engine's (send/poll); ``virtual``: a simulation (agents never go
         stale by silence alone); ``now``: the liveness clock; ``on_drop``: called with each
-        agent dropped from a round (the server trainer forgets its rows)."""
+        agent dropped from a round (the server trainer forgets its rows). ``follower``: a server
+        worker other than the leader (:mod:`coordinator.server_workers`): it only trains its
+        shard, and leaves registration and liveness to the leader."""
+        self.follower = follower
         self.cfg = cfg
         self.transport = transport
         self.registry = registry
@@ -151,7 +155,7 @@ class FleetSession:
             if not waiting:
                 # in the round's agent order, not arrival order: the merged batch and the
                 # aggregation sums then do not depend on which agent answered first
-                return {a: got[a] for a in agents if a in got}
+                return {a: got[a] for a in agents if a in got and a in expected}
             msg = self._receive(0.1)
             if msg is not None:
                 self.registry.seen(msg.sender)
@@ -284,6 +288,8 @@ class FleetSession:
 
     def dispatch(self, msg: Message, agents: Optional[dict[str, RoundAgent]]) -> None:
         """Messages outside the training exchange: registration, liveness."""
+        if self.follower:
+            return   # the leader answers registrations and keeps the registry; it hears them too
         if msg.type == "register":
             if self._reg_seq.get(msg.sender) == msg.seq:  # a re-sent registration: our ack was lost
                 self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,

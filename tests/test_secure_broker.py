@@ -59,7 +59,8 @@ def secure_broker(tmp_path_factory):
     make_cert(d, "broker", "ca", "IP:127.0.0.1,DNS:localhost")
     port = free_port()
     files = write_broker_config(d / "broker", ["a0", "a1", "a2"], port=port, bind="127.0.0.1",
-                                tls=BrokerTls(str(d / "broker.crt"), str(d / "broker.key"), str(d / "ca.crt")))
+                                tls=BrokerTls(str(d / "broker.crt"), str(d / "broker.key"), str(d / "ca.crt")),
+                                server_workers=2)
     conf = files.conf.read_text()
     if os.geteuid() == 0:  # as root Mosquitto drops to user 'mosquitto', which cannot read pytest's 0700 dirs
         conf += "user root\n"
@@ -171,7 +172,9 @@ def test_tls_files_need_mqtts(tmp_path):
 
 
 def test_run_over_tls_with_per_device_credentials(secure_broker, tmp_path):
-    """Coordinator and two agents, each with its own user and password file, over mqtts://."""
+    """Coordinator and two agents, each with its own user and password file, over mqtts://. The
+    coordinator runs two server workers: the second logs in as coordinator-w1 (the user that
+    broker-config --server-workers 2 made, with the coordinator's password) and trains a1's rows."""
     sb = secure_broker
     url = f"mqtts://{{user}}@127.0.0.1:{sb['port']}"
     ca = str(sb["pki"] / "ca.crt")
@@ -181,7 +184,7 @@ def test_run_over_tls_with_per_device_credentials(secure_broker, tmp_path):
     clog = open(tmp_path / "coord.log", "w")
     coord = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--quiet",
                               "--verbose", "--broker", url.format(user="coordinator"), "--ca-file", ca,
-                              "--password-file", str(cred["coordinator"])],
+                              "--password-file", str(cred["coordinator"]), "--server-workers", "2"],
                              stdout=clog, stderr=subprocess.STDOUT, cwd=REPO)
     agents = []
     for i, user in enumerate(["a0", "a1"]):
@@ -195,6 +198,7 @@ def test_run_over_tls_with_per_device_credentials(secure_broker, tmp_path):
     m = metrics(tmp_path)
     assert m[-1]["round"] == 1 and m[-1]["completed"] == ["a0", "a1"], m[-1]
     assert m[-1]["rejected"] == {}
+    assert "server worker 1: round 1 trained a1" in (tmp_path / "coord.log").read_text(), logs(tmp_path)
     text = logs(tmp_path) + (tmp_path / "out" / "metrics.jsonl").read_text()
     for user, path in cred.items():
         assert path.read_text().strip() not in text, f"{user}'s password leaked into logs or metrics"
@@ -257,3 +261,25 @@ def test_client_certificates_instead_of_passwords(secure_broker, tmp_path):
         anonymous.close()
     finally:
         broker.close()
+
+
+def test_server_worker_users_have_the_coordinators_password_and_rights(tmp_path):
+    """broker-config --server-workers 3: users coordinator-w1, -w2 read and write every run's topics
+    and log in with the coordinator's password; a server worker's transport uses its own user."""
+    import base64
+
+    from coordinator.mqtt_transport import _worker_address
+
+    files = write_broker_config(tmp_path, ["a0"], server_workers=3)
+    acl = files.acl.read_text()
+    for user in ("coordinator", "coordinator-w1", "coordinator-w2"):
+        assert f"user {user}\ntopic readwrite sfl/#" in acl
+    password = files.credentials["coordinator"].read_text().strip()
+    entries = dict(line.split(":", 1) for line in files.passwd.read_text().splitlines())
+    assert sorted(entries) == ["a0", "coordinator", "coordinator-w1", "coordinator-w2"]
+    assert sorted(files.credentials) == ["a0", "coordinator"]      # one password file for every rank
+    for user in ("coordinator-w1", "coordinator-w2"):
+        _, _, iterations, salt, _ = entries[user].split("$")
+        assert entries[user] == password_hash(password, base64.b64decode(salt), int(iterations))
+    assert _worker_address("mqtts://coordinator@127.0.0.1:8883", 2).username == "coordinator-w2"
+    assert _worker_address("mqtt://127.0.0.1:1883", 1).username is None

@@ -92,6 +92,8 @@ class MqttLink:
         self._reconnect_cbs: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._ready = threading.Event()          # connected AND subscriptions acknowledged
+        self._sub_lock = threading.Lock()
+        self._sub_acks: dict[int, threading.Event] = {}   # subscribe(timeout=...) waiting for its SUBACK
         self._conn_result = threading.Event()    # any CONNACK (success or failure) seen
         self._conn_error: str | None = None
         self._pending_sub_mid: int | None = None
@@ -176,14 +178,21 @@ class MqttLink:
         """True once connected and (re)subscribed; False if that does not happen within ``timeout``."""
         return self._ready.wait(timeout)
 
-    def subscribe(self, topic: str) -> None:
-        """Add a subscription that is kept across reconnects (QoS 1)."""
+    def subscribe(self, topic: str, timeout: float | None = None) -> None:
+        """Add a subscription that is kept across reconnects (QoS 1). With ``timeout``, wait (that
+        long at most) for the broker's acknowledgement: messages published after it arrive."""
         with self._lock:
             if topic in self._subscriptions:
                 return
             self._subscriptions.append(topic)
         if self.connected:
-            self._client.subscribe(topic, qos=_SUB_QOS)
+            acked = threading.Event()
+            with self._sub_lock:   # the acknowledgement's callback waits until acked is filed
+                rc, mid = self._client.subscribe(topic, qos=_SUB_QOS)
+                if timeout is not None and rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    self._sub_acks[mid] = acked
+            if timeout is not None and not acked.wait(timeout):
+                log.warning("MQTT subscription to %s not acknowledged within %.0f s", topic, timeout)
 
     def unsubscribe(self, topic: str) -> None:
         """Drop a subscription added with :meth:`subscribe` (not kept across reconnects any more)."""
@@ -315,6 +324,10 @@ class MqttLink:
         failed = [str(rc) for rc in reason_codes if getattr(rc, "is_failure", False)]
         if failed:
             log.error("MQTT broker rejected subscription(s): %s", ", ".join(failed))
+        with self._sub_lock:
+            acked = self._sub_acks.pop(mid, None)
+        if acked is not None:
+            acked.set()
         if mid == self._pending_sub_mid:
             self._pending_sub_mid = None
             self._mark_ready(self._pending_reconnect)

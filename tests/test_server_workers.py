@@ -1,0 +1,147 @@
+"""Server training shared by several processes (``sfl-coord serve --server-workers N``).
+
+Two gloo processes on the CPU must train the model one process trains: first the server
+step alone (ranks holding different agents' rows, mixed cuts, one all-reduce per step),
+then a whole run over Mosquitto with real agent processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from coordinator.server_trainer import ServerTrainer
+from coordinator.server_workers import GradReducer, ServerShards, shard_agents
+from sfl_core.models import build_model
+
+from helpers import finish, logs, metrics, start_agents, start_coord, write_config
+
+_AGENTS = {"a": 1, "b": 2, "c": 1, "d": 2}    # agent -> split (mixed cuts, one merged group)
+_BATCH = {"a": 4, "b": 6, "c": 5, "d": 3}
+
+
+def _batches(step: int) -> dict:
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    gen = torch.Generator().manual_seed(step)
+    out = {}
+    for a, split in _AGENTS.items():
+        x = torch.randn(_BATCH[a], 1, 8, 8, generator=gen)
+        with torch.no_grad():
+            h = model.client(split)(x)
+        out[a] = (torch.randn(h.shape, generator=gen), torch.randint(0, 10, (_BATCH[a],), generator=gen))
+    return out
+
+
+def _train(trainer: ServerTrainer, mine: list[str], steps: int = 3) -> tuple[dict, list[float]]:
+    trainer.begin_round([sorted(_AGENTS)], _AGENTS)
+    grads, losses = {}, []
+    for k in range(steps):
+        batches = {a: b for a, b in _batches(k).items() if a in mine}
+        g, loss = trainer.step(batches)
+        grads.update({f"{a}{k}": v for a, v in g.items()})
+        losses.append(loss)
+    return grads, losses
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    trainer = ServerTrainer(model, lr=0.1, momentum=0.5,
+                            reducer=GradReducer(ServerShards(rank, world, torch.device("cpu"))))
+    owners = shard_agents(_AGENTS, world)
+    grads, losses = _train(trainer, [a for a, r in owners.items() if r == rank])
+    state = trainer.member_state("a", 1)
+    torch.save({"grads": grads, "losses": losses, "state": state}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_shard_agents_is_round_robin_over_sorted_ids():
+    assert shard_agents(["c", "a", "b", "d", "e"], 2) == {"a": 0, "b": 1, "c": 0, "d": 1, "e": 0}
+    assert set(shard_agents(["x"], 3).values()) == {0}
+
+
+def test_two_gloo_ranks_train_the_server_model_one_process_trains(tmp_path):
+    """Ranks holding {a, c} and {b, d}: same server weights, same per-agent gradients and the
+    same merged loss as one trainer holding all four, to float tolerance."""
+    torch.manual_seed(0)
+    single = ServerTrainer(build_model("small_cnn", (1, 8, 8), 10), lr=0.1, momentum=0.5)
+    grads, losses = _train(single, list(_AGENTS))
+    expected = single.member_state("a", 1)
+    init = f"file://{tmp_path / 'pg'}"
+    mp.start_processes(_rank, args=(2, init, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for part in parts:
+        assert part["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, value in expected.items():
+            torch.testing.assert_close(part["state"][name], value, rtol=1e-5, atol=1e-6)
+    shared = {**parts[0]["grads"], **parts[1]["grads"]}
+    assert sorted(shared) == sorted(grads)
+    for key, g in grads.items():
+        torch.testing.assert_close(shared[key], g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tmp_path):
+    """`serve --server-workers 2` with three agent processes over Mosquitto: every round
+    completes with every agent, per-agent bytes include what the second worker counted, and
+    the model equals the single-process run's (the simulation of the same config, which
+    test_integration shows equal to `serve` with one process) to float tolerance."""
+    config = write_config(tmp_path, "sw", rounds=2)
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url, "--server-workers", "2", "--device", "cpu")
+    agents = start_agents(mosquitto.url, "sw", tmp_path)
+    assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == [0, 1, 2]
+    for r in m[1:]:
+        assert sorted(r["completed"]) == ["a0", "a1", "a2"]
+        for a in r["agents"].values():   # 10 steps of activations, not only the weights
+            assert a["bytes_up"] > 10 * 16 * 32 * 4 * 4 * 4 * 0.3 and a["server_s"] > 0
+    from coordinator.api import run_simulation
+    from sfl_core.config import load_run_config
+    from coordinator import state as ckpt
+    cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
+    history, engine = run_simulation(cfg, device="cpu")
+    for got, want in zip(m[1:], history[1:]):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-3)
+        assert got["accuracy"] == pytest.approx(want["accuracy"], abs=0.02)
+    served, _ = ckpt.load(tmp_path / "out")
+    for name, value in engine.model.state_dict().items():
+        torch.testing.assert_close(served[name].float(), value.float(), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dead_server_worker_stops_the_coordinator_and_resume_finishes(mosquitto, tmp_path):
+    """Killing rank 1 mid-run is a coordinator crash: the leader stops with one line naming it,
+    the agents wait, and `--resume` (two workers again) completes the run from the checkpoint."""
+    import subprocess
+    config = write_config(tmp_path, "swk", rounds=4, local_iters=20)
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url, "--server-workers", "2", "--device", "cpu")
+    agents = start_agents(mosquitto.url, "swk", tmp_path)
+    deadline = time.monotonic() + 120
+    while not ((tmp_path / "out" / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 2):
+        assert time.monotonic() < deadline and coord.poll() is None, logs(tmp_path)
+        time.sleep(0.1)
+    (worker,) = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(coord.pid)]).split()]
+    os.kill(worker, signal.SIGKILL)
+    assert coord.wait(timeout=60) == 1, logs(tmp_path)
+    text = (tmp_path / "coord.log").read_text()
+    assert "a server worker stopped" in text and "--resume" in text and "Traceback" not in text, text[-3000:]
+    done = [r["round"] for r in metrics(tmp_path)]
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url, "--server-workers", "2", "--device", "cpu",
+                        "--resume", name="coord-resume")
+    assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == [0, 1, 2, 3, 4] and len(done) >= 2
+    assert all(sorted(r["completed"]) == ["a0", "a1", "a2"] for r in m[done[-1] + 1:]), m
