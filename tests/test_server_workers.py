@@ -125,10 +125,20 @@ def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tm
 def test_a_dead_server_worker_stops_the_coordinator_and_resume_finishes(mosquitto, tmp_path):
     """Killing rank 1 mid-run is a coordinator crash: the leader stops with one line naming it,
     the agents wait, and `--resume` (two workers again) completes the run from the checkpoint."""
-    import subprocess
     config = write_config(tmp_path, "swk", rounds=4, local_iters=20)
     coord = start_coord(config, tmp_path, "--broker", mosquitto.url, "--server-workers", "2", "--device", "cpu")
     agents = start_agents(mosquitto.url, "swk", tmp_path)
+    procs = [coord, *agents]
+    try:
+        _kill_a_worker_then_resume(config, coord, agents, mosquitto, tmp_path, procs)
+    finally:                          # a failed assertion must not leave agents waiting forever
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _kill_a_worker_then_resume(config, coord, agents, mosquitto, tmp_path, procs) -> None:
+    import subprocess
     deadline = time.monotonic() + 120
     while not ((tmp_path / "out" / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 2):
         assert time.monotonic() < deadline and coord.poll() is None, logs(tmp_path)
@@ -141,6 +151,7 @@ def test_a_dead_server_worker_stops_the_coordinator_and_resume_finishes(mosquitt
     done = [r["round"] for r in metrics(tmp_path)]
     coord = start_coord(config, tmp_path, "--broker", mosquitto.url, "--server-workers", "2", "--device", "cpu",
                         "--resume", name="coord-resume")
+    procs.append(coord)
     assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
     m = metrics(tmp_path)
     assert [r["round"] for r in m] == [0, 1, 2, 3, 4] and len(done) >= 2
