@@ -453,6 +453,8 @@ class RoundEngine:
             "agents": per_agent, "rejected": self.session.rejected_since_last_round(),
         }
         record.update(self.method.round_metrics())
+        if self.clock.virtual and self.cfg.privacy.agent().active:   # simulated agents apply the run's defenses
+            record["privacy"] = self.cfg.privacy.agent().describe()
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, self.model.state_dict(), {

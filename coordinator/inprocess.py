@@ -17,6 +17,7 @@ from sfl_core import protocol, wire
 from sfl_core.config import RunConfig, load_profile
 from sfl_core.data import Dataset
 from sfl_core.partition import partition_indices
+from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
 
 from edge_agent.agent import AgentCore, LocalData
@@ -80,10 +81,11 @@ class SimAgent:
     num_classes: int
     input_shape: tuple[int, ...]
     seed: int
+    privacy: AgentPrivacy = AgentPrivacy()
 
     def core(self, run_id: str, device: str | torch.device = "cpu") -> AgentCore:
         return AgentCore(self.agent_id, run_id, LocalData(self.x, self.y, self.num_classes), self.input_shape,
-                         seed=self.seed, device=device)
+                         seed=self.seed, device=device, privacy=self.privacy)
 
 
 def fleet_agents(cfg: RunConfig, data: Dataset) -> tuple[list[SimAgent], list[Message]]:
@@ -96,7 +98,7 @@ def fleet_agents(cfg: RunConfig, data: Dataset) -> tuple[list[SimAgent], list[Me
         idx = torch.as_tensor(shards[i], dtype=torch.long)
         local = LocalData(data.x_train[idx], data.y_train[idx], data.num_classes)
         agent = SimAgent(f"sim-{i:03d}", i, local.x, local.y, data.num_classes, tuple(data.input_shape),
-                         seed=cfg.seed * 1000 + i)
+                         seed=cfg.seed * 1000 + i, privacy=cfg.privacy.agent())
         agents.append(agent)
         registrations.append(Message(
             "register", cfg.run_id, agent.agent_id, round=0, seq=1,

@@ -23,6 +23,7 @@ from sfl_core import protocol, wire
 from sfl_core.accounting import model_costs
 from sfl_core.assignment import Assignment
 from sfl_core.models import SplitModel, build_model
+from sfl_core.privacy import AgentPrivacy, clip_and_noise, distance_correlation
 from sfl_core.protocol import Message
 
 log = logging.getLogger("sfl.agent")
@@ -72,7 +73,9 @@ class BatchSampler:
 class AgentCore:
     def __init__(self, agent_id: str, run_id: str, data: LocalData, input_shape: tuple[int, ...],
                  *, seed: int = 0, compute_hook: Optional[ComputeHook] = None, device: str | torch.device = "cpu",
-                 withhold_labels: bool = False):
+                 withhold_labels: bool = False, privacy: AgentPrivacy = AgentPrivacy()):
+        """``privacy``: defenses applied to the activations before they leave (:mod:`sfl_core.privacy`);
+        the coordinator needs to know nothing of them."""
         self.agent_id = protocol.check_id("agent id", agent_id)
         self.run_id = run_id
         self.device = torch.device(device)  # simulations may put in-process agents on the GPU
@@ -90,6 +93,9 @@ class AgentCore:
         self._client: Optional[torch.nn.Module] = None
         self._opt: Optional[torch.optim.Optimizer] = None
         self._out: Optional[torch.Tensor] = None
+        self.privacy = privacy
+        self._leak: Optional[torch.Tensor] = None        # NoPeek's weighted distance correlation, this step
+        self._noise_gen = torch.Generator().manual_seed(seed + 7919)
         # labels withheld (MergeSFL): the coordinator sends our rows' logits, we score them here
         self.withhold_labels = withhold_labels
         self._y: Optional[torch.Tensor] = None
@@ -147,17 +153,26 @@ class AgentCore:
         x, y = self.data.x[idx], self.data.y[idx]
         t0 = time.perf_counter()
         out = self._client(x)
-        self._out, self._y = out, y
+        self._y = y
+        self._out, self._leak = self._protect(x, out)
         # forward is about a third of forward+backward FLOPs; the rest is charged at backward
         self._charge(self._flops_per_sample * len(idx) / 3, time.perf_counter() - t0)
         if tuple(out.shape[1:]) != self._assign.activation_shape:
             raise wire.WireError(f"assign.activation_shape {self._assign.activation_shape} does not match this "
                                  f"model's client output {tuple(out.shape[1:])}")
         return self._msg("activations", step=self.step, body={
-            "x": wire.encode_tensor(out, self._assign.codec, self._assign.zstd_level),
+            "x": wire.encode_tensor(self._out, self._assign.codec, self._assign.zstd_level),
             "y": None if self.withhold_labels else wire.encode_tensor(y.to(torch.int64), "fp32", self._assign.zstd_level),
             "compute_s": self._compute_s,
         })
+
+    def _protect(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """What is sent for the client's output ``out`` of inputs ``x`` (clipped and noised if
+        asked), and NoPeek's loss term (None when off or for a single-sample batch)."""
+        p = self.privacy
+        leak = p.nopeek * distance_correlation(x, out) if p.nopeek > 0 and x.shape[0] > 1 else None
+        sent = clip_and_noise(out, p.activation_noise, self._noise_gen) if p.activation_noise is not None else out
+        return sent, leak
 
     def _on_gradients(self, msg: Message) -> list[Message]:
         a = self._assign
@@ -175,9 +190,12 @@ class AgentCore:
         t0 = time.perf_counter()
         assert self._opt is not None
         self._opt.zero_grad(set_to_none=True)
-        self._out.backward(g)
+        if self._leak is not None:   # NoPeek: the server's gradient plus our own leakage term
+            torch.autograd.backward([self._out, self._leak], [g, None])
+        else:
+            self._out.backward(g)
         self._opt.step()
-        self._out = None
+        self._out, self._leak = None, None
         self._charge(self._flops_per_sample * g.shape[0] * 2 / 3, time.perf_counter() - t0)
         if self.step + 1 < a.tau:
             return self._remember([self._forward_next()])

@@ -36,6 +36,21 @@ def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Opti
     return use_config_file(ctx, param, value, path_options={"data"}, maybe_path_options={"profile"})
 
 
+def _privacy(nopeek: float, activation_noise: Optional[str]) -> "AgentPrivacy":
+    """The defenses of ``--nopeek`` and ``--activation-noise CLIP,SIGMA``."""
+    from sfl_core.privacy import ActivationNoise, AgentPrivacy
+
+    noise = None
+    if activation_noise is not None:
+        parts = activation_noise.split(",")
+        try:
+            clip, sigma = (float(p) for p in parts)
+        except ValueError:
+            raise ValueError("expected CLIP,SIGMA, e.g. 1.0,0.5") from None
+        noise = ActivationNoise(clip, sigma)
+    return AgentPrivacy(nopeek, noise)
+
+
 @app.command()
 def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager=True, callback=_use_config_file,
                                                 help="YAML file of these options (keys: the option names with "
@@ -61,6 +76,11 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
           seed: int = typer.Option(0),
           withhold_labels: bool = typer.Option(False, "--withhold-labels/--send-labels",
                                                help="Never send labels: score the coordinator's logits on the device."),
+          nopeek: float = typer.Option(0.0, min=0.0, help="Privacy: weight of NoPeek's distance correlation "
+                                       "between inputs and activations in the client's loss (0 = off)."),
+          activation_noise: Optional[str] = typer.Option(None, metavar="CLIP,SIGMA", help="Privacy: clip each "
+                                                         "sample's activations to L2 norm CLIP, then add Gaussian "
+                                                         "noise of std SIGMA x CLIP before sending."),
           verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
     from edge_agent.runner import AgentError, AgentOptions, AgentRunner, DuplicateAgentError
@@ -92,11 +112,17 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     except ValueError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2)
+    try:
+        privacy = _privacy(nopeek, activation_noise)
+    except ValueError as exc:
+        console.print(f"--activation-noise {activation_noise}: {exc}", style="red", markup=False)
+        raise typer.Exit(2)
     name = agent_id or address.username or f"{socket.gethostname().split('.')[0]}-{index}"
     name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:64]
     runner = AgentRunner(AgentOptions(broker=address, run_id=run, agent_id=name, profile=prof, index=index,
                                       data_root=data, shard_file=str(shard_file) if shard_file else None,
-                                      emulate=emulate, slowdown=slowdown, seed=seed, withhold_labels=withhold_labels))
+                                      emulate=emulate, slowdown=slowdown, seed=seed, withhold_labels=withhold_labels,
+                                      privacy=privacy))
     signal.signal(signal.SIGTERM, lambda *_: runner.stop())
     try:
         code = runner.run()

@@ -31,6 +31,7 @@ from sfl_core.config import DeviceProfile
 from sfl_core.data import load_dataset
 from sfl_core.models import build_model
 from sfl_core.partition import load_shard_file, shard_for_agent
+from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
 
 from edge_agent.agent import AgentCore, LocalData
@@ -55,6 +56,7 @@ class AgentOptions:
     """With ``emulate``: run this many times slower than the profile (fault injection for tests)."""
     seed: int = 0
     withhold_labels: bool = False
+    privacy: AgentPrivacy = AgentPrivacy()
     """Keep labels on the device: the coordinator sends logits back and this agent scores them."""
     heartbeat_s: float = 2.0
     retry_s: float = 5.0
@@ -123,6 +125,8 @@ class AgentRunner:
             self._announce_online()
             self._claim_id()
             info = self._wait_run_info()
+            if self.o.privacy.active:
+                log.info("privacy defenses on what this agent sends: %s", self.o.privacy.describe())
             self.core = self._build_core(info)
             self._measured = self._measure(info)
             self._register(info, self._measured)
@@ -220,7 +224,7 @@ class AgentRunner:
         hook = self.emulator.compute if self.emulator else None
         return AgentCore(self.o.agent_id, self.o.run_id, local, data.input_shape,
                          seed=self.o.seed * 1000 + self.o.index, compute_hook=hook,
-                         withhold_labels=self.o.withhold_labels)
+                         withhold_labels=self.o.withhold_labels, privacy=self.o.privacy)
 
     def _measure(self, info: Message) -> dict:
         b = info.body

@@ -32,6 +32,7 @@ from sfl_core.fields import (
     validate,
 )
 from sfl_core.partition import SCHEMES
+from sfl_core.privacy import ActivationNoise, AgentPrivacy
 from sfl_core.protocol import check_id
 from sfl_core.wire import CODECS, TOPK_PATTERN, is_codec
 
@@ -485,6 +486,27 @@ class AutoConfig(Section):
         return self
 
 
+def _activation_noise(v: Any, fail: Fail) -> ActivationNoise | None:
+    if v is None:
+        return None
+    if not isinstance(v, Mapping) or set(v) != {"clip", "sigma"}:
+        fail("null or a mapping {clip: number > 0, sigma: number >= 0}")
+    return ActivationNoise(_pos_float(v["clip"], fail), _nonneg_float(v["sigma"], fail))
+
+
+@dataclass(frozen=True, config=STRICT)
+class PrivacyConfig(Section):
+    """Defenses the agents apply to what they send (:mod:`sfl_core.privacy`). A simulation applies
+    them to its in-process agents; a deployed agent takes them from its own ``sfl-agent start``
+    flags (the device owner decides, and the coordinator needs to know nothing)."""
+
+    nopeek: Annotated[float, checked(_nonneg_float)] = 0.0
+    activation_noise: Annotated[Optional[ActivationNoise], checked(_activation_noise)] = None
+
+    def agent(self) -> AgentPrivacy:
+        return AgentPrivacy(self.nopeek, self.activation_noise)
+
+
 @dataclass(frozen=True, config=STRICT)
 class RunConfig(Section):
     """One training run. Field meanings are documented at the top of profiles/runs/demo.yaml."""
@@ -524,6 +546,7 @@ class RunConfig(Section):
     s2fl: S2flConfig = field(default_factory=S2flConfig)
     hetero: HeteroConfig = field(default_factory=HeteroConfig)
     mergesfl: MergeSflConfig = field(default_factory=MergeSflConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
 
     @field_validator("fleet", mode="before")
@@ -681,14 +704,22 @@ def load_run_config(path: str | Path) -> RunConfig:
     return run_config_from_dict(read_yaml(path), str(path), base_dir=path.parent)
 
 
+def _plain(value: Any) -> Any:
+    """A section field as YAML would hold it: tuples as lists, small dataclasses as mappings."""
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, ActivationNoise):
+        return {"clip": value.clip, "sigma": value.sigma}
+    return value
+
+
 def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """YAML-keyed plain dict of ``cfg`` (for run records); ``run_config_from_dict`` reads it back."""
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("data", "s2fl", "hetero", "mergesfl", "auto"):
-            value = {g.name: (list(getattr(value, g.name)) if isinstance(getattr(value, g.name), tuple)
-                              else getattr(value, g.name)) for g in fields(value)}
+        if f.name in ("data", "s2fl", "hetero", "mergesfl", "auto", "privacy"):
+            value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":
             value = [{"profile": e.profile, "count": e.count} for e in value]
         out["run" if f.name == "run_id" else f.name] = value

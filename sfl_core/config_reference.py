@@ -172,10 +172,16 @@ FIELDS: tuple[tuple[str, str], ...] = (
      "how far (KL, nats) regulated batches may move the merged batch's label mix from what equal batches would give, >= 0."),
     ('auto.smoothing',
      "weight of the previous estimate when a round's measured compute and link seconds arrive, in [0, 1); lower follows a device's slowdown faster."),
+    ('privacy',
+     "defenses the agents apply to the activations they send (docs/methods.md section 12). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise)."),
+    ('privacy.nopeek',
+     'weight of NoPeek (Vepakomma et al. 2020): the distance correlation between a batch\'s inputs and its activations, added to the client portion\'s loss; 0 = off.'),
+    ('privacy.activation_noise',
+     "null, or {clip: C, sigma: S}: each sample's activations are scaled to an L2 norm of at most C, then Gaussian noise of standard deviation S x C is added to every value before they are sent."),
 )
 """(key path, meaning) in the order users read them; a section's keys follow the section."""
 
-_NO_DEFAULT = ("data", "fleet", "s2fl", "mergesfl", "hetero", "auto")   # sections, and the one required key
+_NO_DEFAULT = ("data", "fleet", "s2fl", "mergesfl", "hetero", "auto", "privacy")   # sections, and the one required key
 _RULE = "# " + "=" * 76 + " run config"
 _END = "# " + "=" * 86
 
@@ -186,7 +192,7 @@ def accepted_keys() -> set[str]:
     keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig)}
     for section, cls in (("data", config.DataConfig), ("s2fl", config.S2flConfig),
                          ("mergesfl", config.MergeSflConfig), ("hetero", config.HeteroConfig),
-                         ("auto", config.AutoConfig)):
+                         ("auto", config.AutoConfig), ("privacy", config.PrivacyConfig)):
         keys |= {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
     return keys
 

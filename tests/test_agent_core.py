@@ -17,21 +17,12 @@ import torch.nn.functional as F
 from coordinator.server_trainer import ServerTrainer
 from edge_agent.agent import AgentCore, LocalData
 from sfl_core import protocol, wire
-from sfl_core.assignment import Assignment
 from sfl_core.data import load_dataset
-from sfl_core.models import build_model
 from sfl_core.protocol import Message
 from sfl_core.wire import WireError
 
-RUN = "run-t"
-AGENT = "agent-1"
-MODEL = "small_cnn"
-ACT_SHAPE = {1: (16, 8, 8), 2: (32, 4, 4), 3: (64,), 4: ()}
-
-
-def _wire(msg: Message) -> Message:
-    """Through the real codec, as a transport would carry it."""
-    return protocol.decode(msg.encode(), run=RUN)
+from agent_harness import (ACT_SHAPE, AGENT, MODEL, RUN, Coordinator, make_agent, client_weights, run_round,
+                           same_weights, send, through_wire)
 
 
 @pytest.fixture(scope="module")
@@ -39,86 +30,19 @@ def digits():
     return load_dataset("digits")
 
 
-def _agent(digits, n: int = 300, seed: int = 0) -> AgentCore:
-    data = LocalData(digits.x_train[:n], digits.y_train[:n], digits.num_classes)
-    return AgentCore(AGENT, RUN, data, digits.input_shape, seed=seed)
-
-
-class Coordinator:
-    """Just enough of the round engine: assign, serve gradients, take weights back."""
-
-    def __init__(self, digits, split: int = 2, lr: float = 0.05, seed: int = 1, momentum: float = 0.0):
-        torch.manual_seed(seed)
-        self.model = build_model(MODEL, digits.input_shape, digits.num_classes)
-        self.split = split
-        self.trainer = ServerTrainer(self.model, lr=lr, momentum=momentum)
-        self.seq = protocol.Sequencer(start=1)
-        self.losses: list[float] = []
-
-    def assign(self, rnd: int, *, tau: int = 4, batch: int = 16, strategy: str = "sfl",
-               codec: str = "fp32", lr: float = 0.05, momentum: float = 0.0) -> Message:
-        a = Assignment(model=MODEL, strategy=strategy, split=self.split, width=0, batch_size=batch, lr=lr,
-                       momentum=momentum, tau=tau, codec=codec, zstd_level=1, activation_shape=ACT_SHAPE[self.split])
-        self.trainer.begin_round([[AGENT]], {AGENT: self.split})
-        body = a.to_body(wire.encode_state(self.model.client_state(self.split)))
-        return _wire(Message("assign", RUN, protocol.COORDINATOR_ID, body, round=rnd, seq=self.seq.next()))
-
-    def gradients(self, act: Message) -> Message:
-        assert act.type == "activations"
-        x = wire.decode_tensor(act.body["x"], shape=(None, *ACT_SHAPE[self.split]), dtypes=("float32", "float16"))
-        y = wire.decode_tensor(act.body["y"], shape=(x.shape[0],), dtypes=("int64",))
-        grads, loss = self.trainer.step({act.sender: (x, y)})
-        self.losses.append(loss)
-        return _wire(Message("gradients", RUN, protocol.COORDINATOR_ID, {"g": wire.encode_tensor(grads[act.sender])},
-                             round=act.round, step=act.step, seq=self.seq.next()))
-
-    def take_weights(self, msg: Message) -> None:
-        assert msg.type == "weights"
-        state = wire.decode_state(msg.body["weights"], self.model.client_state(self.split))
-        state.update(self.trainer.member_state(msg.sender, self.split))  # the round's trained server side
-        self.model.load_state_dict(state)
-
-    def accuracy(self, digits) -> float:
-        self.model.eval()
-        with torch.no_grad():
-            acc = (self.model(digits.x_test).argmax(1) == digits.y_test).float().mean().item()
-        self.model.train()
-        return acc
-
-
-def _send(agent: AgentCore, msg: Message) -> list[Message]:
-    return [_wire(r) for r in agent.handle(msg)]
-
-
-def _client_weights(agent: AgentCore) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in agent._client.state_dict().items()}  # noqa: SLF001 (white-box check)
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _run_round(agent: AgentCore, coord: Coordinator, rnd: int, tau: int, **kw) -> Message:
-    (reply,) = _send(agent, coord.assign(rnd, tau=tau, **kw))
-    while reply.type == "activations":
-        (reply,) = _send(agent, coord.gradients(reply))
-    coord.take_weights(reply)
-    return reply
-
-
 # ------------------------------------------------------------------ split training
 
 
 def test_split_round_reply_types_and_steps(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
+    agent, coord = make_agent(digits), Coordinator(digits)
     sent = coord.assign(0, tau=3, batch=16)
-    (r,) = _send(agent, sent)
+    (r,) = send(agent, sent)
     assert (r.type, r.round, r.step, r.sender, r.run) == ("activations", 0, 0, AGENT, RUN)
     x = wire.decode_tensor(r.body["x"])
     assert tuple(x.shape) == (16, *ACT_SHAPE[2])
     seqs = [r.seq]
     for k in range(3):
-        (r,) = _send(agent, coord.gradients(r))
+        (r,) = send(agent, coord.gradients(r))
         seqs.append(r.seq)
         if k < 2:
             assert (r.type, r.round, r.step) == ("activations", 0, k + 1)
@@ -131,35 +55,35 @@ def test_split_round_reply_types_and_steps(digits):
     # the uploaded weights are the trained ones, not the ones we sent
     sent_w = wire.decode_state(sent.body["weights"], coord.model.client_state(2))
     got_w = wire.decode_state(r.body["weights"], coord.model.client_state(2))
-    assert not _same(sent_w, got_w)
+    assert not same_weights(sent_w, got_w)
 
 
 def test_fp16_codec_activations(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
-    (r,) = _send(agent, coord.assign(0, tau=2, codec="fp16"))
+    agent, coord = make_agent(digits), Coordinator(digits)
+    (r,) = send(agent, coord.assign(0, tau=2, codec="fp16"))
     assert r.body["x"]["dtype"] == "float16"
-    (r,) = _send(agent, coord.gradients(r))
+    (r,) = send(agent, coord.gradients(r))
     assert r.type == "activations" and r.step == 1
 
 
 def test_duplicate_gradient_not_applied_twice(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
-    (a0,) = _send(agent, coord.assign(0, tau=3))
+    agent, coord = make_agent(digits), Coordinator(digits)
+    (a0,) = send(agent, coord.assign(0, tau=3))
     g0 = coord.gradients(a0)
-    (a1,) = _send(agent, g0)
-    before = _client_weights(agent)
-    dup = _send(agent, g0)
+    (a1,) = send(agent, g0)
+    before = client_weights(agent)
+    dup = send(agent, g0)
     assert [m.seq for m in dup] == [a1.seq] and dup[0].type == "activations" and dup[0].step == 1
     assert dup[0].body == a1.body  # the very same message re-sent, not a new forward pass
-    assert _same(before, _client_weights(agent))
+    assert same_weights(before, client_weights(agent))
     # finish the round, then duplicate the last gradient: weights re-sent, not retrained
-    (a2,) = _send(agent, coord.gradients(a1))
+    (a2,) = send(agent, coord.gradients(a1))
     g2 = coord.gradients(a2)
-    (w,) = _send(agent, g2)
-    after = _client_weights(agent)
-    (w_again,) = _send(agent, g2)
+    (w,) = send(agent, g2)
+    after = client_weights(agent)
+    (w_again,) = send(agent, g2)
     assert w_again.type == "weights" and w_again.seq == w.seq
-    assert _same(after, _client_weights(agent))
+    assert same_weights(after, client_weights(agent))
     assert agent.rounds_done == 1
 
 
@@ -168,87 +92,87 @@ def test_duplicates_do_not_change_uploaded_weights(digits):
     weights to a run without duplicates."""
     outs = []
     for duplicate in (False, True):
-        agent, coord = _agent(digits, seed=3), Coordinator(digits, seed=5)
-        (r,) = _send(agent, coord.assign(0, tau=4))
+        agent, coord = make_agent(digits, seed=3), Coordinator(digits, seed=5)
+        (r,) = send(agent, coord.assign(0, tau=4))
         while r.type == "activations":
             g = coord.gradients(r)
-            (r,) = _send(agent, g)
+            (r,) = send(agent, g)
             if duplicate:
-                (again,) = _send(agent, g)
+                (again,) = send(agent, g)
                 assert again.seq == r.seq
         outs.append(wire.decode_state(r.body["weights"], coord.model.client_state(2)))
-    assert _same(outs[0], outs[1])
+    assert same_weights(outs[0], outs[1])
 
 
 def test_duplicate_assign_resends_last_reply(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
+    agent, coord = make_agent(digits), Coordinator(digits)
     assign = coord.assign(0, tau=4)
-    (a0,) = _send(agent, assign)
-    (a1,) = _send(agent, coord.gradients(a0))
-    before = _client_weights(agent)
-    dup = _send(agent, assign)  # same seq: a retransmission
+    (a0,) = send(agent, assign)
+    (a1,) = send(agent, coord.gradients(a0))
+    before = client_weights(agent)
+    dup = send(agent, assign)  # same seq: a retransmission
     assert [m.seq for m in dup] == [a1.seq] and dup[0].step == 1
-    assert _same(before, _client_weights(agent))
+    assert same_weights(before, client_weights(agent))
     # training goes on from where it was
-    (a2,) = _send(agent, coord.gradients(a1))
+    (a2,) = send(agent, coord.gradients(a1))
     assert (a2.type, a2.step) == ("activations", 2)
 
 
 def test_stale_assign_for_older_round_resends(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
+    agent, coord = make_agent(digits), Coordinator(digits)
     old = coord.assign(0, tau=1)
-    w0 = _run_round(agent, coord, 0, tau=1)  # noqa: F841
-    (a,) = _send(agent, coord.assign(1, tau=2))
-    before = _client_weights(agent)
-    dup = _send(agent, old)
+    w0 = run_round(agent, coord, 0, tau=1)  # noqa: F841
+    (a,) = send(agent, coord.assign(1, tau=2))
+    before = client_weights(agent)
+    dup = send(agent, old)
     assert [m.seq for m in dup] == [a.seq]
-    assert _same(before, _client_weights(agent))
+    assert same_weights(before, client_weights(agent))
 
 
 def test_same_round_new_seq_restarts_round(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
-    (a0,) = _send(agent, coord.assign(0, tau=3))
-    _send(agent, coord.gradients(a0))
-    (r,) = _send(agent, coord.assign(0, tau=3))  # coordinator restarted the round
+    agent, coord = make_agent(digits), Coordinator(digits)
+    (a0,) = send(agent, coord.assign(0, tau=3))
+    send(agent, coord.gradients(a0))
+    (r,) = send(agent, coord.assign(0, tau=3))  # coordinator restarted the round
     assert (r.type, r.step) == ("activations", 0)
 
 
 def test_wrong_shape_gradient_rejected_weights_unchanged(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
-    (a0,) = _send(agent, coord.assign(0, tau=2, batch=16))
-    before = _client_weights(agent)
+    agent, coord = make_agent(digits), Coordinator(digits)
+    (a0,) = send(agent, coord.assign(0, tau=2, batch=16))
+    before = client_weights(agent)
     for bad in (torch.ones(17, *ACT_SHAPE[2]), torch.ones(16, 32, 4, 5), torch.ones(16, 32 * 16)):
-        msg = _wire(Message("gradients", RUN, "coordinator", {"g": wire.encode_tensor(bad)}, round=0, step=0, seq=99))
+        msg = through_wire(Message("gradients", RUN, "coordinator", {"g": wire.encode_tensor(bad)}, round=0, step=0, seq=99))
         with pytest.raises(WireError, match="does not match"):
             agent.handle(msg)
-        assert _same(before, _client_weights(agent))
+        assert same_weights(before, client_weights(agent))
     nan = torch.full((16, *ACT_SHAPE[2]), float("nan"))
     with pytest.raises(WireError, match="NaN"):
-        agent.handle(_wire(Message("gradients", RUN, "coordinator", {"g": wire.encode_tensor(nan)}, round=0, step=0)))
+        agent.handle(through_wire(Message("gradients", RUN, "coordinator", {"g": wire.encode_tensor(nan)}, round=0, step=0)))
     with pytest.raises(WireError, match="not allowed here"):
-        agent.handle(_wire(Message("gradients", RUN, "coordinator",
+        agent.handle(through_wire(Message("gradients", RUN, "coordinator",
                                    {"g": wire.encode_tensor(torch.ones(16, *ACT_SHAPE[2], dtype=torch.int64))},
                                    round=0, step=0)))
-    assert _same(before, _client_weights(agent))
+    assert same_weights(before, client_weights(agent))
     # a gradient from the future is an error, not silently applied
     with pytest.raises(WireError, match="step 1"):
-        agent.handle(_wire(Message("gradients", RUN, "coordinator",
+        agent.handle(through_wire(Message("gradients", RUN, "coordinator",
                                    {"g": wire.encode_tensor(torch.ones(16, *ACT_SHAPE[2]))}, round=0, step=1)))
     # the round is still intact: the right gradient is accepted
-    (a1,) = _send(agent, coord.gradients(a0))
+    (a1,) = send(agent, coord.gradients(a0))
     assert (a1.type, a1.step) == ("activations", 1)
-    assert not _same(before, _client_weights(agent))
+    assert not same_weights(before, client_weights(agent))
 
 
 def test_gradient_without_assignment(digits):
-    agent = _agent(digits)
-    g = _wire(Message("gradients", RUN, "coordinator", {"g": wire.encode_tensor(torch.ones(2, 2))}, round=0))
+    agent = make_agent(digits)
+    g = through_wire(Message("gradients", RUN, "coordinator", {"g": wire.encode_tensor(torch.ones(2, 2))}, round=0))
     with pytest.raises(WireError, match="without an assignment"):
         agent.handle(g)
 
 
 def test_bad_assignments_rejected(digits):
-    agent, coord = _agent(digits), Coordinator(digits)
+    agent, coord = make_agent(digits), Coordinator(digits)
     good = coord.assign(0)
     bad_weights = dict(good.body, weights={k: v for k, v in list(good.body["weights"].items())[1:]})
     with pytest.raises(WireError, match="missing"):
@@ -261,7 +185,7 @@ def test_bad_assignments_rejected(digits):
 
 
 def test_other_message_types_ignored(digits):
-    agent = _agent(digits)
+    agent = make_agent(digits)
     assert agent.handle(Message("accepted", RUN, "coordinator", {"message": "hi"})) == []
     assert agent.last_reply() is None
 
@@ -270,10 +194,10 @@ def test_other_message_types_ignored(digits):
 
 
 def test_fedavg_returns_weights_after_tau_steps_and_loss_decreases(digits):
-    agent, coord = _agent(digits, n=400), Coordinator(digits, split=4)
+    agent, coord = make_agent(digits, n=400), Coordinator(digits, split=4)
     losses = []
     for rnd in range(4):
-        (w,) = _send(agent, coord.assign(rnd, tau=8, batch=32, strategy="fedavg", lr=0.1, momentum=0.9))
+        (w,) = send(agent, coord.assign(rnd, tau=8, batch=32, strategy="fedavg", lr=0.1, momentum=0.9))
         assert (w.type, w.round, w.step) == ("weights", rnd, 7)
         assert set(w.body["weights"]) == set(coord.model.state_dict())
         assert math.isfinite(w.body["loss"]) and w.body["compute_s"] > 0
@@ -288,10 +212,10 @@ def test_fedavg_returns_weights_after_tau_steps_and_loss_decreases(digits):
 
 
 def test_split_training_with_real_server_reduces_loss(digits):
-    agent, coord = _agent(digits, n=600), Coordinator(digits, split=2, lr=0.1, momentum=0.9)
+    agent, coord = make_agent(digits, n=600), Coordinator(digits, split=2, lr=0.1, momentum=0.9)
     acc0 = coord.accuracy(digits)
     for rnd in range(3):  # 3 rounds x 10 steps = 30 steps, weights returned every round
-        w = _run_round(agent, coord, rnd, tau=10, batch=32, lr=0.1, momentum=0.9)
+        w = run_round(agent, coord, rnd, tau=10, batch=32, lr=0.1, momentum=0.9)
         assert (w.round, w.step) == (rnd, 9)
     assert len(coord.losses) == 30
     first, last = sum(coord.losses[:5]) / 5, sum(coord.losses[-5:]) / 5
@@ -306,7 +230,7 @@ def test_withheld_labels_agent_scores_logits_and_never_sends_labels(digits):
     (act,) = agent.handle(coord.assign(1, tau=2))
     assert act.body["y"] is None
     z = torch.randn(16, digits.num_classes)
-    logits = _wire(Message("logits", RUN, protocol.COORDINATOR_ID, {"z": wire.encode_tensor(z)},
+    logits = through_wire(Message("logits", RUN, protocol.COORDINATOR_ID, {"z": wire.encode_tensor(z)},
                            round=1, step=0, seq=coord.seq.next()))
     (reply,) = agent.handle(logits)
     assert reply.type == "logit_grads" and reply.step == 0
@@ -321,7 +245,7 @@ def test_withheld_labels_agent_scores_logits_and_never_sends_labels(digits):
     # logits of the wrong shape are refused before use
     fresh = AgentCore(AGENT, RUN, data, digits.input_shape, seed=0, withhold_labels=True)
     fresh.handle(coord.assign(2, tau=2))
-    bad = _wire(Message("logits", RUN, protocol.COORDINATOR_ID, {"z": wire.encode_tensor(torch.zeros(3, 10))},
+    bad = through_wire(Message("logits", RUN, protocol.COORDINATOR_ID, {"z": wire.encode_tensor(torch.zeros(3, 10))},
                         round=2, step=0, seq=coord.seq.next()))
     with pytest.raises(WireError, match="shape"):
         fresh.handle(bad)
