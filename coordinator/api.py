@@ -119,6 +119,9 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     shards = from_env(pick_device(device), timeout_s=max(1800.0, 3 * cfg.register_timeout_s))
     if shards is not None and broker is None:
         raise RunError("server workers need --broker: every one connects to the same broker")
+    if shards is not None and cfg.server_mode == "sequential":
+        raise RunError("server workers cannot share server_mode: sequential (SplitFed v2 trains on one agent "
+                       "after another); use merged or per_agent")
     if shards is not None and not shards.leader:
         return _serve_shard(cfg, broker, data, shards)
     out = output_dir(cfg)

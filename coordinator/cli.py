@@ -150,6 +150,10 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     if server_workers > 1 and broker is None:
         console.print("[red]--server-workers needs --broker: every server worker connects to the same broker")
         raise typer.Exit(2)
+    if server_workers > 1 and cfg.server_mode == "sequential":
+        console.print(f"[red]--server-workers: {config} has server_mode: sequential (SplitFed v2), whose server "
+                      f"trains on one agent after another; it cannot be shared. Use merged or per_agent.")
+        raise typer.Exit(2)
     address = None
     if broker is not None:
         try:

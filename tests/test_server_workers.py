@@ -156,3 +156,17 @@ def _kill_a_worker_then_resume(config, coord, agents, mosquitto, tmp_path, procs
     m = metrics(tmp_path)
     assert [r["round"] for r in m] == [0, 1, 2, 3, 4] and len(done) >= 2
     assert all(sorted(r["completed"]) == ["a0", "a1", "a2"] for r in m[done[-1] + 1:]), m
+
+
+def test_server_workers_refuse_what_they_cannot_share_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    config = write_config(tmp_path, "swr", server_mode="sequential")
+    res = CliRunner().invoke(app, ["serve", "-c", str(config), "--broker", "mqtt://127.0.0.1:1",
+                                   "--server-workers", "2"], env={"COLUMNS": "300"})
+    assert res.exit_code == 2 and "server_mode: sequential" in res.output and "cannot be shared" in res.output
+    res = CliRunner().invoke(app, ["serve", "-c", str(config), "--server-workers", "2"], env={"COLUMNS": "300"})
+    assert res.exit_code == 2 and "--server-workers needs --broker" in res.output
+    assert not (tmp_path / "out").exists()
