@@ -112,16 +112,14 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     """
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import MqttTransport
-    from coordinator.server_workers import from_env
+    from coordinator.server_workers import cannot_share, from_env
 
     console = console or Console(stderr=True)
     data = _dataset(cfg)
     shards = from_env(pick_device(device), timeout_s=max(1800.0, 3 * cfg.register_timeout_s))
-    if shards is not None and broker is None:
-        raise RunError("server workers need --broker: every one connects to the same broker")
-    if shards is not None and cfg.server_mode == "sequential":
-        raise RunError("server workers cannot share server_mode: sequential (SplitFed v2 trains on one agent "
-                       "after another); use merged or per_agent")
+    problem = cannot_share(cfg.server_mode, broker is not None) if shards is not None else None
+    if problem:
+        raise RunError(problem)
     if shards is not None and not shards.leader:
         return _serve_shard(cfg, broker, data, shards)
     out = output_dir(cfg)

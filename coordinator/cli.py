@@ -31,7 +31,7 @@ from coordinator.engine import RoundEngine  # noqa: F401  (the API's result type
 from coordinator.export import run_model
 from coordinator.api import RunError, output_dir, run_simulation
 from coordinator.api import serve as serve_run
-from coordinator.server_workers import launch_workers
+from coordinator.server_workers import cannot_share, launch_workers
 
 app = typer.Typer(help="Split federated learning coordinator.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True)
@@ -147,12 +147,9 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     """Coordinate a real deployment: agents connect through the MQTT broker."""
     _setup_logging(verbose)
     cfg = _load(config, rounds, output, data)
-    if server_workers > 1 and broker is None:
-        console.print("[red]--server-workers needs --broker: every server worker connects to the same broker")
-        raise typer.Exit(2)
-    if server_workers > 1 and cfg.server_mode == "sequential":
-        console.print(f"[red]--server-workers: {config} has server_mode: sequential (SplitFed v2), whose server "
-                      f"trains on one agent after another; it cannot be shared. Use merged or per_agent.")
+    problem = cannot_share(cfg.server_mode, broker is not None) if server_workers > 1 else None
+    if problem:   # before any rank starts
+        console.print(f"--server-workers {server_workers}: {problem}", style="red", markup=False, soft_wrap=True)
         raise typer.Exit(2)
     address = None
     if broker is not None:

@@ -45,21 +45,18 @@ class InProcessTransport:
 
     def deliver_from_agent(self, msg: Message) -> None:
         """Queue a message as if it had arrived from the broker (encoded, then validated)."""
-        payload = msg.encode()
+        self.deliver(msg.encode())
+
+    def deliver(self, payload: bytes) -> None:
+        """Queue an agent's encoded message, validated as the coordinator validates any."""
         self._inbox.append(protocol.decode(payload, run=self.run_id, allowed=protocol.AGENT_TYPES))
 
     def send(self, agent_id: str, msg: Message) -> int:
         payload = msg.encode()
         agent = self.agents.get(agent_id)
-        if agent is None:
-            return len(payload)
-        try:
-            replies = agent.handle(protocol.decode(payload, run=self.run_id, allowed=protocol.COORD_TYPES))
-        except wire.WireError as exc:
-            log.warning("agent %s rejected %s: %s", agent_id, msg.type, exc)
-            replies = []
-        for reply in replies:
-            self.deliver_from_agent(reply)
+        if agent is not None:
+            for reply in answer(agent, self.run_id, payload):
+                self.deliver(reply)
         return len(payload)
 
     def poll(self, timeout: float) -> Optional[Message]:
@@ -67,6 +64,17 @@ class InProcessTransport:
             return self._inbox.popleft()
         self._live += timeout
         return None
+
+
+def answer(agent: AgentCore, run_id: str, payload: bytes) -> list[bytes]:
+    """A simulated agent's replies to one encoded coordinator message, validated as a device
+    validates it; a message the agent rejects gets no reply (and the engine's timers act)."""
+    try:
+        replies = agent.handle(protocol.decode(payload, run=run_id, allowed=protocol.COORD_TYPES))
+    except wire.WireError as exc:
+        log.warning("agent %s rejected a message: %s", agent.agent_id, exc)
+        return []
+    return [reply.encode() for reply in replies]
 
 
 @dataclass

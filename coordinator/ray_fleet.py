@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 from typing import Any, Optional
 
-from sfl_core import protocol, wire
 from sfl_core.config import RunConfig
 from sfl_core.data import Dataset
 from sfl_core.protocol import Message
 
-from coordinator.inprocess import SimAgent, fleet_agents
+from coordinator.inprocess import InProcessTransport, SimAgent, answer, fleet_agents
 
 log = logging.getLogger("sfl.sim")
 
@@ -53,34 +51,21 @@ class AgentHost:
         return len(self.cores)
 
     def handle(self, agent_id: str, payload: bytes) -> list[bytes]:
-        """Validate the coordinator's message exactly as an agent does, answer with encoded replies."""
-        try:
-            msg = protocol.decode(payload, run=self.run_id, allowed=protocol.COORD_TYPES)
-            return [reply.encode() for reply in self.cores[agent_id].handle(msg)]
-        except wire.WireError as exc:
-            log.warning("agent %s rejected a message: %s", agent_id, exc)
-            return []
+        return answer(self.cores[agent_id], self.run_id, payload)
 
 
-class RayTransport:
-    """The engine's transport for agents in Ray actors (see the module docstring)."""
+class RayTransport(InProcessTransport):
+    """The in-process transport with the agents in Ray actors: :meth:`send` returns at once, and
+    :meth:`poll` gathers the answers (see the module docstring)."""
 
     def __init__(self, run_id: str, hosts: dict[str, Any]) -> None:
         """``hosts``: agent id -> the actor handle that hosts it."""
         import ray
 
+        super().__init__(run_id, {})
         self._ray = ray
-        self.run_id = run_id
         self.hosts = hosts
         self._pending: dict[Any, str] = {}   # object ref -> agent id, in submission order
-        self._inbox: deque[Message] = deque()
-        self._live = 0.0
-
-    def live_time(self) -> float:
-        return self._live
-
-    def deliver_from_agent(self, payload: bytes) -> None:
-        self._inbox.append(protocol.decode(payload, run=self.run_id, allowed=protocol.AGENT_TYPES))
 
     def send(self, agent_id: str, msg: Message) -> int:
         payload = msg.encode()
@@ -92,21 +77,17 @@ class RayTransport:
     def poll(self, timeout: float) -> Optional[Message]:
         if not self._inbox and self._pending:
             refs = list(self._pending)
-            ready, _ = self._ray.wait(refs, num_returns=1)     # wait for work in flight: no virtual time passes
-            ready_set = set(ready)
-            # every answer that is in, in the order the messages were sent
-            more, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
-            ready_set.update(more)
-            for ref in refs:
-                if ref in ready_set:
+            self._ray.wait(refs, num_returns=1)           # wait for work in flight: no virtual time passes
+            ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+            done = set(ready)
+            for ref in refs:                               # every answer that is in, in the order sent
+                if ref in done:
                     del self._pending[ref]
                     for payload in self._ray.get(ref):
-                        self.deliver_from_agent(payload)
-        if self._inbox:
-            return self._inbox.popleft()
-        if not self._pending:
-            self._live += timeout
-        return None
+                        self.deliver(payload)
+            if not self._inbox:
+                return None   # those answers were empty; others are still on their way
+        return super().poll(timeout)
 
     def close(self) -> None:
         for host in set(self.hosts.values()):
@@ -135,7 +116,7 @@ def build_ray_fleet(cfg: RunConfig, data: Dataset, address: Optional[str] = None
     hosts = {a.agent_id: h for h, group in zip(handles, groups) for a in group}
     transport = RayTransport(cfg.run_id, hosts)
     for msg in registrations:
-        transport.deliver_from_agent(msg.encode())
+        transport.deliver_from_agent(msg)
     log.info("Ray: %d agents on %d actors", len(agents), n)
     return transport
 

@@ -40,7 +40,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-__all__ = ["ServerShards", "shard_agents", "worker_user", "launch_workers", "from_env", "GradReducer", "WorkerLost"]
+__all__ = ["ServerShards", "cannot_share", "shard_agents", "worker_user", "launch_workers", "from_env", "GradReducer", "WorkerLost"]
 
 
 class WorkerLost(ConnectionError):
@@ -58,6 +58,16 @@ def _collective(fn, *args, **kwargs):
 
 _RANK_ENV = "RANK"
 _WORLD_ENV = "WORLD_SIZE"
+
+
+def cannot_share(server_mode: str, has_broker: bool) -> str | None:
+    """Why a run cannot have several server workers, or None. Checked before any rank starts."""
+    if not has_broker:
+        return "server workers need --broker: every one connects to the same broker"
+    if server_mode == "sequential":
+        return ("server workers cannot share server_mode: sequential (SplitFed v2 trains on one agent after "
+                "another); use merged or per_agent")
+    return None
 
 
 def worker_user(user: str, rank: int) -> str:

@@ -40,15 +40,7 @@ def _privacy(nopeek: float, activation_noise: Optional[str]) -> "AgentPrivacy":
     """The defenses of ``--nopeek`` and ``--activation-noise CLIP,SIGMA``."""
     from sfl_core.privacy import ActivationNoise, AgentPrivacy
 
-    noise = None
-    if activation_noise is not None:
-        parts = activation_noise.split(",")
-        try:
-            clip, sigma = (float(p) for p in parts)
-        except ValueError:
-            raise ValueError("expected CLIP,SIGMA, e.g. 1.0,0.5") from None
-        noise = ActivationNoise(clip, sigma)
-    return AgentPrivacy(nopeek, noise)
+    return AgentPrivacy(nopeek, None if activation_noise is None else ActivationNoise.parse(activation_noise))
 
 
 @app.command()

@@ -56,8 +56,9 @@ class AgentOptions:
     """With ``emulate``: run this many times slower than the profile (fault injection for tests)."""
     seed: int = 0
     withhold_labels: bool = False
-    privacy: AgentPrivacy = AgentPrivacy()
     """Keep labels on the device: the coordinator sends logits back and this agent scores them."""
+    privacy: AgentPrivacy = AgentPrivacy()
+    """Defenses on what this agent sends (the device owner's choice; the coordinator knows nothing)."""
     heartbeat_s: float = 2.0
     retry_s: float = 5.0
     """Registration is re-sent after this long without an answer."""

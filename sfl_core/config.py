@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import importlib.resources
 import os
-from dataclasses import field, fields, replace
+from dataclasses import asdict, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Mapping, Optional, Sequence
 
@@ -489,9 +489,11 @@ class AutoConfig(Section):
 def _activation_noise(v: Any, fail: Fail) -> ActivationNoise | None:
     if v is None:
         return None
-    if not isinstance(v, Mapping) or set(v) != {"clip", "sigma"}:
-        fail("null or a mapping {clip: number > 0, sigma: number >= 0}")
-    return ActivationNoise(_pos_float(v["clip"], fail), _nonneg_float(v["sigma"], fail))
+    try:
+        return ActivationNoise.parse(dict(v) if isinstance(v, Mapping) else v)
+    except ValueError:
+        fail("null, {clip: number > 0, sigma: number >= 0} or \"CLIP,SIGMA\"")
+        raise
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -709,7 +711,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     if isinstance(value, ActivationNoise):
-        return {"clip": value.clip, "sigma": value.sigma}
+        return asdict(value)
     return value
 
 

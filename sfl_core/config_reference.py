@@ -177,7 +177,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('privacy.nopeek',
      'weight of NoPeek (Vepakomma et al. 2020): the distance correlation between a batch\'s inputs and its activations, added to the client portion\'s loss; 0 = off.'),
     ('privacy.activation_noise',
-     "null, or {clip: C, sigma: S}: each sample's activations are scaled to an L2 norm of at most C, then Gaussian noise of standard deviation S x C is added to every value before they are sent."),
+     "null, {clip: C, sigma: S} or \"C,S\": each sample's activations are scaled to an L2 norm of at most C, then Gaussian noise of standard deviation S x C is added to every value before they are sent."),
 )
 """(key path, meaning) in the order users read them; a section's keys follow the section."""
 

@@ -22,7 +22,7 @@ reconstruction quality.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:   # torch is imported where it is used: run configs load without it
@@ -63,6 +63,23 @@ class ActivationNoise:
 
     clip: float
     sigma: float
+
+    @classmethod
+    def parse(cls, value: object) -> "ActivationNoise":
+        """From ``"CLIP,SIGMA"`` (a flag, an agent YAML) or ``{clip: C, sigma: S}`` (a run config);
+        ValueError saying what was expected."""
+        expected = "expected CLIP,SIGMA (e.g. 1.0,0.5) or {clip: number > 0, sigma: number >= 0}"
+        if isinstance(value, str):
+            parts = value.split(",")
+        elif isinstance(value, dict) and set(value) == {"clip", "sigma"}:
+            parts = [value["clip"], value["sigma"]]
+        else:
+            raise ValueError(expected)
+        try:
+            clip, sigma = (float(p) for p in parts)
+        except (TypeError, ValueError):
+            raise ValueError(expected) from None
+        return cls(clip, sigma)
 
     def __post_init__(self) -> None:
         if not self.clip > 0:
@@ -111,5 +128,5 @@ class AgentPrivacy:
         if self.nopeek > 0:
             out["nopeek"] = self.nopeek
         if self.activation_noise is not None:
-            out["activation_noise"] = {"clip": self.activation_noise.clip, "sigma": self.activation_noise.sigma}
+            out["activation_noise"] = asdict(self.activation_noise)
         return out

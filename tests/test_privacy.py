@@ -147,6 +147,8 @@ def test_bad_privacy_settings_are_one_line_naming_the_field(tmp_path):
 
     with pytest.raises(ConfigError, match="privacy.activation_noise"):
         run_config_from_dict({"fleet": ["s2fl-low-low"], "privacy": {"activation_noise": {"clip": 0, "sigma": 1}}})
+    as_flag = run_config_from_dict({"fleet": ["s2fl-low-low"], "privacy": {"activation_noise": "2,0.5"}})
+    assert as_flag.privacy.activation_noise == ActivationNoise(2.0, 0.5)   # the agent flag's form works too
     with pytest.raises(ConfigError, match="privacy.nopeek"):
         run_config_from_dict({"fleet": ["s2fl-low-low"], "privacy": {"nopeek": -1}})
     res = CliRunner().invoke(app, ["start", "--profile", "s2fl-low-low", "--activation-noise", "1"])

@@ -166,7 +166,7 @@ def test_server_workers_refuse_what_they_cannot_share_before_starting_anything(t
     config = write_config(tmp_path, "swr", server_mode="sequential")
     res = CliRunner().invoke(app, ["serve", "-c", str(config), "--broker", "mqtt://127.0.0.1:1",
                                    "--server-workers", "2"], env={"COLUMNS": "300"})
-    assert res.exit_code == 2 and "server_mode: sequential" in res.output and "cannot be shared" in res.output
+    assert res.exit_code == 2 and "server_mode: sequential" in res.output and "cannot share" in res.output
     res = CliRunner().invoke(app, ["serve", "-c", str(config), "--server-workers", "2"], env={"COLUMNS": "300"})
-    assert res.exit_code == 2 and "--server-workers needs --broker" in res.output
+    assert res.exit_code == 2 and "server workers need --broker" in res.output
     assert not (tmp_path / "out").exists()
