@@ -135,6 +135,7 @@ class RoundEngine:
         self.shutdown_agents("run finished")
         if self.shards is not None:
             self.shards.broadcast(None)   # the server workers stop
+            self.shards.close()
         return self.history
 
     def serve_shard(self) -> None:
@@ -143,6 +144,7 @@ class RoundEngine:
         assert self.shards is not None and not self.shards.leader
         while (doc := self.shards.broadcast()) is not None:
             self._shard_round(doc)
+        self.shards.close()
 
     def run_round(self, r: int) -> dict[str, Any]:
         if not self.session.online():

@@ -136,6 +136,14 @@ class ServerShards:
     def barrier(self) -> None:
         _collective(dist.barrier)
 
+    def close(self) -> None:
+        """Leave the group after a finished run: every rank reaches the barrier before any tears
+        its connections down, then the group is destroyed while the interpreter is whole (a
+        gloo group left to interpreter shutdown can abort the process)."""
+        if dist.is_initialized():
+            self.barrier()
+            dist.destroy_process_group()
+
     @property
     def _comm(self) -> torch.device:
         """Where collectives run: NCCL needs CUDA tensors, gloo takes CPU ones."""

@@ -56,13 +56,13 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.manual_seed(0)
     model = build_model("small_cnn", (1, 8, 8), 10)
-    trainer = ServerTrainer(model, lr=0.1, momentum=0.5,
-                            reducer=GradReducer(ServerShards(rank, world, torch.device("cpu"))))
+    shards = ServerShards(rank, world, torch.device("cpu"))
+    trainer = ServerTrainer(model, lr=0.1, momentum=0.5, reducer=GradReducer(shards))
     owners = shard_agents(_AGENTS, world)
     grads, losses = _train(trainer, [a for a, r in owners.items() if r == rank])
     state = trainer.member_state("a", 1)
     torch.save({"grads": grads, "losses": losses, "state": state}, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    shards.close()
 
 
 def test_shard_agents_is_round_robin_over_sorted_ids():
