@@ -27,6 +27,7 @@ from sfl_core.bottleneck import bottleneck_shape, slice_state
 from sfl_core.config import RunConfig
 from sfl_core.methods import AgentRound, RoundPlan, build_method
 from sfl_core.models import SplitModel
+from sfl_core.privacy import privacy_summary
 from sfl_core.protocol import Message
 
 from coordinator import state as ckpt
@@ -433,6 +434,10 @@ class RoundEngine:
                             "width": ra.assignment.width, "codec": ra.assignment.codec,
                             "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
                             "labels_withheld": ra.labels_withheld}
+            if info.privacy:   # what the agent declared it applies; epsilon as it reported it
+                per_agent[a]["privacy"] = info.privacy
+            if "epsilon" in uploads[a].body:
+                info.epsilon = per_agent[a]["epsilon"] = float(uploads[a].body["epsilon"])
         slowest = max(times.values(), default=0.0)
         for a in done:
             info, row = self.registry.agents[a], per_agent[a]
@@ -455,8 +460,7 @@ class RoundEngine:
             "agents": per_agent, "rejected": self.session.rejected_since_last_round(),
         }
         record.update(self.method.round_metrics())
-        if self.clock.virtual and self.cfg.privacy.agent().active:   # simulated agents apply the run's defenses
-            record["privacy"] = self.cfg.privacy.agent().describe()
+        record.update(privacy_summary(per_agent))
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, self.model.state_dict(), {

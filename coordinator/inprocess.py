@@ -110,8 +110,9 @@ def fleet_agents(cfg: RunConfig, data: Dataset) -> tuple[list[SimAgent], list[Me
         agents.append(agent)
         registrations.append(Message(
             "register", cfg.run_id, agent.agent_id, round=0, seq=1,
-            body={"index": i, "profile": protocol.profile_body(profile), "measured": {},
-                  "label_counts": local.label_counts(), "num_samples": len(local), "emulate": True, "resume": {}}))
+            body=protocol.register_body(index=i, profile=profile, measured={}, label_counts=local.label_counts(),
+                                        num_samples=len(local), emulate=True, resume={},
+                                        privacy=agent.privacy.describe())))
     return agents, registrations
 
 

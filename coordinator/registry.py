@@ -8,6 +8,7 @@ from typing import Any, Callable
 from sfl_core import wire
 from sfl_core.config import ConfigError, profile_from_dict
 from sfl_core.fleet import AgentInfo
+from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
 
 TOTALS = ("rounds", "bytes_up", "bytes_down", "compute_s", "client_s", "transfer_s", "wait_s")
@@ -37,9 +38,14 @@ class Registry:
             profile = profile_from_dict(b["profile"], "register.profile")
         except ConfigError as exc:
             raise wire.WireError(str(exc)) from None
+        try:
+            privacy = AgentPrivacy.from_description(b.get("privacy", {})).describe()
+        except ValueError as exc:
+            raise wire.WireError(f"register.privacy: {exc}") from None
         old = self.agents.get(msg.sender)
         info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=profile, measured=dict(b["measured"]),
-                         label_counts=list(counts), num_samples=b["num_samples"], last_seen=self.now())
+                         label_counts=list(counts), num_samples=b["num_samples"], last_seen=self.now(),
+                         privacy=privacy)
         if old is not None:
             for total in TOTALS:
                 setattr(info, total, getattr(old, total))
@@ -73,7 +79,8 @@ class Registry:
                 if a.online and (stale_after_s is None or now - a.last_seen <= stale_after_s)]
 
     def to_json(self) -> dict[str, Any]:
-        return {a: {**{k: getattr(i, k) for k in AgentInfo.__dataclass_fields__ if k not in ("last_seen", "instance")},
+        return {a: {**{k: getattr(i, k) for k in AgentInfo.__dataclass_fields__
+                       if k not in ("last_seen", "instance", "privacy", "epsilon")},
                     "profile": i.profile.to_dict()}
                 for a, i in self.agents.items()}
 

@@ -23,7 +23,8 @@ from sfl_core import protocol, wire
 from sfl_core.accounting import model_costs
 from sfl_core.assignment import Assignment
 from sfl_core.models import SplitModel, build_model
-from sfl_core.privacy import AgentPrivacy, clip_and_noise, distance_correlation
+from sfl_core.privacy import (AgentPrivacy, clip_and_noise, clip_scales, distance_correlation, dp_epsilon, dp_sgd_gradients,
+                              protect_label_grads)
 from sfl_core.protocol import Message
 
 log = logging.getLogger("sfl.agent")
@@ -73,9 +74,9 @@ class BatchSampler:
 class AgentCore:
     def __init__(self, agent_id: str, run_id: str, data: LocalData, input_shape: tuple[int, ...],
                  *, seed: int = 0, compute_hook: Optional[ComputeHook] = None, device: str | torch.device = "cpu",
-                 withhold_labels: bool = False, privacy: AgentPrivacy = AgentPrivacy()):
-        """``privacy``: defenses applied to the activations before they leave (:mod:`sfl_core.privacy`);
-        the coordinator needs to know nothing of them."""
+                 privacy: AgentPrivacy = AgentPrivacy()):
+        """``privacy``: what this agent keeps back (labels) and the defenses it applies to what
+        leaves (:mod:`sfl_core.privacy`); the coordinator needs to know nothing of them."""
         self.agent_id = protocol.check_id("agent id", agent_id)
         self.run_id = run_id
         self.device = torch.device(device)  # simulations may put in-process agents on the GPU
@@ -95,9 +96,12 @@ class AgentCore:
         self._out: Optional[torch.Tensor] = None
         self.privacy = privacy
         self._leak: Optional[torch.Tensor] = None        # NoPeek's weighted distance correlation, this step
+        self._x: Optional[torch.Tensor] = None           # this step's inputs (DP-SGD recomputes per sample)
+        self._scale: Optional[torch.Tensor] = None       # this step's activation clipping factors
         self._noise_gen = torch.Generator().manual_seed(seed + 7919)
+        self.dp_steps: dict[float, int] = {}             # DP-SGD: sample rate -> steps taken at it
         # labels withheld (MergeSFL): the coordinator sends our rows' logits, we score them here
-        self.withhold_labels = withhold_labels
+        self.withhold_labels = privacy.withhold_labels
         self._y: Optional[torch.Tensor] = None
         self._scored_step = -1
         self._flops_per_sample = 0.0
@@ -155,6 +159,7 @@ class AgentCore:
         out = self._client(x)
         self._y = y
         self._out, self._leak = self._protect(x, out)
+        self._x = x if self.privacy.dp_sgd is not None else None
         # forward is about a third of forward+backward FLOPs; the rest is charged at backward
         self._charge(self._flops_per_sample * len(idx) / 3, time.perf_counter() - t0)
         if tuple(out.shape[1:]) != self._assign.activation_shape:
@@ -171,8 +176,11 @@ class AgentCore:
         asked), and NoPeek's loss term (None when off or for a single-sample batch)."""
         p = self.privacy
         leak = p.nopeek * distance_correlation(x, out) if p.nopeek > 0 and x.shape[0] > 1 else None
-        sent = clip_and_noise(out, p.activation_noise, self._noise_gen) if p.activation_noise is not None else out
-        return sent, leak
+        if p.activation_noise is None:
+            self._scale = None
+            return out, leak
+        self._scale = clip_scales(out, p.activation_noise.clip)   # DP-SGD clips the gradient through it alike
+        return clip_and_noise(out, p.activation_noise, self._noise_gen), leak
 
     def _on_gradients(self, msg: Message) -> list[Message]:
         a = self._assign
@@ -190,12 +198,14 @@ class AgentCore:
         t0 = time.perf_counter()
         assert self._opt is not None
         self._opt.zero_grad(set_to_none=True)
-        if self._leak is not None:   # NoPeek: the server's gradient plus our own leakage term
+        if self.privacy.dp_sgd is not None:
+            self._dp_backward(g)
+        elif self._leak is not None:   # NoPeek: the server's gradient plus our own leakage term
             torch.autograd.backward([self._out, self._leak], [g, None])
         else:
             self._out.backward(g)
         self._opt.step()
-        self._out, self._leak = None, None
+        self._out, self._leak, self._x = None, None, None
         self._charge(self._flops_per_sample * g.shape[0] * 2 / 3, time.perf_counter() - t0)
         if self.step + 1 < a.tau:
             return self._remember([self._forward_next()])
@@ -219,10 +229,37 @@ class AgentCore:
         z.requires_grad_(True)
         loss = F.cross_entropy(z, self._y)
         (g,) = torch.autograd.grad(loss, z)
+        if self.privacy.label_protection is not None:
+            g = protect_label_grads(g, self.privacy.label_protection, self._noise_gen)
         self._scored_step = self.step
         return self._remember([self._msg("logit_grads", step=self.step, body={
             "g": wire.encode_tensor(g, "fp32", self._assign.zstd_level), "loss": loss.item(),
             "compute_s": self._compute_s})])
+
+    # ------------------------------------------------------------------ DP-SGD
+    def _dp_backward(self, g: torch.Tensor) -> None:
+        """The server's gradient, sample by sample: row i of ``g`` (times our batch size, which
+        makes it the gradient of the sample's own loss when we are the whole merged batch)
+        is what sample i contributes; clipping each contribution bounds any one sample's
+        influence whatever the merged batch was."""
+        assert self._x is not None
+        if self._scale is not None:   # the activations were clipped: so is the gradient through them
+            g = g * self._scale.view(-1, *([1] * (g.dim() - 1)))
+        self._dp_sgd_step(self._x, g * g.shape[0], lambda out, gi: (out * gi).sum())
+
+    def _dp_sgd_step(self, x: torch.Tensor, target: torch.Tensor, loss) -> None:
+        assert self._client is not None and self.privacy.dp_sgd is not None
+        try:
+            dp_sgd_gradients(self._client, x, target, loss, self.privacy.dp_sgd, self._noise_gen)
+        except ValueError as exc:   # a client portion DP-SGD cannot handle: the assignment cannot be run
+            raise wire.WireError(str(exc)) from None
+        rate = round(x.shape[0] / len(self.data), 6)
+        self.dp_steps[rate] = self.dp_steps.get(rate, 0) + 1
+
+    def epsilon(self) -> Optional[float]:
+        """DP-SGD's epsilon so far, at the configured delta (None without DP-SGD)."""
+        dp = self.privacy.dp_sgd
+        return None if dp is None else dp_epsilon(self.dp_steps, dp.sigma, dp.delta)
 
     # ------------------------------------------------------------------ fedavg
     def _train_locally(self) -> Message:
@@ -233,8 +270,14 @@ class AgentCore:
             idx = self._sampler.next(self._assign.batch_size)
             t0 = time.perf_counter()
             self._opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self._client(self.data.x[idx]), self.data.y[idx])
-            loss.backward()
+            x, y = self.data.x[idx], self.data.y[idx]
+            if self.privacy.dp_sgd is not None:
+                with torch.no_grad():
+                    loss = F.cross_entropy(self._client(x), y)
+                self._dp_sgd_step(x, y, lambda out, t: F.cross_entropy(out.unsqueeze(0), t.unsqueeze(0)))
+            else:
+                loss = F.cross_entropy(self._client(x), y)
+                loss.backward()
             self._opt.step()
             self._charge(self._flops_per_sample * len(idx), time.perf_counter() - t0)
             total += loss.item()
@@ -246,12 +289,18 @@ class AgentCore:
         assert self._assign is not None
         model = self._model(self._assign.model, self._assign.split, self._assign.width)
         self._assign_done()
-        return self._msg("weights", step=self.step, body={
+        body = {
             "weights": wire.encode_state(model.client_state(self._assign.split), self._assign.zstd_level),
             "num_samples": len(self.data),
             "compute_s": self._compute_s,
             "loss": loss,
-        })
+        }
+        eps = self.epsilon()
+        if eps is not None:
+            body["epsilon"] = eps
+            log.info("DP-SGD after round %d: epsilon %.3g at delta %g (%d steps)", self.round, eps,
+                     self.privacy.dp_sgd.delta, sum(self.dp_steps.values()))
+        return self._msg("weights", step=self.step, body=body)
 
     def _assign_done(self) -> None:
         self.rounds_done += 1

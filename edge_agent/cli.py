@@ -36,11 +36,21 @@ def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Opti
     return use_config_file(ctx, param, value, path_options={"data"}, maybe_path_options={"profile"})
 
 
-def _privacy(nopeek: float, activation_noise: Optional[str]) -> "AgentPrivacy":
-    """The defenses of ``--nopeek`` and ``--activation-noise CLIP,SIGMA``."""
-    from sfl_core.privacy import ActivationNoise, AgentPrivacy
+def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bool, label_protection: Optional[str],
+             dp_sgd: Optional[str]) -> "AgentPrivacy":
+    """The defenses of the privacy flags; ValueError naming the flag that is wrong."""
+    from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection
 
-    return AgentPrivacy(nopeek, None if activation_noise is None else ActivationNoise.parse(activation_noise))
+    def parse(flag: str, value: Optional[str], kind):
+        try:
+            return None if value is None else kind.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {value}: {exc}") from None
+
+    return AgentPrivacy(nopeek, parse("--activation-noise", activation_noise, ActivationNoise),
+                        withhold_labels=withhold_labels,
+                        label_protection=parse("--label-protection", label_protection, LabelProtection),
+                        dp_sgd=parse("--dp-sgd", dp_sgd, DpSgd))
 
 
 @app.command()
@@ -73,6 +83,14 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
           activation_noise: Optional[str] = typer.Option(None, metavar="CLIP,SIGMA", help="Privacy: clip each "
                                                          "sample's activations to L2 norm CLIP, then add Gaussian "
                                                          "noise of std SIGMA x CLIP before sending."),
+          label_protection: Optional[str] = typer.Option(None, metavar="max_norm|SIGMA", help="Privacy, with "
+                                                         "--withhold-labels: noise on the logit gradients returned "
+                                                         "(max_norm: every sample's expected norm the batch's "
+                                                         "largest; SIGMA: std SIGMA x sqrt 2 per sample)."),
+          dp_sgd: Optional[str] = typer.Option(None, metavar="CLIP,SIGMA[,DELTA]", help="Privacy: DP-SGD on the "
+                                               "client portion: clip each sample's gradient to CLIP, add noise of "
+                                               "std SIGMA x CLIP; epsilon at DELTA (default 1e-5) is logged and "
+                                               "reported (needs the 'privacy' extra: Opacus)."),
           verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
     from edge_agent.runner import AgentError, AgentOptions, AgentRunner, DuplicateAgentError
@@ -105,16 +123,18 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
         console.print(f"[red]{exc}")
         raise typer.Exit(2)
     try:
-        privacy = _privacy(nopeek, activation_noise)
-    except ValueError as exc:
-        console.print(f"--activation-noise {activation_noise}: {exc}", style="red", markup=False)
+        privacy = _privacy(nopeek, activation_noise, withhold_labels, label_protection, dp_sgd)
+        if privacy.dp_sgd is not None:
+            from sfl_core.privacy import require_accountant
+            require_accountant()
+    except (ValueError, RuntimeError) as exc:
+        console.print(str(exc), style="red", markup=False)
         raise typer.Exit(2)
     name = agent_id or address.username or f"{socket.gethostname().split('.')[0]}-{index}"
     name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:64]
     runner = AgentRunner(AgentOptions(broker=address, run_id=run, agent_id=name, profile=prof, index=index,
                                       data_root=data, shard_file=str(shard_file) if shard_file else None,
-                                      emulate=emulate, slowdown=slowdown, seed=seed, withhold_labels=withhold_labels,
-                                      privacy=privacy))
+                                      emulate=emulate, slowdown=slowdown, seed=seed, privacy=privacy))
     signal.signal(signal.SIGTERM, lambda *_: runner.stop())
     try:
         code = runner.run()

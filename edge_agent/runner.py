@@ -55,10 +55,9 @@ class AgentOptions:
     slowdown: float = 1.0
     """With ``emulate``: run this many times slower than the profile (fault injection for tests)."""
     seed: int = 0
-    withhold_labels: bool = False
-    """Keep labels on the device: the coordinator sends logits back and this agent scores them."""
     privacy: AgentPrivacy = AgentPrivacy()
-    """Defenses on what this agent sends (the device owner's choice; the coordinator knows nothing)."""
+    """What this agent keeps back (labels) and the defenses on what it sends: the device owner's
+    choice; the coordinator records what the agent declares and needs to know nothing else."""
     heartbeat_s: float = 2.0
     retry_s: float = 5.0
     """Registration is re-sent after this long without an answer."""
@@ -225,7 +224,7 @@ class AgentRunner:
         hook = self.emulator.compute if self.emulator else None
         return AgentCore(self.o.agent_id, self.o.run_id, local, data.input_shape,
                          seed=self.o.seed * 1000 + self.o.index, compute_hook=hook,
-                         withhold_labels=self.o.withhold_labels, privacy=self.o.privacy)
+                         privacy=self.o.privacy)
 
     def _measure(self, info: Message) -> dict:
         b = info.body
@@ -260,9 +259,10 @@ class AgentRunner:
     def _register(self, info: Message, measured: dict, again: bool = False) -> None:
         assert self.core is not None
         self._joined = info  # the coordinator's announcement this registration answers
-        body = {"index": self.o.index, "profile": protocol.profile_body(self.o.profile), "measured": measured,
-                "label_counts": self.core.data.label_counts(), "num_samples": len(self.core.data),
-                "emulate": self.o.emulate, "resume": {"rounds_done": self.core.rounds_done}}
+        body = protocol.register_body(index=self.o.index, profile=self.o.profile, measured=measured,
+                                      label_counts=self.core.data.label_counts(), num_samples=len(self.core.data),
+                                      emulate=self.o.emulate, resume={"rounds_done": self.core.rounds_done},
+                                      privacy=self.o.privacy.describe())
         deadline = time.monotonic() + self.o.wait_s
         register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
         while time.monotonic() < deadline:

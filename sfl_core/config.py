@@ -32,7 +32,7 @@ from sfl_core.fields import (
     validate,
 )
 from sfl_core.partition import SCHEMES
-from sfl_core.privacy import ActivationNoise, AgentPrivacy
+from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
 from sfl_core.protocol import check_id
 from sfl_core.wire import CODECS, TOPK_PATTERN, is_codec
 
@@ -486,14 +486,18 @@ class AutoConfig(Section):
         return self
 
 
-def _activation_noise(v: Any, fail: Fail) -> ActivationNoise | None:
-    if v is None:
-        return None
-    try:
-        return ActivationNoise.parse(dict(v) if isinstance(v, Mapping) else v)
-    except ValueError:
-        fail("null, {clip: number > 0, sigma: number >= 0} or \"CLIP,SIGMA\"")
-        raise
+def _parsed(kind: Any, what: str) -> Conv:
+    """A defense's settings through its own ``parse`` (the agent flags' and the run config's
+    forms alike); ``null`` = off."""
+    def conv(v: Any, fail: Fail) -> Any:
+        if v is None:
+            return None
+        try:
+            return kind.parse(dict(v) if isinstance(v, Mapping) else v)
+        except ValueError:
+            fail(what)
+            raise
+    return conv
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -503,10 +507,34 @@ class PrivacyConfig(Section):
     flags (the device owner decides, and the coordinator needs to know nothing)."""
 
     nopeek: Annotated[float, checked(_nonneg_float)] = 0.0
-    activation_noise: Annotated[Optional[ActivationNoise], checked(_activation_noise)] = None
+    activation_noise: Annotated[Optional[ActivationNoise], checked(_parsed(
+        ActivationNoise, 'null, {clip: number > 0, sigma: number >= 0} or "CLIP,SIGMA"'))] = None
+    withhold_labels: Annotated[bool, _bool_c] = False
+    """Agents send no labels: the coordinator returns their rows' logits (MergeSFL)."""
+    label_protection: Annotated[Optional[LabelProtection], checked(_parsed(
+        LabelProtection, "null, max_norm, a number >= 0 (sigma) or {sigma: number >= 0}"))] = None
+    """Noise on the logit gradients agents return (needs withhold_labels)."""
+    dp_sgd: Annotated[Optional[DpSgd], checked(_parsed(
+        DpSgd, 'null, {clip: number > 0, sigma: number > 0, delta: number in (0, 1)} or "CLIP,SIGMA[,DELTA]"'))] = None
+    """DP-SGD on the client portion; epsilon (Opacus's accountant) is recorded per round."""
+
+    @model_validator(mode="after")
+    def _relations(self) -> "PrivacyConfig":
+        try:
+            self.agent()
+        except ValueError as exc:
+            raise invalid("label_protection" if self.label_protection is not None and not self.withhold_labels
+                          else "dp_sgd", str(exc))
+        if self.dp_sgd is not None:
+            try:
+                require_accountant()
+            except RuntimeError as exc:
+                raise invalid("dp_sgd", str(exc))
+        return self
 
     def agent(self) -> AgentPrivacy:
-        return AgentPrivacy(self.nopeek, self.activation_noise)
+        return AgentPrivacy(self.nopeek, self.activation_noise, withhold_labels=self.withhold_labels,
+                            label_protection=self.label_protection, dp_sgd=self.dp_sgd)
 
 
 @dataclass(frozen=True, config=STRICT)

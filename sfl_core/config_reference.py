@@ -173,11 +173,17 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('auto.smoothing',
      "weight of the previous estimate when a round's measured compute and link seconds arrive, in [0, 1); lower follows a device's slowdown faster."),
     ('privacy',
-     "defenses the agents apply to the activations they send (docs/methods.md section 12). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise)."),
+     "what the agents keep back and the defenses they apply to what they send (docs/methods.md section 12). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise, --withhold-labels, --label-protection, --dp-sgd) and declares them when it registers. Each round's metrics record them."),
     ('privacy.nopeek',
      'weight of NoPeek (Vepakomma et al. 2020): the distance correlation between a batch\'s inputs and its activations, added to the client portion\'s loss; 0 = off.'),
     ('privacy.activation_noise',
      "null, {clip: C, sigma: S} or \"C,S\": each sample's activations are scaled to an L2 norm of at most C, then Gaussian noise of standard deviation S x C is added to every value before they are sent."),
+    ('privacy.withhold_labels',
+     'true: agents send no labels; the coordinator returns their rows\' logits and each agent scores them and returns the logit gradients (MergeSFL).'),
+    ('privacy.label_protection',
+     "null, max_norm or a number SIGMA (needs withhold_labels): noise on the logit gradients agents return. max_norm (Li et al. 2022): each sample's expected gradient norm made the batch's largest; SIGMA: Gaussian noise of std SIGMA x sqrt 2 per sample's own-loss gradient."),
+    ('privacy.dp_sgd',
+     "null, {clip: C, sigma: S, delta: D} or \"C,S[,D]\": DP-SGD on the client portion (Abadi et al. 2016): each sample's gradient clipped to C, Gaussian noise of std S x C on the sum; each round records epsilon at delta D (default 1e-5; Opacus's accountant, the package's privacy extra). Not with nopeek."),
 )
 """(key path, meaning) in the order users read them; a section's keys follow the section."""
 

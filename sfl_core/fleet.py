@@ -10,7 +10,7 @@ simulation) feeds the estimates through the method's ``observe``/``record``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from sfl_core.config import DeviceProfile
 from sfl_core.mergesfl import AgentState
@@ -41,6 +41,10 @@ class AgentInfo:
     wait_s: float = 0.0
     """Client compute, transfer and waiting-for-the-slowest seconds by the run's clock: measured
     in a deployment, from the time model (the profile) in a simulation."""
+    privacy: dict[str, Any] = field(default_factory=dict)
+    """The defenses the agent declared at registration (``AgentPrivacy.describe()``), for the record."""
+    epsilon: Optional[float] = None
+    """DP-SGD's epsilon the agent last reported."""
     registered: bool = True
     """False for an agent known only from a checkpoint: it counts as online once it registers
     again in this session (its status message alone must not start a round it cannot join)."""

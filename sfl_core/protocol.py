@@ -88,6 +88,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
                  "splits": list, "partition": dict, "num_agents": int},
 }
+# type -> {field: python type(s)} that may be present: what newer agents add (older ones omit it)
+OPTIONAL: dict[str, dict[str, Any]] = {
+    "register": {"privacy": dict},      # the agent's defenses (sfl_core.privacy.AgentPrivacy.describe)
+    "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
+}
 AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "heartbeat", "status"})
 COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "shutdown", "run_info"})
 COORDINATOR_ID = "coordinator"
@@ -121,10 +126,11 @@ def validate_body(mtype: str, body: dict[str, Any]) -> None:
     missing = [k for k in schema if k not in body]
     if missing:
         raise wire.WireError(f"{mtype}: missing field(s) {missing}")
-    extra = [k for k in body if k not in schema]
+    optional = OPTIONAL.get(mtype, {})
+    extra = [k for k in body if k not in schema and k not in optional]
     if extra:
         raise wire.WireError(f"{mtype}: unexpected field(s) {extra}")
-    for key, typ in schema.items():
+    for key, typ in [*schema.items(), *((k, t) for k, t in optional.items() if k in body)]:
         val = body[key]
         if isinstance(val, bool) and typ is not bool:
             raise wire.WireError(f"{mtype}.{key}: expected {typ}, got bool")
@@ -168,6 +174,16 @@ class Sequencer:
         with self._lock:
             self._last = max(self._last + 1, time.time_ns()) if self._clock else self._last + 1
             return self._last
+
+
+def register_body(*, index: int, profile: Any, measured: dict, label_counts: list[int], num_samples: int,
+                  emulate: bool, resume: dict, privacy: dict) -> dict[str, Any]:
+    """A ``register`` body; ``privacy`` (the agent's declared defenses) only when there are some."""
+    body = {"index": index, "profile": profile_body(profile), "measured": measured, "label_counts": label_counts,
+            "num_samples": num_samples, "emulate": emulate, "resume": resume}
+    if privacy:
+        body["privacy"] = privacy
+    return body
 
 
 def profile_body(profile: Any) -> dict[str, Any]:

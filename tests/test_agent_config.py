@@ -196,7 +196,7 @@ def test_flags_win_over_the_file(tmp_path: Path, recorded: list[Any]):
     r = invoke("--config", str(f), "--run", "from-flag", "--send-labels", "--seed", "9")
     assert r.exit_code == 0, r.output
     (opts,) = recorded
-    assert opts.run_id == "from-flag" and opts.seed == 9 and opts.withhold_labels is False   # flags
+    assert opts.run_id == "from-flag" and opts.seed == 9 and opts.privacy.withhold_labels is False   # flags
     assert opts.index == 2 and opts.agent_id == "board-1" and opts.profile.name == "s2fl-low-low"  # file
     assert opts.broker.host == "file-host"
     assert opts.data_root == str((tmp_path / "etc").resolve() / "../data")

@@ -18,6 +18,7 @@ from coordinator.server_trainer import ServerTrainer
 from edge_agent.agent import AgentCore, LocalData
 from sfl_core import protocol, wire
 from sfl_core.data import load_dataset
+from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
 from sfl_core.wire import WireError
 
@@ -225,7 +226,7 @@ def test_split_training_with_real_server_reduces_loss(digits):
 
 def test_withheld_labels_agent_scores_logits_and_never_sends_labels(digits):
     data = LocalData(digits.x_train[:300], digits.y_train[:300], digits.num_classes)
-    agent = AgentCore(AGENT, RUN, data, digits.input_shape, seed=0, withhold_labels=True)
+    agent = AgentCore(AGENT, RUN, data, digits.input_shape, seed=0, privacy=AgentPrivacy(withhold_labels=True))
     coord = Coordinator(digits)
     (act,) = agent.handle(coord.assign(1, tau=2))
     assert act.body["y"] is None
@@ -243,7 +244,7 @@ def test_withheld_labels_agent_scores_logits_and_never_sends_labels(digits):
     # the same logits again (our reply was lost): the same reply, nothing recomputed
     assert agent.handle(logits) == [reply]
     # logits of the wrong shape are refused before use
-    fresh = AgentCore(AGENT, RUN, data, digits.input_shape, seed=0, withhold_labels=True)
+    fresh = AgentCore(AGENT, RUN, data, digits.input_shape, seed=0, privacy=AgentPrivacy(withhold_labels=True))
     fresh.handle(coord.assign(2, tau=2))
     bad = through_wire(Message("logits", RUN, protocol.COORDINATOR_ID, {"z": wire.encode_tensor(torch.zeros(3, 10))},
                         round=2, step=0, seq=coord.seq.next()))

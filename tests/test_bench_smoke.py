@@ -96,3 +96,15 @@ def test_ray_sim_quick(tmp_path: Path) -> None:
     assert serial["same_as_serial"] and ray2["same_as_serial"], doc["results"]
     for row in doc["results"]:
         assert row["rounds_wall_s"] > 0 and row["total_wall_s"] >= row["rounds_wall_s"] + row["round1_wall_s"]
+
+
+def test_leakage_quick(tmp_path: Path) -> None:
+    if DATA == "digits":
+        pytest.skip("the leakage bench needs 28x28 images (Fashion-MNIST or MNIST)")
+    doc = _run("leakage.py", tmp_path)
+    assert doc["benchmark"] == "leakage"
+    for r in doc["results"]:
+        for key in ("accuracy", "ssim", "psnr_db", "dcor2_u", "label_attack"):
+            assert math.isfinite(r[key]), (r["setting"], key)
+        assert -1 <= r["ssim"] <= 1 and 0 <= r["label_attack"] <= 1
+    assert {s["setting"] for s in doc["summary"]} == {r["setting"] for r in doc["results"]}
