@@ -359,3 +359,11 @@ def test_bias_corrected_distance_correlation_is_near_zero_for_independent_high_d
     assert 0.08 < distance_correlation_u(x, x[:, :50] + torch.randn(200, 50, generator=gen)) < 0.9   # partly dependent
     with pytest.raises(ValueError, match=">= 4"):
         distance_correlation_u(x[:3], z[:3])
+
+
+def test_dp_sgd_also_covers_a_fedavg_round_on_the_whole_model(digits):
+    coord = Coordinator(digits, split=4)
+    agent = make_agent(digits, n=320, privacy=AgentPrivacy(dp_sgd=DpSgd(clip=1.0, sigma=1.0)))
+    (reply,) = send(agent, coord.assign(0, tau=5, batch=32, strategy="fedavg"))
+    assert reply.type == "weights" and reply.body["epsilon"] == pytest.approx(dp_epsilon({0.1: 5}, 1.0, 1e-5))
+    assert reply.body["loss"] == reply.body["loss"]   # the agent's own loss is still reported
