@@ -274,7 +274,8 @@ def run_one(job: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         "wall_s": round(time.time() - t0, 1),
     }
     if a.get("examples"):
-        row["examples"] = {"truth": truth[:8].squeeze(1).tolist(), "recon": recon[:8].squeeze(1).tolist()}
+        row["examples"] = {k: v[:8].squeeze(1).mul(1000).round().div(1000).tolist()   # 3 decimals: a small JSON
+                           for k, v in (("truth", truth), ("recon", recon))}
     print(f"{name} seed {seed}: acc {row['accuracy']:.3f}  SSIM {row['ssim']:.3f}  PSNR {row['psnr_db']:.1f}  "
           f"dCor2_u {row['dcor2_u']:.3f}  labels {row['label_attack']:.2f}  ({row['wall_s']:.0f} s)", flush=True)
     return row
@@ -413,6 +414,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     jobs = [(n, seed, {**shared, "examples": seed == 0 and n in show}) for n in names for seed in range(args.seeds)]
     rows = common.run_jobs(run_one, jobs, args)
     summary = summarise(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(summary, rows, args.out / f"{args.result_name}.png")
+    for r in rows:
+        r.pop("examples", None)     # pictures, in the figure only
     common.print_table(
         f"Leakage, accuracy and time: small_cnn on {dataset}, {args.agents} agents, {args.rounds} rounds x "
         f"{args.tau} steps, {args.seeds} seed(s) (means; attack: inverter on {args.public} public images)",
@@ -426,7 +431,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "config": common.config_record(args), "reference": "model inversion (He et al. 2019) on what an agent "
         "sends; label direction attack on withheld labels' logit gradients",
         "results": rows, "summary": summary})
-    plot(summary, rows, args.out / f"{args.result_name}.png")
     print(f"wrote {out}")
     return {"rows": rows, "summary": summary}
 
