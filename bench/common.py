@@ -236,13 +236,14 @@ CURVE_KEYS = ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")
 """What a bench keeps of each round's metrics (its curves)."""
 
 
-def simulate_seeds(label: str, make_config: Callable[[int], Any], seeds: int, device: str = "auto"
-                   ) -> list[list[dict[str, Any]]]:
-    """One simulated run per seed of the run config ``make_config(seed)``, one progress line
-    each; returns each run's curve (:data:`CURVE_KEYS` per round)."""
+def simulate_seeds(label: str, make_config: Callable[[int], Any], seeds: int, device: str = "auto",
+                   first: int = 0) -> list[list[dict[str, Any]]]:
+    """One simulated run per seed ``first .. first + seeds - 1`` of the run config
+    ``make_config(seed)``, one progress line each; returns each run's curve (:data:`CURVE_KEYS`
+    per round)."""
     from coordinator.api import run_simulation
     runs = []
-    for seed in range(seeds):
+    for seed in range(first, first + seeds):
         t0 = time.time()
         history, _ = run_simulation(make_config(seed), device=device, quiet=True)
         runs.append([{k: r[k] for k in CURVE_KEYS} for r in history])

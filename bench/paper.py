@@ -342,7 +342,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("paper", choices=PAPERS, help="which paper's setting (bench/configs/<paper>.yaml)")
     p.add_argument("--full", action="store_true", help="the paper's model at full size (GPU machine)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=2,
+                   help="how many seeds, from --seed on (split seeds over processes with --seed and --tag, "
+                        "then --merge)")
     p.add_argument("--rounds", type=int, default=None, help="override the horizon")
     p.add_argument("--norm", choices=["batch", "group", "none"], default=None,
                    help="normalisation layers of every method's model (default: the config's)")
@@ -351,7 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--work", type=Path, default=None, help="run directories (default /tmp/sfl-paper-<paper>)")
     p.add_argument("--tag", default="", help="suffix of the result file (for runs split over processes)")
     p.add_argument("--merge", nargs="*", type=Path, default=None,
-                   help="instead of running, combine the curves of these result files into one report")
+                   help="instead of running, combine the curves of these result files into one report "
+                        "(a method's seeds from several files are pooled)")
     p.add_argument("--norm-stats", action="store_true",
                    help="add a column: final accuracy with every BatchNorm layer's statistics recomputed "
                         "from training images (bench/norm_stats.py; a diagnostic of the averaged statistics)")
@@ -387,8 +390,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elif args.merge:
         for f in args.merge:
             merged = json.loads(f.read_text())
-            for setting, by_method in merged["curves"].items():
-                curves.setdefault(setting, {}).update(by_method)
+            for setting, by_method in merged["curves"].items():   # seeds of one method in several files add up
+                for method, runs in by_method.items():
+                    curves.setdefault(setting, {}).setdefault(method, []).extend(runs)
             # the merged runs' model and factors, not today's config's
             replica_model, factors = merged["scale"]["model"], merged["scale"]["factors"] or factors
         curves = {s: {m: curves[s][m] for m in spec["methods"] if m in curves[s]} for s in spec["settings"] if s in curves}
@@ -400,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{setting:>10} {method:>16}",
                     lambda seed: run_config_from_dict(build_config(spec, setting, method, seed, args, factors,
                                                                    work, labels)),
-                    args.seeds, args.device)
+                    args.seeds, args.device, first=args.seed)
     summary = summarise(spec, curves)
     if args.norm_stats:
         add_norm_stats(spec, summary, work, args)
