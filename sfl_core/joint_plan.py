@@ -27,14 +27,6 @@ batches fit, the plan is optimal up to the bisection's tolerance and integer bat
 Per round the cost is ``O(agents · options · log(1/tol))``: tens of milliseconds for a
 thousand agents (``bench/planner.py``).
 
-The label mix (:class:`LabelMix`). Regulated batches re-weight the agents' labels in the
-merged batch, so the plan must also keep the mix within ``epsilon`` nats (KL) of what equal
-batches give. If the trimmed caps break that bound, the bound joins the feasibility test:
-at deadline ``T`` some batches in ``[lo, cap_i(T)]`` summing to ``B`` must keep the mix, a
-convex question (the KL divergence is convex in the batches) that :func:`closest_mix`
-decides exactly with Frank-Wolfe. That too only gets easier as ``T`` grows, so a second
-bisection finds the smallest deadline that keeps both the merged batch and its label mix.
-
 Without batch regulation (``B`` is then ``len(agents) · batch``, every ``b_i = batch``)
 the same code picks, per agent, the option fastest at that batch.
 """
@@ -49,7 +41,7 @@ import numpy as np
 
 from sfl_core import timing
 
-__all__ = ["Option", "AgentPlan", "JointPlan", "option_for", "plan_round", "label_skew", "LabelMix", "closest_mix"]
+__all__ = ["Option", "AgentPlan", "JointPlan", "option_for", "plan_round", "with_batches", "label_skew", "limit_skew"]
 
 
 @dataclass(frozen=True)
@@ -159,16 +151,12 @@ def _fastest(opts: Sequence[Option], batch: int, mem: float | None) -> Option | 
 
 
 def plan_round(options: Mapping[str, Sequence[Option]], memory: Mapping[str, float | None], *, total: int,
-               lo: int, hi: int, regulate: bool = True, mix: LabelMix | None = None,
-               tol: float = 1e-4) -> JointPlan:
+               lo: int, hi: int, regulate: bool = True, tol: float = 1e-4) -> JointPlan:
     """The minimal-deadline assignment of docs above: per agent an option and a batch.
 
     ``total``: the round's merged batch ``B``; ``lo``/``hi``: each agent's batch bounds;
     ``regulate=False`` keeps every batch at ``total // len(options)`` and only picks options.
-    ``mix``: the merged batch's label-mix bound (see :class:`LabelMix`); when the batches of
-    the smallest deadline break it, the deadline grows to the smallest one at which some
-    batches within the caps keep it. Agents whose every option overflows their memory at
-    ``lo`` are returned as ``infeasible``.
+    Agents whose every option overflows their memory at ``lo`` are returned as ``infeasible``.
     """
     if lo < 1 or hi < lo:
         raise ValueError(f"plan_round: batch bounds must satisfy 1 <= lo <= hi, got {lo}..{hi}")
@@ -189,7 +177,7 @@ def plan_round(options: Mapping[str, Sequence[Option]], memory: Mapping[str, flo
     total = max(total, lo * len(live))
     # the deadline lies between "everyone trains lo on its fastest option" and "everyone trains hi"
     low = max(min(o.time(lo) for o in opts) for opts in live.values())
-    high = ceiling = max(max(o.time(hi) for o in opts) for opts in live.values())
+    high = max(max(o.time(hi) for o in opts) for opts in live.values())
 
     def feasible(t: float) -> bool:
         caps = _caps(live, memory, t, hi)
@@ -210,12 +198,18 @@ def plan_round(options: Mapping[str, Sequence[Option]], memory: Mapping[str, flo
         deadline = high
         caps = _caps(live, memory, deadline, hi)
     batches = _trim(caps, total, lo)
-    if mix is not None:
-        fitted = _fit_mix(live, memory, batches, mix, deadline, ceiling, total, lo, hi, tol)
-        if fitted is not None:
-            deadline, batches = fitted
     plans = {a: AgentPlan(_fastest(live[a], b, memory.get(a)), b) for a, b in batches.items()}  # type: ignore[arg-type]
     return JointPlan(plans, deadline, infeasible)
+
+
+def with_batches(plan: JointPlan, batches: Mapping[str, int], options: Mapping[str, Sequence[Option]],
+                 memory: Mapping[str, float | None]) -> JointPlan:
+    """``plan`` with new batches, each agent on its fastest option at its new batch."""
+    out = {}
+    for a, b in batches.items():
+        o = _fastest(options[a], b, memory.get(a)) or plan.agents[a].option
+        out[a] = AgentPlan(o, b)
+    return JointPlan(out, timing.round_time(p.time_s for p in out.values()), plan.infeasible)
 
 
 def _trim(caps: Mapping[str, int], total: int, lo: int) -> dict[str, int]:
@@ -259,115 +253,26 @@ def label_skew(batches: Mapping[str, int], label_counts: Mapping[str, Sequence[f
     return float(np.sum(mix * np.log((mix + eps) / (target + eps))))
 
 
-@dataclass(frozen=True)
-class LabelMix:
-    """The bound on the merged batch's label mix that batch regulation must keep.
-
-    Regulating batches re-weights the agents' labels in the merged batch; this bounds what that
-    may cost: the mix (each agent's label distribution weighted by its batch) may be at most
-    ``epsilon`` nats (KL) further from ``target`` (the population's distribution) than equal
-    batches would put it."""
-
-    label_counts: Mapping[str, Sequence[float]]
-    target: np.ndarray
-    epsilon: float
-
-    def limit(self, agents: Sequence[str], total: int) -> float:
-        n = len(agents)
-        equal = {a: total / n for a in agents}
-        return label_skew(equal, self.label_counts, self.target) + self.epsilon
-
-
-def closest_mix(rows: np.ndarray, target: np.ndarray, lower: np.ndarray, upper: np.ndarray, total: float,
-                limit: float, *, closest: bool = False, iters: int = 200,
-                tol: float = 1e-5) -> tuple[np.ndarray, bool]:
-    """Batches ``b`` with ``lower <= b <= upper`` and ``sum(b) = total`` whose merged label mix
-    (``b @ rows / total``) is within ``limit`` nats (KL) of ``target``, if any exist.
-
-    The KL divergence is convex in the batches (the mix is linear in them) and the batches
-    range over a box cut by one plane, so Frank-Wolfe decides it exactly: each step moves
-    towards the vertex that fills the batches in the order of the gradient (smallest first),
-    with a line search, and the duality gap bounds the optimum from below. It stops as soon as
-    a point within ``limit`` is found (returned with ``True``) or the bound proves there is none
-    (``False``; with ``closest`` it then goes on to the point nearest the target, else it
-    returns the last point); ``rows``: per agent its label distribution."""
-    rows = np.asarray(rows, dtype=float)
-    room = upper - lower
-    free = total - lower.sum()
-
-    def kl(b: np.ndarray) -> tuple[float, np.ndarray]:
-        m = b @ rows / total
-        ratio = np.log((m + 1e-12) / (target + 1e-12))
-        return float(np.sum(m * ratio)), rows @ (ratio + m / (m + 1e-12)) / total
-
-    def vertex(g: np.ndarray) -> np.ndarray:     # fill the room in gradient order until ``free`` is used
-        order = np.argsort(g, kind="stable")
-        before = np.concatenate(([0.0], np.cumsum(room[order])[:-1]))
-        v = lower.astype(float).copy()
-        v[order] += np.clip(free - before, 0.0, room[order])
-        return v
-
-    b = vertex(np.zeros(len(lower)))
-    f, g = kl(b)
-    for _ in range(iters):
-        if f <= limit + tol:
-            return b, True
-        d = vertex(g) - b
-        gap = -float(g @ d)
-        if gap <= tol or (f - gap > limit + tol and not closest):   # no point gets within the limit
-            return b, False
-        lo_t, hi_t = 0.0, 1.0                          # line search: the KL along d is convex
-        for _ in range(30):
-            mid = (lo_t + hi_t) / 2
-            if float(kl(b + mid * d)[1] @ d) < 0:
-                lo_t = mid
-            else:
-                hi_t = mid
-        b = b + lo_t * d
-        f, g = kl(b)
-    return b, f <= limit + tol
-
-
-def _fit_mix(live: Mapping[str, Sequence[Option]], memory: Mapping[str, float | None], batches: dict[str, int], mix: LabelMix, low: float, high: float, total: int, lo: int, hi: int,
-             tol: float) -> tuple[float, dict[str, int]] | None:
-    """The smallest deadline in ``[low, high]`` at which batches within the caps keep the label-mix
-    bound, and those batches; ``None`` when ``batches`` already keep it. Where no deadline does
-    (memory or ``hi`` cap the agents that hold the rarer labels), the mix closest to the bound at
-    ``high``. Feasibility only grows with the deadline (the caps do), so bisection applies."""
-    ids = sorted(live)
-    limit = mix.limit(ids, total)
-    if label_skew(batches, mix.label_counts, mix.target) <= limit:
-        return None
-    rows = np.array([np.asarray(mix.label_counts[a], dtype=float) / max(float(np.sum(mix.label_counts[a])), 1e-12)
-                     for a in ids])
-    lower = np.full(len(ids), float(lo))
-
-    def upper(t: float) -> np.ndarray:
-        c = _caps(live, memory, t, hi)
-        return np.array([max(float(c[a]), lo) for a in ids])
-
-    def attempt(t: float, closest: bool = False) -> tuple[np.ndarray, bool]:
-        u = upper(t)
-        return (u, False) if u.sum() < total else closest_mix(rows, mix.target, lower, u, total, limit,
-                                                               closest=closest)
-
-    if upper(high).sum() < total:    # the agents cannot even take the merged batch: keep what fits
-        return None
-    best, ok = attempt(high, closest=True)
-    if ok:
-        while high - low > tol * max(high, 1e-9):
-            mid = (low + high) / 2
-            found, ok = attempt(mid)
-            if ok:
-                high, best = mid, found
-            else:
-                low = mid
-    return high, _round_batches(dict(zip(ids, best)), total)
-
-
-def _round_batches(batches: Mapping[str, float], total: int) -> dict[str, int]:
-    """Whole batches summing to ``total``: each rounded down, the remainder to the largest fractions."""
-    out = {a: int(math.floor(v + 1e-9)) for a, v in batches.items()}
-    for a in sorted(batches, key=lambda a: -(batches[a] - out[a]))[:max(0, total - sum(out.values()))]:
-        out[a] += 1
+def limit_skew(batches: Mapping[str, int], equal: Mapping[str, int], label_counts: Mapping[str, Sequence[float]],
+               target: np.ndarray, epsilon: float) -> dict[str, int]:
+    """Batches moved back towards ``equal`` until the merged label mix is at most ``epsilon`` nats
+    further from ``target`` than equal batches would be (regulating batches re-weights the
+    agents' labels; this bounds what that may cost). Returns ``batches`` unchanged when it fits."""
+    limit = label_skew(equal, label_counts, target) + epsilon
+    if label_skew(batches, label_counts, target) <= limit:
+        return dict(batches)
+    lo_t, hi_t = 0.0, 1.0   # share of the way back to equal
+    for _ in range(30):
+        mid = (lo_t + hi_t) / 2
+        mixed = {a: (1 - mid) * batches[a] + mid * equal[a] for a in batches}
+        if label_skew(mixed, label_counts, target) <= limit:
+            hi_t = mid
+        else:
+            lo_t = mid
+    total = sum(batches.values())
+    blended = {a: (1 - hi_t) * batches[a] + hi_t * equal[a] for a in batches}
+    out = {a: max(1, int(round(v))) for a, v in blended.items()}
+    drift = total - sum(out.values())
+    for a in sorted(out, key=lambda a: -blended[a])[:abs(drift)]:
+        out[a] += 1 if drift > 0 else -1 if out[a] > 1 else 0
     return out

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-import math
-
 import numpy as np
 import pytest
 
-from sfl_core.joint_plan import LabelMix, Option, closest_mix, label_skew, option_for, plan_round
+from sfl_core.joint_plan import Option, label_skew, limit_skew, option_for, plan_round
 
 TAU = 5
 
@@ -95,48 +93,17 @@ def test_bisection_matches_brute_force_on_small_fleets(seed):
     assert plan.round_s == pytest.approx(best, rel=1e-6)
 
 
-def test_closest_mix_finds_batches_within_the_bound_or_proves_there_are_none():
-    rows = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
+def test_limit_skew_bounds_the_label_mix():
+    counts = {"a": [100, 0], "b": [0, 100]}
     target = np.array([0.5, 0.5])
-    lower, upper = np.full(3, 2.0), np.array([40.0, 40.0, 40.0])
-    b, ok = closest_mix(rows, target, lower, upper, 48.0, 0.01)
-    assert ok and b.sum() == pytest.approx(48.0) and np.all(b >= lower - 1e-9) and np.all(b <= upper + 1e-9)
-    assert label_skew(dict(zip("abc", b)), dict(zip("abc", rows)), target) <= 0.01 + 1e-4
-    # the second label's only holder may take 4 samples of 48: the mix cannot come near half-half
-    assert not closest_mix(rows[:2], target, np.full(2, 2.0), np.array([46.0, 4.0]), 48.0, 0.05)[1]
-    b, ok = closest_mix(rows[:2], target, np.full(2, 2.0), np.array([46.0, 4.0]), 48.0, 0.05, closest=True)
-    assert not ok and b[1] == pytest.approx(4.0, abs=0.05)    # the closest point gives it all it may take
-
-
-def test_the_label_mix_bound_costs_the_least_deadline_it_must():
-    """Two fast agents hold one label each, a slow one the second label only: without the bound
-    the slow agent trains 2 samples; with it, the merged mix may drift at most epsilon from equal
-    batches', so the slow agent must take more, and the deadline grows to the least that allows."""
-    fleet = {"fast-a": options(1e10, 1e8), "fast-b": options(1e10, 1e8), "slow-b": options(3e7, 1e8)}
-    counts = {"fast-a": [100, 0], "fast-b": [100, 0], "slow-b": [0, 100]}
-    target = np.array([2 / 3, 1 / 3])
-    free = plan_round(fleet, {}, total=48, lo=2, hi=32)
-    assert free.agents["slow-b"].batch < 8
-    mix = LabelMix(counts, target, epsilon=0.02)
-    bound = plan_round(fleet, {}, total=48, lo=2, hi=32, mix=mix)
-    batches = {a: p.batch for a, p in bound.agents.items()}
-    assert sum(batches.values()) == 48
-    assert label_skew(batches, counts, target) <= mix.limit(list(fleet), 48) + 2e-3
-    assert bound.round_s > free.round_s
-    # brute force over every split of 48 (each 2..32): no batches that keep the bound finish sooner
-    best = math.inf
-    for a in range(2, 33):
-        for b in range(2, 33):
-            c = 48 - a - b
-            if not 2 <= c <= 32:
-                continue
-            trial = {"fast-a": a, "fast-b": b, "slow-b": c}
-            if label_skew(trial, counts, target) <= mix.limit(list(fleet), 48):
-                best = min(best, max(min(o.time(trial[x]) for o in fleet[x]) for x in trial))
-    assert bound.round_s <= best * 1.02
-    # a bound the equal batches already keep changes nothing
-    loose = plan_round(fleet, {}, total=48, lo=2, hi=32, mix=LabelMix(counts, target, epsilon=10.0))
-    assert {a: p.batch for a, p in loose.agents.items()} == {a: p.batch for a, p in free.agents.items()}
+    equal = {"a": 16, "b": 16}
+    skewed = {"a": 30, "b": 2}
+    assert label_skew(equal, counts, target) == pytest.approx(0.0, abs=1e-9)
+    fixed = limit_skew(skewed, equal, counts, target, epsilon=0.05)
+    assert sum(fixed.values()) == 32
+    assert label_skew(fixed, counts, target) <= 0.05 + 1e-3
+    assert fixed["a"] > fixed["b"]       # moved back only as far as it must
+    assert limit_skew(equal, equal, counts, target, 0.05) == equal
 
 
 def test_bad_batch_bounds_are_refused():

@@ -27,7 +27,7 @@ from sfl_core import mergesfl
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
 from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
-from sfl_core.joint_plan import JointPlan, LabelMix, Option, option_for, plan_round
+from sfl_core.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.models import SplitModel
 from sfl_core.sliding_split import candidate_splits
@@ -120,10 +120,17 @@ class Auto(Method):
         options = {x: self.options(x, agents[x]) for x in selected}
         memory = {x: agents[x].profile.memory_bytes for x in selected}
         total = len(selected) * self.cfg.batch_size
-        mix = LabelMix({x: agents[x].label_counts for x in selected},
-                       mergesfl.population_distribution({x: i.label_counts for x, i in agents.items()}), a.epsilon)
-        return plan_round(options, memory, total=total, lo=a.min_batch, hi=self.max_batch, regulate=a.regulate,
-                          mix=mix)
+        plan = plan_round(options, memory, total=total, lo=a.min_batch, hi=self.max_batch, regulate=a.regulate)
+        if a.regulate and plan.agents:
+            counts = {x: agents[x].label_counts for x in plan.agents}
+            target = mergesfl.population_distribution({x: i.label_counts for x, i in agents.items()})
+            batches = {x: p.batch for x, p in plan.agents.items()}
+            equal = _equal(batches)
+            fair = limit_skew(batches, equal, counts, target, a.epsilon)
+            if fair != batches:
+                fair = {x: min(self.max_batch, max(a.min_batch, b)) for x, b in fair.items()}
+                plan = with_batches(plan, fair, options, memory)
+        return plan
 
     def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
                default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
@@ -268,3 +275,8 @@ def select_by_label_mix(online: Sequence[str], agents: Mapping[str, AgentInfo], 
         chosen.append(best)
         mix = trial[best]
     return sorted(pool[i] for i in chosen)
+
+
+def _equal(batches: Mapping[str, int]) -> dict[str, int]:
+    n, total = len(batches), sum(batches.values())
+    return {a: total // n + (1 if i < total % n else 0) for i, a in enumerate(sorted(batches))}
