@@ -242,6 +242,11 @@ def run_one(job: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     pre = data.preprocessing
     victim = next(iter(engine.transport.agents.values())).data
     n_vic = min(a["victims"], len(victim.x))
+    facts = {"setting": name, "seed": seed, "split": split, "width": width, "codec": cfg.codec,
+             "defenses": cfg.privacy.agent().describe(), "accuracy": history[-1]["accuracy"],
+             "virtual_s": history[-1]["elapsed_s"],
+             "bytes_up_per_round": statistics.mean(r["bytes_up"] for r in history[1:]),
+             "epsilon": history[-1].get("epsilon_max")}
     try:
         priv = capture(engine, cfg, split, width, victim.x[:n_vic], victim.y[:n_vic], data.num_classes, seed + 101)
         pub = capture(engine, cfg, split, width, data.x_test[:a["public"]], data.y_test[:a["public"]],
@@ -249,20 +254,14 @@ def run_one(job: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     except wire.WireError as exc:   # training diverged (NaN weights): nothing meaningful to attack
         print(f"{name} seed {seed}: training diverged ({exc}); accuracy {history[-1]['accuracy']}", flush=True)
         nan = float("nan")
-        return {"setting": name, "seed": seed, "split": split, "width": width, "codec": cfg.codec,
-                "defenses": cfg.privacy.agent().describe(), "accuracy": history[-1]["accuracy"],
-                "virtual_s": history[-1]["elapsed_s"], "bytes_up_per_round": nan, "ssim": nan, "psnr_db": nan,
-                "dcor2_u": nan, "dcor": nan, "label_attack": nan, "epsilon": history[-1].get("epsilon_max"),
+        return {**facts, "ssim": nan, "psnr_db": nan, "dcor2_u": nan, "dcor": nan, "label_attack": nan,
                 "diverged": True, "wall_s": round(time.time() - t0, 1)}
     inv = train_inverter(pub["sent"], to_pixels(pub["inputs"], pre), a["epochs"], seed)
     with torch.no_grad():
         recon = inv(priv["sent"])
     truth = to_pixels(priv["inputs"], pre)
     row = {
-        "setting": name, "seed": seed, "split": split, "width": width, "codec": cfg.codec,
-        "defenses": cfg.privacy.agent().describe(),
-        "accuracy": history[-1]["accuracy"], "virtual_s": history[-1]["elapsed_s"],
-        "bytes_up_per_round": statistics.mean(r["bytes_up"] for r in history[1:]),
+        **facts,
         "activation_values": int(math.prod(priv["sent"].shape[1:])),
         "ssim": float(ssim(recon, truth).mean()), "psnr_db": float(psnr(recon, truth).mean()),
         "dcor2_u": distance_correlation_u(priv["inputs"], priv["sent"]),
@@ -270,7 +269,6 @@ def run_one(job: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         "label_attack": (float((priv["logit_grads"].argmin(1) == priv["labels"]).float().mean())
                          if "logit_grads" in priv else 1.0),
         "labels_withheld": "logit_grads" in priv,
-        "epsilon": history[-1].get("epsilon_max"),
         "wall_s": round(time.time() - t0, 1),
     }
     if a.get("examples"):
