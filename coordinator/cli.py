@@ -338,7 +338,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     and auto's assignment per agent (time model from the device profiles; a run refines it)."""
     import json
 
-    from sfl_core.methods.preview import fleet_of, preview
+    from sfl_core.methods.auto import decide_widths
+    from sfl_core.methods.preview import fleet_of, preview, variants
     from sfl_core.partition import partition_indices
 
     cfg = _load(config, None, None, data)
@@ -366,9 +367,12 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
         table.add_row(r.method, f"{r.round_s:.3g}", f"{r.round_s / auto.round_s:.2f}x" if auto.round_s else "-",
                       f"{r.bytes_per_round / 1e6:.3g}", f"{r.waiting_s:.3g}")
     Console().print(table)
+    auto_cfg = variants(cfg, model, costs)["auto"]
+    if auto_cfg.auto.widths:      # what auto decided (widths: auto), or the widths listed
+        _say(decide_widths(auto_cfg, model, costs).why or f"bottleneck: widths {list(auto_cfg.auto.widths)}")
     rival = min((r for r in rows if r.method != "auto"), key=lambda r: r.round_s)
     if rival.round_s < auto.round_s:
-        hint = (" Its bottleneck is one of auto's options: list widths in auto.widths (docs/methods.md §11)."
+        hint = (" Its bottleneck is one of auto's options: set auto.widths (auto, or a list; docs/methods.md §11)."
                 if rival.method == "HeteroSFL" and not cfg.auto.widths else "")
         _say(f"{rival.method}'s round is predicted {auto.round_s / rival.round_s:.2f}x shorter than auto's.{hint}", "yellow")
     names = {a: info.profile.name for a, info in agents.items()}

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from sfl_core.methods.auto import within_compression
+from sfl_core.accounting import model_costs
+from sfl_core.methods.auto import decide_widths, within_bottleneck
 from sfl_core.models import SplitModel, build_model
 from sfl_core.onnx_export import export_onnx
 
@@ -40,7 +41,8 @@ def describe_model(model: SplitModel, dataset: Optional[str] = None,
 
 def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     """The (untrained) global model of a run: the zoo model plus, with ``hetero.width`` (or
-    ``auto.widths`` under strategy auto), the bottleneck at the run's split. With fixed
+    the widths :func:`~sfl_core.methods.auto.decide_widths` gives strategy auto), the bottleneck
+    at the run's split. With fixed
     per-group widths nobody trains the channels past the widest, so the full model is
     evaluated without them; under auto it starts at the narrowest width."""
     model = build_model(cfg.model, input_shape, num_classes)
@@ -48,12 +50,13 @@ def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) 
     if cfg.hetero.width is not None:
         pair = model.add_bottleneck(split, cfg.hetero.width)
         pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
-    elif cfg.strategy == "auto" and cfg.auto.widths:   # runs at the widest width trained so far (the engine widens it)
-        pair = model.add_bottleneck(split, max(cfg.auto.widths))
-        channels = pair.activation_shape[0]
-        pair.infer_width = min((w for w in cfg.auto.widths
-                                if within_compression(1.0, w, channels, cfg.auto.max_compression)),
-                               default=pair.width)   # the narrowest width auto may assign
+    elif cfg.strategy == "auto":
+        widths = decide_widths(cfg, model, model_costs(cfg.model, input_shape, num_classes)).widths
+        if widths:   # runs at the widest width trained so far (the engine widens it)
+            pair = model.add_bottleneck(split, max(widths))
+            channels = pair.activation_shape[0]
+            pair.infer_width = min((w for w in widths if within_bottleneck(w, channels, cfg.auto.max_bottleneck)),
+                                   default=pair.width)   # the narrowest width auto may assign
     return model
 
 

@@ -22,7 +22,7 @@ import importlib.resources
 import os
 from dataclasses import asdict, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Mapping, Optional, Sequence
+from typing import Annotated, Any, ClassVar, Mapping, Optional, Sequence, Union
 
 from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
@@ -204,6 +204,14 @@ def _pos_int_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
     if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
         fail("a non-empty list of positive integers, or null")
     return tuple(v)
+
+
+def _widths(v: Any, fail: Fail) -> str | tuple[int, ...] | None:
+    if v == "auto":
+        return "auto"
+    if isinstance(v, str):
+        fail('"auto", a non-empty list of positive integers, or null')
+    return _pos_int_list(v, fail)
 
 
 def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
@@ -466,11 +474,14 @@ class AutoConfig(Section):
     """Which agents train: the engine's uniform sample, or 'kl' = label mix closest to the population's."""
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
     max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
-    """Strongest activation compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x; a bottleneck
-    of width w multiplies the codec's by channels/w)."""
-    widths: Annotated[Optional[tuple[int, ...]], checked(_pos_int_list)] = None
+    """Strongest codec compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""
+    widths: Annotated[Union[str, tuple[int, ...], None], checked(_widths)] = None
     """Bottleneck widths an agent cut at the run's split may send (HeteroSFL's encoder/decoder pair
-    there, the widest = its full width); None = no bottleneck. Cuts then stop at that split."""
+    there, the widest = its full width); None = no bottleneck; "auto" = a ladder of widths where
+    they make the fleet's predicted round much shorter (decided once, from the run's fleet:
+    :func:`sfl_core.methods.auto.decide_widths`). Cuts then stop at that split."""
+    max_bottleneck: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 64.0
+    """Strongest bottleneck compression allowed (the cut's channels over the width sent)."""
     regulate: Annotated[bool, _bool_c] = True        # batch sizes planned with the rest; false = the run's batch
     max_batch: Annotated[Optional[int], _opt_batch_c] = None
     """Largest batch of one agent; None = 2 x batch_size."""

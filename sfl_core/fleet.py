@@ -10,9 +10,9 @@ simulation) feeds the estimates through the method's ``observe``/``record``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from sfl_core.config import DeviceProfile
+from sfl_core.config import DeviceProfile, RunConfig, load_profile
 from sfl_core.mergesfl import AgentState
 from sfl_core.sliding_split import ClientTimeTable
 
@@ -48,6 +48,17 @@ class AgentInfo:
     registered: bool = True
     """False for an agent known only from a checkpoint: it counts as online once it registers
     again in this session (its status message alone must not start a round it cannot join)."""
+
+
+def fleet_of(cfg: RunConfig, label_counts: Sequence[Sequence[int]] | None = None) -> dict[str, AgentInfo]:
+    """The run config's fleet as the coordinator will know it after registration (no
+    measurements yet): what plans are predicted from before any agent has spoken.
+    ``label_counts``: per agent; None = unknown (empty)."""
+    profiles = cfg.agent_profiles()
+    counts = label_counts if label_counts is not None else [[] for _ in profiles]
+    return {f"agent-{i:03d}": AgentInfo(agent_id=f"agent-{i:03d}", index=i, profile=load_profile(name), measured={},
+                                        label_counts=list(c), num_samples=int(sum(c)))
+            for i, (name, c) in enumerate(zip(profiles, counts))}
 
 
 def _measured(info: AgentInfo, key: str, *sub: str) -> float | None:

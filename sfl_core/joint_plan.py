@@ -22,7 +22,8 @@ option that lets it train the largest batch by ``T`` within its memory,
 deadline ``T*`` to any precision. Every agent then trains at most ``cap_i(T*)``; the
 batches are the caps trimmed, largest first, until they sum to ``B``, and each agent takes
 the option that is fastest at its batch (no slower than ``T*``, because the capacity option
-already fits). Since no assignment can finish before the smallest deadline at which the
+already fits); an agent whose fastest option is a bottleneck then takes the widest one that
+still finishes within the round (the same round time, less information dropped). Since no assignment can finish before the smallest deadline at which the
 batches fit, the plan is optimal up to the bisection's tolerance and integer batches.
 Per round the cost is ``O(agents · options · log(1/tol))``: tens of milliseconds for a
 thousand agents (``bench/planner.py``).
@@ -150,6 +151,28 @@ def _fastest(opts: Sequence[Option], batch: int, mem: float | None) -> Option | 
     return min(fits, key=lambda o: (o.time(batch), -o.split)) if fits else None
 
 
+def _squeeze(o: Option) -> float:
+    """How hard the option's bottleneck squeezes (0: none; a narrower width squeezes harder)."""
+    return 1.0 / o.width if o.width else 0.0
+
+
+def _assign(options: Mapping[str, Sequence[Option]], batches: Mapping[str, int],
+            memory: Mapping[str, float | None]) -> dict[str, Option | None]:
+    """Each agent's option at its batch: its fastest, except that an agent whose fastest option
+    sends a bottleneck takes the widest one that still finishes within the round (the slowest
+    agent's time). A learned bottleneck drops information the server never sees, so it is spent
+    only where the round needs it; the round time does not change."""
+    fastest = {a: _fastest(options[a], b, memory.get(a)) for a, b in batches.items()}
+    bound = max((o.time(batches[a]) for a, o in fastest.items() if o is not None), default=0.0)
+    out = dict(fastest)
+    for a, o in fastest.items():
+        if o is not None and o.width:
+            b, mem = batches[a], memory.get(a)
+            fits = [x for x in options[a] if x.time(b) <= bound * (1 + 1e-9) and (mem is None or x.memory(b) <= mem)]
+            out[a] = min(fits, key=lambda x: (_squeeze(x), x.time(b), -x.split))
+    return out
+
+
 def plan_round(options: Mapping[str, Sequence[Option]], memory: Mapping[str, float | None], *, total: int,
                lo: int, hi: int, regulate: bool = True, tol: float = 1e-4) -> JointPlan:
     """The minimal-deadline assignment of docs above: per agent an option and a batch.
@@ -167,11 +190,10 @@ def plan_round(options: Mapping[str, Sequence[Option]], memory: Mapping[str, flo
         return JointPlan({}, 0.0, infeasible)
     if not regulate:
         batch = max(lo, min(hi, total // max(len(options), 1)))
-        plans = {}
-        for a, opts in live.items():
-            # the run's batch, or the largest one that fits the agent's memory (at least lo: it is live)
-            b = min(batch, max(x.largest_batch(math.inf, memory.get(a), batch) for x in opts))
-            plans[a] = AgentPlan(_fastest(opts, b, memory.get(a)), b)   # type: ignore[arg-type]
+        # the run's batch, or the largest one that fits the agent's memory (at least lo: it is live)
+        sizes = {a: min(batch, max(x.largest_batch(math.inf, memory.get(a), batch) for x in opts))
+                 for a, opts in live.items()}
+        plans = {a: AgentPlan(o, sizes[a]) for a, o in _assign(live, sizes, memory).items()}  # type: ignore[arg-type]
         return JointPlan(plans, timing.round_time(p.time_s for p in plans.values()), infeasible)
 
     total = max(total, lo * len(live))
@@ -198,17 +220,16 @@ def plan_round(options: Mapping[str, Sequence[Option]], memory: Mapping[str, flo
         deadline = high
         caps = _caps(live, memory, deadline, hi)
     batches = _trim(caps, total, lo)
-    plans = {a: AgentPlan(_fastest(live[a], b, memory.get(a)), b) for a, b in batches.items()}  # type: ignore[arg-type]
+    plans = {a: AgentPlan(o, batches[a]) for a, o in _assign(live, batches, memory).items()}  # type: ignore[arg-type]
     return JointPlan(plans, deadline, infeasible)
 
 
 def with_batches(plan: JointPlan, batches: Mapping[str, int], options: Mapping[str, Sequence[Option]],
                  memory: Mapping[str, float | None]) -> JointPlan:
-    """``plan`` with new batches, each agent on its fastest option at its new batch."""
-    out = {}
-    for a, b in batches.items():
-        o = _fastest(options[a], b, memory.get(a)) or plan.agents[a].option
-        out[a] = AgentPlan(o, b)
+    """``plan`` with new batches, each agent on its fastest option at its new batch (or its
+    least-squeezing bottleneck that keeps the round's time, as in :func:`plan_round`)."""
+    out = {a: AgentPlan(o or plan.agents[a].option, batches[a])
+           for a, o in _assign(options, batches, memory).items()}
     return JointPlan(out, timing.round_time(p.time_s for p in out.values()), plan.infeasible)
 
 

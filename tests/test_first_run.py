@@ -143,7 +143,12 @@ def test_plan_points_at_auto_widths_where_heterosfl_is_ahead_and_shows_them_once
     path.write_text(yaml.safe_dump(doc))
     res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
-    assert ", width " in res.output and "auto.widths" not in res.output
+    assert ", width " in res.output and "auto.widths" not in res.output and "bottleneck: widths [4, 8, 16, 32]" in res.output
+    doc["auto"] = {"widths": "auto"}     # decided from the fleet, and the plan says why
+    path.write_text(yaml.safe_dump(doc))
+    res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "bottleneck: " in res.output and "predicted round at equal batches" in res.output
 
 
 @pytest.mark.parametrize("auto, says", [

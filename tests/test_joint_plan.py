@@ -130,3 +130,19 @@ def test_weights_smaller_than_activations_put_the_whole_model_on_the_agent():
     assert plan.agents["fast-cpu"].option.split == 4      # 0.2 MB of weights beat 80 x 4 kB of activations
     assert plan.agents["slow-cpu"].option.split == 1      # too slow to run the whole model
     assert plan.agents["heavy"].option.split == 3         # 100 MB of weights cost more than activations
+
+
+def test_an_agent_with_slack_sends_the_least_squeezed_bottleneck_that_keeps_the_round():
+    # agent "b" sets the round at 10 s; "a" could finish in 2 s with width 1, in 9 s with width 8,
+    # in 12 s at full width: it takes width 8 (the round stays 10 s); alone, "a" keeps width 1
+    widths = {1: 2.0, 8: 9.0, 32: 12.0}
+    a = [Option(split=2, codec="fp32", fixed_s=t, per_sample_s=0.0, width=w) for w, t in widths.items()]
+    b = [Option(split=1, codec="fp32", fixed_s=10.0, per_sample_s=0.0)]
+    plan = plan_round({"a": a, "b": b}, {}, total=2, lo=1, hi=1, regulate=False)
+    assert plan.agents["a"].option.width == 8 and plan.round_s == pytest.approx(10.0)
+    regulated = plan_round({"a": a, "b": b}, {}, total=2, lo=1, hi=1)
+    assert regulated.agents["a"].option.width == 8 and regulated.round_s == pytest.approx(10.0)
+    assert plan_round({"a": a}, {}, total=1, lo=1, hi=1).agents["a"].option.width == 1
+    # without bottlenecks the fastest option stands, as before
+    c = [Option(split=1, codec="fp16", fixed_s=1.0, per_sample_s=0.0), Option(split=1, codec="fp32", fixed_s=3.0, per_sample_s=0.0)]
+    assert plan_round({"c": c, "b": b}, {}, total=2, lo=1, hi=1).agents["c"].option.codec == "fp16"

@@ -1,13 +1,18 @@
 """``strategy: auto``: split, codec, bottleneck width and batch per agent, planned jointly every round.
 
 The base method that chooses for the user. Each round it builds, for every selected agent,
-the options the run allows (each candidate split × each codec, and with ``auto.widths`` each
-bottleneck width at the run's split, within ``auto.max_compression``),
+the options the run allows (each candidate split × each codec within ``auto.max_compression``,
+and with bottleneck widths each width at the run's split within ``auto.max_bottleneck``),
 prices them with the time model (docs/methods.md §3, the function the virtual clock charges)
 from the agent's profile, its registration measurements and what its past rounds showed,
 and lets :func:`sfl_core.joint_plan.plan_round` pick the assignment whose slowest agent
 finishes first while the merged batch keeps its size. Agents whose memory cannot hold any
 client portion at the smallest batch sit the round out.
+
+Bottleneck widths (``auto.widths``) are fixed for the run: listed, none, or with ``"auto"``
+decided once from the run's fleet (:func:`decide_widths`). A learned bottleneck changes the
+model and stops the cuts at its split; each agent whose fastest option sends one takes the
+widest width that still meets the round's deadline.
 
 It adapts: after each round the measured client compute and link seconds (by the run's
 clock) over the predicted ones update two smoothed factors per agent (Eq. 5-6 of MergeSFL),
@@ -18,7 +23,9 @@ the measured round time (the planner's error).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -26,7 +33,7 @@ import numpy as np
 from sfl_core import mergesfl
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig
-from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
+from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, fleet_of, uplink_rate
 from sfl_core.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.models import SplitModel
@@ -44,17 +51,18 @@ class Auto(Method):
         for s in cands:
             model.check_split(s)
         self.codecs = tuple(c for c in a.codecs if 1 / nominal_ratio(c) <= a.max_compression) or (cfg.codec,)
-        self.widths: tuple[int, ...] = tuple(sorted(set(a.widths or ())))
+        self.decision = decide_widths(cfg, model, costs)
+        self.widths: tuple[int, ...] = self.decision.widths
         self.bottleneck_at: int | None = None
-        """The cut holding the bottleneck pair (the run's split) when ``auto.widths`` is set."""
+        """The cut holding the bottleneck pair (the run's split) when it has widths."""
         if self.widths:
-            cands = self._cuts_before_bottleneck(cands, explicit=a.candidates is not None)
+            cands = self._cuts_before_bottleneck(cands, explicit=a.candidates is not None and a.widths != "auto")
         elif a.whole_model and model.num_blocks not in cands:
             cands += (model.num_blocks,)
         self._candidates: tuple[int, ...] = cands
         if not self.choices():
             raise ValueError(f"auto.widths: no width of {list(self.widths)} compresses within "
-                             f"auto.max_compression {a.max_compression:g}")
+                             f"auto.max_bottleneck {a.max_bottleneck:g}")
         self.max_batch = a.max_batch or 2 * cfg.batch_size
         self.scales: dict[str, list[float]] = {}
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
@@ -87,13 +95,13 @@ class Auto(Method):
         widths = f", bottleneck width {list(self.widths)} at split {self.bottleneck_at}" if self.widths else ""
         return [f"auto: plans split {cuts}{whole}, codec {list(self.codecs)}{widths} and batch "
                 f"{self.cfg.auto.min_batch}..{self.max_batch} per agent each round; "
-                f"selection: {self.cfg.auto.selection}"]
+                f"selection: {self.cfg.auto.selection}"] + ([self.decision.why] if self.decision.why else [])
 
     # ----------------------------------------------------------------- the round
     def choices(self) -> list[tuple[int, str, int]]:
         """Every (split, codec, bottleneck width) an agent may be given. The whole model sends no
         activations, so it takes the run's codec only; at the bottleneck's cut every width whose
-        compression (channels / width, times the codec's) stays within ``auto.max_compression``."""
+        compression (channels / width) stays within ``auto.max_bottleneck``."""
         out = []
         for s in self.candidates:
             if s == self.model.num_blocks:
@@ -103,7 +111,7 @@ class Auto(Method):
             else:
                 channels = self.costs[s].activation_shape[0]
                 out += [(s, codec, w) for codec in self.codecs for w in self.widths
-                        if within_compression(nominal_ratio(codec), w, channels, self.cfg.auto.max_compression)]
+                        if within_bottleneck(w, channels, self.cfg.auto.max_bottleneck)]
         return out
 
     def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True) -> list[Option]:
@@ -131,6 +139,15 @@ class Auto(Method):
                 fair = {x: min(self.max_batch, max(a.min_batch, b)) for x, b in fair.items()}
                 plan = with_batches(plan, fair, options, memory)
         return plan
+
+    def equal_batch_round_s(self, agents: Mapping[str, AgentInfo]) -> float:
+        """The predicted round with every one of ``agents`` training the run's batch on its fastest
+        option (before any measurement): how slow the fleet's slowest agent is, whatever batch
+        regulation could later move away from it."""
+        options = {x: self.options(x, info, scaled=False) for x, info in agents.items()}
+        memory = {x: info.profile.memory_bytes for x, info in agents.items()}
+        return plan_round(options, memory, total=len(agents) * self.cfg.batch_size, lo=self.cfg.auto.min_batch,
+                          hi=self.max_batch, regulate=False).round_s
 
     def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
                default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
@@ -236,9 +253,71 @@ def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:
     return codec_ratio * (width / channels if width else 1.0)
 
 
-def within_compression(codec_ratio: float, width: int, channels: int, max_compression: float) -> bool:
-    """Whether a codec and bottleneck width together compress at most ``auto.max_compression``."""
-    return 1.0 / wire_fraction(codec_ratio, width, channels) <= max_compression + 1e-9
+def within_bottleneck(width: int, channels: int, max_bottleneck: float) -> bool:
+    """Whether a bottleneck of ``width`` of the cut's ``channels`` compresses at most ``auto.max_bottleneck``."""
+    return channels / width <= max_bottleneck + 1e-9
+
+
+# ----------------------------------------------------------------- bottleneck widths: on or off
+
+WIDTHS_PAY = 2.5
+"""``auto.widths: auto`` switches the bottleneck on where it makes the fleet's predicted round at
+the run's batch size (every agent on its fastest option) at least this many times shorter. At
+equal batches, because batch regulation can hide a slow link only by moving samples off it,
+which the label-mix bound (``auto.epsilon``) limits. On the bench fleets: HeteroSFL's 16:1
+links 3.2x (it switches on; the target came 1.5x sooner than IdBL 64x, 2.0x sooner than without
+widths, 3.4 points lower at the end, 4 seeds); its 4:1 links 1.8x, S2FL's and MergeSFL's fleets
+2.0x, the mixed and FedFC fleets 1.0x (off). Not the default: how much a bottleneck slows
+learning is the model's and the data's, which the time model cannot see (a 3-agent digits
+fleet switched on at 4.1x learned several times slower per virtual second)."""
+
+
+@dataclass(frozen=True)
+class WidthsDecision:
+    widths: tuple[int, ...]
+    """What the run trains: () = no bottleneck."""
+    why: str = ""
+    """One line for the run's notes ("" where the user listed the widths or switched them off)."""
+
+
+def width_ladder(channels: int, max_bottleneck: float) -> tuple[int, ...]:
+    """The widths ``auto.widths: auto`` offers: the cut's full width and each quarter of it down to
+    one channel (HeteroSFL's 4x steps), within ``auto.max_bottleneck``."""
+    widths, w = {channels}, channels
+    while w > 1:
+        w = max(1, w // 4)
+        widths.add(w)
+    return tuple(sorted(w for w in widths if within_bottleneck(w, channels, max_bottleneck)))
+
+
+def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> WidthsDecision:
+    """The bottleneck widths a run under strategy auto trains: the listed ones, none, or for
+    ``"auto"`` the :func:`width_ladder` where it pays :data:`WIDTHS_PAY` by the time model,
+    judged on the run config's fleet (its profiles; a run whose agents bring their own profiles
+    has none to judge, and gets no bottleneck). A pure function of the config, so the model
+    builder, the engine and ``sfl-coord plan`` agree, and a resumed run decides the same."""
+    a = cfg.auto
+    if cfg.strategy != "auto" or not a.widths:
+        return WidthsDecision(())
+    if a.widths != "auto":
+        return WidthsDecision(tuple(sorted(set(a.widths))))
+    agents = fleet_of(cfg)
+    if not agents:
+        return WidthsDecision((), "bottleneck: off (no fleet in the run config to judge it on)")
+    b = cfg.split or model.default_split
+    if b >= model.num_blocks:
+        return WidthsDecision(())
+    widths = width_ladder(costs[b].activation_shape[0], a.max_bottleneck)
+    cuts = tuple(s for s in (a.candidates or ()) if s <= b) or None
+    without = Auto(dataclasses.replace(cfg, auto=dataclasses.replace(a, widths=None)), model, costs)
+    with_ = Auto(dataclasses.replace(cfg, auto=dataclasses.replace(a, widths=widths, candidates=cuts)), model, costs)
+    t0, t1 = (m.equal_batch_round_s(agents) for m in (without, with_))
+    gain = t0 / t1 if t1 > 0 else 1.0
+    if gain >= WIDTHS_PAY:
+        return WidthsDecision(widths, f"bottleneck: widths {list(widths)} at split {b}: the fleet's predicted "
+                                      f"round at equal batches {t0:.3g} s -> {t1:.3g} s ({gain:.2f}x >= {WIDTHS_PAY:g}x)")
+    return WidthsDecision((), f"bottleneck: off (widths {list(widths)} at split {b} would shorten the fleet's "
+                              f"predicted round at equal batches {gain:.2f}x, under the {WIDTHS_PAY:g}x that switches them on)")
 
 
 def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:

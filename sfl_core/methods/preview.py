@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from sfl_core import timing
 from sfl_core.accounting import SplitCost
-from sfl_core.config import DeviceProfile, RunConfig, load_profile
-from sfl_core.fleet import AgentInfo
+from sfl_core.config import RunConfig, load_profile
+from sfl_core.fleet import AgentInfo, fleet_of  # noqa: F401  (fleet_of: sfl-coord plan's)
 from sfl_core.methods import build_method
 from sfl_core.methods.auto import price_option, wire_fraction
 from sfl_core.models import SplitModel
@@ -49,16 +49,6 @@ class MethodPreview:
         return {"method": self.method, "round_s": self.round_s, "bytes_per_round": self.bytes_per_round,
                 "waiting_s": self.waiting_s, "phase": self.phase,
                 "agents": {a: dataclasses.asdict(x) for a, x in self.agents.items()}}
-
-
-def fleet_of(cfg: RunConfig, label_counts: Sequence[Sequence[int]]) -> dict[str, AgentInfo]:
-    """The run's fleet as the coordinator will know it after registration (no measurements yet)."""
-    out = {}
-    for i, (name, counts) in enumerate(zip(cfg.agent_profiles(), label_counts)):
-        profile: DeviceProfile = load_profile(name)
-        out[f"agent-{i:03d}"] = AgentInfo(agent_id=f"agent-{i:03d}", index=i, profile=profile, measured={},
-                                          label_counts=list(counts), num_samples=int(sum(counts)))
-    return out
 
 
 def variants(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
