@@ -214,6 +214,15 @@ def _widths(v: Any, fail: Fail) -> str | tuple[int, ...] | None:
     return _pos_int_list(v, fail)
 
 
+def _epsilon(v: Any, fail: Fail) -> str | float:
+    if v == "auto":
+        return "auto"
+    x = number(v)
+    if x is None or x < 0:
+        fail('"auto" or a number >= 0')
+    return float(x)
+
+
 def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
     if v is None:
         return None
@@ -470,8 +479,8 @@ class AutoConfig(Section):
     candidates: Annotated[Optional[tuple[int, ...]], checked(_split_list)] = None   # None = the model's candidate cuts
     whole_model: Annotated[bool, _bool_c] = True
     """Also consider the whole model on the agent (it sends weights only) where that is faster."""
-    selection: Annotated[str, checked(_enum("uniform", "kl"))] = "uniform"
-    """Which agents train: the engine's uniform sample, or 'kl' = label mix closest to the population's."""
+    selection: Annotated[str, checked(_enum("uniform", "kl"))] = "kl"
+    """Which agents train: 'kl' = label mix closest to the population's, or the engine's uniform sample."""
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
     max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
     """Strongest codec compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""
@@ -486,7 +495,9 @@ class AutoConfig(Section):
     max_batch: Annotated[Optional[int], _opt_batch_c] = None
     """Largest batch of one agent; None = 2 x batch_size."""
     min_batch: Annotated[int, _batch_c] = 2
-    epsilon: Annotated[float, _at_least_0] = 0.05    # nats the merged label mix may drift from equal batches'
+    epsilon: Annotated[Union[str, float], checked(_epsilon)] = "auto"
+    """Nats the merged label mix may drift from equal batches'; "auto" = none where label-mix
+    selection chose the round's agents, else 0.05 (:func:`sfl_core.methods.auto.label_mix_bound`)."""
     smoothing: Annotated[float, _unit_open_c] = 0.5
     """Weight of the previous speed estimate when a round's measurement arrives (MergeSFL Eq. 5-6)."""
 

@@ -183,6 +183,55 @@ def test_selection_prefers_a_balanced_label_mix_and_rotates_everyone_through():
     assert counts[-1] - counts[0] <= 5    # a uniform sample spreads them by 6 on average
 
 
+def test_the_label_mix_bound_is_dropped_only_where_label_mix_selection_chose_the_round():
+    from sfl_core.methods.auto import LABEL_MIX_BOUND, label_mix_bound
+
+    assert label_mix_bound("auto", by_mix=True) is None
+    assert label_mix_bound("auto", by_mix=False) == LABEL_MIX_BOUND
+    assert label_mix_bound(0.2, by_mix=True) == 0.2 and label_mix_bound(0.0, by_mix=False) == 0.0
+
+
+def test_by_default_label_mix_selection_chooses_the_round_and_regulates_it_without_the_bound(tmp_path):
+    """Six agents, three per round: the default picks the set by label mix (MergeSFL Eq. 11-13)
+    and plans its batches without the label-mix bound; a uniform sample keeps the bound, and
+    where every agent trains, label-mix selection has nothing to choose and the bound holds."""
+    import numpy as np
+
+    from sfl_core.accounting import model_costs
+    from sfl_core.fleet import fleet_of
+    from sfl_core.methods import build_method
+    from sfl_core.models import build_model
+
+    fleet = [{"profile": p, "count": 2} for p in ("s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high")]
+    shape = (1, 8, 8)
+    rng = np.random.default_rng(0)
+    counts = [rng.multinomial(200, rng.dirichlet([0.2] * 10)).tolist() for _ in range(6)]
+
+    def method_and_agents(per_round, **auto):
+        cfg = run_config_from_dict({"run": "sel", "model": "small_cnn", "fleet": fleet, "per_round": per_round,
+                                    "batch_size": 16, "local_iters": 10, "strategy": "auto", "auto": auto})
+        model = build_model(cfg.model, shape, 10)
+        return build_method(cfg, model, model_costs(cfg.model, shape, 10)), fleet_of(cfg, counts)
+
+    method, agents = method_and_agents(3)
+    chosen, batches = method.select(1, sorted(agents), agents, sorted(agents)[:3])
+    assert method.by_mix and len(chosen) == 3
+    unbounded, _ = method_and_agents(3, epsilon=100.0)
+    assert batches == {x: p.batch for x, p in unbounded.joint_plan(chosen, agents).agents.items()}
+    strict, _ = method_and_agents(3, epsilon=0.0)          # a number is a bound whoever chose the round
+    assert {x: p.batch for x, p in strict.joint_plan(chosen, agents, by_mix=True).agents.items()} != batches
+    bounded, _ = method_and_agents(3, epsilon=0.05)
+    uniform, _ = method_and_agents(3, selection="uniform")
+    uniform.select(1, sorted(agents), agents, chosen)
+    assert not uniform.by_mix
+    assert uniform.current.agents.keys() == set(chosen)
+    assert {x: p.batch for x, p in uniform.current.agents.items()} == \
+        {x: p.batch for x, p in bounded.joint_plan(chosen, agents).agents.items()}
+    everyone, _ = method_and_agents(None)
+    everyone.select(1, sorted(agents), agents, sorted(agents))
+    assert not everyone.by_mix
+
+
 def test_the_server_side_follows_server_mode(tmp_path):
     from coordinator.api import run_simulation
 
