@@ -155,7 +155,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('auto.whole_model',
      'also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut.'),
     ('auto.selection',
-     "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: with epsilon auto it reached the target 1.3-1.6x sooner than the uniform sample in the mixed-fleet, S2FL and MergeSFL p = 10 benches, and 0.72x as soon at MergeSFL p = 2 (docs/methods.md section 11). Where every online agent trains each round the two are the same."),
+     "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: with epsilon auto it reached the target 1.3-1.6x sooner than the uniform sample in the mixed-fleet, S2FL and MergeSFL p = 10 benches, and 0.91x as soon at MergeSFL p = 2 (docs/methods.md section 11). Where every online agent trains each round the two are the same."),
     ('auto.codecs',
      'the activation codecs it may choose among (only those within max_compression are used).'),
     ('auto.max_compression',
