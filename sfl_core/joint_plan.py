@@ -23,8 +23,9 @@ deadline ``T*`` to any precision. Every agent then trains at most ``cap_i(T*)``;
 batches are the caps trimmed, largest first, until they sum to ``B``, and each agent takes
 the option that is fastest at its batch (no slower than ``T*``, because the capacity option
 already fits); an agent whose fastest option is a bottleneck then takes the widest one that
-still finishes within the round (the same round time, less information dropped). Since no assignment can finish before the smallest deadline at which the
-batches fit, the plan is optimal up to the bisection's tolerance and integer batches.
+still finishes within the round (the same round time, less information dropped). Since no
+assignment can finish before the smallest deadline at which the batches fit, the plan is
+optimal up to the bisection's tolerance and integer batches.
 Per round the cost is ``O(agents · options · log(1/tol))``: tens of milliseconds for a
 thousand agents (``bench/planner.py``).
 

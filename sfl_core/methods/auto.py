@@ -124,14 +124,19 @@ class Auto(Method):
                              compute_scale=cs, link_scale=ls, width=w)
                 for s, codec, w in self.choices()]
 
+    def _priced(self, selected: Sequence[str], agents: Mapping[str, AgentInfo], *, scaled: bool = True
+                ) -> tuple[dict[str, list[Option]], dict[str, float | None]]:
+        """Per agent of ``selected`` its priced options and its memory limit (the planner's input)."""
+        return ({x: self.options(x, agents[x], scaled=scaled) for x in selected},
+                {x: agents[x].profile.memory_bytes for x in selected})
+
     def joint_plan(self, selected: Sequence[str], agents: Mapping[str, AgentInfo], *,
                    by_mix: bool = False) -> JointPlan:
         """The round's assignment for ``selected`` (no side effects: ``sfl-coord plan`` calls it too).
         ``by_mix``: label-mix selection chose ``selected`` out of more online agents."""
         a = self.cfg.auto
         epsilon = label_mix_bound(a.epsilon, by_mix)
-        options = {x: self.options(x, agents[x]) for x in selected}
-        memory = {x: agents[x].profile.memory_bytes for x in selected}
+        options, memory = self._priced(selected, agents)
         total = len(selected) * self.cfg.batch_size
         plan = plan_round(options, memory, total=total, lo=a.min_batch, hi=self.max_batch, regulate=a.regulate)
         if a.regulate and plan.agents and epsilon is not None:
@@ -149,8 +154,7 @@ class Auto(Method):
         """The predicted round with every one of ``agents`` training the run's batch on its fastest
         option (before any measurement): how slow the fleet's slowest agent is, whatever batch
         regulation could later move away from it."""
-        options = {x: self.options(x, info, scaled=False) for x, info in agents.items()}
-        memory = {x: info.profile.memory_bytes for x, info in agents.items()}
+        options, memory = self._priced(list(agents), agents, scaled=False)
         return plan_round(options, memory, total=len(agents) * self.cfg.batch_size, lo=self.cfg.auto.min_batch,
                           hi=self.max_batch, regulate=False).round_s
 
