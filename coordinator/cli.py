@@ -368,12 +368,16 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
                       f"{r.bytes_per_round / 1e6:.3g}", f"{r.waiting_s:.3g}")
     Console().print(table)
     auto_cfg = variants(cfg, model, costs)["auto"]
+    widths = decide_widths(auto_cfg, model, costs)
     if auto_cfg.auto.widths:      # what auto decided (widths: auto), or the widths listed
-        _say(decide_widths(auto_cfg, model, costs).why or f"bottleneck: widths {list(auto_cfg.auto.widths)}")
+        _say(widths.why or f"bottleneck: widths {list(auto_cfg.auto.widths)}")
     rival = min((r for r in rows if r.method != "auto"), key=lambda r: r.round_s)
     if rival.round_s < auto.round_s:
-        hint = (" Its bottleneck is one of auto's options: set auto.widths (auto, or a list; docs/methods.md §11)."
-                if rival.method == "HeteroSFL" and not cfg.auto.widths else "")
+        hint = ""
+        if rival.method == "HeteroSFL" and not widths.widths:
+            how = ("list widths in auto.widths, or lower auto.min_bottleneck_values"
+                   if auto_cfg.auto.widths == "auto" else "set auto.widths (auto, or a list)")
+            hint = f" Its bottleneck is one of auto's options: {how} (docs/methods.md §11)."
         _say(f"{rival.method}'s round is predicted {auto.round_s / rival.round_s:.2f}x shorter than auto's.{hint}", "yellow")
     names = {a: info.profile.name for a, info in agents.items()}
     detail = Table(title="auto's assignment (first round)")

@@ -484,13 +484,16 @@ class AutoConfig(Section):
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
     max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
     """Strongest codec compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""
-    widths: Annotated[Union[str, tuple[int, ...], None], checked(_widths)] = None
+    widths: Annotated[Union[str, tuple[int, ...], None], checked(_widths)] = "auto"
     """Bottleneck widths an agent cut at the run's split may send (HeteroSFL's encoder/decoder pair
     there, the widest = its full width); None = no bottleneck; "auto" = a ladder of widths where
     they make the fleet's predicted round much shorter (decided once, from the run's fleet:
     :func:`sfl_core.methods.auto.decide_widths`). Cuts then stop at that split."""
     max_bottleneck: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 64.0
     """Strongest bottleneck compression allowed (the cut's channels over the width sent)."""
+    min_bottleneck_values: Annotated[int, _pos_int_c] = 64
+    """Fewest values per sample a width of the ``widths: auto`` ladder sends (width x the map's
+    positions): HeteroSFL's narrowest measured bottleneck, one 8x8 channel."""
     regulate: Annotated[bool, _bool_c] = True        # batch sizes planned with the rest; false = the run's batch
     max_batch: Annotated[Optional[int], _opt_batch_c] = None
     """Largest batch of one agent; None = 2 x batch_size."""

@@ -72,7 +72,8 @@ def test_memory_limit_keeps_a_device_off_the_portions_it_cannot_hold(tmp_path):
     from coordinator.api import run_simulation
 
     fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-low", "count": 1}]
-    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=3, local_iters=20), device="cpu")
+    # widths: null, so the deepest cut stays an option (a bottleneck would stop the cuts at split 2)
+    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=3, local_iters=20, widths=None), device="cpu")
     cost = engine.method.costs
     twin_took_more = False
     for record in history[1:]:

@@ -89,6 +89,14 @@ def test_the_width_ladder_steps_by_quarters_down_to_one_channel():
     assert width_ladder(1, 64) == (1,)
 
 
+def test_the_width_ladder_never_sends_fewer_values_than_the_floor():
+    # HeteroSFL's narrowest: one 8x8 channel = 64 values, kept; 4x4 maps need 4 channels
+    assert width_ladder(64, 64, positions=64, min_values=64) == (1, 4, 16, 64)
+    assert width_ladder(32, 64, positions=16, min_values=64) == (8, 32)
+    assert width_ladder(32, 64, positions=1, min_values=64) == (32,)   # the full width always
+    assert width_ladder(64, 16, positions=64, min_values=256) == (4, 16, 64)
+
+
 def _fleet_cfg(tmp_path, link: float, **auto):
     profile = tmp_path / f"dev-{link:g}.yaml"
     profile.write_text(yaml.safe_dump({"name": "dev", "compute_flops": 1e10, "link_bytes_per_s": link}))
@@ -107,7 +115,12 @@ def test_widths_auto_switch_on_where_the_links_make_them_pay_and_say_why(tmp_pat
     fast = _decide(_fleet_cfg(tmp_path, 1e9, widths="auto"))        # compute dominates: no bottleneck
     assert fast.widths == () and fast.why.startswith("bottleneck: off")
     assert _decide(_fleet_cfg(tmp_path, 2e4, widths="auto", max_bottleneck=8)).widths == (8, 32)
-    assert _decide(_fleet_cfg(tmp_path, 2e4)).widths == ()          # the default: none
+    assert _decide(_fleet_cfg(tmp_path, 2e4)).widths == (1, 2, 8, 32)   # the default: auto
+    # 14x14 maps: one channel sends 196 values; a floor of 400 needs 8 channels
+    assert _decide(_fleet_cfg(tmp_path, 2e4, min_bottleneck_values=400)).widths == (8, 32)
+    assert _decide(_fleet_cfg(tmp_path, 2e4, widths=None)).widths == ()
+    narrow = _decide(_fleet_cfg(tmp_path, 2e4, min_bottleneck_values=196 * 32))   # only the full width sends enough
+    assert narrow.widths == () and "min_bottleneck_values" in narrow.why
     assert _decide(_fleet_cfg(tmp_path, 2e4, widths=[4, 32])).widths == (4, 32)
     # the method plans with the decision, and says it in its notes
     cfg = _fleet_cfg(tmp_path, 2e4, widths="auto", candidates=[1, 2, 3])   # cuts past the bottleneck are dropped, not refused
@@ -142,15 +155,18 @@ def test_a_heterosfl_bottleneck_under_auto_is_refused_with_the_key_to_use():
 def test_a_run_with_widths_auto_trains_the_bottleneck_it_decided_on(tmp_path):
     from coordinator.api import run_simulation
 
-    fleet = [{"profile": "s2fl-low-high", "count": 1}, {"profile": "s2fl-high-low", "count": 1},
+    slow_link = tmp_path / "slow-link.yaml"     # s2fl-high-low's compute on a 10x slower link
+    slow_link.write_text(yaml.safe_dump({"name": "slow-link", "compute_flops": 2e10, "link_bytes_per_s": 1e5}))
+    fleet = [{"profile": "s2fl-low-high", "count": 1}, {"profile": str(slow_link), "count": 1},
              {"profile": "s2fl-high-high", "count": 1}]
     cfg = run_config_from_dict({"run": "w", "model": "small_cnn", "data": {"dataset": "digits", "partition": "iid"},
                                 "fleet": fleet, "rounds": 2, "strategy": "auto", "batch_size": 16, "local_iters": 5,
-                                "output_dir": str(tmp_path / "out"), "auto": {"widths": "auto"}})
+                                "output_dir": str(tmp_path / "out"),  # widths: auto is the default
+                                "auto": {"regulate": False}})   # equal batches: the slow link cannot shed samples
     history, engine = run_simulation(cfg, device="cpu")
-    assert engine.method.widths and engine.model.bottleneck(2) is not None
-    sent = [v["width"] for v in history[-1]["auto"]["assign"].values()]
+    assert engine.method.widths == (8, 32) and engine.model.bottleneck(2) is not None   # 4x4 maps: >= 4 channels
+    sent = [v["width"] for v in history[-1]["auto"]["assign"].values() if v["split"] == 2]
     assert all(w in engine.method.widths for w in sent) and min(sent) < max(engine.method.widths)
     # the slow link sends the narrowest width of the round
-    slow = next(a for a, i in engine.registry.agents.items() if i.profile.name == "s2fl-high-low")
+    slow = next(a for a, i in engine.registry.agents.items() if i.profile.name == "slow-link")
     assert history[-1]["auto"]["assign"][slow]["width"] == min(sent)

@@ -137,13 +137,19 @@ def test_plan_points_at_auto_widths_where_heterosfl_is_ahead_and_shows_them_once
     path.write_text(yaml.safe_dump(doc))
     res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
-    assert "HeteroSFL's round is predicted" in res.output and "auto.widths" in res.output
+    # the default widths: auto keeps it off here (no width under 64 values per sample pays 2.5x)
+    assert "HeteroSFL's round is predicted" in res.output and "list widths in auto.widths" in res.output
+    assert "bottleneck: off" in res.output
+    doc.setdefault("auto", {})["widths"] = None
+    path.write_text(yaml.safe_dump(doc))
+    res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
+    assert "set auto.widths (auto, or a list" in res.output and "bottleneck: " not in res.output
     split = doc.get("split", 2)
     doc.update(strategy="auto", hetero={}, split=split, auto={"widths": [4, 8, 16, 32], "max_compression": 8})
     path.write_text(yaml.safe_dump(doc))
     res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
-    assert ", width " in res.output and "auto.widths" not in res.output and "bottleneck: widths [4, 8, 16, 32]" in res.output
+    assert ", width " in res.output and "Its bottleneck" not in res.output and "bottleneck: widths [4, 8, 16, 32]" in res.output
     doc["auto"] = {"widths": "auto"}     # decided from the fleet, and the plan says why
     path.write_text(yaml.safe_dump(doc))
     res = RUNNER.invoke(app, ["plan", "-c", str(path)], env={"COLUMNS": "300"})

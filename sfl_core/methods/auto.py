@@ -9,8 +9,8 @@ and lets :func:`sfl_core.joint_plan.plan_round` pick the assignment whose slowes
 finishes first while the merged batch keeps its size. Agents whose memory cannot hold any
 client portion at the smallest batch sit the round out.
 
-Bottleneck widths (``auto.widths``) are fixed for the run: listed, none, or with ``"auto"``
-decided once from the run's fleet (:func:`decide_widths`). A learned bottleneck changes the
+Bottleneck widths (``auto.widths``) are fixed for the run: listed, none, or with ``"auto"`` (the
+default) decided once from the run's fleet (:func:`decide_widths`). A learned bottleneck changes the
 model and stops the cuts at its split; each agent whose fastest option sends one takes the
 widest width that still meets the round's deadline.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -287,15 +288,16 @@ def within_bottleneck(width: int, channels: int, max_bottleneck: float) -> bool:
 # ----------------------------------------------------------------- bottleneck widths: on or off
 
 WIDTHS_PAY = 2.5
-"""``auto.widths: auto`` switches the bottleneck on where it makes the fleet's predicted round at
-the run's batch size (every agent on its fastest option) at least this many times shorter. At
-equal batches, because batch regulation can hide a slow link only by moving samples off it,
-which the label-mix bound (``auto.epsilon``) limits. On the bench fleets: HeteroSFL's 16:1
-links 3.2x (it switches on; the target came 1.5x sooner than IdBL 64x, 2.0x sooner than without
-widths, 3.4 points lower at the end, 4 seeds); its 4:1 links 1.8x, S2FL's and MergeSFL's fleets
-2.0x, the mixed and FedFC fleets 1.0x (off). Not the default: how much a bottleneck slows
-learning is the model's and the data's, which the time model cannot see (a 3-agent digits
-fleet switched on at 4.1x learned several times slower per virtual second)."""
+"""``auto.widths: auto`` (the default) switches the bottleneck on where it makes the fleet's
+predicted round at the run's batch size (every agent on its fastest option) at least this many
+times shorter. At equal batches, because batch regulation can hide a slow link only by moving
+samples off it, which the label-mix bound (``auto.epsilon``) limits. On the bench fleets:
+HeteroSFL's 16:1 links 3.2x (it switches on; the target came 1.5x sooner than IdBL 64x, 2.0x
+sooner than without widths, 3.4 points lower at the end, within the seeds' spread, 4 seeds);
+its 4:1 links 1.8x, S2FL's and MergeSFL's fleets 2.0x, the mixed and FedFC fleets 1.0x (off).
+How much a bottleneck slows learning is the model's and the data's, which the time model cannot
+see; the ladder's floor of values per sample (``auto.min_bottleneck_values``) keeps out the
+widths that stalled learning (docs/methods.md §11)."""
 
 
 @dataclass(frozen=True)
@@ -306,14 +308,17 @@ class WidthsDecision:
     """One line for the run's notes ("" where the user listed the widths or switched them off)."""
 
 
-def width_ladder(channels: int, max_bottleneck: float) -> tuple[int, ...]:
+def width_ladder(channels: int, max_bottleneck: float, positions: int = 1, min_values: int = 1) -> tuple[int, ...]:
     """The widths ``auto.widths: auto`` offers: the cut's full width and each quarter of it down to
-    one channel (HeteroSFL's 4x steps), within ``auto.max_bottleneck``."""
+    one channel (HeteroSFL's 4x steps), within ``auto.max_bottleneck`` and sending at least
+    ``min_values`` values per sample (``width x positions``, the map's positions per channel;
+    ``auto.min_bottleneck_values``). The full width is always offered."""
     widths, w = {channels}, channels
     while w > 1:
         w = max(1, w // 4)
         widths.add(w)
-    return tuple(sorted(w for w in widths if within_bottleneck(w, channels, max_bottleneck)))
+    return tuple(sorted(w for w in widths if w == channels or (
+        within_bottleneck(w, channels, max_bottleneck) and w * positions >= min_values)))
 
 
 def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> WidthsDecision:
@@ -333,7 +338,11 @@ def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCo
     b = cfg.split or model.default_split
     if b >= model.num_blocks:
         return WidthsDecision(())
-    widths = width_ladder(costs[b].activation_shape[0], a.max_bottleneck)
+    shape = costs[b].activation_shape
+    widths = width_ladder(shape[0], a.max_bottleneck, math.prod(shape[1:]), a.min_bottleneck_values)
+    if len(widths) < 2:
+        return WidthsDecision((), f"bottleneck: off (at split {b} no width narrower than the {shape[0]} channels "
+                                  f"sends the {a.min_bottleneck_values} values per sample of auto.min_bottleneck_values)")
     cuts = tuple(s for s in (a.candidates or ()) if s <= b) or None
     without = Auto(dataclasses.replace(cfg, auto=dataclasses.replace(a, widths=None)), model, costs)
     with_ = Auto(dataclasses.replace(cfg, auto=dataclasses.replace(a, widths=widths, candidates=cuts)), model, costs)
