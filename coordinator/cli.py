@@ -339,7 +339,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     import json
 
     from sfl_core.methods.auto import decide_widths
-    from sfl_core.methods.preview import fleet_of, preview, variants
+    from sfl_core.fleet import fleet_of
+    from sfl_core.methods.preview import preview, variants
     from sfl_core.partition import partition_indices
 
     cfg = _load(config, None, None, data)

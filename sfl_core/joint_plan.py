@@ -147,8 +147,12 @@ def _caps(options: Mapping[str, Sequence[Option]], memory: Mapping[str, float | 
             for a, opts in options.items()}
 
 
+def _in_memory(opts: Sequence[Option], batch: int, mem: float | None) -> list[Option]:
+    return [o for o in opts if mem is None or o.memory(batch) <= mem]
+
+
 def _fastest(opts: Sequence[Option], batch: int, mem: float | None) -> Option | None:
-    fits = [o for o in opts if mem is None or o.memory(batch) <= mem]
+    fits = _in_memory(opts, batch, mem)
     return min(fits, key=lambda o: (o.time(batch), -o.split)) if fits else None
 
 
@@ -168,8 +172,8 @@ def _assign(options: Mapping[str, Sequence[Option]], batches: Mapping[str, int],
     out = dict(fastest)
     for a, o in fastest.items():
         if o is not None and o.width:
-            b, mem = batches[a], memory.get(a)
-            fits = [x for x in options[a] if x.time(b) <= bound * (1 + 1e-9) and (mem is None or x.memory(b) <= mem)]
+            b = batches[a]
+            fits = [x for x in _in_memory(options[a], b, memory.get(a)) if x.time(b) <= bound * (1 + 1e-9)]
             out[a] = min(fits, key=lambda x: (_squeeze(x), x.time(b), -x.split))
     return out
 

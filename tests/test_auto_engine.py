@@ -111,7 +111,8 @@ def test_auto_never_predicts_a_longer_round_than_the_plans_it_could_have_made(se
     import numpy as np
 
     from sfl_core.accounting import model_costs
-    from sfl_core.methods.preview import fleet_of, preview
+    from sfl_core.fleet import fleet_of
+    from sfl_core.methods.preview import preview
     from sfl_core.models import build_model
 
     rng = np.random.default_rng(seed)

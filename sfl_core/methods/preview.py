@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from sfl_core import timing
 from sfl_core.accounting import SplitCost
 from sfl_core.config import RunConfig, load_profile
-from sfl_core.fleet import AgentInfo, fleet_of  # noqa: F401  (fleet_of: sfl-coord plan's)
+from sfl_core.fleet import AgentInfo
 from sfl_core.methods import build_method
 from sfl_core.methods.auto import price_option, wire_fraction
 from sfl_core.models import SplitModel
