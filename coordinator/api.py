@@ -15,9 +15,10 @@ process: the ``sfl-coord`` CLI maps them to one line and an exit status.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from rich.console import Console
 
@@ -32,7 +33,10 @@ from coordinator import state as ckpt
 from coordinator.clock import VirtualClock, WallClock
 from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine
+from coordinator.run_lock import RunLock, RunLocked
 from coordinator.server_trainer import pick_device
+
+log = logging.getLogger("sfl.coord")
 
 __all__ = ["RunError", "run_simulation", "serve", "output_dir", "run_info_body"]
 
@@ -54,23 +58,59 @@ def _dataset(cfg: RunConfig) -> Dataset:
         raise RunError(str(exc)) from None
 
 
-def _prepare_out_dir(out: Path, resume: bool, console: Console) -> Optional[tuple[dict, dict]]:
-    """A fresh run moves an earlier run's files aside; a resumed one reads its checkpoint first,
-    before anything starts or changes."""
-    if resume:
-        try:
-            return ckpt.load(out)
-        except ckpt.CheckpointError as exc:
-            raise RunError(f"cannot resume: {exc}") from None
+Resume = Union[bool, str]
+"""``False`` (a fresh run), ``True`` (continue from the checkpoint, which must exist) or
+``"auto"`` (continue if the run's checkpoint exists, start fresh otherwise; a damaged
+checkpoint is refused): what a service manager's restart needs."""
+
+
+def _read_checkpoint(out: Path, resume: Resume) -> Optional[tuple[dict, dict]]:
+    """The checkpoint to continue from, read before anything starts or changes (None: a fresh run)."""
+    if resume == "auto":
+        resume = (out / ckpt.MODEL_FILE).exists()
+    elif resume not in (True, False):
+        raise RunError(f"--resume {resume!r}: expected no value (resume), or auto")
+    if not resume:
+        return None
+    try:
+        return ckpt.load(out)
+    except ckpt.CheckpointError as exc:
+        raise RunError(f"cannot resume: {exc}") from None
+
+
+def _set_aside_earlier_run(out: Path, console: Console) -> None:
+    """A fresh run moves an earlier (finished or abandoned) run's files aside, never mixing two
+    runs' metrics; the run directory's lock guarantees no live coordinator owns them."""
     if (out / ckpt.METRICS_FILE).exists():
-        # never silently mix two runs' metrics: keep the old ones aside
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for name in (ckpt.METRICS_FILE, ckpt.STATE_FILE, ckpt.MODEL_FILE):
             if (out / name).exists():
                 (out / name).rename(out / f"{name}.{stamp}")
-        console.print(f"[yellow]{out} held an earlier run; its files were renamed with suffix .{stamp}")
+        console.print(f"{out} held an earlier run; its files were renamed with suffix .{stamp}",
+                      style="yellow", markup=False, highlight=False, soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)
-    return None
+
+
+def _lock(out: Path, run_id: str) -> RunLock:
+    try:
+        return RunLock(out).acquire(run_id)
+    except RunLocked as exc:
+        raise RunError(str(exc)) from None
+
+
+class _Events:
+    """The engine's one event sink, fanned out to the display and any observers (metrics
+    exporter, live page); an observer that fails is logged, never stops the run."""
+
+    def __init__(self, sinks: list[Callable[[str, dict], None]]):
+        self.sinks = sinks
+
+    def __call__(self, event: str, data: dict) -> None:
+        for sink in self.sinks:
+            try:
+                sink(event, data)
+            except Exception as exc:  # noqa: BLE001 - an observer must never stop a round
+                log.warning("event observer %s failed on %s: %s", type(sink).__name__, event, exc)
 
 
 def _loopback(host: str) -> bool:
@@ -100,18 +140,25 @@ def run_info_body(cfg: RunConfig, data) -> dict:
             "num_agents": cfg.num_agents}
 
 
-def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, resume: bool = False,
+def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, resume: Resume = False,
           device: str = "auto", quiet: bool = False, on_broker: Optional[Callable[[str], None]] = None,
           listen: str = "127.0.0.1:0", insecure_listen: bool = False,
-          console: Optional[Console] = None) -> tuple[list[dict], RoundEngine]:
+          console: Optional[Console] = None, signing_key: Optional[Path] = None,
+          observers: Optional[list[Any]] = None) -> tuple[list[dict], RoundEngine]:
     """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``.
 
-    The embedded broker has neither TLS nor passwords: it listens on loopback unless
-    ``insecure_listen`` allows another address. The retained run description is cleared only
-    when the run finished; after a crash agents keep it and wait for ``--resume``.
+    Order matters to an operator: the run directory's lock first (a second coordinator of the
+    same directory stops there, having changed nothing), then every check that can refuse a
+    resume (checkpoint, model fit, metrics), then the broker claim (a second coordinator of
+    the run elsewhere stops there), and only then is the run announced. The embedded broker
+    has neither TLS nor passwords: it listens on loopback unless ``insecure_listen``. The
+    retained run description is cleared only when the run finished; after a crash agents
+    keep it and wait for the restarted coordinator. ``observers``: event sinks with an
+    optional ``attach(engine)`` (metrics exporter, live page).
     """
+    from sfl_core.signing import KEY_FILE, Signer, TrustError
     from coordinator.broker import EmbeddedBroker
-    from coordinator.mqtt_transport import MqttTransport
+    from coordinator.mqtt_transport import DuplicateCoordinatorError, MqttTransport
     from coordinator.server_workers import cannot_share, from_env
 
     console = console or Console(stderr=True)
@@ -123,48 +170,97 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     if shards is not None and not shards.leader:
         return _serve_shard(cfg, broker, data, shards)
     out = output_dir(cfg)
-    checkpoint = _prepare_out_dir(out, resume, console)
-    embedded = None
-    if broker is None:
-        host, port = _parse_listen(listen)
-        if not _loopback(host):
-            if not insecure_listen:
-                raise RunError(f"--listen {listen}: the embedded broker has no TLS and no passwords, so it listens "
-                               f"only on loopback (127.0.0.1). Anyone who can reach {host} could read activations, "
-                               f"labels and weights. For a fleet on other hosts run Mosquitto with TLS and "
-                               f"credentials (sfl-coord broker-config) and pass --broker; to listen anyway, add "
-                               f"--insecure-listen.")
-            console.print(f"WARNING: the embedded broker listens on {host} without TLS or authentication "
-                          f"(--insecure-listen): anyone on that network can read and inject this run's messages",
-                          style="bold yellow", markup=False)
-        embedded = EmbeddedBroker(host=host, port=port).start()
-        broker = embedded.url
-        console.print(f"embedded MQTT broker listening at {broker}")
-    else:
-        console.print(f"MQTT broker: {broker}")  # BrokerAddress prints without the password
-    if on_broker is not None:
-        on_broker(broker)
-    transport = MqttTransport(broker, cfg.run_id)
+    lock = _lock(out, cfg.run_id)
+    embedded = transport = None
     finished = False
     try:
+        checkpoint = _read_checkpoint(out, resume)
+        try:
+            signer = Signer.load_or_create(signing_key or out / KEY_FILE)
+        except (TrustError, OSError) as exc:
+            raise RunError(f"signing key: {exc}") from None
+        if broker is None:
+            host, port = _parse_listen(listen)
+            if not _loopback(host):
+                if not insecure_listen:
+                    raise RunError(f"--listen {listen}: the embedded broker has no TLS and no passwords, so it "
+                                   f"listens only on loopback (127.0.0.1). Anyone who can reach {host} could read "
+                                   f"activations, labels and weights. For a fleet on other hosts run Mosquitto with "
+                                   f"TLS and credentials (sfl-coord broker-config) and pass --broker; to listen "
+                                   f"anyway, add --insecure-listen.")
+                console.print(f"WARNING: the embedded broker listens on {host} without TLS or authentication "
+                              f"(--insecure-listen): anyone on that network can read and inject this run's "
+                              f"messages", style="bold yellow", markup=False)
+        import os
+        import socket
+        transport_args = dict(signer=signer, where={"pid": os.getpid(), "host": socket.gethostname(),
+                                                    "out_dir": str(out.resolve())})
+        display = RunDisplay(cfg.rounds, console=console, quiet=quiet)
+        events = _Events([display, *(observers or [])])
+        # every check that can refuse a resume runs here, in the engine's constructor, before
+        # anything reaches the broker (its transport is built but not connected)
+        placeholder = _Unconnected()
+        engine = RoundEngine(cfg, placeholder, WallClock(), (data.x_test, data.y_test),
+                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
+                             device=shards.device if shards else pick_device(device), on_event=events,
+                             checkpoint=checkpoint, preprocessing=data.preprocessing, shards=shards)
+        if broker is None:
+            embedded = EmbeddedBroker(host=host, port=port).start()
+            broker = embedded.url
+            console.print(f"embedded MQTT broker listening at {broker}", markup=False, highlight=False,
+                          soft_wrap=True)
+        else:
+            console.print(f"MQTT broker: {broker}", markup=False, highlight=False,   # prints without the password
+                          soft_wrap=True)
+        transport = MqttTransport(broker, cfg.run_id, **transport_args)
         transport.start()
+        try:
+            transport.claim()
+        except DuplicateCoordinatorError as exc:
+            raise RunError(str(exc)) from None
+        engine.use_transport(transport)
+        if checkpoint is None:
+            _set_aside_earlier_run(out, console)
+        console.print(f"coordinator key (agents may pin it with --coordinator-key): "
+                      f"{(out / KEY_FILE).with_suffix('.pub') if signing_key is None else signing_key}",
+                      markup=False, highlight=False, style="dim", soft_wrap=True)
+        for obs in observers or []:
+            if hasattr(obs, "attach"):
+                obs.attach(engine)
+        if on_broker is not None:
+            on_broker(broker)
         transport.publish_run_info(run_info_body(cfg, data))
-        with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
-            engine = RoundEngine(cfg, transport, WallClock(), (data.x_test, data.y_test),
-                                 input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                                 device=shards.device if shards else pick_device(device), on_event=display,
-                                 checkpoint=checkpoint, preprocessing=data.preprocessing, shards=shards)
+        with display:
             history = engine.run()
         finished = True
         rejected = engine.rejected_totals()
         if rejected:
-            console.print(f"[yellow]{sum(rejected.values())} message(s) were rejected: "
-                          + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())) + " (see the log)")
+            console.print(f"{sum(rejected.values())} message(s) were rejected: "
+                          + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())) + " (see the log)",
+                          style="yellow", markup=False)
         return history, engine
     finally:
-        transport.close(finished=finished)
+        for obs in observers or []:
+            if hasattr(obs, "finish"):
+                obs.finish(finished)
+        if transport is not None:
+            transport.close(finished=finished)
         if embedded is not None:
             embedded.stop()
+        lock.release()
+
+
+class _Unconnected:
+    """The engine's transport until the broker is reached: nothing may be sent yet."""
+
+    def send(self, agent_id: str, msg: Any) -> int:
+        raise RuntimeError("not connected")
+
+    def poll(self, timeout: float) -> None:
+        raise RuntimeError("not connected")
+
+    def live_time(self) -> float:
+        return time.monotonic()
 
 
 def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) -> tuple[list[dict], RoundEngine]:
@@ -183,7 +279,7 @@ def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) ->
         transport.close(finished=False)   # the leader owns the run's retained description
 
 
-def run_simulation(cfg: RunConfig, *, resume: bool = False, device: str = "auto", quiet: bool = True,
+def run_simulation(cfg: RunConfig, *, resume: Resume = False, device: str = "auto", quiet: bool = True,
                    console: Optional[Console] = None, ray: Optional[str] = None,
                    ray_workers: Optional[int] = None) -> tuple[list[dict], RoundEngine]:
     """The same engine as :func:`serve`, with in-process agents and a virtual clock: real
@@ -191,12 +287,24 @@ def run_simulation(cfg: RunConfig, *, resume: bool = False, device: str = "auto"
 
     ``ray``: place the agents in Ray actors instead, ``"local"`` for a Ray started here, else
     a cluster address (``ray_workers`` actors, default one per CPU); same results, in parallel."""
-    from coordinator.inprocess import build_fleet
-
     console = console or Console(stderr=True)
     data = _dataset(cfg)
     out = output_dir(cfg)
-    checkpoint = _prepare_out_dir(out, resume, console)
+    lock = _lock(out, cfg.run_id)
+    try:
+        checkpoint = _read_checkpoint(out, resume)
+        return _simulate(cfg, data, out, checkpoint, device, quiet, console, ray, ray_workers)
+    finally:
+        lock.release()
+
+
+def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tuple[dict, dict]], device: str,
+              quiet: bool, console: Console, ray: Optional[str],
+              ray_workers: Optional[int]) -> tuple[list[dict], RoundEngine]:
+    from coordinator.inprocess import build_fleet
+
+    if checkpoint is None:
+        _set_aside_earlier_run(out, console)
     dev = pick_device(device)
     if ray is not None:
         from coordinator.ray_fleet import build_ray_fleet

@@ -47,6 +47,8 @@ class _DropAmqttNoise(logging.Filter):
 
     * A TCP connection that closes before sending CONNECT (our readiness probe, a
       health check, a port scan) is logged at ERROR.
+    * At shutdown, messages still queued for clients that already left are counted
+      ("N messages not broadcasted") at WARNING: nothing a user can act on.
     * When a subscriber acknowledges a QoS-1 message after amqtt's fixed 5 s, amqtt
       logs one WARNING (kept: it tells the user a handler is slow) and then an ERROR
       traceback plus an "unknown PUBACK" warning for the same event (dropped). The
@@ -57,6 +59,7 @@ class _DropAmqttNoise(logging.Filter):
         msg = record.getMessage()
         if ("No data to decode MQTT packet fixed header" in msg
                 or "Can't read first packet as CONNECT" in msg
+                or "messages not broadcasted" in msg   # at shutdown: to clients already gone; nothing to act on
                 or "Received PUBACK for unknown pending message" in msg):
             return False
         if "Task failed and will be skipped" in msg and record.exc_info:

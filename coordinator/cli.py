@@ -8,12 +8,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 from rich.table import Table
 
 from sfl_core.accounting import format_cost_table, model_costs
@@ -26,14 +29,31 @@ from sfl_core.version import version_option
 from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 from coordinator import state as ckpt
-from coordinator.console import status_table, summary_table
-from coordinator.engine import RoundEngine  # noqa: F401  (the API's result type)
+from coordinator.console import print_table, status_table, summary_table
+from coordinator.engine import RoundEngine, RoundFailed
 from coordinator.export import run_model
 from coordinator.api import RunError, output_dir, run_simulation
 from coordinator.api import serve as serve_run
 from coordinator.server_workers import cannot_share, launch_workers
 
-app = typer.Typer(help="Split federated learning coordinator.", no_args_is_help=True, add_completion=False)
+class _Commands(TyperGroup):
+    """``--resume`` alone means resume, ``--resume auto`` resume-or-start: click has no option
+    that takes a value only sometimes, so the one token is rewritten before parsing."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        out: list[str] = []
+        for i, a in enumerate(args):
+            if a == "--resume":
+                out.append("--resume=auto" if i + 1 < len(args) and args[i + 1] == "auto" else "--resume=yes")
+            elif a == "auto" and i and args[i - 1] == "--resume":
+                continue
+            else:
+                out.append(a)
+        return super().parse_args(ctx, out)
+
+
+app = typer.Typer(help="Split federated learning coordinator.", no_args_is_help=True, add_completion=False,
+                  rich_markup_mode=None, cls=_Commands)   # help text is plain: "sfl-edge[ray]" must print as written
 console = Console(stderr=True)
 log = logging.getLogger("sfl.coord")
 
@@ -55,11 +75,24 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _run_config_path(config: Path) -> Path:
+    """A run config file, or the name of a shipped one (``demo``, ``s2fl-demo``: what
+    ``sfl-coord profiles`` lists), so an installed wheel runs them from any directory."""
+    if config.exists() or config.parent != Path(".") :
+        return config
+    for candidate in (default_profiles_dir() / "runs" / config.name,
+                      default_profiles_dir() / "runs" / f"{config.name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    return config
+
+
 def _load(config: Path, rounds: Optional[int], output: Optional[Path], data: Optional[Path] = None) -> RunConfig:
+    config = _run_config_path(config)
     try:
         cfg = load_run_config(config)
     except ConfigError as exc:
-        console.print(f"[red]{exc}")
+        _say(str(exc))
         raise typer.Exit(2)
     if rounds is not None:
         cfg = dataclasses.replace(cfg, rounds=rounds)
@@ -81,6 +114,42 @@ def _load(config: Path, rounds: Optional[int], output: Optional[Path], data: Opt
         _say(f"{config}: {exc}")
         raise typer.Exit(2)
     return cfg
+
+
+RESUME_OPTION = typer.Option(None, "--resume", metavar="[auto]",
+                             help="Continue the run from its last checkpoint. '--resume auto': continue if the "
+                             "run's checkpoint exists, start fresh if there is none, refuse a damaged one (what a "
+                             "service manager's restart needs).")
+
+
+def _resume_mode(value: Optional[str]) -> "bool | str":
+    if value is None:
+        return False
+    if value in ("yes", "auto"):
+        return True if value == "yes" else "auto"
+    _say(f"--resume {value}: expected no value (resume) or auto")
+    raise typer.Exit(2)
+
+
+def _observers(cfg: RunConfig, metrics: Optional[str], dashboard: Optional[str], token: Optional[str]) -> list:
+    """The metrics exporter and the live page, bound before the run starts (a taken port or a
+    non-loopback address without a token is a configuration error: exit 2)."""
+    from coordinator.web import WebError, start_dashboard, start_metrics
+
+    observers = []
+    try:
+        if metrics:
+            observers.append(start_metrics(metrics, cfg, token=token))
+            _say(f"metrics: http://{metrics}/metrics", style="dim")
+        if dashboard:
+            observers.append(start_dashboard(dashboard, output_dir(cfg), cfg, token=token))
+            _say(f"live fleet page: http://{dashboard}/" + ("?token=..." if token else ""), style="dim")
+    except WebError as exc:
+        for obs in observers:
+            obs.finish(False)
+        _say(str(exc))
+        raise typer.Exit(2)
+    return observers
 
 
 DATA_OPTION = typer.Option(None, "--data", help="Directory of the run's data set; overrides the config's "
@@ -113,6 +182,9 @@ def _run_daemon(cfg: RunConfig, fn) -> tuple[list[dict], RoundEngine]:
         _say(f"{exc.strerror}; the previous checkpoint is intact; agents keep waiting; {resume_hint} once "
              f"there is room")
         raise typer.Exit(1)
+    except RoundFailed as exc:   # a round nobody could train: the completed ones are checkpointed
+        _say(str(exc))
+        raise typer.Exit(1)
     except (ConnectionError, TimeoutError) as exc:  # broker unreachable; no fleet (the checkpoint stays)
         _say(str(exc))
         raise typer.Exit(1)
@@ -134,11 +206,21 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
           cert_file: CertFile = None,
           key_file: KeyFile = None,
           password_file: PasswordFile = None,
-          resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
+          resume: Optional[str] = RESUME_OPTION,
           rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
           output: Optional[Path] = typer.Option(None, help="Override the output directory."),
           data: Optional[Path] = DATA_OPTION,
           device: str = typer.Option("auto", help="Server-portion device: auto, cpu, cuda, cuda:1 ..."),
+          signing_key: Optional[Path] = typer.Option(None, "--signing-key", help="The coordinator's Ed25519 key "
+                                                     "(PEM; created if missing). Default: coordinator.key in the "
+                                                     "output directory. Agents follow only what it signs."),
+          metrics: Optional[str] = typer.Option(None, "--metrics", metavar="HOST:PORT", help="Serve Prometheus "
+                                                "metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464."),
+          dashboard: Optional[str] = typer.Option(None, "--dashboard", metavar="HOST:PORT", help="Serve the live "
+                                                  "fleet page at http://HOST:PORT/, e.g. 127.0.0.1:8080."),
+          dashboard_token: Optional[str] = typer.Option(None, "--dashboard-token", envvar="SFL_DASHBOARD_TOKEN",
+                                                        help="Require ?token=... on the page (needed to serve it, "
+                                                        "or the metrics, beyond loopback)."),
           server_workers: int = typer.Option(1, min=1, help="Server processes that share the round's agents "
                                              "(torch.distributed: gloo on CPU, NCCL with one GPU each); needs "
                                              "--broker. Or start every rank with torchrun."),
@@ -149,32 +231,35 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     cfg = _load(config, rounds, output, data)
     problem = cannot_share(cfg.server_mode, broker is not None) if server_workers > 1 else None
     if problem:   # before any rank starts
-        console.print(f"--server-workers {server_workers}: {problem}", style="red", markup=False, soft_wrap=True)
+        _say(f"--server-workers {server_workers}: {problem}")
         raise typer.Exit(2)
     address = None
     if broker is not None:
         try:
             address = address_from_options(broker, ca_file, cert_file, key_file, password_file)
         except ValueError as exc:
-            console.print(f"[red]{exc}")
+            _say(str(exc))
             raise typer.Exit(2)
     elif any((ca_file, cert_file, key_file, password_file)):
-        console.print("[red]--ca-file/--cert-file/--key-file/--password-file need --broker (the embedded broker "
-                      "has neither TLS nor passwords)")
+        _say("--ca-file/--cert-file/--key-file/--password-file need --broker (the embedded broker "
+             "has neither TLS nor passwords)")
         raise typer.Exit(2)
+    how = _resume_mode(resume)
+    observers = _observers(cfg, metrics, dashboard, dashboard_token)
     workers = []
     if server_workers > 1 and "RANK" not in os.environ:   # not started by torchrun: start ranks 1..N-1
         workers = launch_workers(server_workers, sys.argv[1:])
     try:
-        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, address, resume=resume, device=device,
+        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, address, resume=how, device=device,
                                                               listen=listen, quiet=quiet,
-                                                              insecure_listen=insecure_listen, console=console))
+                                                              insecure_listen=insecure_listen, console=console,
+                                                              signing_key=signing_key, observers=observers))
     finally:
         _end_processes(workers, grace_s=30)
     if engine.shards is not None and not engine.shards.leader:
         return                                             # the leader reports the run
-    console.print(summary_table(history, engine.registry))
-    console.print(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}")
+    print_table(console, summary_table(history, engine.registry))
+    _say(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}", style="default")
 
 
 @app.command()
@@ -182,7 +267,7 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
              rounds: Optional[int] = typer.Option(None, help="Override the config's number of rounds."),
              output: Optional[Path] = typer.Option(None, help="Override the output directory."),
              data: Optional[Path] = DATA_OPTION,
-             resume: bool = typer.Option(False, "--resume", help="Continue the run from its last checkpoint."),
+             resume: Optional[str] = RESUME_OPTION,
              device: str = typer.Option("auto", help="Server-portion device."),
              ray: bool = typer.Option(False, "--ray", help="Train the agents in Ray actors, in parallel, on a "
                                       "local Ray (same results as without it). Needs pip install 'sfl-edge[ray]'."),
@@ -196,15 +281,16 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
     agents in this process, or in Ray actors with --ray."""
     _setup_logging(verbose)
     if ray_workers is not None and not (ray or ray_address):
-        console.print("[red]--ray-workers needs --ray (or --ray-address)")
+        _say("--ray-workers needs --ray (or --ray-address)")
         raise typer.Exit(2)
     cfg = _load(config, rounds, output, data)
-    history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=resume, device=device, quiet=quiet,
+    how = _resume_mode(resume)
+    history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=how, device=device, quiet=quiet,
                                                               console=console,
                                                               ray=ray_address or ("local" if ray else None),
                                                               ray_workers=ray_workers))
-    console.print(summary_table(history, engine.registry))
-    console.print(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}")
+    print_table(console, summary_table(history, engine.registry))
+    _say(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}", style="default")
 
 
 @app.command()
@@ -223,7 +309,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
         try:
             address_from_options(broker, None, None, None, None)
         except ValueError as exc:
-            console.print(f"[red]--broker: {exc}")
+            _say(f"--broker: {exc}")
             raise typer.Exit(2)
     procs: list[subprocess.Popen] = []
     logs_dir = output_dir(cfg) / "agent-logs"
@@ -249,10 +335,10 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
         # after a finished run the agents exit by themselves; otherwise (they would wait for a resumed
         # coordinator) the demo, which started them, ends them
         _end_processes(procs, grace_s=20 if finished else 0)
-    console.print(summary_table(history, engine.registry))
+    print_table(console, summary_table(history, engine.registry))
     codes = [p.returncode for p in procs]
-    console.print(f"demo finished in {time.monotonic() - t0:.1f} s wall; agent exit codes {codes}; "
-                  f"metrics in {output_dir(cfg) / ckpt.METRICS_FILE}")
+    _say(f"demo finished in {time.monotonic() - t0:.1f} s wall; agent exit codes {codes}; "
+         f"metrics in {output_dir(cfg) / ckpt.METRICS_FILE}", style="default")
     if any(codes):
         raise typer.Exit(1)
 
@@ -427,7 +513,7 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
         _say(str(exc))
         raise typer.Exit(2)
     if not metrics:
-        console.print(f"[red]no metrics in {run_dir}")
+        _say(f"no metrics in {run_dir}")
         raise typer.Exit(1)
     st = None
     if (run_dir / ckpt.MODEL_FILE).exists():
@@ -440,7 +526,7 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
         print(json.dumps({"run_dir": str(run_dir), "rounds": metrics, "checkpoint": st}, indent=1))
         return
     out = Console()
-    out.print(status_table(metrics, str(run_dir)))
+    print_table(out, status_table(metrics, str(run_dir)))
     if st is not None:
         from sfl_core.sliding_split import ClientTimeTable
         out.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
@@ -451,6 +537,38 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
     if last.get("agents"):
         splits = {a: v["split"] for a, v in last["agents"].items()}
         out.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
+
+
+@app.command()
+def dashboard(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo (running or "
+                                             "finished)."),
+              listen: str = typer.Option("127.0.0.1:8080", "--listen", help="Where the page listens (HOST:PORT)."),
+              token: Optional[str] = typer.Option(None, "--token", envvar="SFL_DASHBOARD_TOKEN",
+                                                  help="Require ?token=... (needed beyond loopback).")) -> None:
+    """Serve the live fleet page over a run's files until Ctrl-C or SIGTERM."""
+    from coordinator.web import WebError, start_dashboard
+
+    if not run_dir.is_dir():
+        _say(f"{run_dir}: not a directory (a run's output directory, e.g. runs/demo)")
+        raise typer.Exit(2)
+    try:
+        page = start_dashboard(listen, run_dir, token=token)
+    except WebError as exc:
+        _say(str(exc))
+        raise typer.Exit(2)
+    host = listen.rpartition(":")[0] or "127.0.0.1"
+    _say(f"fleet page of {run_dir}: http://{host}:{page.port}/" + ("?token=..." if token else "")
+         + " (Ctrl-C to stop)", style="green")
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        page.finish(True)
 
 
 @app.command("export")
@@ -466,7 +584,7 @@ def export_cmd(run_dir: Path = typer.Argument(..., help="A run's output director
     try:
         meta = export_run(run_dir, onnx, split=split, config=config)
     except ExportError as exc:
-        console.print(f"[red]{exc}")
+        _say(str(exc))
         raise typer.Exit(2)
     what = "whole model" if meta["split"] is None else f"client portion, split {meta['split']}"
     console.print(f"wrote {onnx} ({onnx.stat().st_size / 1e6:.2f} MB): {meta['model']} ({what}) after round "
@@ -502,10 +620,10 @@ def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.
     if agents_file is not None:
         names += [ln.strip() for ln in agents_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     if bool(tls_cert) != bool(tls_key):
-        console.print("[red]--tls-cert and --tls-key go together")
+        _say("--tls-cert and --tls-key go together")
         raise typer.Exit(2)
     if client_certs and not (tls_cert and tls_ca):
-        console.print("[red]--client-certs needs --tls-cert, --tls-key and --tls-ca")
+        _say("--client-certs needs --tls-cert, --tls-key and --tls-ca")
         raise typer.Exit(2)
     tls = BrokerTls(str(tls_cert.resolve()), str(tls_key.resolve()), str(tls_ca.resolve()) if tls_ca else None,
                     client_certs) if tls_cert and tls_key else None
@@ -514,12 +632,12 @@ def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.
         files = write_broker_config(out, names, coordinator_user=coordinator_user, port=port, bind=bind, tls=tls,
                                     persistence_dir=persistence_dir, server_workers=server_workers)
     except ValueError as exc:
-        console.print(f"[red]{exc}")
+        _say(str(exc))
         raise typer.Exit(2)
     scheme = "mqtts" if tls else "mqtt"
     if tls is None:
-        console.print("[yellow]no --tls-cert/--tls-key: passwords would cross the network in clear text; "
-                      "use this only on a trusted network")
+        _say("no --tls-cert/--tls-key: passwords would cross the network in clear text; "
+             "use this only on a trusted network", style="yellow")
     console.print(f"wrote {files.conf}, {files.acl}" + (f", {files.passwd}" if files.passwd else ""))
     if files.credentials:
         console.print(f"credentials (hand each device its own file, mode 0600): {out / 'credentials'}/<user>.password")

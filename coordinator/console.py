@@ -51,7 +51,7 @@ class RunDisplay:
         elif event == "step":
             p.update(t, status=f"round {data['round']} step {data['step']}/{data['of']} loss {data['loss']:.3f}")
         elif event == "agent_dropped":
-            p.console.print(f"[yellow]dropped {data['agent']}: {data['reason']}")
+            p.console.print(f"dropped {data['agent']}: {data['reason']}", style="yellow", markup=False, soft_wrap=True)
         elif event == "round_end":
             p.advance(t)
             p.console.print(f"round {data['round']:>3}  acc {data['accuracy']:.4f}  loss {data['test_loss']:.3f}  "
@@ -59,6 +59,19 @@ class RunDisplay:
                             f"{data['round_time_s']:.2f} s {data['clock']}  up {_mb(data['bytes_up'])} "
                             f"down {_mb(data['bytes_down'])}", soft_wrap=True)
             p.update(t, status=f"accuracy {data['accuracy']:.3f}")
+
+
+def print_table(console: Console, table: Table) -> None:
+    """A table on a terminal fits the terminal; piped to a file or a CI log (no terminal, where
+    rich assumes 80 columns) it is as wide as its content, so no cell is cut to 'agent…'."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+    wide = console.options.update(max_width=1000)
+    width = Measurement.get(console, wide, table).maximum
+    # Console.print caps its width at the console's: a console of the table's width prints it
+    Console(file=console.file, width=max(width, 20), color_system=None).print(table)
 
 
 def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:

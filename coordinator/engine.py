@@ -39,6 +39,18 @@ from coordinator.server_workers import GradReducer, ServerShards, shard_agents
 
 log = logging.getLogger("sfl.coord")
 
+ROUND_ATTEMPTS = 5
+"""A round that trained too few agents is planned again this many times at most."""
+
+
+class RoundVoid(Exception):
+    """A round in which fewer agents completed than it needs: it must not count."""
+
+
+class RoundFailed(RuntimeError):
+    """A round could not be trained after ``ROUND_ATTEMPTS`` plans; earlier rounds are
+    checkpointed (a restart with ``--resume`` continues)."""
+
 
 def _counters(ra: RoundAgent) -> dict[str, Any]:
     """What a server worker counted for one of its agents this round (sent to the leader)."""
@@ -114,6 +126,16 @@ class RoundEngine:
         if checkpoint is not None:
             self._resume(*checkpoint)
 
+    def use_transport(self, transport: Transport) -> None:
+        """Connect the engine to its transport once the broker is reached (a deployment builds
+        the engine first, so that everything that can refuse a resume is checked before
+        anything goes on the wire)."""
+        self.transport = transport
+        self._now = getattr(transport, "live_time", time.monotonic)
+        self.registry.now = self._now
+        self.session.transport = transport
+        self.session._now = self._now
+
     # ================================================================ public
     def run(self) -> list[dict[str, Any]]:
         """Wait for the fleet, run the remaining rounds, then tell the agents to stop.
@@ -132,7 +154,7 @@ class RoundEngine:
         if self.start_round == 1:
             self._record_initial()
         for r in range(self.start_round, self.cfg.rounds + 1):
-            self.run_round(r)
+            self.run_counted_round(r)
         self.shutdown_agents("run finished")
         if self.shards is not None:
             self.shards.broadcast(None)   # the server workers stop
@@ -146,6 +168,36 @@ class RoundEngine:
         while (doc := self.shards.broadcast()) is not None:
             self._shard_round(doc)
         self.shards.close()
+
+    def run_counted_round(self, r: int) -> dict[str, Any]:
+        """Run round ``r`` until it trains enough agents to count (see :meth:`_needed`).
+
+        A round whose agents were all dropped (gone, restarted, sending invalid data) is never
+        recorded or checkpointed as done: the model goes back to where the round began and the
+        round is planned again with whoever is online; after ``ROUND_ATTEMPTS`` plans the run
+        stops with :class:`RoundFailed`, the completed rounds safe in the checkpoint.
+        """
+        for attempt in range(1, ROUND_ATTEMPTS + 1):
+            snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            widths = {k: pair.infer_width for k, pair in self.model.bottlenecks.items()}
+            try:
+                return self.run_round(r)
+            except RoundVoid as void:
+                self.model.load_state_dict(snapshot)
+                for k, w in widths.items():
+                    self.model.bottlenecks[k].infer_width = w
+                if attempt < ROUND_ATTEMPTS:
+                    log.warning("round %d does not count: %s; not recorded, planning it again (attempt %d of %d)",
+                                r, void, attempt + 1, ROUND_ATTEMPTS)
+                self.on_event("round_void", {"round": r, "reason": str(void), "attempt": attempt})
+                last = str(void)
+        raise RoundFailed(f"round {r} did not count after {ROUND_ATTEMPTS} attempts ({last}); rounds up to "
+                          f"{r - 1} are checkpointed: restart with --resume")
+
+    def _needed(self, selected: int) -> int:
+        """Completed agents a round needs to count: ``min_completed`` (default one), at most the
+        agents selected."""
+        return min(self.cfg.min_completed, max(selected, 1))
 
     def run_round(self, r: int) -> dict[str, Any]:
         if not self.session.online():
@@ -396,6 +448,9 @@ class RoundEngine:
             done.append(a)
             if msg.body["loss"] == msg.body["loss"]:  # not NaN
                 fed_losses.append(float(msg.body["loss"]))
+        need = self._needed(len(plan.splits))
+        if len(done) < need:
+            raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")
         if clients:
             copy_of = {a: i for i, g in enumerate(plan.groups) for a in g} if plan.server_once else None
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
@@ -462,9 +517,11 @@ class RoundEngine:
         record.update(self.method.round_metrics())
         record.update(privacy_summary(per_agent))
         self.history.append(record)
+        self.session.prune()   # silent agents that never trained stay out of the checkpoint
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, self.model.state_dict(), {
-            "round": r, "elapsed_s": self.clock.elapsed, "model": self.cfg.model, "run": self.cfg.run_id,
+            "round": r, "rounds": self.cfg.rounds, "elapsed_s": self.clock.elapsed, "model": self.cfg.model,
+            "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
             **self.method.to_json(),
             "model_info": describe_model(self.model, self.cfg.data.dataset, self.preprocessing)})  # lets `sfl-coord export` rebuild it

@@ -4,6 +4,10 @@ Runs on paho's network thread: reassembles chunks, validates every message (enve
 schema, run id, sender == topic), answers link probes at once (an agent measures its
 round-trip time against them, so they must not wait behind training work), and queues
 the rest for the round engine.
+
+It also holds the run's two identities on the broker: the liveness claim (one coordinator
+per run: :meth:`MqttTransport.claim`) and the signing key (agents follow only descriptions,
+assignments and shutdowns signed by it: :mod:`sfl_core.signing`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Optional
 
 from sfl_core import protocol, wire
 from sfl_core.protocol import COORDINATOR_ID, Message
+from sfl_core.signing import SIGNED_TYPES, Signer
 
 from sfl_core.transport.broker_url import BrokerAddress, parse_broker_url
 from sfl_core.transport.mqtt_link import MqttLink
@@ -25,6 +30,12 @@ from sfl_core.transport.mqtt_link import MqttLink
 log = logging.getLogger("sfl.coord.mqtt")
 
 MAX_PROBE_REPLY = 4 * 2**20
+MAX_PROBED = 100_000
+"""Agents remembered as having probed the link (a registration needs one); oldest forgotten first."""
+
+
+class DuplicateCoordinatorError(RuntimeError):
+    """Another coordinator of this run is alive on this broker (exit status 2)."""
 INFO_REPEAT_MIN_S = 1.0
 """At most one repeat of the run description per this many seconds, however many agents appear."""
 
@@ -41,11 +52,26 @@ def _worker_address(url: "str | BrokerAddress", rank: int) -> BrokerAddress:
 
 class MqttTransport:
     def __init__(self, url: str, run_id: str, *, max_bytes: int = wire.MAX_MESSAGE_BYTES,
-                 chunk_bytes: int = wire.CHUNK_BYTES, publish_timeout_s: float = 10.0, worker: int = 0):
+                 chunk_bytes: int = wire.CHUNK_BYTES, publish_timeout_s: float = 10.0, worker: int = 0,
+                 signer: Optional[Signer] = None, claim_s: float = 3.0, where: Optional[dict[str, Any]] = None):
         """``worker``: the rank of a server worker other than the leader
         (:mod:`coordinator.server_workers`): it subscribes to nothing until :meth:`follow` names
-        its agents."""
+        its agents. ``signer``: the run's key (a new one if None); ``claim_s``: how long
+        :meth:`claim` waits for a coordinator that announced itself to show it is alive;
+        ``where``: pid/host/out_dir, for the line a second coordinator prints."""
         self.run_id = protocol.check_id("run id", run_id)
+        self.instance = uuid.uuid4().hex[:12]
+        self.signer = signer or Signer.generate()
+        self.claim_s = claim_s
+        self._where = {"pid": 0, "host": "", "out_dir": "", **(where or {})}
+        self._coord_topic = protocol.coordinator_topic(run_id)
+        self._own_claim_seen = threading.Event()
+        self._rival: Optional[dict[str, Any]] = None
+        self._rival_alive = threading.Event()
+        self._answered: set[str] = set()
+        self._claimed = False
+        self.probed: "dict[str, None]" = {}
+        """Agents whose link probe we answered (insertion-ordered, at most MAX_PROBED)."""
         self.max_bytes = max_bytes
         self.chunk_bytes = chunk_bytes
         self.publish_timeout_s = publish_timeout_s
@@ -60,15 +86,73 @@ class MqttTransport:
         """Agents whose training messages another server worker handles: dropped on arrival."""
         self._following: set[str] = set()
         self._worker = worker
-        subs = [] if worker else [protocol.up_wildcard(run_id), protocol.status_wildcard(run_id)]
+        subs = [] if worker else [protocol.up_wildcard(run_id), protocol.status_wildcard(run_id), self._coord_topic]
         if worker:
             url = _worker_address(url, worker)
-        self.link = MqttLink(url, f"sfl-coord-{run_id}" + (f"-w{worker}" if worker else ""), self._on_message,
-                             subscriptions=subs)
+        # the instance in the client id: a second coordinator of the run must not knock the first
+        # off the broker (same client id = takeover) before the claim sends it away
+        client_id = f"sfl-coord-{run_id}" + (f"-w{worker}" if worker else "") + f"-{self.instance[:6]}"
+        will = None if worker else (self._coord_topic, self._claim_message(False).encode(), True)
+        self.link = MqttLink(url, client_id, self._on_message, subscriptions=subs, will=will)
 
     def start(self, timeout: float = 10.0) -> "MqttTransport":
         self.link.connect(timeout)
         return self
+
+    # --------------------------------------------------------------- one coordinator per run
+    def _claim_message(self, online: bool) -> Message:
+        return Message("coordinator_status", self.run_id, COORDINATOR_ID,
+                       {"online": online, "instance": self.instance, **self._where}, seq=protocol.next_seq())
+
+    def _announce(self) -> None:
+        self.link.publish(self._coord_topic, self._claim_message(True).encode(), retain=True)
+
+    def claim(self) -> None:
+        """Make sure no other coordinator of this run is alive on this broker, then hold the claim.
+
+        Every coordinator publishes a retained online status with its instance id (its last
+        will says offline) and reads that topic. The broker orders a topic's messages, so the
+        newcomer is the one that sees another's online status before its own; it waits
+        ``claim_s`` for that one to repeat its status (a live coordinator answers every
+        newcomer) and, if it does, raises DuplicateCoordinatorError naming it. Silence means a
+        predecessor that died before its will fired: the claim is taken over.
+        """
+        self._announce()
+        if not self._own_claim_seen.wait(10):
+            log.info("our own coordinator status did not come back (the broker's ACL may not let us read "
+                     "it): a second coordinator of this run cannot be detected on the broker")
+        elif self._rival is not None and self._rival_alive.wait(self.claim_s):
+            r = self._rival
+            raise DuplicateCoordinatorError(
+                f"another coordinator of run {self.run_id!r} is running on {self.link.address.url()} "
+                f"(pid {r.get('pid')} on host {r.get('host') or '?'}, output {r.get('out_dir') or '?'}); "
+                f"stop it first (this one changed nothing)")
+        self._claimed = True
+        self.link.add_reconnect_callback(self._announce)
+
+    def _on_claim(self, payload: bytes) -> None:
+        try:
+            msg = protocol.decode(payload, run=self.run_id, allowed=protocol.PEER_TYPES)
+        except wire.WireError as exc:
+            self.rejections.reject(exc.reason, f"message on {self._coord_topic}: {exc}")
+            return
+        other = msg.body["instance"]
+        if other == self.instance:
+            self._own_claim_seen.set()
+        elif not self._own_claim_seen.is_set():
+            if msg.body["online"]:
+                self._rival = msg.body                # announced before us: we are the newcomer
+        elif self._rival is not None and other == self._rival["instance"]:
+            if msg.body["online"]:
+                self._rival_alive.set()                # it answered: it runs
+        elif self._claimed and other not in self._answered:
+            # a newcomer (or its last will, which overwrote our retained claim): show that we run,
+            # once per newcomer so two coordinators never answer each other forever
+            self._answered.add(other)
+            if msg.body["online"]:
+                log.warning("another coordinator of run %s started (pid %s on %s); telling it that this one "
+                            "runs", self.run_id, msg.body.get("pid"), msg.body.get("host") or "?")
+            self._announce()
 
     def publish_run_info(self, body: dict[str, Any]) -> None:
         """Retained, so an agent that starts later still learns what to train.
@@ -78,7 +162,9 @@ class MqttTransport:
         the run's description forever.
         """
         first = self._run_info is None
-        self._run_info = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=protocol.next_seq()).encode()
+        body = {**body, "coordinator": {"key": self.signer.public, "instance": self.instance}}
+        msg = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=protocol.next_seq())
+        self._run_info = self.signer.sign(msg).encode()
         self.link.publish(protocol.info_topic(self.run_id), self._run_info, retain=True)
         if first:
             self.link.add_reconnect_callback(self._republish_run_info)
@@ -96,6 +182,8 @@ class MqttTransport:
         try:
             if finished:
                 self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
+            if self._claimed:   # a clean disconnect does not fire the will: say offline ourselves
+                self.link.publish(self._coord_topic, self._claim_message(False).encode(), retain=True, timeout=5)
         finally:
             self.link.close()
 
@@ -116,6 +204,8 @@ class MqttTransport:
         """Publish and wait for the broker's acknowledgement (``publish_timeout_s`` at most).
         While the broker is unreachable nothing waits: paho queues the message and sends it
         after the reconnect, and the round engine keeps answering whoever it can reach."""
+        if msg.type in SIGNED_TYPES:
+            self.signer.sign(msg)
         payload = msg.encode()
         topic = protocol.down_topic(self.run_id, agent_id)
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12], self.chunk_bytes):
@@ -132,6 +222,10 @@ class MqttTransport:
     # --------------------------------------------------------------- network thread
     def _on_message(self, topic: str, payload: bytes) -> None:
         agent = protocol.agent_from_topic(topic)
+        if topic == self._coord_topic:
+            if payload:
+                self._on_claim(payload)
+            return
         try:
             if not payload:
                 return  # a cleared retained message
@@ -139,6 +233,12 @@ class MqttTransport:
             if whole is None:
                 return
             msg = protocol.decode(whole, run=self.run_id, max_bytes=self.max_bytes, allowed=protocol.AGENT_TYPES)
+        except wire.VersionError as exc:
+            self.rejections.reject(exc.reason, f"message on {topic}: {exc}")
+            if exc.type == "register" and topic.startswith(f"sfl/{self.run_id}/up/") \
+                    and 0 < exc.version < wire.PROTOCOL_VERSION:
+                self._answer_other_version(agent, exc.version)
+            return
         except wire.WireError as exc:
             self.rejections.reject(exc.reason, f"message on {topic}: {exc}")
             return
@@ -182,11 +282,27 @@ class MqttTransport:
             self._info_repeated_at = time.monotonic()
         self._republish_run_info()
 
+    def _answer_other_version(self, agent: str, version: int) -> None:
+        """An agent of another protocol version registered: answer with a ``reject`` in its own
+        version's envelope (``reject`` has had the same body since version 1), so it can say why."""
+        try:
+            protocol.check_id("agent id", agent)
+        except ValueError:
+            return
+        reason = (f"protocol version {version} is not supported: this coordinator speaks version "
+                  f"{wire.PROTOCOL_VERSION} (docs/protocol.md; upgrade the agent)")
+        payload = wire.pack({"v": version, "type": "reject", "run": self.run_id, "sender": COORDINATOR_ID,
+                             "seq": protocol.next_seq(), "round": 0, "step": 0, "body": {"reason": reason}})
+        self.link.publish(protocol.down_topic(self.run_id, agent), payload, wait_offline=False)
+
     def _answer_probe(self, msg: Message) -> None:
         n = msg.body["reply_bytes"]
         if not 0 <= n <= MAX_PROBE_REPLY:
             self.rejections.reject("invalid", f"probe from {msg.sender}: reply_bytes {n} outside 0..{MAX_PROBE_REPLY}")
             return
+        self.probed[msg.sender] = None
+        if len(self.probed) > MAX_PROBED:
+            del self.probed[next(iter(self.probed))]
         ack = Message("probe_ack", self.run_id, COORDINATOR_ID, {"nonce": msg.body["nonce"], "pad": bytes(n)},
                       seq=protocol.next_seq())
         self.send(msg.sender, ack)

@@ -45,7 +45,7 @@ class Registry:
         old = self.agents.get(msg.sender)
         info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=profile, measured=dict(b["measured"]),
                          label_counts=list(counts), num_samples=b["num_samples"], last_seen=self.now(),
-                         privacy=privacy)
+                         privacy=privacy, instance=b.get("instance") or (old.instance if old is not None else ""))
         if old is not None:
             for total in TOTALS:
                 setattr(info, total, getattr(old, total))

@@ -30,6 +30,10 @@ log = logging.getLogger("sfl.coord")
 RETRY_S = 5.0
 """Seconds after which the last message to an agent that reports itself idle is sent again."""
 MAX_RESENDS = 3
+REGISTER_AGAIN = "not registered (forgotten while silent): register again"
+"""The ``reject`` reason that asks an agent to register again (docs/protocol.md)."""
+MAX_PRESENT = 100_000
+"""Online statuses remembered for agents not (yet) registered; the oldest are forgotten first."""
 """An agent that stays idle through this many resends (it rejects what we send) is dropped."""
 
 Event = Callable[[str, dict[str, Any]], None]
@@ -78,6 +82,12 @@ class FleetSession:
         """Weights of whole-model agents that finished while the round's split agents still trained."""
         self.rejections = protocol.Rejections(log)
         self._rejected_before: dict[str, int] = {}
+        self._pruned: dict[str, None] = {}
+        """Agents pruned from the registry (oldest first, bounded)."""
+        self._present: dict[str, str] = {}
+        """Agents whose last status said online (registered or not yet), oldest first, bounded."""
+        self._tokens = float(max(cfg.num_agents, cfg.min_agents or 0, 10))
+        self._tokens_at = time.monotonic()
 
     def wait_for_agents(self) -> None:
         need = self.cfg.min_agents or self.cfg.num_agents
@@ -116,7 +126,14 @@ class FleetSession:
         # a deployed agent silent for step_timeout_s (no heartbeat either) counts as gone even before its
         # last will arrives; simulated agents never vanish and send no heartbeats
         stale = None if self.virtual else self.cfg.step_timeout_s
-        return sorted(a.agent_id for a in self.registry.online(stale_after_s=stale))
+        live = self.registry.online(stale_after_s=stale)
+        n = self.cfg.num_agents
+        if n and len(live) > n:
+            # more agents online than the fleet has devices (strangers, or a flood of fakes): the
+            # ones with a measured history first, then the earliest registered
+            order = {a: i for i, a in enumerate(self.registry.agents)}
+            live = sorted(live, key=lambda i: (-i.rounds, order[i.agent_id]))[:n]
+        return sorted(a.agent_id for a in live)
 
     def shutdown_agents(self, reason: str) -> None:
         for a in list(self.registry.agents):
@@ -280,6 +297,63 @@ class FleetSession:
         self._rejected_before = now
         return {k: v for k, v in delta.items() if v}
 
+    def _reply(self, agent: str, mtype: str, body: dict[str, Any]) -> None:
+        self.transport.send(agent, Message(mtype, self.cfg.run_id, protocol.COORDINATOR_ID, body,
+                                           seq=protocol.next_seq()))
+
+    def _admit(self, agent: str) -> bool:
+        """Whether a registration from an id the registry does not know may be taken.
+
+        A flood of invented ids must neither stretch the rounds nor grow the registry and the
+        checkpoint without bound: new ids are taken at ``register_rate_per_s`` (burst: the
+        fleet size); a full registry (``max_registered``) first prunes silent entries that
+        never trained, then refuses; and over MQTT an id must have measured its link against
+        us (a link probe) first, as every agent does before it registers.
+        """
+        now = time.monotonic()
+        burst = float(max(self.cfg.num_agents, self.cfg.min_agents or 0, 10))
+        self._tokens = min(burst, self._tokens + (now - self._tokens_at) * self.cfg.register_rate_per_s)
+        self._tokens_at = now
+        if self._tokens < 1.0:
+            self.rejections.reject("rate_limited", f"registration of {agent}: more than "
+                                   f"{self.cfg.register_rate_per_s:g} new agents per second", level=logging.INFO)
+            return False
+        self._tokens -= 1.0
+        probed = getattr(self.transport, "probed", None)
+        if probed is not None and agent not in probed:
+            self.rejections.reject("unprobed", f"registration of {agent}: it never measured its link to us")
+            self._reply(agent, "reject", {"reason": "register after measuring the link (probe), as "
+                                                    "docs/protocol.md describes"})
+            return False
+        limit = self.cfg.registry_limit
+        if len(self.registry.agents) >= limit:
+            self.prune()
+        if len(self.registry.agents) >= limit:
+            self.rejections.reject("registry_full", f"registration of {agent}: the registry holds {limit} agents "
+                                                    f"(max_registered)")
+            self._reply(agent, "reject", {"reason": f"this run's registry is full ({limit} agents, "
+                                                    f"max_registered)"})
+            return False
+        return True
+
+    def prune(self) -> list[str]:
+        """Forget agents that never trained a round and are not online (or silent past the step
+        timeout): they hold no totals worth keeping, and a flood of fakes would otherwise stay
+        in the registry and every checkpoint."""
+        stale = None if self.virtual else self.cfg.step_timeout_s
+        live = {a.agent_id for a in self.registry.online(stale_after_s=stale)}
+        gone = [a for a, i in self.registry.agents.items() if i.rounds == 0 and a not in live]
+        for a in gone:
+            del self.registry.agents[a]
+            self._reg_seq.pop(a, None)
+            self._pruned[a] = None          # if it comes back, it is asked to register again
+            if len(self._pruned) > MAX_PRESENT:
+                del self._pruned[next(iter(self._pruned))]
+        if gone:
+            log.info("pruned %d silent agent(s) that never trained: %s", len(gone), ", ".join(gone[:5])
+                     + (" ..." if len(gone) > 5 else ""))
+        return gone
+
     def drop(self, agents: dict[str, RoundAgent], agent_id: str, why: str) -> None:
         log.warning("dropping %s from the round: %s", agent_id, why)
         agents.pop(agent_id, None)
@@ -292,32 +366,52 @@ class FleetSession:
             return   # the leader answers registrations and keeps the registry; it hears them too
         if msg.type == "register":
             if self._reg_seq.get(msg.sender) == msg.seq:  # a re-sent registration: our ack was lost
-                self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                        {"message": "already registered"}, seq=protocol.next_seq()))
+                self._reply(msg.sender, "accepted", {"message": "already registered"})
                 return
+            if msg.sender not in self.registry.agents and not self._admit(msg.sender):
+                return
+            old = self.registry.agents.get(msg.sender)
+            same_process = (old is not None and old.registered and bool(old.instance)
+                            and msg.body.get("instance") == old.instance)
             try:
                 info = self.registry.register(msg)
             except wire.WireError as exc:
                 self.rejections.reject("invalid", f"registration of {msg.sender}: {exc}")
-                self.transport.send(msg.sender, Message("reject", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                        {"reason": str(exc)}, seq=protocol.next_seq()))
+                self._reply(msg.sender, "reject", {"reason": str(exc)})
                 return
             self._reg_seq[msg.sender] = msg.seq
+            if not self.virtual:
+                # present on the broker: its retained online status (with its last will) was seen,
+                # before or after this registration; an id that only sends 'register' is not
+                info.online = msg.sender in self._present or (old is not None and old.online)
+            twin = next((a for a, i in self.registry.agents.items()
+                         if a != msg.sender and i.registered and i.index == info.index), None)
+            if twin is not None and not self.virtual:
+                log.warning("agent %s registered with --index %d, which agent %s also uses: both train on the "
+                            "same shard of a partitioned data set", msg.sender, info.index, twin)
             ra = agents.get(msg.sender) if agents is not None else None
-            if ra is not None and ra.bytes_up == 0 and ra.last_sent is not None:
+            if ra is not None and ra.last_sent is not None and (ra.bytes_up == 0 or same_process):
                 # restarted before anything of this round reached us (e.g. selected on its status while
-                # it was still starting): nothing to undo, it stays in; it may never have received the
-                # assignment, so send it again, before 'accepted' (the agent refuses older seqs after it)
+                # it was still starting), or the same process announcing itself again (it saw the run
+                # described anew, e.g. after a resume): nothing to undo, it stays in. It may have missed
+                # our last message: send it again, before 'accepted' (the agent refuses older seqs after it)
                 self.transport.send(msg.sender, ra.last_sent)
                 ra.last_sent_at = self._now()
             elif ra is not None:
                 self.drop(agents, msg.sender, "re-registered mid-round (restarted)")
-            self.transport.send(msg.sender, Message("accepted", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                    {"message": f"registered as agent {info.index}"},
-                                                    seq=protocol.next_seq()))
+            self._reply(msg.sender, "accepted", {"message": f"registered as agent {info.index}"})
             self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
         elif msg.type == "status":
+            if msg.body["online"]:
+                self._present[msg.sender] = msg.body["instance"]
+                if len(self._present) > MAX_PRESENT:
+                    del self._present[next(iter(self._present))]
+            elif self._present.get(msg.sender) == msg.body["instance"]:   # not a dead predecessor's will
+                del self._present[msg.sender]
             self.registry.set_online(msg.sender, msg.body["online"], msg.body["instance"])
+            if msg.body["online"] and msg.sender in self._pruned and msg.sender not in self.registry.agents:
+                del self._pruned[msg.sender]
+                self._reply(msg.sender, "reject", {"reason": REGISTER_AGAIN})
             self.on_event("status", {"agent": msg.sender, "online": msg.body["online"]})
         elif msg.type == "heartbeat":
             self.registry.seen(msg.sender)

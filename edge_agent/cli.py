@@ -17,8 +17,14 @@ from sfl_core.version import version_option   # standard library and typer only,
 # torch-using modules (sfl_core.models, .data, .config via .wire, edge_agent.profiler) are imported
 # inside the commands that need them: `sfl-agent predict` must run on a board without torch
 
-app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=True, add_completion=False,
+                  rich_markup_mode=None)
 console = Console(stderr=True)
+
+
+def _say(text: str, style: str = "red") -> None:
+    """One line, never wrapped (journald and grep see it whole), no markup read from paths."""
+    console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.callback()
@@ -33,7 +39,8 @@ def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Opti
     from edge_agent.settings import use_config_file  # imports sfl_core.config (torch): only when used
 
     # 'data' is a directory and 'profile' a name or a YAML path: relative ones are relative to the file
-    return use_config_file(ctx, param, value, path_options={"data"}, maybe_path_options={"profile"})
+    return use_config_file(ctx, param, value, path_options={"data", "trust_file"},
+                            maybe_path_options={"profile"})   # coordinator_key: base64 has '/', never resolved
 
 
 def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bool, label_protection: Optional[str],
@@ -91,9 +98,16 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                                "client portion: clip each sample's gradient to CLIP, add noise of "
                                                "std SIGMA x CLIP; epsilon at DELTA (default 1e-5) is logged and "
                                                "reported (needs the 'privacy' extra: Opacus)."),
+          coordinator_key: Optional[str] = typer.Option(None, "--coordinator-key", help="Follow only the "
+                                                        "coordinator with this public key (its coordinator.pub: "
+                                                        "the base64 text or the file). Default: the first key "
+                                                        "seen for the run (pinned in --trust-file if given)."),
+          trust_file: Optional[Path] = typer.Option(None, "--trust-file", help="Keep the coordinator key pinned "
+                                                    "on first use here (JSON, run id -> key), across restarts."),
           verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
-    from edge_agent.runner import AgentError, AgentOptions, AgentRunner, DuplicateAgentError
+    from edge_agent.runner import AgentError, AgentOptions, AgentRunner, AgentStopped, DuplicateAgentError
+    from sfl_core.signing import TrustError, Trust, parse_public
     from sfl_core.config import ConfigError, load_profile
     from sfl_core.data import DatasetError
 
@@ -107,7 +121,13 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     try:
         prof = load_profile(profile)
     except ConfigError as exc:
-        console.print(f"[red]{exc}")
+        _say(str(exc))
+        raise typer.Exit(2)
+    try:
+        key = parse_public(coordinator_key, "--coordinator-key") if coordinator_key else None
+        Trust(key, trust_file)   # an unreadable trust file is a configuration error, found now
+    except TrustError as exc:
+        _say(str(exc))
         raise typer.Exit(2)
     if slowdown != 1.0 and (not emulate or not slowdown >= 1.0):
         console.print(f"--slowdown {slowdown}: needs --emulate and a factor >= 1", style="red", markup=False)
@@ -120,7 +140,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     try:
         address = address_from_options(broker, ca_file, cert_file, key_file, password_file)
     except ValueError as exc:
-        console.print(f"[red]{exc}")
+        _say(str(exc))
         raise typer.Exit(2)
     try:
         privacy = _privacy(nopeek, activation_noise, withhold_labels, label_protection, dp_sgd)
@@ -134,18 +154,28 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:64]
     runner = AgentRunner(AgentOptions(broker=address, run_id=run, agent_id=name, profile=prof, index=index,
                                       data_root=data, shard_file=str(shard_file) if shard_file else None,
-                                      emulate=emulate, slowdown=slowdown, seed=seed, privacy=privacy))
-    signal.signal(signal.SIGTERM, lambda *_: runner.stop())
+                                      emulate=emulate, slowdown=slowdown, seed=seed, privacy=privacy,
+                                      coordinator_key=key, trust_file=str(trust_file) if trust_file else None))
+
+    def on_signal(signum, frame):
+        runner.stop()   # raises AgentStopped here, in the main thread, wherever it waits
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         code = runner.run()
+    except AgentStopped:   # a service manager's stop: a clean exit, not a failure to restart from
+        _say(f"agent {name}: stopped by a signal", style="yellow")
+        code = 0
     except DuplicateAgentError as exc:   # exit 2: a service manager must not restart into the same conflict
-        console.print(f"agent {name}: {exc}", style="red", markup=False, soft_wrap=True)
+        _say(f"agent {name}: {exc}")
         raise typer.Exit(2)
-    except (AgentError, DatasetError, ConnectionError, ValueError) as exc:
-        console.print(f"[red]agent {name}: {exc}")
+    except DatasetError as exc:          # exit 2: data that cannot be used is fixed by a person, not a restart
+        _say(f"agent {name}: {exc}")
+        raise typer.Exit(2)
+    except (AgentError, ConnectionError, ValueError) as exc:
+        _say(f"agent {name}: {exc}")
         raise typer.Exit(1)
-    except KeyboardInterrupt:
-        code = 130
     raise typer.Exit(code)
 
 
@@ -202,7 +232,7 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
         logits = predictor.run(x)
         truth = None if labels_file is None else load_labels(labels_file, logits.shape[0], logits.shape[1])
     except OnnxError as exc:
-        console.print(f"[red]{exc}")
+        _say(str(exc))
         raise typer.Exit(2)
     probs = softmax(logits.astype(np.float64))
     cls = probs.argmax(axis=1)

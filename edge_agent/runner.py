@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from sfl_core import protocol, wire
+from sfl_core import protocol, signing, wire
 from sfl_core.accounting import model_costs
 from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.config import DeviceProfile
@@ -69,6 +69,10 @@ class AgentOptions:
     claim_s: float = 3.0
     """Another process's online status for our agent id, seen before our own: how long to wait
     for it to show that it is alive before taking the id over (it may be a dead predecessor)."""
+    coordinator_key: Optional[bytes] = None
+    """The only coordinator key to follow (``--coordinator-key``); None: pin on first use."""
+    trust_file: Optional[str] = None
+    """Where keys pinned on first use are kept across restarts (``--trust-file``); None: in memory."""
 
 
 class DuplicateAgentError(RuntimeError):
@@ -78,6 +82,14 @@ class DuplicateAgentError(RuntimeError):
 
 class AgentError(RuntimeError):
     """A fatal, explained problem (rejected registration, unusable data)."""
+
+
+REGISTER_AGAIN_PREFIX = "not registered"
+"""A ``reject`` whose reason starts so asks a registered agent to register again."""
+
+
+class AgentStopped(Exception):
+    """SIGTERM or Ctrl-C: raised in the main thread wherever it waits, so every wait wakes."""
 
 
 class AgentRunner:
@@ -100,6 +112,9 @@ class AgentRunner:
         self.bytes_down = 0
         self.rejections = protocol.Rejections(log)
         self._seqs = protocol.ReplayGuard()  # the coordinator's messages on our down topic
+        self.trust = signing.Trust(opts.coordinator_key, Path(opts.trust_file) if opts.trust_file else None)
+        self._refused_seq: Optional[int] = None     # the last untrusted description we warned about
+        self._stopping = False
         # This process's identity besides the agent id: two processes started with one id must
         # not silently share it (see _claim_id). The MQTT client id includes it, so they do not
         # knock each other off the broker while that is sorted out.
@@ -146,7 +161,12 @@ class AgentRunner:
                 log.warning("rejected %d message(s) in this run: %s", self.rejections.total, self.rejections.counts())
 
     def stop(self) -> None:
+        """Stop the agent (SIGTERM's handler calls it in the main thread): every wait ends at
+        once, because the first call raises :class:`AgentStopped` where the main thread is."""
         self._stop.set()
+        if not self._stopping and threading.current_thread() is threading.main_thread():
+            self._stopping = True
+            raise AgentStopped()
 
     # ================================================================ steps
     def _claim_id(self) -> None:
@@ -262,9 +282,10 @@ class AgentRunner:
         body = protocol.register_body(index=self.o.index, profile=self.o.profile, measured=measured,
                                       label_counts=self.core.data.label_counts(), num_samples=len(self.core.data),
                                       emulate=self.o.emulate, resume={"rounds_done": self.core.rounds_done},
-                                      privacy=self.o.privacy.describe())
+                                      privacy=self.o.privacy.describe(), instance=self.instance)
         deadline = time.monotonic() + self.o.wait_s
         register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
+        held: list[Message] = []   # training messages that arrive meanwhile (a resent gradient): kept
         while time.monotonic() < deadline:
             self._publish(register)
             try:
@@ -273,7 +294,12 @@ class AgentRunner:
                 continue
             if reply.type == "accepted":
                 log.info("registered: %s", reply.body["message"])
+                for m in held:
+                    self._inbox.put(m)
                 return
+            if reply.type in ("gradients", "logits"):
+                held.append(reply)
+                continue
             if reply.type == "assign":  # our 'accepted' was lost but we are in: keep the assignment
                 self._inbox.put(reply)
                 return
@@ -291,9 +317,11 @@ class AgentRunner:
         a crash) and knows us only from its checkpoint, so register again; the round that was in
         flight restarts with its new assignment. Shard and measurements stay unless the run changed."""
         log.info("the coordinator announced run %s again (restarted): registering again", self.o.run_id)
-        if info.body != self._joined.body:
+        if _task(info.body) != _task(self._joined.body):
             self.core = self._build_core(info)
             self._measured = self._measure(info)
+        else:   # the new coordinator process answers only agents that measured the link against it
+            self._measured = {**self._measured, **measure_link(self._probe)}
         self._register(info, self._measured, again=True)
 
     def _serve(self) -> None:
@@ -310,7 +338,11 @@ class AgentRunner:
                 log.info("coordinator says stop: %s", msg.body["reason"])
                 return
             if msg.type in ("accepted", "reject"):
-                if msg.type == "reject":
+                if msg.type == "reject" and msg.body["reason"].startswith(REGISTER_AGAIN_PREFIX):
+                    log.warning("the coordinator forgot us while we were silent: registering again")
+                    self._measured = {**self._measured, **measure_link(self._probe)}
+                    self._register(self._joined, self._measured, again=True)
+                elif msg.type == "reject":
                     log.warning("coordinator rejected us: %s", msg.body["reason"])
                 continue
             self._busy = True
@@ -335,6 +367,9 @@ class AgentRunner:
         if len(parts) == 3 and parts[2] == "info" and parts[1] != self.o.run_id:
             self._runs_seen.add(parts[1])  # another run's description (_announced_runs): its name only
             return
+        if topic not in (protocol.down_topic(self.o.run_id, self.o.agent_id), protocol.info_topic(self.o.run_id),
+                         self._status_topic):
+            return   # not one of ours (a broker whose wildcard matching is loose delivers others' topics)
         if topic == self._status_topic:
             self._on_status(payload)
             return
@@ -360,6 +395,8 @@ class AgentRunner:
             self._seqs.advance(msg)
         if msg.type == "run_info" and self._run_info is not None and msg.seq == self._run_info.seq:
             return  # the coordinator repeating its description for an agent that just came online
+        if not self._trusted(msg, topic):
+            return
         self.bytes_down += msg.wire_bytes
         if msg.type == "run_info":
             self._run_info = msg
@@ -368,6 +405,34 @@ class AgentRunner:
             self._probe_acks.put(msg)
         else:
             self._inbox.put(msg)
+
+    def _trusted(self, msg: Message, topic: str) -> bool:
+        """Follow only what our coordinator signed (:mod:`sfl_core.signing`): a run description
+        by a trusted key (pinned on first use, or given), an assignment or a shutdown by that key."""
+        if msg.type == "run_info":
+            key = msg.body["coordinator"].get("key")
+            if not isinstance(key, bytes) or len(key) != 32 or not signing.verify(msg, key):
+                self.rejections.reject("unsigned", f"run description on {topic}: not validly signed by the key it "
+                                                   f"names; ignored")
+                return False
+            why = self.trust.decide(self.o.run_id, key)
+            changes = _changes(self._run_info.body, msg.body) if self._run_info is not None else ""
+            if why is not None:
+                if msg.seq != self._refused_seq:
+                    self._refused_seq = msg.seq
+                    self.rejections.reject("untrusted", f"a run description for run {self.o.run_id} {why}"
+                                           + (f" (it would change {changes})" if changes else "") + "; refused")
+                return False
+            if changes:
+                log.warning("the run description of run %s changed, signed by our coordinator: %s", self.o.run_id,
+                            changes)
+            return True
+        if msg.type in signing.SIGNED_TYPES:
+            key = self.trust.pinned(self.o.run_id)
+            if key is None or not signing.verify(msg, key):
+                self.rejections.reject("unsigned", f"{msg.type} on {topic}: not signed by our coordinator; ignored")
+                return False
+        return True
 
     def _publish(self, msg: Message) -> None:
         payload = msg.encode()
@@ -421,3 +486,20 @@ class AgentRunner:
     def _msg(self, mtype: str, body: dict) -> Message:
         rnd = self.core.round if self.core and self.core.round >= 0 else 0
         return Message(mtype, self.o.run_id, self.o.agent_id, body, round=rnd, seq=protocol.next_seq())
+
+
+_NOT_TASK = ("sig", "coordinator")
+
+
+def _task(body: dict) -> dict:
+    """What a run description asks an agent to do (without who signed it)."""
+    return {k: v for k, v in body.items() if k not in _NOT_TASK}
+
+
+def _changes(old: dict, new: dict) -> str:
+    """What differs between two run descriptions, for one log line ('' if only the signature)."""
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(_task(old)) | set(_task(new)))
+             if old.get(k) != new.get(k)]
+    if old.get("coordinator", {}).get("instance") != new.get("coordinator", {}).get("instance"):
+        diffs.append("coordinator process restarted")
+    return "; ".join(diffs)

@@ -594,6 +594,12 @@ class RunConfig(Section):
     server_flops: Annotated[float, _pos_float_c] = 5e10
     step_timeout_s: Annotated[float, _pos_float_c] = 60.0
     register_timeout_s: Annotated[float, _pos_float_c] = 300.0
+    min_completed: Annotated[int, _pos_int_c] = 1
+    """Agents that must complete a round for it to count (at most those selected)."""
+    max_registered: Annotated[Optional[int], _opt_pos_int_c] = None
+    """Most agents the registry holds; None = 2 x the fleet size + 10."""
+    register_rate_per_s: Annotated[float, _pos_float_c] = 10.0
+    """New agent ids accepted per second (burst: the fleet size)."""
     output_dir: Annotated[Optional[str], checked(_opt(_str))] = None  # None -> runs/<run_id>
     eval_samples: Annotated[Optional[int], _opt_pos_int_c] = None  # evaluate on the first N test samples; None = all
     loss: Annotated[str, checked(_enum(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods.md §6)
@@ -603,6 +609,10 @@ class RunConfig(Section):
     mergesfl: MergeSflConfig = field(default_factory=MergeSflConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
+
+    @property
+    def registry_limit(self) -> int:
+        return self.max_registered or 2 * max(self.num_agents, self.min_agents or 0) + 10
 
     @field_validator("fleet", mode="before")
     @classmethod

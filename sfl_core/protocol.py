@@ -44,6 +44,12 @@ def status_topic(run: str, agent: str) -> str:
     return f"sfl/{run}/status/{agent}"
 
 
+def coordinator_topic(run: str) -> str:
+    """Retained liveness claim of the run's coordinator: one coordinator per run (its last will
+    says offline)."""
+    return f"sfl/{run}/coordinator"
+
+
 def info_topic(run: str) -> str:
     """Retained description of the run (model, data set, partition) that agents read first."""
     return f"sfl/{run}/info"
@@ -86,15 +92,24 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "logits": {"z": dict},
     "shutdown": {"reason": str},
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
-                 "splits": list, "partition": dict, "num_agents": int},
+                 "splits": list, "partition": dict, "num_agents": int,
+                 "coordinator": dict,   # {"key": Ed25519 public key (32 bytes), "instance": str}
+                 "sig": bytes},         # sfl_core.signing: over the whole envelope
+    "coordinator_status": {"online": bool, "instance": str},   # sfl/R/coordinator, retained + last will
 }
 # type -> {field: python type(s)} that may be present: what newer agents add (older ones omit it)
 OPTIONAL: dict[str, dict[str, Any]] = {
-    "register": {"privacy": dict},      # the agent's defenses (sfl_core.privacy.AgentPrivacy.describe)
+    "register": {"privacy": dict,       # the agent's defenses (sfl_core.privacy.AgentPrivacy.describe)
+                 "instance": str},      # the registering process (its status messages carry the same)
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
+    "assign": {"sig": bytes},           # required over MQTT (sfl_core.signing); absent in a simulation
+    "shutdown": {"sig": bytes},         # likewise
+    "coordinator_status": {"pid": int, "host": str, "out_dir": str},   # for the operator's one line
 }
 AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "heartbeat", "status"})
 COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "shutdown", "run_info"})
+PEER_TYPES = frozenset({"coordinator_status"})
+"""Between coordinators of one run (the liveness claim); agents never read it."""
 COORDINATOR_ID = "coordinator"
 
 
@@ -177,12 +192,15 @@ class Sequencer:
 
 
 def register_body(*, index: int, profile: Any, measured: dict, label_counts: list[int], num_samples: int,
-                  emulate: bool, resume: dict, privacy: dict) -> dict[str, Any]:
-    """A ``register`` body; ``privacy`` (the agent's declared defenses) only when there are some."""
+                  emulate: bool, resume: dict, privacy: dict, instance: str = "") -> dict[str, Any]:
+    """A ``register`` body; ``privacy`` (the agent's declared defenses) only when there are some,
+    ``instance`` (the process, as in its status messages) when known."""
     body = {"index": index, "profile": profile_body(profile), "measured": measured, "label_counts": label_counts,
             "num_samples": num_samples, "emulate": emulate, "resume": resume}
     if privacy:
         body["privacy"] = privacy
+    if instance:
+        body["instance"] = instance
     return body
 
 
@@ -216,7 +234,9 @@ class Rejections:
     ``rejected``), without grepping logs. Reasons are short stable keys: ``malformed``
     (envelope or schema), ``wrong_run``, ``spoofed`` (sender ≠ topic), ``replayed`` (older
     seq), ``duplicate``, ``stale`` (wrong round/step), ``unknown_sender``, ``not_selected``,
-    ``invalid`` (tensor shape/dtype/values), ``too_large``.
+    ``invalid`` (tensor shape/dtype/values), ``too_large``, ``version`` (another protocol
+    version), ``unsigned`` / ``untrusted`` (agent: not signed by the trusted coordinator),
+    ``rate_limited`` / ``unprobed`` / ``registry_full`` (coordinator: registrations refused).
     """
 
     def __init__(self, logger: Any) -> None:

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 import zstandard
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""Bumped whenever a peer of the previous version would reject or misread what this one sends
+(docs/protocol.md §3, compatibility). 2: ``status.instance``, signed ``run_info``/``assign``/``shutdown``."""
 MAX_MESSAGE_BYTES = 64 * 2**20
 """Upper bound for one decoded message (and for one decompressed tensor)."""
 
@@ -442,8 +444,20 @@ def unpack(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]
         if not isinstance(env[key], typ) or isinstance(env[key], bool) and typ is int:
             raise WireError(f"field {key!r} has type {type(env[key]).__name__}, expected {typ.__name__}")
     if env["v"] != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {env['v']} not supported (this build speaks {PROTOCOL_VERSION})")
+        raise VersionError(env["v"], env["type"])
     return env
+
+
+class VersionError(WireError):
+    """An envelope of another protocol version. It carries the version and the message type,
+    so a coordinator can answer an older agent's ``register`` in that agent's own version
+    with one reason it can read."""
+
+    def __init__(self, version: int, mtype: str):
+        super().__init__(f"protocol version {version} not supported (this build speaks {PROTOCOL_VERSION})",
+                         reason="version")
+        self.version = version
+        self.type = mtype
 
 
 # --------------------------------------------------------------------------- chunking

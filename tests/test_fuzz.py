@@ -38,7 +38,7 @@ from sfl_core.models import build_model
 from sfl_core.protocol import Message
 
 RUN = "fuzz"
-REASONS = {"malformed", "wrong_run", "spoofed", "replayed", "duplicate", "stale", "unknown_sender",
+REASONS = {"version", "unsigned", "untrusted", "rate_limited", "unprobed", "registry_full", "malformed", "wrong_run", "spoofed", "replayed", "duplicate", "stale", "unknown_sender",
            "not_selected", "invalid", "too_large"}
 FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 

@@ -34,7 +34,9 @@ VALID_BODIES = {
     "logit_grads": {"g": _T, "loss": 2.1, "compute_s": 0.5},
     "shutdown": {"reason": "done"},
     "run_info": {"model": "small_cnn", "dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10,
-                 "splits": [1, 2, 3], "partition": {"kind": "iid"}, "num_agents": 4},
+                 "splits": [1, 2, 3], "partition": {"kind": "iid"}, "num_agents": 4,
+                 "coordinator": {"key": b"k" * 32, "instance": "c0ffee"}, "sig": b"s" * 64},
+    "coordinator_status": {"online": True, "instance": "c0ffee"},
 }
 
 # for each type, one value of the wrong type per field
@@ -43,7 +45,7 @@ _WRONG = {int: "1", float: "x", str: 5, dict: [1], list: {"a": 1}, bytes: "text"
 
 def test_bodies_cover_every_schema():
     assert set(VALID_BODIES) == set(protocol.SCHEMAS)
-    assert protocol.AGENT_TYPES | protocol.COORD_TYPES == set(protocol.SCHEMAS)
+    assert protocol.AGENT_TYPES | protocol.COORD_TYPES | protocol.PEER_TYPES == set(protocol.SCHEMAS)
     assert not protocol.AGENT_TYPES & protocol.COORD_TYPES
 
 

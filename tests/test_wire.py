@@ -280,9 +280,11 @@ def test_reject_bool_where_int_expected(field):
         wire.unpack(wire.pack(_envelope(**{field: True})))
 
 
-def test_reject_wrong_protocol_version():
-    with pytest.raises(WireError, match="protocol version 2 not supported"):
-        wire.unpack(wire.pack(_envelope(v=2)))
+@pytest.mark.parametrize("version", [1, 3])
+def test_reject_wrong_protocol_version(version):
+    with pytest.raises(wire.VersionError, match=f"protocol version {version} not supported") as err:
+        wire.unpack(wire.pack(_envelope(v=version)))
+    assert err.value.version == version and err.value.reason == "version"
 
 
 # ------------------------------------------------------------------ chunking
