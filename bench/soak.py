@@ -150,10 +150,13 @@ class ChaosTransport:
                 self.inner.deliver_from_agent(Message("register", RUN, agent_id, reg.body, seq=protocol.next_seq()))
 
     def _hostile(self) -> Message:
+        # status and heartbeats neither raise the coordinator's bar nor are their replays counted
+        # (docs/protocol.md §3): a replay is a message older than the newest other one
+        counted = [m for m in self.seen if m.type not in ("status", "heartbeat")]
         latest: dict[str, int] = {}
-        for m in self.seen:
+        for m in counted:
             latest[m.sender] = max(latest.get(m.sender, -1), m.seq)
-        older = [m for m in self.seen if m.seq < latest[m.sender] and m.type != "status"]
+        older = [m for m in counted if m.seq < latest[m.sender]]
         if older and self.rng.random() < 0.5:
             self.injected["replay"] += 1
             m = self.rng.choice(older)

@@ -558,6 +558,17 @@ class RoundEngine:
         changes: a checkpoint that does not fit this run is a CheckpointError naming the file."""
         path = self.out_dir / ckpt.MODEL_FILE
         ckpt.check_fits(path, st, model=self.cfg.model, run_id=self.cfg.run_id, rounds=self.cfg.rounds)
+        expected = self.model.state_dict()
+        missing = [k for k in expected if k not in model_state]
+        extra = [k for k in model_state if k not in expected]
+        shaped = [f"{k} {tuple(model_state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+                  if k in model_state and tuple(model_state[k].shape) != tuple(v.shape)]
+        for what, keys in (("lacks the tensor(s)", missing), ("has tensor(s) this model does not have", extra),
+                           ("has tensor(s) of another shape", shaped)):
+            if keys:
+                more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+                raise ckpt.CheckpointError(f"{path}: does not fit this run's model {self.cfg.model!r}: it {what} "
+                                           f"{', '.join(keys[:3])}{more}")
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))

@@ -183,7 +183,8 @@ class MqttTransport:
             if finished:
                 self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
             if self._claimed:   # a clean disconnect does not fire the will: say offline ourselves
-                self.link.publish(self._coord_topic, self._claim_message(False).encode(), retain=True, timeout=5)
+                self.link.publish(self._coord_topic, self._claim_message(False).encode(), retain=True, timeout=5,
+                                  wait_offline=False)
         finally:
             self.link.close()
 

@@ -104,6 +104,10 @@ install_profiles
 # The config: profiles/agent.example.yaml (every key, commented out) with the --set keys
 # filled in. Written once; afterwards it belongs to the operator.
 if [[ ! -e "$CONFIG" ]]; then
+    # the coordinator key the agent pins on first use survives restarts (docs/protocol.md §2.1)
+    if ! printf '%s\n' "${SETTINGS[@]}" | grep -q '^trust_file='; then
+        SETTINGS=("trust_file=$STATE/known_coordinators.json" "${SETTINGS[@]}")
+    fi
     "$VENV/bin/python" - "$SRC_DIR/profiles/agent.example.yaml" "${SETTINGS[@]}" <<'PY' | write_config_once "$CONFIG" 0640
 import re, sys
 import yaml

@@ -5,7 +5,7 @@
 # build of torch from the PyTorch package index and this package, writes the run config
 # (PREFIX/etc/run.yaml) and the service settings (PREFIX/etc/coord.env) once -- edited
 # files are never overwritten -- and the systemd unit sfl-coord.service, which runs
-# `sfl-coord serve --config PREFIX/etc/run.yaml $SFL_COORD_ARGS` and restarts it on
+# `sfl-coord serve --config PREFIX/etc/run.yaml --resume auto $SFL_COORD_ARGS` and restarts it on
 # failure. Optionally installs Mosquitto from apt. Running it again re-installs the
 # package and changes nothing else. Only pip and apt are used; nothing else is downloaded.
 set -euo pipefail
@@ -114,11 +114,13 @@ fi
 write_config_once "$CONFIG" 0640 <"$RUN_CONFIG"
 write_config_once "$ENV_FILE" 0640 <<ENV
 # Settings of sfl-coord.service (EnvironmentFile=); after editing: sudo systemctl restart sfl-coord
-# The service runs:  sfl-coord serve --config $CONFIG \$SFL_COORD_ARGS
+# The service runs:  sfl-coord serve --config $CONFIG --resume auto \$SFL_COORD_ARGS
+# (--resume auto: a restart after a crash continues the run from its last checkpoint; a run
+# that has no checkpoint yet starts fresh; a damaged checkpoint stops the service, exit 2)
 # SFL_COORD_ARGS is split at blanks (no quoting), e.g.
 #   --broker mqtt://sfl:PASS@localhost:1883    an external broker (default: an embedded one on --listen)
 #   --broker mqtts://coordinator@broker:8883 --ca-file $ETC/ca.crt --password-file $ETC/coordinator.password
-#   --device cuda    --resume (continue the run after a crash)
+#   --device cuda    --metrics 127.0.0.1:9464    --dashboard 127.0.0.1:8080
 # The embedded broker (no --broker) has no TLS and no passwords: it listens on loopback only.
 # Agents on other hosts need --with-mosquitto (TLS, one user per device); on a network you
 # trust completely, '--listen 0.0.0.0:1883 --insecure-listen' opens the embedded one to it.
@@ -150,13 +152,15 @@ WorkingDirectory=$STATE
 Environment=HOME=$STATE
 Environment=PYTHONUNBUFFERED=1
 Environment=SFL_PROFILES_DIR=$SHARE/profiles
-ExecStart=$VENV/bin/sfl-coord serve --config $CONFIG \$SFL_COORD_ARGS
+ExecStart=$VENV/bin/sfl-coord serve --config $CONFIG --resume auto \$SFL_COORD_ARGS
 # Restarted after a crash, not after a configuration error (exit status 2) nor after the
-# run has finished (exit status 0). Add --resume to SFL_COORD_ARGS to continue a crashed
-# run from its last checkpoint instead of starting it again.
+# run has finished (exit status 0); --resume auto continues a crashed run from its last
+# checkpoint. A second coordinator of the same run exits 2 (the run directory is locked).
 Restart=on-failure
 RestartSec=5
 RestartPreventExitStatus=2
+# 130: stopped by SIGTERM (systemctl stop), the run checkpointed: a clean stop, not a failure
+SuccessExitStatus=130
 TimeoutStopSec=60
 $(unit_hardening "$STATE")
 

@@ -135,7 +135,7 @@ def test_coordinator_install_is_complete_and_idempotent(tmp_path: Path):
     assert p.returncode == 0 and "serve" in p.stdout
 
     u = unit.read_text()
-    assert f"ExecStart={coord} serve --config {run_yaml} $SFL_COORD_ARGS\n" in u
+    assert f"ExecStart={coord} serve --config {run_yaml} --resume auto $SFL_COORD_ARGS\n" in u
     assert f"EnvironmentFile={env_file}\n" in u
     assert "Restart=on-failure" in u and "NoNewPrivileges=true" in u
     verify_unit(unit)

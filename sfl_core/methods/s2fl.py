@@ -31,6 +31,14 @@ class S2FL(Method):
     def candidates(self) -> tuple[int, ...]:
         return self._candidates
 
+    def notes(self, pool: int) -> list[str]:
+        k, per_round = len(self.candidates), self.cfg.per_round
+        if self.cfg.s2fl.sliding and per_round and per_round < pool:
+            return [f"s2fl: warm-up rounds 1-{k} train every registered agent ({pool}), not per_round "
+                    f"({per_round}), so the time table has each agent at each candidate split; about "
+                    f"{pool / per_round:.1f}x a round's bytes in those {k} rounds"]
+        return []
+
     def selects_everyone(self, r: int) -> bool:
         """The warm-up sends each candidate split to every device (not only the round's
         selection), so the time table holds a measurement for every agent and split."""

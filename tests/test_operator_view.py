@@ -1,0 +1,206 @@
+"""The operator's view, in one process: the run lock, the metrics exporter and its Grafana
+dashboard, the fleet page's state, and the CLI's one-line messages (no markup, no wrapping)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from coordinator import cli
+from coordinator import state as ckpt
+from coordinator.api import run_simulation
+from coordinator.run_lock import RunLock, holder
+from coordinator.web import FleetPage, MetricsExporter, WebError, parse_address, start_dashboard, start_metrics
+from sfl_core.config import run_config_from_dict
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "coordinator" / "static" / "grafana-dashboard.json"
+
+
+def _cfg(tmp_path: Path, **over):
+    return run_config_from_dict({
+        "run": "view", "model": "small_cnn", "data": {"dataset": "digits"},
+        "fleet": [{"profile": "s2fl-low-low", "count": 1}, {"profile": "s2fl-high-high", "count": 2}],
+        "rounds": 3, "strategy": "sfl", "split": 2, "batch_size": 8, "local_iters": 2,
+        "output_dir": str(tmp_path / "out"), **over})
+
+
+# ============================================================ defect 1: the run directory's lock
+
+def test_the_run_lock_admits_one_holder_and_names_it(tmp_path):
+    first = RunLock(tmp_path).acquire("r1")
+    assert holder(tmp_path)["run"] == "r1"
+    with pytest.raises(Exception, match=r"is in use by another coordinator \(pid \d+ on .*run 'r1'"):
+        RunLock(tmp_path).acquire("r1")
+    first.release()
+    assert holder(tmp_path) is None
+    RunLock(tmp_path).acquire("r2").release()
+
+
+def test_a_simulation_of_a_held_run_directory_exits_2(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": "view", "model": "small_cnn", "data": {"dataset": "digits"},
+                                    "fleet": [{"profile": "s2fl-low-low", "count": 2}], "rounds": 1,
+                                    "strategy": "sfl", "output_dir": str(tmp_path / "out")}))
+    lock = RunLock(tmp_path / "out").acquire("view")
+    try:
+        r = CliRunner().invoke(cli.app, ["simulate", "-c", str(path), "--quiet"])
+    finally:
+        lock.release()
+    assert r.exit_code == 2, r.output
+    assert "is in use by another coordinator" in r.output and "Traceback" not in r.output
+
+
+# ============================================================ item 10: metrics and the dashboard
+
+def _names_in(exposition: str) -> set[str]:
+    """Every sample name the exposition's families can carry (a labelled family with no child
+    yet has no samples, but its TYPE line names it)."""
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "gauge": ("",)}
+    names = set()
+    for line in exposition.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            base = name[:-len("_total")] if kind == "counter" and name.endswith("_total") else name
+            names |= {base + s for s in suffixes.get(kind, ("",))}
+    return names
+
+
+def test_metrics_follow_a_run_and_the_grafana_dashboard_queries_only_exported_names(tmp_path):
+    cfg = _cfg(tmp_path)
+    exporter = start_metrics("127.0.0.1:0", cfg)
+    try:
+        from coordinator.api import _Events  # the engine's event fan-out, as serve() builds it
+        from coordinator.clock import VirtualClock
+        from coordinator.engine import RoundEngine
+        from coordinator.inprocess import build_fleet
+        from sfl_core.data import load_dataset
+
+        data = load_dataset("digits")
+        engine = RoundEngine(cfg, build_fleet(cfg, data), VirtualClock(), (data.x_test, data.y_test),
+                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=tmp_path / "out",
+                             on_event=_Events([exporter]))
+        exporter.attach(engine)
+        history = engine.run()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=5).read().decode()
+    finally:
+        exporter.finish(True)
+    values = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["sfl_round"] == 3 and values["sfl_rounds_completed_total"] == 3
+    assert values["sfl_accuracy"] == pytest.approx(history[-1]["accuracy"])
+    assert values["sfl_bytes_up_total"] == sum(m["bytes_up"] for m in history)
+    assert values["sfl_agents_registered"] == 3 and values["sfl_agents_selected"] == 3
+    assert values["sfl_round_duration_seconds_count"] == 3 and values["sfl_step_duration_seconds_count"] == 6
+    assert sum(v for k, v in values.items() if k.startswith("sfl_agent_assignment_info{")) == 3
+    assert 'sfl_agent_last_round_seconds{agent="sim-000"}' in values
+
+    exported = _names_in(text)
+    queried = set()
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"\bsfl_[a-z_]+", target["expr"]))
+    assert queried and queried <= exported, f"the dashboard queries names nobody exports: {queried - exported}"
+    # every exported family has a panel (histograms through their buckets)
+    families = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in exported}
+    shown = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in queried}
+    assert families - shown <= {"sfl_run_info"}, families - shown
+
+
+def test_metrics_and_page_need_a_token_beyond_loopback(tmp_path):
+    with pytest.raises(WebError, match="beyond loopback only with a token"):
+        parse_address("0.0.0.0:9464", "--metrics", None)
+    assert parse_address("0.0.0.0:9464", "--metrics", "s3cret") == ("0.0.0.0", 9464)
+    with pytest.raises(WebError, match="expected HOST:PORT"):
+        parse_address("9464", "--metrics", None)
+    exporter = MetricsExporter("r", 3).serve("127.0.0.1", 0, "s3cret")
+    try:
+        url = f"http://127.0.0.1:{exporter.port}/metrics"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=5)
+        req = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
+        assert b"sfl_rounds_planned 3.0" in urllib.request.urlopen(req, timeout=5).read()
+        assert b"sfl_run_info" in urllib.request.urlopen(url + "?token=s3cret", timeout=5).read()
+    finally:
+        exporter.finish(True)
+
+
+# ============================================================ item 11: the page's state
+
+def test_the_fleet_page_state_of_a_finished_run_from_its_files(tmp_path):
+    cfg = _cfg(tmp_path)
+    history, _ = run_simulation(cfg)
+    page = start_dashboard("127.0.0.1:0", tmp_path / "out")
+    try:
+        html = urllib.request.urlopen(f"http://127.0.0.1:{page.port}/", timeout=5).read().decode()
+        st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{page.port}/api/state", timeout=5).read())
+    finally:
+        page.finish(True)
+    assert "<title>sfl-edge: fleet</title>" in html and "api/state" in html
+    assert st["run"] == "view" and st["status"] == "finished after round 3"
+    assert [r["round"] for r in st["rounds"]] == [0, 1, 2, 3]
+    assert [r["accuracy"] for r in st["rounds"]] == [m["accuracy"] for m in history]
+    assert [a["agent"] for a in st["fleet"]] == ["sim-000", "sim-001", "sim-002"]
+    row = st["fleet"][0]
+    assert row["profile"] == "s2fl-low-low" and row["split"] == 2 and row["codec"] == "fp32"
+    assert row["batch"] == 8 and row["rounds"] == 3 and row["last_round"] == 3 and row["bytes_up"] > 0
+
+
+def test_the_page_of_a_directory_without_a_run(tmp_path):
+    st = FleetPage(tmp_path).state()
+    assert st["status"] == "not started" and st["rounds"] == [] and st["fleet"] == []
+    (tmp_path / ckpt.METRICS_FILE).write_text('{"round": 0}\n{broken\n{"round": 1}\n')
+    st = FleetPage(tmp_path).state()
+    assert "line 2 is not a round record" in st["problem"]
+
+
+# ============================================================ defect 8: one line, no markup, no wrapping
+
+def test_config_errors_print_paths_verbatim_on_one_line(tmp_path):
+    bad = tmp_path / "bad[bold]x.yaml"
+    bad.write_text(yaml.safe_dump({"run": "r", "local_iter": 3, "fleet": [{"profile": "s2fl-low-low"}]}))
+    r = CliRunner().invoke(cli.app, ["simulate", "-c", str(bad)], terminal_width=80)
+    assert r.exit_code == 2
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.output
+    assert str(bad) in lines[0] and "did you mean 'local_iters'" in lines[0], lines[0]
+
+
+def test_help_prints_extras_as_written():
+    r = CliRunner().invoke(cli.app, ["simulate", "--help"], terminal_width=200)
+    assert "pip install 'sfl-edge[ray]'" in r.output, r.output
+
+
+def test_shipped_run_configs_resolve_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli._run_config_path(Path("demo")).name == "demo.yaml"
+    assert cli._run_config_path(Path("s2fl-demo.yaml")).name == "s2fl-demo.yaml"
+    assert cli._run_config_path(Path("nope")) == Path("nope")
+    assert cli._run_config_path(Path("sub/demo")) == Path("sub/demo")   # a path is never replaced
+
+
+def test_resume_takes_auto_or_nothing():
+    r = CliRunner().invoke(cli.app, ["simulate", "-c", "demo", "--resume=sometimes"])
+    assert r.exit_code == 2 and "--resume sometimes: expected no value (resume) or auto" in r.output
+    r = CliRunner().invoke(cli.app, ["simulate", "-c", "demo", "--resume", "sometimes"])
+    assert r.exit_code == 2 and "unexpected extra argument" in r.output
+
+
+def test_s2fl_warmup_says_it_trains_everyone():
+    from sfl_core.accounting import model_costs
+    from sfl_core.methods import build_method
+    from sfl_core.models import build_model
+
+    cfg = run_config_from_dict({"run": "w", "model": "small_cnn", "data": {"dataset": "digits"},
+                                "fleet": [{"profile": "s2fl-low-low", "count": 40}], "per_round": 8,
+                                "strategy": "s2fl", "s2fl": {"sliding": True}})
+    method = build_method(cfg, build_model("small_cnn", (1, 8, 8), 10), model_costs("small_cnn", (1, 8, 8), 10))
+    (note,) = method.notes(40)
+    assert "warm-up rounds 1-" in note and "every registered agent (40), not per_round (8)" in note
