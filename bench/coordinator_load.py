@@ -130,6 +130,8 @@ class LoadAgent:
         msg = protocol.decode(whole, run=RUN, allowed=protocol.COORD_TYPES)
         now = time.monotonic()
         if msg.type == "run_info" and not self.registered.is_set():
+            # a link probe first, as every agent does (the coordinator registers no id that never probed)
+            self._send(self._msg("probe", {"nonce": self.index, "pad": b"", "reply_bytes": 0}))
             self._send(self._msg("register", self.payload.register_body(self.index)))
         elif msg.type == "accepted":
             self.registered.set()

@@ -156,8 +156,9 @@ DATA_OPTION = typer.Option(None, "--data", help="Directory of the run's data set
                            "data.root (not needed for 'digits').")
 
 
-class _Stopped(Exception):
-    """SIGTERM (a service manager's stop): unwind like Ctrl-C, so the MQTT session closes cleanly."""
+class _Stopped(BaseException):
+    """SIGTERM (a service manager's stop): unwind like Ctrl-C, so the MQTT session closes cleanly.
+    A BaseException, like KeyboardInterrupt, so no ``except Exception`` on the way swallows it."""
 
 
 def _run_daemon(cfg: RunConfig, fn) -> tuple[list[dict], RoundEngine]:

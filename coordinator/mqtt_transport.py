@@ -25,6 +25,7 @@ from sfl_core.protocol import COORDINATOR_ID, Message
 from sfl_core.signing import SIGNED_TYPES, Signer
 
 from sfl_core.transport.broker_url import BrokerAddress, parse_broker_url
+from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
 
 log = logging.getLogger("sfl.coord.mqtt")
@@ -65,11 +66,7 @@ class MqttTransport:
         self.claim_s = claim_s
         self._where = {"pid": 0, "host": "", "out_dir": "", **(where or {})}
         self._coord_topic = protocol.coordinator_topic(run_id)
-        self._own_claim_seen = threading.Event()
-        self._rival: Optional[dict[str, Any]] = None
-        self._rival_alive = threading.Event()
-        self._answered: set[str] = set()
-        self._claimed = False
+        self._claim = Claim(self.instance, self._announce)
         self.probed: "dict[str, None]" = {}
         """Agents whose link probe we answered (insertion-ordered, at most MAX_PROBED)."""
         self.max_bytes = max_bytes
@@ -108,26 +105,20 @@ class MqttTransport:
         self.link.publish(self._coord_topic, self._claim_message(True).encode(), retain=True)
 
     def claim(self) -> None:
-        """Make sure no other coordinator of this run is alive on this broker, then hold the claim.
-
-        Every coordinator publishes a retained online status with its instance id (its last
-        will says offline) and reads that topic. The broker orders a topic's messages, so the
-        newcomer is the one that sees another's online status before its own; it waits
-        ``claim_s`` for that one to repeat its status (a live coordinator answers every
-        newcomer) and, if it does, raises DuplicateCoordinatorError naming it. Silence means a
-        predecessor that died before its will fired: the claim is taken over.
-        """
+        """Make sure no other coordinator of this run is alive on this broker, then hold the
+        claim (:class:`~sfl_core.transport.claim.Claim` on ``sfl/R/coordinator``; docs/protocol.md
+        §7.8): DuplicateCoordinatorError naming the live one, before anything of the run is
+        published."""
         self._announce()
-        if not self._own_claim_seen.wait(10):
-            log.info("our own coordinator status did not come back (the broker's ACL may not let us read "
-                     "it): a second coordinator of this run cannot be detected on the broker")
-        elif self._rival is not None and self._rival_alive.wait(self.claim_s):
-            r = self._rival
+        rival = self._claim.decide(self.claim_s)
+        if rival is not None:
             raise DuplicateCoordinatorError(
                 f"another coordinator of run {self.run_id!r} is running on {self.link.address.url()} "
-                f"(pid {r.get('pid')} on host {r.get('host') or '?'}, output {r.get('out_dir') or '?'}); "
+                f"(pid {rival.get('pid')} on host {rival.get('host') or '?'}, output {rival.get('out_dir') or '?'}); "
                 f"stop it first (this one changed nothing)")
-        self._claimed = True
+        if not self._claim.own_seen:
+            log.info("our own coordinator status did not come back (the broker's ACL may not let us read "
+                     "it): a second coordinator of this run cannot be detected on the broker")
         self.link.add_reconnect_callback(self._announce)
 
     def _on_claim(self, payload: bytes) -> None:
@@ -136,23 +127,9 @@ class MqttTransport:
         except wire.WireError as exc:
             self.rejections.reject(exc.reason, f"message on {self._coord_topic}: {exc}")
             return
-        other = msg.body["instance"]
-        if other == self.instance:
-            self._own_claim_seen.set()
-        elif not self._own_claim_seen.is_set():
-            if msg.body["online"]:
-                self._rival = msg.body                # announced before us: we are the newcomer
-        elif self._rival is not None and other == self._rival["instance"]:
-            if msg.body["online"]:
-                self._rival_alive.set()                # it answered: it runs
-        elif self._claimed and other not in self._answered:
-            # a newcomer (or its last will, which overwrote our retained claim): show that we run,
-            # once per newcomer so two coordinators never answer each other forever
-            self._answered.add(other)
-            if msg.body["online"]:
-                log.warning("another coordinator of run %s started (pid %s on %s); telling it that this one "
-                            "runs", self.run_id, msg.body.get("pid"), msg.body.get("host") or "?")
-            self._announce()
+        if self._claim.observe(msg.body) is not None and msg.body["online"]:
+            log.warning("another coordinator of run %s started (pid %s on %s); telling it that this one runs",
+                        self.run_id, msg.body.get("pid"), msg.body.get("host") or "?")
 
     def publish_run_info(self, body: dict[str, Any]) -> None:
         """Retained, so an agent that starts later still learns what to train.
@@ -182,7 +159,7 @@ class MqttTransport:
         try:
             if finished:
                 self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
-            if self._claimed:   # a clean disconnect does not fire the will: say offline ourselves
+            if self._claim.held:   # a clean disconnect does not fire the will: say offline ourselves
                 self.link.publish(self._coord_topic, self._claim_message(False).encode(), retain=True, timeout=5,
                                   wait_offline=False)
         finally:

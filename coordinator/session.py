@@ -84,6 +84,8 @@ class FleetSession:
         self._rejected_before: dict[str, int] = {}
         self._pruned: dict[str, None] = {}
         """Agents pruned from the registry (oldest first, bounded)."""
+        self._gone: set[str] = set()
+        """Registered agents whose own process said offline (its heartbeats do not revive it)."""
         self._present: dict[str, str] = {}
         """Agents whose last status said online (registered or not yet), oldest first, bounded."""
         self._tokens = float(max(cfg.num_agents, cfg.min_agents or 0, 10))
@@ -346,6 +348,7 @@ class FleetSession:
         for a in gone:
             del self.registry.agents[a]
             self._reg_seq.pop(a, None)
+            self._gone.discard(a)
             self._pruned[a] = None          # if it comes back, it is asked to register again
             if len(self._pruned) > MAX_PRESENT:
                 del self._pruned[next(iter(self._pruned))]
@@ -404,10 +407,13 @@ class FleetSession:
         elif msg.type == "status":
             if msg.body["online"]:
                 self._present[msg.sender] = msg.body["instance"]
+                self._gone.discard(msg.sender)
                 if len(self._present) > MAX_PRESENT:
                     del self._present[next(iter(self._present))]
             elif self._present.get(msg.sender) == msg.body["instance"]:   # not a dead predecessor's will
                 del self._present[msg.sender]
+                if msg.sender in self.registry.agents:
+                    self._gone.add(msg.sender)
             self.registry.set_online(msg.sender, msg.body["online"], msg.body["instance"])
             if msg.body["online"] and msg.sender in self._pruned and msg.sender not in self.registry.agents:
                 del self._pruned[msg.sender]
@@ -415,6 +421,11 @@ class FleetSession:
             self.on_event("status", {"agent": msg.sender, "online": msg.body["online"]})
         elif msg.type == "heartbeat":
             self.registry.seen(msg.sender)
+            info = self.registry.agents.get(msg.sender)
+            if info is not None and info.registered and not info.online and msg.sender not in self._gone:
+                # alive, though its retained online status never reached us (RabbitMQ hands retained
+                # messages only to exact-topic subscriptions): its heartbeats say it is present
+                info.online = True
         elif msg.sender not in self.registry.agents:
             self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {msg.sender}")
         else:

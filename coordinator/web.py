@@ -112,9 +112,29 @@ class _Server:
         self.httpd.server_close()
 
 
+class _Served:
+    """An engine observer with its own HTTP server (``serve`` starts it, ``finish`` stops it)."""
+
+    _server: Optional[_Server] = None
+    engine: Any = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.port
+
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+
+    def finish(self, finished: bool) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
 # ================================================================ Prometheus
 
-class MetricsExporter:
+class MetricsExporter(_Served):
     """The run's Prometheus metrics, updated from engine events (names in docs/operations.md)."""
 
     def __init__(self, run_id: str, rounds: int):
@@ -122,8 +142,6 @@ class MetricsExporter:
 
         self.registry = CollectorRegistry()
         r = self.registry
-        self.engine: Any = None
-        self._server: Optional[_Server] = None
         self.info = Gauge("sfl_run_info", "The run served (value 1).", ["run"], registry=r)
         self.info.labels(run_id).set(1)
         self.rounds_planned = Gauge("sfl_rounds_planned", "Rounds the run config asks for.", registry=r)
@@ -164,19 +182,9 @@ class MetricsExporter:
                                token, "--metrics")
         return self
 
-    @property
-    def port(self) -> int:
-        assert self._server is not None
-        return self._server.port
-
     def attach(self, engine: Any) -> None:
-        self.engine = engine
+        super().attach(engine)
         self._fleet()
-
-    def finish(self, finished: bool) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     def _fleet(self) -> None:
         if self.engine is not None:
@@ -242,17 +250,14 @@ def _static(name: str) -> bytes:
     return resources.files("coordinator").joinpath("static", name).read_bytes()
 
 
-class FleetPage:
+class FleetPage(_Served):
     """``/`` (the page) and ``/api/state`` (what it draws) for one run directory."""
 
     def __init__(self, out_dir: Path, run_id: Optional[str] = None, rounds: Optional[int] = None):
         self.out_dir = Path(out_dir)
         self.run_id = run_id
         self.rounds = rounds
-        self.engine: Any = None
         self.status = "waiting for agents"
-        self._finished: Optional[bool] = None
-        self._server: Optional[_Server] = None
 
     def serve(self, host: str, port: int, token: Optional[str]) -> "FleetPage":
         page = _static("index.html")
@@ -262,20 +267,9 @@ class FleetPage:
         }, token, "--dashboard")
         return self
 
-    @property
-    def port(self) -> int:
-        assert self._server is not None
-        return self._server.port
-
-    def attach(self, engine: Any) -> None:
-        self.engine = engine
-
     def finish(self, finished: bool) -> None:
-        self._finished = finished
         self.engine = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        super().finish(finished)
 
     def __call__(self, event: str, data: dict[str, Any]) -> None:
         if event == "waiting":

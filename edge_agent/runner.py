@@ -36,6 +36,7 @@ from sfl_core.protocol import Message
 
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
+from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
 from edge_agent.profiler import measure_compute, measure_link
 
@@ -88,8 +89,9 @@ REGISTER_AGAIN_PREFIX = "not registered"
 """A ``reject`` whose reason starts so asks a registered agent to register again."""
 
 
-class AgentStopped(Exception):
-    """SIGTERM or Ctrl-C: raised in the main thread wherever it waits, so every wait wakes."""
+class AgentStopped(BaseException):
+    """SIGTERM or Ctrl-C: raised in the main thread wherever it waits, so every wait wakes (a
+    BaseException, like KeyboardInterrupt, so no ``except Exception`` on the way swallows it)."""
 
 
 class AgentRunner:
@@ -120,11 +122,7 @@ class AgentRunner:
         # knock each other off the broker while that is sorted out.
         self.instance = uuid.uuid4().hex[:12]
         self._status_topic = protocol.status_topic(opts.run_id, opts.agent_id)
-        self._own_status_seen = threading.Event()
-        self._rival: Optional[str] = None           # another instance online before our own status
-        self._rival_alive = threading.Event()       # ... and it spoke again after our status
-        self._answered: set[str] = set()            # rivals we have shown that we are alive
-        self._claimed = False
+        self._claim = Claim(self.instance, self._announce_online)
         self._runs_seen: set[str] = set()
         offline = Message("status", opts.run_id, opts.agent_id, {"online": False, "instance": self.instance}).encode()
         self.link = MqttLink(opts.broker, f"sfl-{opts.run_id}-{opts.agent_id}-{self.instance[:6]}", self._on_message,
@@ -154,7 +152,7 @@ class AgentRunner:
             # best effort and short: after a shutdown the broker may already be gone (an embedded
             # one stops with its coordinator), and a waiting agent would outlive its run. An agent
             # that lost the id to a running owner says nothing: the id's status is the owner's.
-            if self._claimed:
+            if self._claim.held:
                 self._publish_raw(self._status_topic, self._status(False).encode(), retain=True, timeout=3)
             self.link.close()
             if self.rejections.total:
@@ -170,26 +168,19 @@ class AgentRunner:
 
     # ================================================================ steps
     def _claim_id(self) -> None:
-        """Make sure no other running process uses our agent id on this broker.
-
-        Every agent process publishes a retained online status carrying its random instance
-        id, and reads its own status topic. The broker orders the messages of a topic, so of
-        two processes with one id exactly one sees the other's status *before* its own: that
-        one is the newcomer. It waits ``claim_s`` for the other to show it is alive (a running
-        agent answers a newcomer's status by repeating its own); silence means a dead
-        predecessor (a crash before its last will fired), and the id is taken over.
-        """
-        if not self._own_status_seen.wait(10):
-            log.info("our own status did not come back (the broker's ACL may not let agents read it): "
-                     "duplicate agent ids cannot be detected")
-        elif self._rival is not None and self._rival_alive.wait(self.o.claim_s):
+        """Make sure no other running process uses our agent id on this broker
+        (:class:`~sfl_core.transport.claim.Claim` on our status topic; docs/protocol.md §7.7)."""
+        rival = self._claim.decide(self.o.claim_s)
+        if rival is not None:
             raise DuplicateAgentError(
                 f"agent id {self.o.agent_id!r} is already in use by another running agent on "
                 f"{self.link.address.url()} (run {self.o.run_id!r}); give every agent its own --agent-id")
-        elif self._rival is not None:
+        if not self._claim.own_seen:
+            log.info("our own status did not come back (the broker's ACL may not let agents read it): "
+                     "duplicate agent ids cannot be detected")
+        elif self._claim.rival is not None:
             log.info("agent id %s was last announced by another process that no longer answers: taking it over",
                      self.o.agent_id)
-        self._claimed = True
 
     def _wait_run_info(self) -> Message:
         log.info("waiting for the coordinator's description of run %s", self.o.run_id)
@@ -454,22 +445,10 @@ class AgentRunner:
         except wire.WireError as exc:
             self.rejections.reject(exc.reason, f"message on {self._status_topic}: {exc}")
             return
-        other = msg.body["instance"]
-        if other == self.instance:
-            self._own_status_seen.set()
-        elif not msg.body["online"]:
-            return                                   # a predecessor's last will: it is gone
-        elif not self._own_status_seen.is_set():
-            self._rival = other                      # announced before us: we are the newcomer
-        elif other == self._rival:
-            self._rival_alive.set()                  # it answered our status: it runs
-        elif other not in self._answered:
-            # a newcomer with our id: show it that we run (once per newcomer, so two processes never
-            # answer each other forever); it will exit
-            self._answered.add(other)
+        answered = self._claim.observe(msg.body)
+        if answered is not None and msg.body["online"]:
             log.warning("another process (instance %s) started with our agent id %s; telling it that this "
-                        "one runs", other, self.o.agent_id)
-            self._announce_online()
+                        "one runs", answered, self.o.agent_id)
 
     def _status(self, online: bool) -> Message:
         return self._msg("status", {"online": online, "instance": self.instance})

@@ -227,3 +227,20 @@ def test_the_signing_key_is_kept_with_the_run(tmp_path):
     with pytest.raises(signing.TrustError, match="not an unencrypted PEM private key"):
         signing.Signer.load_or_create(key)
 
+
+
+def test_two_agents_with_one_index_are_warned_about(tmp_path, caplog):
+    cfg = _cfg(tmp_path)
+
+    class T:
+        def send(self, a, m):
+            return 0
+    reg = Registry(10)
+    session = FleetSession(cfg, T(), reg, virtual=False, now=lambda: 0.0, on_event=lambda *a: None,
+                           on_drop=lambda a: None)
+    for agent in ("pi-1", "pi-2"):
+        body = protocol.register_body(index=4, profile=load_profile("s2fl-low-low"), measured={},
+                                      label_counts=[1] * 10, num_samples=10, emulate=False, resume={}, privacy={})
+        session.dispatch(Message("register", cfg.run_id, agent, body, seq=protocol.next_seq()), None)
+    assert "agent pi-2 registered with --index 4, which agent pi-1 also uses" in caplog.text
+    assert sorted(reg.agents) == ["pi-1", "pi-2"]                      # a warning, not a refusal

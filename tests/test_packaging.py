@@ -157,14 +157,25 @@ def test_profiles_come_from_the_package(installed: Installed):
     assert float(p.stdout) > 0
 
 
-def test_packaged_demo_config_simulates_one_round(installed: Installed):
-    demo = installed.site / "sfl_profiles" / "runs" / "demo.yaml"
-    installed.run(installed.bin("sfl-coord"), "simulate", "-c", demo, "--rounds", "1", "--quiet", timeout=180)
+def test_packaged_demo_config_simulates_one_round_by_name_and_the_page_shows_it(installed: Installed):
+    """`simulate -c demo` (the shipped run config by name, from any directory), then the live
+    page and the Grafana dashboard from the installed package."""
+    installed.run(installed.bin("sfl-coord"), "simulate", "-c", "demo", "--rounds", "1", "--quiet", timeout=180)
     from coordinator.state import METRICS_FILE
 
     metrics = installed.work / "runs" / "demo" / METRICS_FILE   # output_dir null: relative to the cwd
     rounds = [json.loads(line)["round"] for line in metrics.read_text().splitlines()]
     assert rounds[-1] == 1, rounds   # (round 0: the initial model's evaluation)
+    p = installed.py("import json, pathlib, urllib.request, coordinator\n"
+                     "from coordinator.web import start_dashboard\n"
+                     "page = start_dashboard('127.0.0.1:0', pathlib.Path('runs/demo'))\n"
+                     "html = urllib.request.urlopen(f'http://127.0.0.1:{page.port}/').read().decode()\n"
+                     "st = json.loads(urllib.request.urlopen(f'http://127.0.0.1:{page.port}/api/state').read())\n"
+                     "page.finish(True)\n"
+                     "grafana = pathlib.Path(coordinator.__file__).parent / 'static' / 'grafana-dashboard.json'\n"
+                     "print('<title>sfl-edge: fleet</title>' in html, len(st['fleet']), st['status'],\n"
+                     "      len(json.loads(grafana.read_text())['panels']) > 0)")
+    assert p.stdout.split()[:2] == ["True", "4"] and p.stdout.split()[-1] == "True", p.stdout
 
 
 def test_profiles_dir_override_still_wins(installed: Installed, tmp_path: Path):
