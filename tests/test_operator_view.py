@@ -204,3 +204,14 @@ def test_s2fl_warmup_says_it_trains_everyone():
     method = build_method(cfg, build_model("small_cnn", (1, 8, 8), 10), model_costs("small_cnn", (1, 8, 8), 10))
     (note,) = method.notes(40)
     assert "warm-up rounds 1-" in note and "every registered agent (40), not per_round (8)" in note
+
+
+def test_the_summary_table_piped_is_as_wide_as_its_content(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": "piped", "model": "small_cnn", "data": {"dataset": "digits"},
+                                    "fleet": [{"profile": "s2fl-high-high", "count": 2}], "rounds": 1,
+                                    "strategy": "sfl", "local_iters": 2, "output_dir": str(tmp_path / "out")}))
+    r = CliRunner().invoke(cli.app, ["simulate", "-c", str(path), "--quiet"], terminal_width=80)
+    assert r.exit_code == 0, r.output
+    assert "s2fl-high-high" in r.output and "sim-001" in r.output and "…" not in r.output, r.output
+    assert f"metrics: {tmp_path / 'out' / 'metrics.jsonl'}" in r.output        # a path on one line
