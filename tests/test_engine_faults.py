@@ -155,6 +155,14 @@ def _model_state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
 
 
+def _small_cnn_without(key: str) -> dict[str, torch.Tensor]:
+    from sfl_core.models import build_model
+
+    state = build_model("small_cnn", (1, 8, 8), 10).state_dict()
+    assert key in state
+    return {k: v for k, v in state.items() if k != key}
+
+
 def test_checkpoint_is_one_unit_state_json_is_only_a_copy(tmp_path):
     """The torn pair of the old layout (model of round N, state of round N-1) cannot happen: the
     state travels inside checkpoint.pt. Even with state.json of an older round beside it (a kill
@@ -234,6 +242,9 @@ def _bad_files(out: Path) -> dict[str, tuple]:
         "tensors that do not fit": (foreign({"format": ckpt.FORMAT,
                                              "state": json.dumps({"round": 1, "model": "small_cnn"}),
                                              "model": _model_state(4)}), "does not fit this run's model"),
+        "a tensor missing": (foreign({"format": ckpt.FORMAT, "state": json.dumps({"round": 1, "model": "small_cnn"}),
+                                      "model": _small_cnn_without("blocks.0.0.weight")}),
+                             "lacks the tensor(s) blocks.0.0.weight"),
     }
 
 
