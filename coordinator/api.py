@@ -16,6 +16,8 @@ process: the ``sfl-coord`` CLI maps them to one line and an exit status.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -191,16 +193,13 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
                 console.print(f"WARNING: the embedded broker listens on {host} without TLS or authentication "
                               f"(--insecure-listen): anyone on that network can read and inject this run's "
                               f"messages", style="bold yellow", markup=False)
-        import os
-        import socket
         transport_args = dict(signer=signer, where={"pid": os.getpid(), "host": socket.gethostname(),
                                                     "out_dir": str(out.resolve())})
         display = RunDisplay(cfg.rounds, console=console, quiet=quiet)
         events = _Events([display, *(observers or [])])
         # every check that can refuse a resume runs here, in the engine's constructor, before
         # anything reaches the broker (its transport is built but not connected)
-        placeholder = _Unconnected()
-        engine = RoundEngine(cfg, placeholder, WallClock(), (data.x_test, data.y_test),
+        engine = RoundEngine(cfg, _Unconnected(), WallClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
                              device=shards.device if shards else pick_device(device), on_event=events,
                              checkpoint=checkpoint, preprocessing=data.preprocessing, shards=shards)

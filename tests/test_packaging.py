@@ -157,15 +157,27 @@ def test_profiles_come_from_the_package(installed: Installed):
     assert float(p.stdout) > 0
 
 
-def test_packaged_demo_config_simulates_one_round_by_name_and_the_page_shows_it(installed: Installed):
-    """`simulate -c demo` (the shipped run config by name, from any directory), then the live
-    page and the Grafana dashboard from the installed package."""
+def test_packaged_demo_by_name_resume_auto_metrics_and_page(installed: Installed):
+    """`simulate -c demo` (the shipped run config by name, from any directory), `--resume auto`
+    (what the shipped unit runs), then the metrics endpoint, the live page and the Grafana
+    dashboard from the installed package."""
     installed.run(installed.bin("sfl-coord"), "simulate", "-c", "demo", "--rounds", "1", "--quiet", timeout=180)
     from coordinator.state import METRICS_FILE
 
     metrics = installed.work / "runs" / "demo" / METRICS_FILE   # output_dir null: relative to the cwd
     rounds = [json.loads(line)["round"] for line in metrics.read_text().splitlines()]
     assert rounds[-1] == 1, rounds   # (round 0: the initial model's evaluation)
+    # what the shipped unit runs after a crash: --resume auto continues from the checkpoint
+    installed.run(installed.bin("sfl-coord"), "simulate", "-c", "demo", "--rounds", "2", "--resume", "auto",
+                  "--quiet", timeout=180)
+    rounds = [json.loads(line)["round"] for line in metrics.read_text().splitlines()]
+    assert rounds == [0, 1, 2], rounds
+    p = installed.py("import types, urllib.request\n"
+                     "from coordinator.web import start_metrics\n"
+                     "m = start_metrics('127.0.0.1:0', types.SimpleNamespace(run_id='demo', rounds=2))\n"
+                     "print(urllib.request.urlopen(f'http://127.0.0.1:{m.port}/metrics').read().decode().count('sfl_'))\n"
+                     "m.finish(True)")
+    assert int(p.stdout.strip()) > 10, p.stdout
     p = installed.py("import json, pathlib, urllib.request, coordinator\n"
                      "from coordinator.web import start_dashboard\n"
                      "page = start_dashboard('127.0.0.1:0', pathlib.Path('runs/demo'))\n"
