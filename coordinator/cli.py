@@ -131,19 +131,29 @@ def _resume_mode(value: Optional[str]) -> "bool | str":
     raise typer.Exit(2)
 
 
-def _observers(cfg: RunConfig, metrics: Optional[str], dashboard: Optional[str], token: Optional[str]) -> list:
-    """The metrics exporter and the live page, bound before the run starts (a taken port or a
-    non-loopback address without a token is a configuration error: exit 2)."""
+def _web_access(token: Optional[str], cert: Optional[Path], key: Optional[Path], insecure: bool) -> "WebAccess":
+    from coordinator.web import WebAccess
+
+    if bool(cert) != bool(key):
+        _say("--web-tls-cert and --web-tls-key go together")
+        raise typer.Exit(2)
+    return WebAccess(token=token, tls=(str(cert), str(key)) if cert and key else None, insecure=insecure)
+
+
+def _observers(cfg: RunConfig, metrics: Optional[str], dashboard: Optional[str], access: "WebAccess") -> list:
+    """The metrics exporter and the live page, bound before the run starts (a taken port, or a
+    non-loopback address without a token and TLS, is a configuration error: exit 2)."""
     from coordinator.web import WebError, start_dashboard, start_metrics
 
+    scheme = "https" if access.tls else "http"
     observers = []
     try:
         if metrics:
-            observers.append(start_metrics(metrics, cfg, token=token))
-            _say(f"metrics: http://{metrics}/metrics", style="dim")
+            observers.append(start_metrics(metrics, cfg, access))
+            _say(f"metrics: {scheme}://{metrics}/metrics", style="dim")
         if dashboard:
-            observers.append(start_dashboard(dashboard, output_dir(cfg), cfg, token=token))
-            _say(f"live fleet page: http://{dashboard}/" + ("?token=..." if token else ""), style="dim")
+            observers.append(start_dashboard(dashboard, output_dir(cfg), cfg, access))
+            _say(f"live fleet page: {scheme}://{dashboard}/" + ("?token=..." if access.token else ""), style="dim")
     except WebError as exc:
         for obs in observers:
             obs.finish(False)
@@ -220,8 +230,14 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
           dashboard: Optional[str] = typer.Option(None, "--dashboard", metavar="HOST:PORT", help="Serve the live "
                                                   "fleet page at http://HOST:PORT/, e.g. 127.0.0.1:8080."),
           dashboard_token: Optional[str] = typer.Option(None, "--dashboard-token", envvar="SFL_DASHBOARD_TOKEN",
-                                                        help="Require ?token=... on the page (needed to serve it, "
-                                                        "or the metrics, beyond loopback)."),
+                                                        help="Require ?token=... on the page and the metrics "
+                                                        "(needed to serve them beyond loopback)."),
+          web_tls_cert: Optional[Path] = typer.Option(None, "--web-tls-cert", help="Serve the page and the "
+                                                      "metrics over HTTPS with this certificate (PEM)."),
+          web_tls_key: Optional[Path] = typer.Option(None, "--web-tls-key", help="The certificate's key (PEM)."),
+          insecure_web: bool = typer.Option(False, "--insecure-web", help="Serve the page and the metrics "
+                                            "beyond loopback without TLS (the token crosses the network in "
+                                            "clear)."),
           server_workers: int = typer.Option(1, min=1, help="Server processes that share the round's agents "
                                              "(torch.distributed: gloo on CPU, NCCL with one GPU each); needs "
                                              "--broker. Or start every rank with torchrun."),
@@ -246,7 +262,8 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
              "has neither TLS nor passwords)")
         raise typer.Exit(2)
     how = _resume_mode(resume)
-    observers = _observers(cfg, metrics, dashboard, dashboard_token)
+    observers = _observers(cfg, metrics, dashboard, _web_access(dashboard_token, web_tls_cert, web_tls_key,
+                                                                insecure_web))
     workers = []
     if server_workers > 1 and "RANK" not in os.environ:   # not started by torchrun: start ranks 1..N-1
         workers = launch_workers(server_workers, sys.argv[1:])
@@ -545,20 +562,27 @@ def dashboard(run_dir: Path = typer.Argument(..., help="A run's output directory
                                              "finished)."),
               listen: str = typer.Option("127.0.0.1:8080", "--listen", help="Where the page listens (HOST:PORT)."),
               token: Optional[str] = typer.Option(None, "--token", envvar="SFL_DASHBOARD_TOKEN",
-                                                  help="Require ?token=... (needed beyond loopback).")) -> None:
+                                                  help="Require ?token=... (needed beyond loopback)."),
+              tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="Serve over HTTPS with this "
+                                                      "certificate (PEM)."),
+              tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="The certificate's key (PEM)."),
+              insecure: bool = typer.Option(False, "--insecure", help="Beyond loopback without TLS (the token "
+                                            "crosses the network in clear).")) -> None:
     """Serve the live fleet page over a run's files until Ctrl-C or SIGTERM."""
     from coordinator.web import WebError, start_dashboard
 
     if not run_dir.is_dir():
         _say(f"{run_dir}: not a directory (a run's output directory, e.g. runs/demo)")
         raise typer.Exit(2)
+    access = _web_access(token, tls_cert, tls_key, insecure)
     try:
-        page = start_dashboard(listen, run_dir, token=token)
+        page = start_dashboard(listen, run_dir, access=access)
     except WebError as exc:
         _say(str(exc))
         raise typer.Exit(2)
     host = listen.rpartition(":")[0] or "127.0.0.1"
-    _say(f"fleet page of {run_dir}: http://{host}:{page.port}/" + ("?token=..." if token else "")
+    _say(f"fleet page of {run_dir}: {'https' if access.tls else 'http'}://{host}:{page.port}/"
+         + ("?token=..." if token else "")
          + " (Ctrl-C to stop)", style="green")
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())

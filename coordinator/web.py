@@ -2,8 +2,10 @@
 
 Both are event sinks of the round engine (``serve(..., observers=[...])``) served by a small
 threaded HTTP server of the standard library on their own thread, so a slow scrape or
-browser never holds up a round. Like the embedded broker they listen on loopback unless
-a token is set: a request then needs ``Authorization: Bearer TOKEN`` or ``?token=TOKEN``.
+browser never holds up a round. Like the embedded broker they listen on loopback only,
+unless the operator gives a token (a request then needs ``Authorization: Bearer TOKEN`` or
+``?token=TOKEN``) *and* either a TLS certificate (HTTPS) or the flag that says the token may
+cross the network in clear (``insecure``).
 
 - ``/metrics`` (:class:`MetricsExporter`): the names are documented in docs/operations.md
   and used by the shipped Grafana dashboard (``coordinator/static/grafana-dashboard.json``).
@@ -20,11 +22,13 @@ import hmac
 import ipaddress
 import json
 import logging
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qs, urlparse
 
@@ -40,7 +44,17 @@ class WebError(ValueError):
     """An address that cannot be served (taken, malformed, beyond loopback without a token)."""
 
 
-def parse_address(text: str, what: str, token: Optional[str]) -> tuple[str, int]:
+@dataclass(frozen=True)
+class WebAccess:
+    """Who may reach the page and the metrics: ``token`` (a credential), ``tls`` (certificate
+    and key files: HTTPS), ``insecure`` (beyond loopback without TLS, said explicitly)."""
+
+    token: Optional[str] = None
+    tls: Optional[tuple[str, str]] = None
+    insecure: bool = False
+
+
+def parse_address(text: str, what: str, access: WebAccess = WebAccess()) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -49,9 +63,12 @@ def parse_address(text: str, what: str, token: Optional[str]) -> tuple[str, int]
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback and not token:
+    if not loopback and not access.token:
         raise WebError(f"{what} {text}: beyond loopback only with a token (--dashboard-token or "
                        f"SFL_DASHBOARD_TOKEN): the page and the metrics name the fleet's devices")
+    if not loopback and not access.tls and not access.insecure:
+        raise WebError(f"{what} {text}: beyond loopback only over HTTPS (--web-tls-cert and --web-tls-key), or "
+                       f"with --insecure-web (the token and the fleet's data then cross the network in clear)")
     return host, int(port)
 
 
@@ -60,7 +77,7 @@ class _Server:
     (status, content type, body)."""
 
     def __init__(self, host: str, port: int, routes: dict[str, Callable[[dict], tuple[int, str, bytes]]],
-                 token: Optional[str], what: str):
+                 access: WebAccess, what: str):
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -92,11 +109,20 @@ class _Server:
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("%s: " + fmt, what, *args)
 
-        self.token = token
+        self.token = access.token
         try:
             self.httpd = ThreadingHTTPServer((host, port), Handler)
         except OSError as exc:
             raise WebError(f"{what} {host}:{port}: cannot listen ({exc.strerror})") from None
+        if access.tls:
+            try:
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                context.load_cert_chain(*access.tls)
+            except (OSError, ssl.SSLError) as exc:
+                self.httpd.server_close()
+                raise WebError(f"{what}: cannot use the TLS certificate {access.tls[0]} and key {access.tls[1]} "
+                               f"({exc})") from None
+            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name=what, daemon=True)
@@ -174,12 +200,12 @@ class MetricsExporter(_Served):
         self._assigned: dict[str, tuple[str, ...]] = {}
         self._step_at = time.monotonic()
 
-    def serve(self, host: str, port: int, token: Optional[str]) -> "MetricsExporter":
+    def serve(self, host: str, port: int, access: WebAccess = WebAccess()) -> "MetricsExporter":
         from prometheus_client import generate_latest
 
         self._server = _Server(host, port, {"/metrics": lambda q: (200, CONTENT_TYPE_PROM,
                                                                    generate_latest(self.registry))},
-                               token, "--metrics")
+                               access, "--metrics")
         return self
 
     def attach(self, engine: Any) -> None:
@@ -239,9 +265,9 @@ class MetricsExporter(_Served):
         self._fleet()
 
 
-def start_metrics(address: str, cfg: Any, token: Optional[str] = None) -> MetricsExporter:
-    host, port = parse_address(address, "--metrics", token)
-    return MetricsExporter(cfg.run_id, cfg.rounds).serve(host, port, token)
+def start_metrics(address: str, cfg: Any, access: WebAccess = WebAccess()) -> MetricsExporter:
+    host, port = parse_address(address, "--metrics", access)
+    return MetricsExporter(cfg.run_id, cfg.rounds).serve(host, port, access)
 
 
 # ================================================================ the live fleet page
@@ -259,12 +285,12 @@ class FleetPage(_Served):
         self.rounds = rounds
         self.status = "waiting for agents"
 
-    def serve(self, host: str, port: int, token: Optional[str]) -> "FleetPage":
+    def serve(self, host: str, port: int, access: WebAccess = WebAccess()) -> "FleetPage":
         page = _static("index.html")
         self._server = _Server(host, port, {
             "/": lambda q: (200, "text/html; charset=utf-8", page),
             "/api/state": lambda q: (200, "application/json", json.dumps(self.state()).encode()),
-        }, token, "--dashboard")
+        }, access, "--dashboard")
         return self
 
     def finish(self, finished: bool) -> None:
@@ -359,6 +385,6 @@ def _read_json(path: Path) -> Optional[dict[str, Any]]:
     return doc if isinstance(doc, dict) else None
 
 
-def start_dashboard(address: str, out_dir: Path, cfg: Any = None, token: Optional[str] = None) -> FleetPage:
-    host, port = parse_address(address, "--dashboard", token)
-    return FleetPage(out_dir, cfg.run_id if cfg else None, cfg.rounds if cfg else None).serve(host, port, token)
+def start_dashboard(address: str, out_dir: Path, cfg: Any = None, access: WebAccess = WebAccess()) -> FleetPage:
+    host, port = parse_address(address, "--dashboard", access)
+    return FleetPage(out_dir, cfg.run_id if cfg else None, cfg.rounds if cfg else None).serve(host, port, access)

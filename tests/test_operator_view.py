@@ -17,7 +17,8 @@ from coordinator import cli
 from coordinator import state as ckpt
 from coordinator.api import run_simulation
 from coordinator.run_lock import RunLock, holder
-from coordinator.web import FleetPage, MetricsExporter, WebError, parse_address, start_dashboard, start_metrics
+from coordinator.web import (FleetPage, MetricsExporter, WebAccess, WebError, parse_address, start_dashboard,
+                            start_metrics)
 from sfl_core.config import run_config_from_dict
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "coordinator" / "static" / "grafana-dashboard.json"
@@ -114,13 +115,48 @@ def test_metrics_follow_a_run_and_the_grafana_dashboard_queries_only_exported_na
     assert families - shown <= {"sfl_run_info"}, families - shown
 
 
-def test_metrics_and_page_need_a_token_beyond_loopback(tmp_path):
+def _self_signed(tmp_path: Path) -> tuple[str, str]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    return str(tmp_path / "c.pem"), str(tmp_path / "k.pem")
+
+
+def test_metrics_and_page_need_a_token_and_tls_beyond_loopback(tmp_path):
+    import ssl
+
     with pytest.raises(WebError, match="beyond loopback only with a token"):
-        parse_address("0.0.0.0:9464", "--metrics", None)
-    assert parse_address("0.0.0.0:9464", "--metrics", "s3cret") == ("0.0.0.0", 9464)
+        parse_address("0.0.0.0:9464", "--metrics")
+    with pytest.raises(WebError, match="beyond loopback only over HTTPS"):
+        parse_address("0.0.0.0:9464", "--metrics", WebAccess(token="s3cret"))
+    tls = _self_signed(tmp_path)
+    assert parse_address("0.0.0.0:9464", "--metrics", WebAccess(token="s3cret", tls=tls)) == ("0.0.0.0", 9464)
+    assert parse_address("0.0.0.0:9464", "--metrics", WebAccess(token="s3cret", insecure=True)) == ("0.0.0.0", 9464)
     with pytest.raises(WebError, match="expected HOST:PORT"):
-        parse_address("9464", "--metrics", None)
-    exporter = MetricsExporter("r", 3).serve("127.0.0.1", 0, "s3cret")
+        parse_address("9464", "--metrics")
+    page = FleetPage(tmp_path).serve("127.0.0.1", 0, WebAccess(token="s3cret", tls=tls))
+    try:
+        ctx = ssl.create_default_context(cafile=tls[0])
+        ctx.check_hostname = False
+        doc = urllib.request.urlopen(f"https://127.0.0.1:{page.port}/api/state?token=s3cret", context=ctx,
+                                     timeout=5).read()
+        assert json.loads(doc)["status"] == "not started"
+    finally:
+        page.finish(True)
+    exporter = MetricsExporter("r", 3).serve("127.0.0.1", 0, WebAccess(token="s3cret"))
     try:
         url = f"http://127.0.0.1:{exporter.port}/metrics"
         with pytest.raises(urllib.error.HTTPError, match="401"):
