@@ -23,7 +23,7 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -617,5 +617,27 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int) -> Spli
         raise ValueError(f"model {name!r}: num_classes must be an int >= 1, got {num_classes!r}")
     norm = spec.norm or _NATIVE_NORM.get(spec.name, "batch")
     model = _BUILDERS[spec.name](shape, int(num_classes), width=spec.width, norm=norm)
+    if not isinstance(model, SplitModel):
+        model = as_split_model(spec.name, model, shape, int(num_classes))
     model.name = str(spec)
     return model
+
+
+def as_split_model(name: str, module: Any, input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+    """A user's model as a :class:`SplitModel`: an ``nn.Sequential`` (each child a block), or a
+    module that lists its blocks in ``blocks``. Every block boundary is a candidate split; the
+    default split is the middle one. ValueError in one line for anything else."""
+    if isinstance(module, nn.Sequential):
+        names = [f"{key}:{type(child).__name__}" for key, child in module.named_children()]
+        blocks = list(module.children())
+    elif isinstance(getattr(module, "blocks", None), (nn.ModuleList, nn.Sequential, list, tuple)):
+        blocks = list(module.blocks)
+        names = [f"{i}:{type(b).__name__}" for i, b in enumerate(blocks)]
+    else:
+        raise ValueError(f"model {name!r}: its builder returned a {type(module).__name__}, not a SplitModel, an "
+                         f"nn.Sequential or a module with a 'blocks' list (docs: 'Your own model')")
+    if not all(isinstance(b, nn.Module) for b in blocks) or len(blocks) < 2:
+        raise ValueError(f"model {name!r}: needs at least two blocks (nn.Module each) to split between, got "
+                         f"{len(blocks)}")
+    n = len(blocks)
+    return SplitModel(name, blocks, range(1, n), max(1, n // 2), input_shape, num_classes, block_names=names)
