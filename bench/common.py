@@ -27,7 +27,9 @@ from typing import Any, Callable, Sequence
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-DEFAULT_FASHION_MNIST = Path("/work/shared/datasets/fashion-mnist")
+DATASETS_DIR = Path(os.environ.get("SFL_DATASETS", REPO_ROOT.parent / "shared" / "datasets"))
+"""Real data sets: $SFL_DATASETS, else shared/datasets beside the repository."""
+DEFAULT_FASHION_MNIST = DATASETS_DIR / "fashion-mnist"
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))

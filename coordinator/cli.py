@@ -24,6 +24,7 @@ from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_p
 from sfl_core.data import DatasetError, load_dataset
 from sfl_core.methods import build_method
 from sfl_core.models import build_model, model_names
+from sfl_core.console import say
 from sfl_core.version import version_option
 
 from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
@@ -66,8 +67,7 @@ def _main(version: Optional[bool] = version_option("sfl-coord")) -> None:
 
 
 def _say(text: str, style: str = "red") -> None:
-    """One line, never wrapped (log files and grep see it whole), no markup read from paths."""
-    console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+    say(console, text, style)
 
 
 def _setup_logging(verbose: bool) -> None:

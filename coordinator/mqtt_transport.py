@@ -31,8 +31,6 @@ from sfl_core.transport.mqtt_link import MqttLink
 log = logging.getLogger("sfl.coord.mqtt")
 
 MAX_PROBE_REPLY = 4 * 2**20
-MAX_PROBED = 100_000
-"""Agents remembered as having probed the link (a registration needs one); oldest forgotten first."""
 
 
 class DuplicateCoordinatorError(RuntimeError):
@@ -68,7 +66,7 @@ class MqttTransport:
         self._coord_topic = protocol.coordinator_topic(run_id)
         self._claim = Claim(self.instance, self._announce)
         self.probed: "dict[str, None]" = {}
-        """Agents whose link probe we answered (insertion-ordered, at most MAX_PROBED)."""
+        """Agents whose link probe we answered (a registration needs one; bounded, oldest out)."""
         self.max_bytes = max_bytes
         self.chunk_bytes = chunk_bytes
         self.publish_timeout_s = publish_timeout_s
@@ -278,9 +276,7 @@ class MqttTransport:
         if not 0 <= n <= MAX_PROBE_REPLY:
             self.rejections.reject("invalid", f"probe from {msg.sender}: reply_bytes {n} outside 0..{MAX_PROBE_REPLY}")
             return
-        self.probed[msg.sender] = None
-        if len(self.probed) > MAX_PROBED:
-            del self.probed[next(iter(self.probed))]
+        protocol.remember(self.probed, msg.sender)
         ack = Message("probe_ack", self.run_id, COORDINATOR_ID, {"nonce": msg.body["nonce"], "pad": bytes(n)},
                       seq=protocol.next_seq())
         self.send(msg.sender, ack)

@@ -30,11 +30,9 @@ log = logging.getLogger("sfl.coord")
 RETRY_S = 5.0
 """Seconds after which the last message to an agent that reports itself idle is sent again."""
 MAX_RESENDS = 3
+"""An agent that stays idle through this many resends (it rejects what we send) is dropped."""
 REGISTER_AGAIN = "not registered (forgotten while silent): register again"
 """The ``reject`` reason that asks an agent to register again (docs/protocol.md)."""
-MAX_PRESENT = 100_000
-"""Online statuses remembered for agents not (yet) registered; the oldest are forgotten first."""
-"""An agent that stays idle through this many resends (it rejects what we send) is dropped."""
 
 Event = Callable[[str, dict[str, Any]], None]
 
@@ -349,9 +347,7 @@ class FleetSession:
             del self.registry.agents[a]
             self._reg_seq.pop(a, None)
             self._gone.discard(a)
-            self._pruned[a] = None          # if it comes back, it is asked to register again
-            if len(self._pruned) > MAX_PRESENT:
-                del self._pruned[next(iter(self._pruned))]
+            protocol.remember(self._pruned, a)   # if it comes back, it is asked to register again
         if gone:
             log.info("pruned %d silent agent(s) that never trained: %s", len(gone), ", ".join(gone[:5])
                      + (" ..." if len(gone) > 5 else ""))
@@ -406,10 +402,8 @@ class FleetSession:
             self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
         elif msg.type == "status":
             if msg.body["online"]:
-                self._present[msg.sender] = msg.body["instance"]
+                protocol.remember(self._present, msg.sender, msg.body["instance"])
                 self._gone.discard(msg.sender)
-                if len(self._present) > MAX_PRESENT:
-                    del self._present[next(iter(self._present))]
             elif self._present.get(msg.sender) == msg.body["instance"]:   # not a dead predecessor's will
                 del self._present[msg.sender]
                 if msg.sender in self.registry.agents:

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
+from sfl_core.console import say
 from sfl_core.version import version_option   # standard library and typer only, no torch
 
 # torch-using modules (sfl_core.models, .data, .config via .wire, edge_agent.profiler) are imported
@@ -23,8 +24,7 @@ console = Console(stderr=True)
 
 
 def _say(text: str, style: str = "red") -> None:
-    """One line, never wrapped (journald and grep see it whole), no markup read from paths."""
-    console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+    say(console, text, style)
 
 
 @app.callback()

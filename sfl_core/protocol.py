@@ -260,6 +260,19 @@ class Rejections:
             return sum(self._counts.values())
 
 
+MAX_REMEMBERED = 100_000
+"""Entries a receiver keeps about senders it cannot vouch for (ids seen online, probed, pruned)."""
+
+
+def remember(table: dict[str, Any], key: str, value: Any = None, limit: int = MAX_REMEMBERED) -> None:
+    """Put ``key`` into an insertion-ordered ``table`` that never grows past ``limit`` (the
+    oldest entry goes first): a flood of invented ids costs bounded memory."""
+    table.pop(key, None)
+    table[key] = value
+    if len(table) > limit:
+        del table[next(iter(table))]
+
+
 class ReplayGuard:
     """The highest ``seq`` seen per sender, which is what makes a replay recognisable.
 

@@ -5,6 +5,7 @@ module (not a test module), so tests import it instead of importing each other."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+DATASETS = Path(os.environ.get("SFL_DATASETS", REPO.parent / "shared" / "datasets"))
+"""The real data sets for tests that use them when present: $SFL_DATASETS, else shared/ beside the repository."""
 PROFILES = ["s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high"]
 
 

@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import DATASETS
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-FASHION = Path("/work/shared/datasets/fashion-mnist")
+FASHION = DATASETS / "fashion-mnist"
 # real data when this machine has it, else the bundled digits (still real images)
 DATA = str(FASHION) if FASHION.is_dir() else "digits"
 

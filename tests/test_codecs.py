@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from sfl_core import wire
 from sfl_core.models import build_model
 from sfl_core.wire import WireError
+from helpers import DATASETS
 
-MNIST = Path("/work/shared/datasets/mnist")
+MNIST = DATASETS / "mnist"
 FLOAT = ("float32", "float16")  # what the engine and agent pass: "a float tensor"
 LOSSY = ("bf16", "int8", "topk10", "topk1")
 

@@ -14,8 +14,9 @@ import torch
 
 from sfl_core import data as data_mod
 from sfl_core.data import DATASET_NAMES, Dataset, DatasetError, load_dataset
+from helpers import DATASETS
 
-SHARED = Path("/work/shared/datasets")
+SHARED = DATASETS
 
 
 @pytest.fixture(autouse=True)
