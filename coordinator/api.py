@@ -22,11 +22,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+import torch
 from rich.console import Console
 
 from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.config import RunConfig
 from sfl_core.data import Dataset, DatasetError, load_dataset
+from sfl_core.fingerprint import architecture
+from sfl_core.user_models import user_model_fields
 from sfl_core.accounting import model_costs
 from sfl_core.methods import build_method
 from sfl_core.models import build_model
@@ -55,9 +58,31 @@ def output_dir(cfg: RunConfig) -> Path:
 
 def _dataset(cfg: RunConfig) -> Dataset:
     try:
+        if cfg.task is not None:
+            return task_eval_set(cfg)
         return load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
     except DatasetError as exc:
         raise RunError(str(exc)) from None
+
+
+def task_eval_set(cfg: RunConfig) -> Dataset:
+    """A run on the devices' own data: the server holds no training data, only its validation
+    set (``eval.data``: its held-out split if it has one, else all of it), scaled and resized
+    like the devices' inputs. Standardisation is the engine's, once the fleet agrees on it."""
+    from sfl_core.local_data import load_local
+
+    task = cfg.task
+    assert task is not None
+    empty = torch.empty((0, *task.input_shape))
+    x, y = empty, torch.empty(0, dtype=torch.int64)
+    if cfg.eval.data is not None:
+        held = load_local(cfg.eval.data, task, cfg.data.bad_files)
+        part = held.val if held.val is not None else held.train
+        x, y = part.x, part.y
+        if held.skipped:
+            log.warning("eval.data %s: skipped %d unreadable file(s), e.g. %s", cfg.eval.data, len(held.skipped),
+                        held.skipped[0][0])
+    return Dataset("local", empty, torch.empty(0, dtype=torch.int64), x, y, task.num_classes, preprocessing={})
 
 
 Resume = Union[bool, str]
@@ -132,14 +157,23 @@ def _parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def run_info_body(cfg: RunConfig, data) -> dict:
+def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dict:
+    """What agents read first. A run on the devices' own data adds its task contract, the
+    standardisation constants when already known (given, or restored by ``--resume``), and
+    its model's fingerprint."""
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     method = build_method(cfg, model, model_costs(cfg.model, data.input_shape, data.num_classes))
     splits = method.splits_to_time()   # the split points the agents should time: the ones they can be assigned
-    return {"model": cfg.model, "dataset": cfg.data.dataset, "input_shape": list(data.input_shape),
-            "num_classes": data.num_classes, "splits": splits,
+    body = {"model": cfg.model, "dataset": cfg.data.dataset if cfg.task is None else "local",
+            "input_shape": list(data.input_shape), "num_classes": data.num_classes, "splits": splits,
             "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},
             "num_agents": cfg.num_agents}
+    body.update(user_model_fields(cfg.model))
+    if cfg.task is not None:
+        body.update(task={**cfg.task.to_wire(), "bad_files": cfg.data.bad_files}, architecture=architecture(model))
+        if normalize is not None:
+            body["normalize"] = normalize
+    return body
 
 
 def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, resume: Resume = False,
@@ -228,7 +262,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
                 obs.attach(engine)
         if on_broker is not None:
             on_broker(broker)
-        transport.publish_run_info(run_info_body(cfg, data))
+        transport.publish_run_info(run_info_body(cfg, data, engine.known_normalization()))
         with display:
             history = engine.run()
         finished = True
@@ -312,7 +346,10 @@ def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tup
         except RuntimeError as exc:
             raise RunError(str(exc)) from exc
     else:
-        transport = build_fleet(cfg, data, dev)
+        try:
+            transport = build_fleet(cfg, data, dev)
+        except DatasetError as exc:
+            raise RunError(str(exc)) from None
     try:
         with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
             engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),

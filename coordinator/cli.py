@@ -100,16 +100,17 @@ def _load(config: Path, rounds: Optional[int], output: Optional[Path], data: Opt
         cfg = dataclasses.replace(cfg, output_dir=str(output))
     if data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(data)))
-    try:    # read the data set now, so a wrong path names where it came from (cached for the run)
-        ds = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
-    except DatasetError as exc:
-        field = "data.image_size" if str(exc).startswith("image_size") else "data.root"
-        where = "--data" if data is not None and field == "data.root" else f"{config}: field '{field}'"
-        _say(f"{where}: {exc}")
-        raise typer.Exit(2)
+    if cfg.task is None:
+        try:    # read the data set now, so a wrong path names where it came from (cached for the run)
+            ds = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+        except DatasetError as exc:
+            field = "data.image_size" if str(exc).startswith("image_size") else "data.root"
+            where = "--data" if data is not None and field == "data.root" else f"{config}: field '{field}'"
+            _say(f"{where}: {exc}")
+            raise typer.Exit(2)
+    shape, classes = _shape_and_classes(cfg)
     try:    # settings only the model can judge (a cut it lacks, a bottleneck wider than the cut)
-        build_method(cfg, run_model(cfg, ds.input_shape, ds.num_classes),
-                     model_costs(cfg.model, ds.input_shape, ds.num_classes))
+        build_method(cfg, run_model(cfg, shape, classes), model_costs(cfg.model, shape, classes))
     except ValueError as exc:
         _say(f"{config}: {exc}")
         raise typer.Exit(2)
@@ -399,11 +400,40 @@ def models(model: Optional[str] = typer.Argument(None, help="A zoo model (see th
         print(format_cost_table(model_costs(name, shape, classes), m.block_names))
 
 
+def _shape_and_classes(cfg: "RunConfig") -> tuple[tuple[int, ...], int]:
+    """The per-sample input shape and class count of a run, without loading any data."""
+    from sfl_core.data import input_shape_of
+
+    if cfg.task is not None:
+        return tuple(cfg.task.input_shape), cfg.task.num_classes
+    return input_shape_of(cfg.data.dataset, cfg.data.image_size), 10
+
+
+def _label_counts(cfg: "RunConfig") -> list[list[int]]:
+    """Each agent's label counts for ``plan``: its own data (a task run's fleet ``data``), else
+    its shard of the built-in set by the run's partition. DatasetError names what is wrong."""
+    from sfl_core.partition import partition_indices
+
+    if cfg.task is not None:
+        from sfl_core.local_data import load_local
+        counts = []
+        for i, path in enumerate(cfg.agent_data()):
+            if path is None:
+                raise DatasetError(f"fleet: agent {i} has no 'data': planning a run on the devices' own data needs "
+                                   f"each fleet entry's data path")
+            counts.append(load_local(path, cfg.task, cfg.data.bad_files).train.label_counts(cfg.task.num_classes))
+        return counts
+    ds = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+    labels = ds.y_train.numpy()
+    shards = partition_indices(labels, cfg.num_agents, cfg.data.partition, alpha=cfg.data.alpha, seed=cfg.data.seed,
+                               num_classes=ds.num_classes)
+    return [[int((labels[s] == c).sum()) for c in range(ds.num_classes)] for s in shards]
+
+
 def _models_for_run(config: Path) -> None:
     """The run's model, one row per cut with the round it would take on the run's fleet."""
     from sfl_core.accounting import split_note
     from sfl_core.config import load_profile
-    from sfl_core.data import input_shape_of
     from sfl_core.sliding_split import fleet_round_time
 
     try:
@@ -411,9 +441,9 @@ def _models_for_run(config: Path) -> None:
     except ConfigError as exc:
         _say(str(exc))
         raise typer.Exit(2)
-    shape = input_shape_of(cfg.data.dataset, cfg.data.image_size)
-    m = build_model(cfg.model, shape, 10)
-    costs = model_costs(cfg.model, shape, 10)
+    shape, classes = _shape_and_classes(cfg)
+    m = build_model(cfg.model, shape, classes)
+    costs = model_costs(cfg.model, shape, classes)
     profiles = [load_profile(p) for p in dict.fromkeys(cfg.agent_profiles())]
     samples = cfg.batch_size * cfg.local_iters
 
@@ -445,21 +475,17 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     from sfl_core.methods.auto import decide_widths
     from sfl_core.fleet import fleet_of
     from sfl_core.methods.preview import preview, variants
-    from sfl_core.partition import partition_indices
 
     cfg = _load(config, None, None, data)
     try:
-        ds = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+        counts = _label_counts(cfg)
     except DatasetError as exc:
         _say(str(exc))
         raise typer.Exit(2)
     n = cfg.num_agents
-    labels = ds.y_train.numpy()
-    shards = partition_indices(labels, n, cfg.data.partition, alpha=cfg.data.alpha, seed=cfg.data.seed,
-                               num_classes=ds.num_classes)
-    counts = [[int((labels[s] == c).sum()) for c in range(ds.num_classes)] for s in shards]
-    model = build_model(cfg.model, ds.input_shape, ds.num_classes)
-    costs = model_costs(cfg.model, ds.input_shape, ds.num_classes)
+    shape, classes = _shape_and_classes(cfg)
+    model = build_model(cfg.model, shape, classes)
+    costs = model_costs(cfg.model, shape, classes)
     agents = fleet_of(cfg, counts)
     rows = preview(cfg, model, costs, agents)
     per_round = cfg.per_round or n

@@ -54,11 +54,25 @@ class RunDisplay:
             p.console.print(f"dropped {data['agent']}: {data['reason']}", style="yellow", markup=False, soft_wrap=True)
         elif event == "round_end":
             p.advance(t)
-            p.console.print(f"round {data['round']:>3}  acc {data['accuracy']:.4f}  loss {data['test_loss']:.3f}  "
+            p.console.print(f"round {data['round']:>3}  acc {_num(data['accuracy'], 4)}  loss "
+                            f"{_num(data['test_loss'], 3)}  {_federated(data)}"
                             f"{len(data.get('completed') or [])}/{len(data.get('selected') or [])} agents  "
                             f"{data['round_time_s']:.2f} s {data['clock']}  up {_mb(data['bytes_up'])} "
                             f"down {_mb(data['bytes_down'])}", soft_wrap=True)
-            p.update(t, status=f"accuracy {data['accuracy']:.3f}")
+            p.update(t, status=f"accuracy {_num(data['accuracy'], 3)}")
+
+
+def _num(v: Optional[float], digits: int) -> str:
+    """A metric, or '-' where the run does not measure it (no server validation data)."""
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _federated(record: dict[str, Any]) -> str:
+    """The devices' held-out accuracy (federated evaluation), where the round measured it."""
+    fed = record.get("federated")
+    if not fed or fed.get("accuracy") is None:
+        return ""
+    return f"devices' acc {fed['accuracy']:.4f} ({fed['count']} held out)  "
 
 
 def print_table(console: Console, table: Table) -> None:
@@ -82,8 +96,11 @@ def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
     if history:
         last = history[-1]
         clock = last["clock"]
-        title = (f"final accuracy {last['accuracy']:.4f} after {last['round']} rounds, "
-                 f"{last['elapsed_s']:.1f} s ({clock} clock)")
+        fed = next((m["federated"] for m in reversed(history) if (m.get("federated") or {}).get("accuracy")
+                    is not None), None)
+        title = (f"final accuracy {_num(last['accuracy'], 4)}"
+                 + (f" (devices' held-out: {fed['accuracy']:.4f})" if fed else "")
+                 + f" after {last['round']} rounds, {last['elapsed_s']:.1f} s ({clock} clock)")
     caption = ("seconds from the time model (device profiles, real bytes); not this host's time"
                if clock == "virtual" else "seconds as measured")
     table = Table(title=title, caption=caption)
@@ -101,11 +118,15 @@ def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
 def status_table(metrics: list[dict[str, Any]], title: str) -> Table:
     """Per-round metrics that fit an 80-column terminal: bytes in kB/MB, short headers."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("round", "accuracy", "loss", "round s", "elapsed s", "wait s", "up", "down"):
+    federated = any(m.get("federated") for m in metrics)
+    for col in ("round", "accuracy", "loss", *(("devices' acc",) if federated else ()), "round s", "elapsed s",
+                "wait s", "up", "down"):
         table.add_column(col, justify="right", no_wrap=True)
     for m in metrics:
-        table.add_row(str(m["round"]), f"{m['accuracy']:.4f}", f"{m['test_loss']:.4f}", f"{m['round_time_s']:.2f}",
-                      f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}", _mb(m["bytes_up"]), _mb(m["bytes_down"]))
+        fed = [_num((m.get("federated") or {}).get("accuracy"), 4)] if federated else []
+        table.add_row(str(m["round"]), _num(m["accuracy"], 4), _num(m["test_loss"], 4), *fed,
+                      f"{m['round_time_s']:.2f}", f"{m['elapsed_s']:.1f}", f"{m['waiting_s']:.2f}",
+                      _mb(m["bytes_up"]), _mb(m["bytes_down"]))
     return table
 
 

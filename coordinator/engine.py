@@ -26,7 +26,9 @@ from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
 from sfl_core.config import RunConfig
 from sfl_core.methods import AgentRound, RoundPlan, build_method
-from sfl_core.models import SplitModel
+from sfl_core.fingerprint import architecture, digest
+from sfl_core.models import SplitModel, build_model
+from sfl_core.preprocessing import ChannelStats, Normalization, preprocessing_record
 from sfl_core.privacy import privacy_summary
 from sfl_core.protocol import Message
 
@@ -107,9 +109,17 @@ class RoundEngine:
         self.device = torch.device(device)
         self.on_event = on_event or (lambda _e, _d: None)
         self._now: Callable[[], float] = getattr(transport, "live_time", time.monotonic)
-        self.registry = Registry(num_classes, now=self._now)
         torch.manual_seed(cfg.seed)
         self.model: SplitModel = run_model(cfg, self.input_shape, num_classes).to(self.device)
+        task = cfg.task
+        self.registry = Registry(num_classes, now=self._now,
+                                 channels=task.input_shape[0] if task is not None and task.normalize == "federated"
+                                 else None,
+                                 architecture=digest(architecture(build_model(cfg.model, self.input_shape, num_classes)))
+                                 if task is not None else None)
+        self.normalization: Optional[Normalization] = None
+        """A task run's standardisation constants (None until known); a built-in data set comes standardised."""
+        self._x_scaled = self.x_test   # a task run's validation inputs before standardisation
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
@@ -123,8 +133,17 @@ class RoundEngine:
                                     follower=shards is not None and not shards.leader)
         self.start_round = 1
         self.history: list[dict[str, Any]] = []
+        if task is not None and isinstance(task.normalize, tuple):
+            self._standardise(Normalization(*task.normalize))
+        elif task is not None and task.normalize == "none":
+            self._standardise(Normalization((0.0,) * task.input_shape[0], (1.0,) * task.input_shape[0]))
         if checkpoint is not None:
             self._resume(*checkpoint)
+        if task is not None and not len(self.y_test):
+            note = ("no validation data on the server (eval.data): the global model's accuracy is not measured "
+                    "here")
+            log.warning(note)
+            self.on_event("notice", {"text": note})
 
     def use_transport(self, transport: Transport) -> None:
         """Connect the engine to its transport once the broker is reached (a deployment builds
@@ -146,6 +165,8 @@ class RoundEngine:
         manager restarts only failed services).
         """
         self.session.wait_for_agents()
+        if self.cfg.task is not None and self.normalization is None:
+            self._federated_normalization()
         notes = self.method.notes(len(self.registry.agents))
         notes += [split_note(self.costs, s, self.input_shape) for s in self.method.configured_splits]
         for note in filter(None, notes):
@@ -160,6 +181,34 @@ class RoundEngine:
             self.shards.broadcast(None)   # the server workers stop
             self.shards.close()
         return self.history
+
+    def known_normalization(self) -> Optional[dict[str, list[float]]]:
+        """The constants as the run description carries them, if known before the fleet registers."""
+        return self.normalization.to_wire() if self.normalization is not None and self.cfg.task is not None else None
+
+    def _standardise(self, norm: Normalization) -> None:
+        """Adopt the run's constants: the validation set is standardised with them and the model
+        records them (what ``sfl-agent predict --raw`` applies)."""
+        task = self.cfg.task
+        assert task is not None
+        self.normalization = norm
+        self.x_test = norm.apply(self._x_scaled) if len(self._x_scaled) else self._x_scaled
+        self.preprocessing = preprocessing_record(task.scale, norm, task.resize,
+                                                  None if task.resize else task.input_shape, task.classes)
+
+    def _federated_normalization(self) -> None:
+        """``normalize: federated``: combine the registered agents' channel statistics, once,
+        before round 1 (a late joiner, and a resumed run, use the same constants)."""
+        parts = {a: s for a, s in self.registry.channel_stats.items()
+                 if a in self.registry.agents and self.registry.agents[a].registered}
+        if not parts:
+            raise RoundFailed("normalize: federated, but no registered agent sent its channel statistics")
+        norm = ChannelStats.combine(parts.values())
+        self._standardise(norm)
+        text = (f"standardisation from {len(parts)} agent(s), {sum(p.count for p in parts.values())} values per "
+                f"channel: mean {[round(m, 4) for m in norm.mean]}, std {[round(v, 4) for v in norm.std]}")
+        log.info(text)
+        self.on_event("notice", {"text": text})
 
     def serve_shard(self) -> None:
         """A server worker other than the leader: train the rows of this rank's agents, round after
@@ -225,8 +274,11 @@ class RoundEngine:
             key = (ra.assignment.split, ra.assignment.width)
             if key not in bodies:
                 bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
-            self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                          ra.assignment.to_body(bodies[key]), round=r, seq=protocol.next_seq()))
+            body = ra.assignment.to_body(bodies[key])
+            if self.cfg.task is not None and self.normalization is not None:
+                body["normalize"] = self.normalization.to_wire()
+            self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
+                                          seq=protocol.next_seq()))
         # server workers step together even in a round without split agents (each step is a collective)
         losses = self._train_steps(r, agents, mine) if split_agents or self.shards is not None else []
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
@@ -503,6 +555,7 @@ class RoundEngine:
         self.method.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
+        federated = self._federated_evaluation(r, agents, done)
         record = {
             "round": r, "accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
             "round_time_s": round(round_s, 4), "elapsed_s": round(self.clock.elapsed, 4),
@@ -514,6 +567,8 @@ class RoundEngine:
             "selected": sorted(plan.splits), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
             "agents": per_agent, "rejected": self.session.rejected_since_last_round(),
         }
+        if federated is not None:
+            record["federated"] = federated
         record.update(self.method.round_metrics())
         record.update(privacy_summary(per_agent))
         self.history.append(record)
@@ -524,9 +579,45 @@ class RoundEngine:
             "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
             **self.method.to_json(),
-            "model_info": describe_model(self.model, self.cfg.data.dataset, self.preprocessing)})  # lets `sfl-coord export` rebuild it
+            "model_info": describe_model(self.model, self._dataset_name(), self.preprocessing),  # lets `sfl-coord export` rebuild it
+            **({"normalize": self.normalization.to_wire()} if self.cfg.task is not None and self.normalization else {})})
         self.on_event("round_end", record)
         return record
+
+    def _federated_evaluation(self, r: int, agents: dict[str, RoundAgent], done: list[str]) -> Optional[dict[str, Any]]:
+        """Every ``eval.federated_every`` rounds, the round's completed agents score the new global
+        model on their held-out splits; their loss, accuracy and count, and the count-weighted
+        mean (None in other rounds). An agent that does not answer is dropped as in any step."""
+        every = self.cfg.eval.federated_every
+        if not every or r % every or not done:
+            return None
+        body: dict[str, Any] = {
+            "model": self.cfg.model, "weights": wire.encode_state(self.model.state_dict(), self.cfg.zstd_level),
+            "bottlenecks": [[int(s), int(p.width), int(p.infer_width)] for s, p in self.model.bottlenecks.items()]}
+        if self.cfg.task is not None and self.normalization is not None:
+            body["normalize"] = self.normalization.to_wire()
+        step = self.cfg.local_iters   # after the round's last training step
+        for a in done:
+            if a in agents:
+                self.session.send(agents[a], Message("evaluate", self.cfg.run_id, protocol.COORDINATOR_ID, body,
+                                                     round=r, step=step, seq=protocol.next_seq()))
+        replies = self.session.collect(agents, "evaluation", r, step, only=[a for a in done if a in agents])
+        per_agent: dict[str, dict[str, Any]] = {}
+        for a, msg in replies.items():
+            b = msg.body
+            if not (0 <= b["correct"] <= b["count"]) or not math.isfinite(b["loss"]) or b["loss"] < 0:
+                self.session.rejections.reject("invalid", f"evaluation from {a}: correct {b['correct']} of "
+                                                          f"{b['count']}, loss {b['loss']}")
+                continue
+            if b["count"]:
+                per_agent[a] = {"accuracy": b["correct"] / b["count"], "loss": float(b["loss"]), "count": b["count"]}
+        total = sum(v["count"] for v in per_agent.values())
+        return {"accuracy": sum(v["accuracy"] * v["count"] for v in per_agent.values()) / total if total else None,
+                "loss": sum(v["loss"] * v["count"] for v in per_agent.values()) / total if total else None,
+                "count": total, "agents": per_agent}
+
+    def _dataset_name(self) -> str:
+        return "local" if self.cfg.task is not None else self.cfg.data.dataset
 
     def _record_initial(self) -> None:
         """Round 0: the untrained model's accuracy, so curves start at time zero."""
@@ -539,8 +630,11 @@ class RoundEngine:
         ckpt.append_metrics(self.out_dir, record)
 
     @torch.no_grad()
-    def evaluate(self, batch_size: int = 1024) -> tuple[float, float]:
-        """Accuracy and mean loss of the full global model on the held-out test set."""
+    def evaluate(self, batch_size: int = 1024) -> tuple[Optional[float], Optional[float]]:
+        """Accuracy and mean loss of the full global model on the held-out test set (None, None
+        without one: a task run whose server holds no validation data)."""
+        if not len(self.y_test):
+            return None, None
         self.model.eval()
         correct, total_loss = 0, 0.0
         for i in range(0, len(self.y_test), batch_size):
@@ -574,6 +668,9 @@ class RoundEngine:
             self.registry.load_totals(st.get("registry", {}))
             self.method.load_json(st)
             restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
+            if self.cfg.task is not None and st.get("normalize") is not None:
+                self._standardise(Normalization.from_wire(st["normalize"], self.cfg.task.input_shape[0],
+                                                          "checkpoint normalize"))
             elapsed = float(st.get("elapsed_s", 0.0))
         except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__

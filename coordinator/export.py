@@ -15,6 +15,7 @@ from sfl_core.accounting import model_costs
 from sfl_core.methods.auto import decide_widths, within_bottleneck
 from sfl_core.models import SplitModel, build_model
 from sfl_core.onnx_export import export_onnx
+from sfl_core.user_models import describe_source, register_described
 
 from coordinator import state as ckpt
 
@@ -34,6 +35,8 @@ def describe_model(model: SplitModel, dataset: Optional[str] = None,
     return {
         "name": model.name, "input_shape": list(model.input_shape), "num_classes": model.num_classes,
         "dataset": dataset, "preprocessing": preprocessing or None,
+        "classes": (preprocessing or {}).get("classes"),
+        **describe_source(model.name),
         "bottlenecks": [{"split": int(s), "width": int(p.width), "infer_width": int(p.infer_width)}
                         for s, p in model.bottlenecks.items()],
     }
@@ -62,6 +65,7 @@ def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) 
 
 def rebuild_model(info: dict[str, Any]) -> SplitModel:
     """The untrained model :func:`describe_model` described (load the checkpoint into it)."""
+    register_described(info)   # a user's model: its file on this machine, or its layer list
     model = build_model(info["name"], info["input_shape"], int(info["num_classes"]))
     for b in info.get("bottlenecks") or []:
         model.add_bottleneck(int(b["split"]), int(b["width"]))
@@ -135,5 +139,5 @@ def export_run(run_dir: Path, out: Path, split: Optional[int] = None,
     if split is not None and model.bottleneck(split) is not None:
         extra["bottleneck_width"] = model.bottleneck(split).width
     return export_onnx(module, out, input_shape=model.input_shape, model_name=model.name,
-                       num_classes=model.num_classes, split=split, output_kind="logits" if whole else "activations",
+                       num_classes=model.num_classes, split=split, class_names=info.get("classes"), output_kind="logits" if whole else "activations",
                        extra=extra)

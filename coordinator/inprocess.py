@@ -15,7 +15,7 @@ import torch
 
 from sfl_core import protocol, wire
 from sfl_core.config import RunConfig, load_profile
-from sfl_core.data import Dataset
+from sfl_core.data import Dataset, DatasetError
 from sfl_core.partition import partition_indices
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
@@ -90,14 +90,57 @@ class SimAgent:
     input_shape: tuple[int, ...]
     seed: int
     privacy: AgentPrivacy = AgentPrivacy()
+    standardise: bool = False
+    """Its own data (a task run): scaled, standardised with the run's constants when they come."""
+    x_val: Optional[torch.Tensor] = None
+    y_val: Optional[torch.Tensor] = None
+    """Its held-out split (a task run), for federated evaluation."""
 
     def core(self, run_id: str, device: str | torch.device = "cpu") -> AgentCore:
+        held_out = LocalData(self.x_val, self.y_val, self.num_classes) if self.x_val is not None else None
         return AgentCore(self.agent_id, run_id, LocalData(self.x, self.y, self.num_classes), self.input_shape,
-                         seed=self.seed, device=device, privacy=self.privacy)
+                         seed=self.seed, device=device, privacy=self.privacy, standardise=self.standardise,
+                         held_out=held_out)
+
+
+def own_data_agents(cfg: RunConfig) -> tuple[list[SimAgent], list[Message]]:
+    """A task run's simulated devices, each reading its own ``data`` through the agents' loaders."""
+    from sfl_core.fingerprint import architecture, digest
+    from sfl_core.models import build_model
+    from sfl_core.preprocessing import ChannelStats
+    from edge_agent.own_data import load_for_task
+
+    task = cfg.task
+    assert task is not None
+    arch = digest(architecture(build_model(cfg.model, task.input_shape, task.num_classes)))
+    agents, registrations = [], []
+    for i, (profile_name, path) in enumerate(zip(cfg.agent_profiles(), cfg.agent_data())):
+        if path is None:
+            raise DatasetError(f"fleet: agent {i} ({profile_name}) has no 'data': simulating a run on the devices' "
+                               f"own data needs each fleet entry's data path")
+        own = load_for_task(path, task, cfg.data.bad_files)
+        agent = SimAgent(f"sim-{i:03d}", i, own.train.x, own.train.y, task.num_classes, tuple(task.input_shape),
+                         seed=cfg.seed * 1000 + i, privacy=cfg.privacy.agent(), standardise=True,
+                         x_val=own.val.x if own.val is not None else None,
+                         y_val=own.val.y if own.val is not None else None)
+        extra = {"architecture": arch}
+        if task.normalize == "federated":
+            extra["channel_stats"] = ChannelStats.of(own.train.x).to_wire()
+        agents.append(agent)
+        registrations.append(Message(
+            "register", cfg.run_id, agent.agent_id, round=0, seq=1,
+            body=protocol.register_body(index=i, profile=load_profile(profile_name), measured={},
+                                        label_counts=own.train.label_counts(task.num_classes),
+                                        num_samples=len(own.train), emulate=True, resume={},
+                                        privacy=agent.privacy.describe(), extra=extra)))
+    return agents, registrations
 
 
 def fleet_agents(cfg: RunConfig, data: Dataset) -> tuple[list[SimAgent], list[Message]]:
-    """Every agent of the config with its shard, and the registration each one sends first."""
+    """Every agent of the config with its shard (or, in a task run, its own data), and the
+    registration each one sends first."""
+    if cfg.task is not None:
+        return own_data_agents(cfg)
     shards = partition_indices(data.y_train.numpy(), cfg.num_agents, cfg.data.partition, alpha=cfg.data.alpha,
                                seed=cfg.data.seed, num_classes=data.num_classes)
     agents, registrations = [], []

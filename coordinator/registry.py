@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from sfl_core import wire
 from sfl_core.config import ConfigError, profile_from_dict
 from sfl_core.fleet import AgentInfo
+from sfl_core.preprocessing import ChannelStats
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
 
@@ -19,10 +20,18 @@ class Registry:
     """``now`` is the liveness clock: the coordinator passes one that stands still while its
     broker is unreachable, so an outage does not make every agent look silent."""
 
-    def __init__(self, num_classes: int, now: Callable[[], float] = time.monotonic):
+    def __init__(self, num_classes: int, now: Callable[[], float] = time.monotonic, *,
+                 channels: Optional[int] = None, architecture: Optional[str] = None):
+        """``channels``: a task run's input channels (the size of the agents' ``channel_stats``);
+        ``architecture``: the digest of the run's model (:mod:`sfl_core.fingerprint`), which an
+        agent that sends its own must match."""
         self.num_classes = num_classes
         self.now = now
+        self.channels = channels
+        self.architecture = architecture
         self.agents: dict[str, AgentInfo] = {}
+        self.channel_stats: dict[str, ChannelStats] = {}
+        """Registered agents' input statistics (``normalize: federated``), until the constants are set."""
 
     def register(self, msg: Message) -> AgentInfo:
         """Validate a ``register`` body and add or refresh the agent (re-registration keeps its totals)."""
@@ -42,6 +51,18 @@ class Registry:
             privacy = AgentPrivacy.from_description(b.get("privacy", {})).describe()
         except ValueError as exc:
             raise wire.WireError(f"register.privacy: {exc}") from None
+        theirs = b.get("architecture")
+        if self.architecture is not None and theirs is not None and theirs != self.architecture:
+            raise wire.WireError(f"its model is not the run's (architecture {theirs}, the run's {self.architecture}): "
+                                 f"install the same model code on the device")
+        stats = None
+        if "channel_stats" in b:
+            if self.channels is None:
+                raise wire.WireError("register.channel_stats: this run does not standardise from the devices' data")
+            try:
+                stats = ChannelStats.from_wire(b["channel_stats"], self.channels)
+            except ValueError as exc:
+                raise wire.WireError(str(exc)) from None
         old = self.agents.get(msg.sender)
         info = AgentInfo(agent_id=msg.sender, index=b["index"], profile=profile, measured=dict(b["measured"]),
                          label_counts=list(counts), num_samples=b["num_samples"], last_seen=self.now(),
@@ -50,6 +71,8 @@ class Registry:
             for total in TOTALS:
                 setattr(info, total, getattr(old, total))
         self.agents[msg.sender] = info
+        if stats is not None:
+            self.channel_stats[msg.sender] = stats
         return info
 
     def seen(self, agent_id: str) -> None:

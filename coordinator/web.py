@@ -179,6 +179,10 @@ class MetricsExporter(_Served):
         self.accuracy = Gauge("sfl_accuracy", "Test accuracy of the global model after the last round.", registry=r)
         self.test_loss = Gauge("sfl_test_loss", "Test loss of the global model after the last round.", registry=r)
         self.train_loss = Gauge("sfl_train_loss", "Mean training loss of the last round.", registry=r)
+        self.federated_accuracy = Gauge("sfl_federated_accuracy", "Accuracy of the global model on the devices' "
+                                        "held-out splits (count-weighted), last federated evaluation.", registry=r)
+        self.federated_loss = Gauge("sfl_federated_loss", "Loss of the global model on the devices' held-out "
+                                    "splits (count-weighted), last federated evaluation.", registry=r)
         self.round_s = Histogram("sfl_round_duration_seconds", "Measured round time.", registry=r,
                                  buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
         self.step_s = Histogram("sfl_step_duration_seconds", "Time of one merged server step, from the previous "
@@ -235,8 +239,13 @@ class MetricsExporter(_Served):
     def _round(self, rec: dict[str, Any]) -> None:
         self.round.set(rec["round"])
         self.rounds.inc()
-        self.accuracy.set(rec["accuracy"])
-        self.test_loss.set(rec["test_loss"])
+        if rec.get("accuracy") is not None:   # None: the server holds no validation data
+            self.accuracy.set(rec["accuracy"])
+            self.test_loss.set(rec["test_loss"])
+        fed = rec.get("federated") or {}
+        if fed.get("accuracy") is not None:
+            self.federated_accuracy.set(fed["accuracy"])
+            self.federated_loss.set(fed["loss"])
         if rec.get("train_loss") is not None:
             self.train_loss.set(rec["train_loss"])
         self.round_s.observe(rec["round_time_s"])
@@ -372,6 +381,7 @@ class FleetPage(_Served):
 def _round_row(m: dict[str, Any]) -> dict[str, Any]:
     auto = m.get("auto") or {}
     return {"round": m["round"], "accuracy": m.get("accuracy"), "test_loss": m.get("test_loss"),
+            "federated_accuracy": (m.get("federated") or {}).get("accuracy"),
             "train_loss": m.get("train_loss"), "elapsed_s": m.get("elapsed_s"),
             "round_s": m.get("round_time_s"), "predicted_s": auto.get("predicted_round_s"),
             "completed": len(m.get("completed") or []), "bytes": (m.get("bytes_up") or 0) + (m.get("bytes_down") or 0)}

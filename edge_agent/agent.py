@@ -23,6 +23,7 @@ from sfl_core import protocol, wire
 from sfl_core.accounting import model_costs
 from sfl_core.assignment import Assignment
 from sfl_core.models import SplitModel, build_model
+from sfl_core.preprocessing import Normalization
 from sfl_core.privacy import (AgentPrivacy, clip_and_noise, clip_scales, distance_correlation, dp_epsilon, dp_sgd_gradients,
                               protect_label_grads)
 from sfl_core.protocol import Message
@@ -74,15 +75,26 @@ class BatchSampler:
 class AgentCore:
     def __init__(self, agent_id: str, run_id: str, data: LocalData, input_shape: tuple[int, ...],
                  *, seed: int = 0, compute_hook: Optional[ComputeHook] = None, device: str | torch.device = "cpu",
-                 privacy: AgentPrivacy = AgentPrivacy()):
+                 privacy: AgentPrivacy = AgentPrivacy(), standardise: bool = False,
+                 held_out: Optional[LocalData] = None):
         """``privacy``: what this agent keeps back (labels) and the defenses it applies to what
-        leaves (:mod:`sfl_core.privacy`); the coordinator needs to know nothing of them."""
+        leaves (:mod:`sfl_core.privacy`); the coordinator needs to know nothing of them.
+        ``standardise``: ``data.x`` is scaled but not standardised; every assignment carries the
+        run's constants (``normalize``), applied before training (a task run's own data).
+        ``held_out``: the device's held-out split, scored for federated evaluation (``evaluate``)."""
         self.agent_id = protocol.check_id("agent id", agent_id)
         self.run_id = run_id
         self.device = torch.device(device)  # simulations may put in-process agents on the GPU
         if self.device.type != "cpu":
             data = LocalData(data.x.to(self.device), data.y.to(self.device), data.num_classes)
+            if held_out is not None:
+                held_out = LocalData(held_out.x.to(self.device), held_out.y.to(self.device), held_out.num_classes)
         self.data = data
+        self.held_out = held_out
+        self._scaled = data.x if standardise else None
+        self._scaled_held_out = held_out.x if standardise and held_out is not None else None
+        self._evaluated: tuple[int, int] = (-1, -1)       # (round, seq) of the last evaluate answered
+        self.normalization: Optional[Normalization] = None
         self.input_shape = tuple(input_shape)
         self._sampler = BatchSampler(len(data), seed)
         self._compute_hook = compute_hook
@@ -119,6 +131,8 @@ class AgentCore:
             return self._on_gradients(msg)
         if msg.type == "logits":
             return self._on_logits(msg)
+        if msg.type == "evaluate":
+            return self._on_evaluate(msg)
         log.debug("agent %s ignores %s", self.agent_id, msg.type)
         return []
 
@@ -133,6 +147,7 @@ class AgentCore:
             return self._resend()
         # same round with a new seq: the coordinator restarted the round (e.g. after --resume)
         a = Assignment.from_body(msg.body)
+        self._standardise(msg.body.get("normalize"))
         model = self._model(a.model, a.split, a.width)
         model.check_split(a.split)
         if a.strategy == "fedavg" and a.split != model.num_blocks:
@@ -148,6 +163,21 @@ class AgentCore:
         if a.strategy == "fedavg":
             return self._remember([self._train_locally()])
         return self._remember([self._forward_next()])
+
+    def _standardise(self, constants: Optional[dict]) -> None:
+        """Standardise our inputs with the run's constants (once; again only if they change)."""
+        if self._scaled is None:
+            if constants is not None:
+                raise wire.WireError("assign.normalize: this agent's data comes standardised (a built-in data set)")
+            return
+        if constants is None:
+            raise wire.WireError("assign.normalize: missing; this run standardises with the fleet's constants")
+        norm = Normalization.from_wire(constants, self._scaled.shape[1], "assign.normalize")
+        if norm != self.normalization:
+            self.data = LocalData(norm.apply(self._scaled), self.data.y, self.data.num_classes)
+            if self.held_out is not None and self._scaled_held_out is not None:
+                self.held_out = LocalData(norm.apply(self._scaled_held_out), self.held_out.y, self.held_out.num_classes)
+            self.normalization = norm
 
     # ------------------------------------------------------------------ split training
     def _forward_next(self) -> Message:
@@ -309,6 +339,41 @@ class AgentCore:
         if self._compute_hook is not None:
             seconds = self._compute_hook(flops, seconds)
         self._compute_s += seconds
+
+    # ------------------------------------------------------------------ federated evaluation
+    @torch.no_grad()
+    def _on_evaluate(self, msg: Message) -> list[Message]:
+        """Score the global model on our held-out split; only loss, correct and count leave."""
+        if (msg.round, msg.seq) == self._evaluated or msg.round < self._evaluated[0]:
+            return self._resend()
+        self._standardise(msg.body.get("normalize"))
+        pairs = msg.body["bottlenecks"]
+        if len(pairs) > 8 or not all(isinstance(p, list) and len(p) == 3 and all(isinstance(v, int) and
+                                     not isinstance(v, bool) and v >= 1 for v in p) for p in pairs):
+            raise wire.WireError("evaluate.bottlenecks: expected up to 8 [split, width, infer_width] lists")
+        torch.manual_seed(0)   # structure only; the weights come with the message
+        model = build_model(msg.body["model"], self.input_shape, self.data.num_classes)
+        for split, width, infer_width in pairs:
+            model.check_split(split)
+            model.add_bottleneck(split, width).infer_width = min(width, infer_width)
+        state = wire.decode_state(msg.body["weights"], {k: v for k, v in model.state_dict().items()})
+        model.load_state_dict(state)
+        model.to(self.device).eval()
+        t0 = time.perf_counter()
+        loss, correct, count = 0.0, 0, 0
+        data = self.held_out
+        if data is not None:
+            for i in range(0, len(data), 256):
+                x, y = data.x[i:i + 256], data.y[i:i + 256]
+                logits = model(x)
+                loss += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct += int((logits.argmax(1) == y).sum())
+                count += len(y)
+        self._evaluated = (msg.round, msg.seq)
+        reply = Message("evaluation", self.run_id, self.agent_id, round=msg.round, step=msg.step,
+                        seq=protocol.next_seq(), body={"loss": loss / max(count, 1), "correct": correct,
+                                                       "count": count, "compute_s": time.perf_counter() - t0})
+        return self._remember([reply])
 
     def _model(self, name: str, split: int, width: int) -> SplitModel:
         """The model structure for an assignment (a bottleneck of ``width`` at ``split`` if width > 0)."""

@@ -6,7 +6,7 @@ import logging
 import signal
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -39,7 +39,7 @@ def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Opti
     from edge_agent.settings import use_config_file  # imports sfl_core.config (torch): only when used
 
     # 'data' is a directory and 'profile' a name or a YAML path: relative ones are relative to the file
-    return use_config_file(ctx, param, value, path_options={"data", "trust_file"},
+    return use_config_file(ctx, param, value, path_options={"data", "trust_file", "model_file"},
                             maybe_path_options={"profile"})   # coordinator_key: base64 has '/', never resolved
 
 
@@ -73,7 +73,10 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
           key_file: KeyFile = None,
           password_file: PasswordFile = None,
           run: str = typer.Option("demo", "--run", help="Run id announced by the coordinator."),
-          data: Optional[str] = typer.Option(None, "--data", help="Directory of the run's data set (not needed for 'digits')."),
+          data: Optional[str] = typer.Option(None, "--data", help="This device's data: an image folder "
+                                             "(<class>/<image> or train/<class>/..., optional val/), .npz, a folder "
+                                             "of x.npy/y.npy, CSV, Parquet, a Hugging Face data set (save_to_disk, "
+                                             "or hf:BUILDER:PATH); for a built-in benchmark set, its directory."),
           index: int = typer.Option(0, help="This agent's shard index in the run's partition."),
           shard_file: Optional[Path] = typer.Option(None, help="JSON/.npy file of training-set indices (instead of --index)."),
           agent_id: Optional[str] = typer.Option(None, help="Default: the broker user name (per-device credentials: "
@@ -104,9 +107,13 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                                         "seen for the run (pinned in --trust-file if given)."),
           trust_file: Optional[Path] = typer.Option(None, "--trust-file", help="Keep the coordinator key pinned "
                                                     "on first use here (JSON, run id -> key), across restarts."),
+          model_file: List[Path] = typer.Option([], "--model-file", metavar="PATH", help="A Python file of your own model "
+                                                "(the same file as the coordinator's 'model: FILE.py:FUNCTION'); "
+                                                "imported only when the run names it. Repeatable."),
           verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
-    from edge_agent.runner import AgentError, AgentOptions, AgentRunner, AgentStopped, DuplicateAgentError
+    from edge_agent.runner import (AgentError, AgentOptions, AgentRunner, AgentStopped, ContractError,
+                                   DuplicateAgentError)
     from sfl_core.signing import TrustError, Trust, parse_public
     from sfl_core.config import ConfigError, load_profile
     from sfl_core.data import DatasetError
@@ -155,7 +162,8 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     runner = AgentRunner(AgentOptions(broker=address, run_id=run, agent_id=name, profile=prof, index=index,
                                       data_root=data, shard_file=str(shard_file) if shard_file else None,
                                       emulate=emulate, slowdown=slowdown, seed=seed, privacy=privacy,
-                                      coordinator_key=key, trust_file=str(trust_file) if trust_file else None))
+                                      coordinator_key=key, trust_file=str(trust_file) if trust_file else None,
+                                      model_files=tuple(str(f) for f in model_file)))
 
     def on_signal(signum, frame):
         runner.stop()   # raises AgentStopped here, in the main thread, wherever it waits
@@ -170,13 +178,106 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     except DuplicateAgentError as exc:   # exit 2: a service manager must not restart into the same conflict
         _say(f"agent {name}: {exc}")
         raise typer.Exit(2)
-    except DatasetError as exc:          # exit 2: data that cannot be used is fixed by a person, not a restart
+    except (DatasetError, ContractError) as exc:   # exit 2: fixed by a person (data, model), not a restart
         _say(f"agent {name}: {exc}")
         raise typer.Exit(2)
     except (AgentError, ConnectionError, ValueError) as exc:
         _say(f"agent {name}: {exc}")
         raise typer.Exit(1)
     raise typer.Exit(code)
+
+
+@app.command("check-data")
+def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", help="The agent's settings file "
+                                                     "(what `start --config` reads): its data and model_file."),
+               data: Optional[str] = typer.Option(None, "--data", help="The device's data (default: 'data' in "
+                                                  "--config)."),
+               run_config: Optional[Path] = typer.Option(None, "--run-config", "-r", help="The run's config: check "
+                                                         "the data against its task (class names, input shape, "
+                                                         "preprocessing) and that its model builds here."),
+               model_file: List[Path] = typer.Option([], "--model-file", metavar="PATH",
+                                                      help="Your model's file (default: 'model_file' in --config)."),
+               fmt: str = typer.Option("text", "--format", help="text | json")) -> None:
+    """Load this device's data exactly as `start` would and say what it holds and whether it fits the run.
+
+    Exit status 0: it fits (or, without --run-config, it was read); 2: it does not, with one line saying why."""
+    import json as json_mod
+
+    from edge_agent.own_data import describe, load_for_task
+    from edge_agent.settings import command_option_specs, load_settings_file
+    from sfl_core.config import ConfigError, load_run_config
+    from sfl_core.data import DatasetError
+    from sfl_core.local_data import survey
+
+    logging.getLogger("sfl.agent").setLevel(logging.ERROR)   # the report below says it all, once
+    if fmt not in ("text", "json"):
+        _say(f"--format {fmt}: expected text or json")
+        raise typer.Exit(2)
+    settings: dict = {}
+    if config is not None:
+        start_cmd = typer.main.get_command(app).commands["start"]   # type: ignore[attr-defined]
+        specs = command_option_specs(start_cmd.params, exclude={"config"},
+                                     path_options={"data", "trust_file", "model_file"},
+                                     maybe_path_options={"profile"})
+        try:
+            settings = load_settings_file(config, specs)
+        except ConfigError as exc:
+            _say(str(exc))
+            raise typer.Exit(2)
+    path = data or settings.get("data")
+    files = [str(f) for f in model_file] or list(settings.get("model_file") or [])
+    if not path:
+        _say("no data: give --data PATH or 'data:' in the --config file")
+        raise typer.Exit(2)
+    report: dict = {"data": path}
+    try:
+        if run_config is None:
+            report.update(survey(path))
+            report["fits"] = None
+        else:
+            from sfl_core.fingerprint import architecture
+            from sfl_core.user_models import model_source, resolve_agent_model
+            cfg = load_run_config(run_config)   # registers a file model from the coordinator's path
+            if cfg.task is None:
+                raise ConfigError(f"{run_config}: has no 'task' section: its agents train on shards of "
+                                  f"{cfg.data.dataset}, not on their own data")
+            src = model_source(cfg.model)
+            if src is not None and files:   # this device's own copy of the model file, as start uses it
+                resolve_agent_model(Path(src[0]).name, src[1], files)
+            from sfl_core.models import build_model
+            report["model"] = {"name": cfg.model, "tensors": len(architecture(
+                build_model(cfg.model, cfg.task.input_shape, cfg.task.num_classes)))}
+            own = load_for_task(path, cfg.task, cfg.data.bad_files)
+            report.update(own.summary(cfg.task))
+            report["label_counts"] = own.train.label_counts(cfg.task.num_classes)
+            report["line"] = describe(own, cfg.task)
+            report["fits"] = True
+    except (DatasetError, ConfigError, ValueError) as exc:
+        report.update(fits=False, error=str(exc))
+    if fmt == "json":
+        print(json_mod.dumps(report, indent=1))
+    else:
+        _print_check(report)
+    raise typer.Exit(2 if report["fits"] is False else 0)
+
+
+def _print_check(report: dict) -> None:
+    if report.get("error"):
+        _say(f"{report['data']}: does not fit the run: {report['error']}")
+        return
+    if report["fits"] is None:
+        console.print(f"{report['data']} ({report['kind']}):", markup=False, highlight=False)
+        for line in report["lines"]:
+            console.print(f"  {line}", markup=False, highlight=False)
+        console.print("give --run-config run.yaml to check it against a run's task", style="dim", markup=False)
+        return
+    console.print(report["line"], markup=False, highlight=False, soft_wrap=True)
+    console.print(f"input shape {tuple(report['input_shape'])}; label counts it would register: "
+                  f"{report['label_counts']}", markup=False, highlight=False, soft_wrap=True)
+    for f in report["skipped_files"]:
+        console.print(f"  skipped {f}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"fits the run (model {report['model']['name']}, {report['model']['tensors']} tensors)",
+                  style="green", markup=False, highlight=False)
 
 
 @app.command()
@@ -204,7 +305,8 @@ def profile(model: str = typer.Option("small_cnn", help="A zoo model name (`sfl-
 def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coord export` (its .json sidecar beside it)."),
             inputs: Path = typer.Argument(..., help=".npy array (N x input shape, float32, or one sample), "
                                           "or .npz with key 'x'; preprocessed like the run's training data "
-                                          "(or raw pixels, with --raw)."),
+                                          "(or raw pixels, with --raw). With --raw also a photo, or a folder "
+                                          "of them (a <class>/<image> folder gives the true classes)."),
             output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the predictions as JSON."),
             labels_file: Optional[Path] = typer.Option(None, "--labels", help="The inputs' true classes (.npy of "
                                                        "integers, or .npz with key 'y'): adds a 'true' column "
@@ -219,18 +321,24 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
     import numpy as np
     from rich.table import Table
 
-    from sfl_core.onnx_export import OnnxError, OnnxPredictor, load_inputs, load_labels, preprocess_raw, softmax
+    from sfl_core.onnx_export import (IMAGE_SUFFIXES, OnnxError, OnnxPredictor, load_inputs, load_labels,
+                                      load_raw_images, preprocess_raw, softmax)
 
     try:
         predictor = OnnxPredictor(model, threads=threads)
         if predictor.meta.get("output", "logits") != "logits":
             raise OnnxError(f"{model} is a client portion (split {predictor.meta.get('split')}): it outputs "
                             "activations, not class scores; export the whole model (no --split) to predict")
-        x = load_inputs(inputs)
-        if raw:
-            x = preprocess_raw(x, predictor.meta.get("preprocessing"))
+        truth = None
+        if raw and (inputs.is_dir() or inputs.suffix.lower() in IMAGE_SUFFIXES):
+            x, truth, _files = load_raw_images(inputs, predictor.meta.get("preprocessing"), predictor.classes)
+        else:
+            x = load_inputs(inputs)
+            if raw:
+                x = preprocess_raw(x, predictor.meta.get("preprocessing"))
         logits = predictor.run(x)
-        truth = None if labels_file is None else load_labels(labels_file, logits.shape[0], logits.shape[1])
+        if labels_file is not None:
+            truth = load_labels(labels_file, logits.shape[0], logits.shape[1])
     except OnnxError as exc:
         _say(str(exc))
         raise typer.Exit(2)
@@ -263,11 +371,12 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
     if truth is not None:
         hits = int((cls == truth).sum())
         accuracy = hits / len(truth) if len(truth) else 0.0
-        console.print(f"accuracy: {accuracy:.4f} ({hits}/{len(truth)} against {labels_file})")
+        against = labels_file if labels_file is not None else f"the class folders of {inputs}"
+        console.print(f"accuracy: {accuracy:.4f} ({hits}/{len(truth)} against {against})")
     if output is not None:
         doc = {"model": str(model), "inputs": str(inputs), "model_info": predictor.meta, "predictions": rows}
         if truth is not None:
-            doc.update(labels=str(labels_file), accuracy=accuracy)
+            doc.update(labels=str(labels_file) if labels_file is not None else "class folders", accuracy=accuracy)
         output.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {output}")
 

@@ -27,15 +27,19 @@ import torch
 from sfl_core import protocol, signing, wire
 from sfl_core.accounting import model_costs
 from sfl_core.transport.broker_url import BrokerAddress
-from sfl_core.config import DeviceProfile
+from sfl_core.config import ConfigError, DeviceProfile
 from sfl_core.data import load_dataset
+from sfl_core.fingerprint import architecture, digest, first_difference
 from sfl_core.models import build_model
+from sfl_core.preprocessing import ChannelStats
 from sfl_core.partition import load_shard_file, shard_for_agent
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
+from sfl_core.user_models import register_layers, resolve_agent_model
 
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
+from edge_agent.own_data import load_for_task, task_of
 from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
 from edge_agent.profiler import measure_compute, measure_link
@@ -74,6 +78,9 @@ class AgentOptions:
     """The only coordinator key to follow (``--coordinator-key``); None: pin on first use."""
     trust_file: Optional[str] = None
     """Where keys pinned on first use are kept across restarts (``--trust-file``); None: in memory."""
+    model_files: tuple[str, ...] = ()
+    """Python files of users' models installed on this device (``--model-file``): the only model
+    code this agent imports, and only the file a run names."""
 
 
 class DuplicateAgentError(RuntimeError):
@@ -83,6 +90,11 @@ class DuplicateAgentError(RuntimeError):
 
 class AgentError(RuntimeError):
     """A fatal, explained problem (rejected registration, unusable data)."""
+
+
+class ContractError(AgentError):
+    """This device cannot take part in the run as configured (its model or the run's task
+    contract): exit status 2, since a restart would meet the same problem."""
 
 
 REGISTER_AGAIN_PREFIX = "not registered"
@@ -105,6 +117,7 @@ class AgentRunner:
         self._run_info: Optional[Message] = None
         self._joined: Optional[Message] = None   # the run description we registered against
         self._measured: dict = {}
+        self._extra: dict = {}      # a task run's additions to the registration (fingerprint, statistics)
         self._run_info_ready = threading.Event()
         self._reassembler = wire.Reassembler()
         self._stop = threading.Event()
@@ -211,6 +224,10 @@ class AgentRunner:
 
     def _build_core(self, info: Message) -> AgentCore:
         b = info.body
+        self._resolve_model(b)
+        if "task" in b:
+            return self._build_own_data_core(b)
+        self._extra = {}
         shape = tuple(b["input_shape"])
         # the run may train on resized images (data.image_size): resize ours the same way
         size = shape[1] if len(shape) == 3 and shape[1] == shape[2] else None
@@ -236,6 +253,52 @@ class AgentRunner:
         return AgentCore(self.o.agent_id, self.o.run_id, local, data.input_shape,
                          seed=self.o.seed * 1000 + self.o.index, compute_hook=hook,
                          privacy=self.o.privacy)
+
+    def _resolve_model(self, b: dict) -> None:
+        """A user's model: registered from this device's own copy of its file (given with
+        --model-file), or from the layer list the run description carries (validated)."""
+        try:
+            if "model_layers" in b:
+                name = register_layers(b["model_layers"])
+                if name != b["model"].partition(":")[0]:
+                    raise ValueError(f"the run's layer list is registered here as {name}, the run calls it "
+                                     f"{b['model']}")
+            elif "model_file" in b:
+                if "model_function" not in b:
+                    raise ValueError("run description: model_file without model_function")
+                resolve_agent_model(b["model_file"], b["model_function"], self.o.model_files)
+        except ValueError as exc:
+            raise ContractError(str(exc)) from None
+
+    def _build_own_data_core(self, b: dict) -> AgentCore:
+        """A run on the devices' own data: all of this device's data under the run's task
+        contract; the model checked against the run's fingerprint before anything is sent."""
+        try:
+            task, bad_files = task_of(b)
+        except ConfigError as exc:
+            raise ContractError(f"the run's task contract: {exc}") from None
+        if list(task.input_shape) != list(b["input_shape"]) or task.num_classes != b["num_classes"]:
+            raise ContractError("the run description's task does not match its input_shape/num_classes")
+        theirs = b.get("architecture") or []
+        try:
+            ours = architecture(build_model(b["model"], task.input_shape, task.num_classes))
+        except ValueError as exc:
+            raise ContractError(f"cannot build the run's model here: {exc}") from None
+        diff = first_difference([str(x) for x in theirs], ours) if theirs else ""
+        if diff:
+            raise ContractError(f"this device's model {b['model']!r} is not the run's ({diff}): install the same "
+                                f"model code here")
+        data = load_for_task(self.o.data_root, task, bad_files)
+        self._extra = {"architecture": digest(ours)}
+        federated = task.normalize == "federated"
+        if federated:
+            self._extra["channel_stats"] = ChannelStats.of(data.train.x).to_wire()
+        local = LocalData(data.train.x, data.train.y, task.num_classes)
+        held_out = LocalData(data.val.x, data.val.y, task.num_classes) if data.val is not None else None
+        hook = self.emulator.compute if self.emulator else None
+        return AgentCore(self.o.agent_id, self.o.run_id, local, tuple(task.input_shape),
+                         seed=self.o.seed * 1000 + self.o.index, compute_hook=hook, privacy=self.o.privacy,
+                         standardise=True, held_out=held_out)
 
     def _measure(self, info: Message) -> dict:
         b = info.body
@@ -273,7 +336,8 @@ class AgentRunner:
         body = protocol.register_body(index=self.o.index, profile=self.o.profile, measured=measured,
                                       label_counts=self.core.data.label_counts(), num_samples=len(self.core.data),
                                       emulate=self.o.emulate, resume={"rounds_done": self.core.rounds_done},
-                                      privacy=self.o.privacy.describe(), instance=self.instance)
+                                      privacy=self.o.privacy.describe(), instance=self.instance,
+                                      extra=self._extra)
         deadline = time.monotonic() + self.o.wait_s
         register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
         held: list[Message] = []   # training messages that arrive meanwhile (a resent gradient): kept

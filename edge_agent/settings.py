@@ -83,7 +83,11 @@ def _convert_scalar(kind: str, value: Any, fail: Any) -> Any:
 
 
 def _resolve(value: str, base_dir: Path) -> str:
-    """``~`` expanded; a relative path joined to the settings file's directory."""
+    """``~`` expanded; a relative path joined to the settings file's directory (a Hugging Face
+    builder reference, ``hf:BUILDER:PATH``, has its PATH joined)."""
+    if value.startswith("hf:") and value.count(":") >= 2:
+        builder, _, rest = value[3:].partition(":")
+        return f"hf:{builder}:{_resolve(rest, base_dir)}"
     p = Path(os.path.expanduser(value))
     return str(p if p.is_absolute() else base_dir / p)
 

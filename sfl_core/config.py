@@ -41,10 +41,13 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DeviceProfile",
+    "EvalConfig",
     "FleetEntry",
     "PARTITIONS",
     "RunConfig",
     "SERVER_MODES",
+    "TaskConfig",
+    "task_from_wire",
     "default_profiles_dir",
     "profiles_origin",
     "list_profiles",
@@ -163,10 +166,23 @@ def _opt(conv: Conv) -> Conv:
 
 
 def _model(v: Any, fail: Fail) -> str:
-    """A zoo model name, a spec string (``vgg16:width=0.25,norm=group``) or a mapping
-    ``{name: vgg16, width: 0.25, norm: group}``; stored as the canonical spec string."""
+    """A zoo model name, a spec string (``vgg16:width=0.25,norm=group``), a mapping
+    ``{name: vgg16, width: 0.25, norm: group}``, a user's ``FILE.py:FUNCTION`` or a layer list
+    ``{layers: [...]}`` (:mod:`sfl_core.user_models`); stored as the canonical spec string."""
     from sfl_core.models import ModelSpec   # torch is only needed once a model is named
+    from sfl_core.user_models import FILE_REF, register_file_model, register_layers
 
+    if isinstance(v, Mapping) and set(v) == {"layers"}:
+        try:
+            return register_layers(v["layers"])
+        except ValueError as exc:
+            fail(f"a valid layer list ({exc})")
+    if isinstance(v, str) and FILE_REF.match(v.strip()):
+        ref = FILE_REF.match(v.strip())
+        try:
+            v = register_file_model(ref["path"], ref["func"]) + (f":{ref['opts']}" if ref["opts"] else "")
+        except ValueError as exc:
+            fail(f"a model file and function, FILE.py:FUNCTION ({exc})")
     if isinstance(v, Mapping):
         extra = set(v) - {"name", "width", "norm"}
         if extra or "name" not in v:
@@ -337,6 +353,22 @@ class DeviceProfile(Section):
 
 # ------------------------------------------------------------------------ run configs
 
+def _data_path(v: Any, fail: Fail) -> Optional[str]:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip():
+        fail("a path to data (an image folder, .npz, CSV, Parquet ...), or null")
+    return v
+
+
+def _anchored(v: Optional[str], info: ValidationInfo) -> Optional[str]:
+    """A data path read from a file is relative to that file (``hf:`` builder references as given)."""
+    base = (info.context or {}).get("base_dir")
+    if v is None or base is None or Path(v).is_absolute() or v.startswith("hf:"):
+        return v
+    return str((Path(base) / v).resolve())
+
+
 def _resolve_profile_path(p: str, base_dir: Path | None) -> str:
     """Relative profile paths: next to the run file first, then the working directory."""
     path = Path(p)
@@ -359,11 +391,24 @@ class FleetEntry(Section):
 
     profile: Annotated[str, _str_c]
     count: Annotated[int, _pos_int_c] = 1
+    data: Annotated[Optional[str], checked(_data_path)] = None
+    """A simulated device's own data (a run with ``task``), relative to the run file; needs count 1."""
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, data: Any) -> Any:
         return {"profile": data} if isinstance(data, str) else data   # '- jetson-nano' is one agent
+
+    @field_validator("data")
+    @classmethod
+    def _anchor_data(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _anchored(v, info)
+
+    @model_validator(mode="after")
+    def _one_device_one_folder(self) -> "FleetEntry":
+        if self.data is not None and self.count != 1:
+            raise invalid("count", f"one data path is one device: expected count 1 with 'data', got {self.count}")
+        return self
 
     @field_validator("profile")
     @classmethod
@@ -388,6 +433,135 @@ class DataConfig(Section):
     alpha: Annotated[float, _pos_float_c] = 0.5  # Dirichlet concentration; only used when partition == 'dirichlet'
     seed: Annotated[int, _nonneg_int_c] = 0
     image_size: Annotated[Optional[int], _opt_pos_int_c] = None  # resize images to image_size x image_size
+    bad_files: Annotated[str, checked(_enum("skip", "fail"))] = "skip"
+    """A device's unreadable file: skipped and counted ('skip'), or the end of that device ('fail')."""
+
+
+def _class_names(v: Any, fail: Fail) -> tuple[str, ...]:
+    what = "a list of at least two distinct class names (folder names), in label order"
+    if not isinstance(v, (list, tuple)) or len(v) < 2:
+        fail(what)
+    names = []
+    for c in v:
+        if isinstance(c, bool) or not isinstance(c, (str, int)) or not str(c).strip() or "/" in str(c) \
+                or str(c) in (".", ".."):
+            fail(what)
+        names.append(str(c))
+    if len(set(names)) != len(names):
+        fail(what)
+    return tuple(names)
+
+
+def _input_shape(v: Any, fail: Fail) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or not 1 <= len(v) <= 3 or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in v):
+        fail("a per-sample shape: [channels, height, width] for images, [features] for a table")
+    return tuple(v)
+
+
+def _normalize(v: Any, fail: Fail) -> Union[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+    what = "'federated', 'none' or {mean: [one per channel], std: [positive, one per channel]}"
+    if v in ("federated", "none"):
+        return v
+    if not isinstance(v, Mapping) or set(v) != {"mean", "std"}:
+        fail(what)
+    mean = [number(x) for x in v["mean"]] if isinstance(v["mean"], (list, tuple)) else None
+    std = [number(x) for x in v["std"]] if isinstance(v["std"], (list, tuple)) else None
+    if not mean or not std or len(mean) != len(std) or any(x is None for x in mean + std) or any(x <= 0 for x in std):
+        fail(what)
+    return tuple(float(x) for x in mean), tuple(float(x) for x in std)
+
+
+def _resize(v: Any, fail: Fail) -> Optional[tuple[int, int]]:
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        return (v, v)
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(d, int) and not isinstance(d, bool)
+                                                           and d >= 1 for d in v):
+        return tuple(v)
+    fail("null (images must already have the run's size), a size N (N x N) or [height, width]")
+
+
+def _names(v: Any, fail: Fail) -> Optional[tuple[str, ...]]:
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(c, str) and c for c in v):
+        fail("a non-empty list of column names, or null (every column but the label)")
+    return tuple(v)
+
+
+@dataclass(frozen=True, config=STRICT)
+class TaskConfig(Section):
+    """The task every device's data must fit (docs/data.md): the label contract (class names in
+    order: a class folder or label maps to its index here, never by what one device happens to
+    hold), the per-sample input shape and how raw inputs are prepared. Agents receive it in the
+    run description and check their data against it before registering."""
+
+    REQUIRED: ClassVar[Mapping[str, str]] = {"classes": "the class names in label order",
+                                             "input_shape": "the per-sample input shape"}
+
+    classes: Annotated[tuple[str, ...], checked(_class_names)]
+    input_shape: Annotated[tuple[int, ...], checked(_input_shape)]
+    scale: Annotated[float, _pos_float_c] = 255.0
+    """Raw values are divided by it first (255 for 8-bit pixels; 1 for data already scaled)."""
+    normalize: Annotated[Union[str, tuple[tuple[float, ...], tuple[float, ...]]], checked(_normalize)] = "federated"
+    """Per-channel standardisation: 'federated' (from the devices' statistics, once, before round 1),
+    'none', or given constants."""
+    resize: Annotated[Optional[tuple[int, int]], checked(_resize)] = None
+    """Resize images to this size (bilinear); null: an image of another size is an error."""
+    label_column: Annotated[str, _str_c] = "label"
+    """Tables and Hugging Face data sets: the column holding the class name."""
+    features: Annotated[Optional[tuple[str, ...]], checked(_names)] = None
+    """Tables: the feature columns, in order; null: every column but the label."""
+
+    @model_validator(mode="after")
+    def _relations(self) -> "TaskConfig":
+        if self.resize is not None and len(self.input_shape) != 3:
+            raise invalid("resize", "resizing needs image inputs ([channels, height, width])")
+        if self.resize is not None and tuple(self.resize) != tuple(self.input_shape[1:]):
+            raise invalid("resize", f"expected the input_shape's size {list(self.input_shape[1:])}, "
+                                    f"got {list(self.resize)}")
+        if isinstance(self.normalize, tuple) and len(self.normalize[0]) != self.input_shape[0]:
+            raise invalid("normalize", f"expected {self.input_shape[0]} means and stds (one per channel), "
+                                       f"got {len(self.normalize[0])}")
+        if self.features is not None and (len(self.input_shape) != 1 or len(self.features) != self.input_shape[0]):
+            raise invalid("features", f"expected input_shape [{len(self.features)}] for {len(self.features)} "
+                                      f"feature columns, got {list(self.input_shape)}")
+        return self
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def to_wire(self) -> dict[str, Any]:
+        """As the run description carries it (plain lists; ``task_from_wire`` reads it back)."""
+        norm = self.normalize
+        return {"classes": list(self.classes), "input_shape": list(self.input_shape), "scale": self.scale,
+                "normalize": norm if isinstance(norm, str) else {"mean": list(norm[0]), "std": list(norm[1])},
+                "resize": list(self.resize) if self.resize else None, "label_column": self.label_column,
+                "features": list(self.features) if self.features else None}
+
+
+def task_from_wire(d: Any, source: str = "run_info.task") -> TaskConfig:
+    """A task as a run description carries it, validated like the run config's ``task:``."""
+    return validate(TaskConfig, d, source)
+
+
+@dataclass(frozen=True, config=STRICT)
+class EvalConfig(Section):
+    """Where the global model is scored (docs/data.md): the server's own validation data, and
+    the devices' held-out splits (federated evaluation)."""
+
+    data: Annotated[Optional[str], checked(_data_path)] = None
+    """The server's validation data, in any format agents read (needs ``task``); relative to the run file."""
+    federated_every: Annotated[int, _nonneg_int_c] = 0
+    """Every k rounds, the round's agents score the global model on their held-out split (0: never)."""
+
+    @field_validator("data")
+    @classmethod
+    def _anchor(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _anchored(v, info)
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -571,6 +745,10 @@ class RunConfig(Section):
     run_id: Annotated[str, checked(_ident)] = "demo"  # YAML key 'run'; used in MQTT topics, so [A-Za-z0-9_-] only
     model: Annotated[str, checked(_model)] = "small_cnn"
     data: DataConfig = field(default_factory=DataConfig)
+    task: Optional[TaskConfig] = None
+    """Devices train on their own data (sfl-agent start --data PATH) under this contract; None: the
+    built-in data set of ``data``, partitioned over the agents (simulations and benchmarks)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
     fleet: tuple[FleetEntry, ...] = ()
     rounds: Annotated[int, _pos_int_c] = 5
     per_round: Annotated[Optional[int], _opt_pos_int_c] = None  # agents selected per round; None = all
@@ -644,6 +822,11 @@ class RunConfig(Section):
                                               (self.strategy == "s2fl" and self.s2fl.sliding)):
             raise invalid("hetero.width", f"a bottleneck needs one fixed split point (strategy sfl, or s2fl with "
                                           f"sliding false), got strategy {self.strategy!r}")
+        if self.task is None and any(e.data is not None for e in self.fleet):
+            raise invalid("fleet", "a device's own 'data' needs a 'task' section (its class names and input shape)")
+        if self.eval.data is not None and self.task is None:
+            raise invalid("eval.data", "a validation set of your own needs a 'task' section (its class names "
+                                       "map folders and labels to indices)")
         n = self.num_agents
         if n and self.min_agents is not None and self.min_agents > n:
             raise invalid("min_agents", f"expected at most the fleet size {n}, got {self.min_agents!r}")
@@ -663,6 +846,10 @@ class RunConfig(Section):
     def agent_profiles(self) -> list[str]:
         """Profile of every agent index: fleet entries expanded in file order."""
         return [e.profile for e in self.fleet for _ in range(e.count)]
+
+    def agent_data(self) -> list[Optional[str]]:
+        """Each agent index's own data path (simulating a task run), as :meth:`agent_profiles`."""
+        return [e.data for e in self.fleet for _ in range(e.count)]
 
 
 # ------------------------------------------------------------------------ loading
@@ -755,6 +942,11 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
 
     ``base_dir`` anchors relative profile paths in ``fleet`` (the run file's directory).
     """
+    if isinstance(d, Mapping) and isinstance(d.get("model"), str) and base_dir is not None:
+        from sfl_core.user_models import FILE_REF
+        ref = FILE_REF.match(d["model"].strip())
+        if ref and not Path(ref["path"]).is_absolute():   # a model file sits next to the run file
+            d = {**d, "model": str((base_dir / ref["path"]).resolve()) + d["model"].strip()[len(ref["path"]):]}
     cfg = validate(RunConfig, d, source, context={"base_dir": base_dir, "search_dirs": search_dirs})
     if cfg.num_agents == 0 and cfg.min_agents is None:
         raise ConfigError(f"{source}: field 'fleet': expected at least one "
@@ -783,9 +975,11 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("data", "s2fl", "hetero", "mergesfl", "auto", "privacy"):
+        if f.name == "task":
+            value = value.to_wire() if value is not None else None
+        elif f.name in ("data", "eval", "s2fl", "hetero", "mergesfl", "auto", "privacy"):
             value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":
-            value = [{"profile": e.profile, "count": e.count} for e in value]
+            value = [{"profile": e.profile, "count": e.count, **({"data": e.data} if e.data else {})} for e in value]
         out["run" if f.name == "run_id" else f.name] = value
     return out

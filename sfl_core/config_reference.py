@@ -29,7 +29,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('run',
      'run id, [A-Za-z0-9_-], 1-64 chars; it becomes an MQTT topic level (sfl/<run>/...).'),
     ('model',
-     "model name from the model zoo (e.g. small_cnn, resnet8), optionally with options: vgg16:width=0.25,norm=group (width multiplies every layer's channels; norm: batch | group | none)."),
+     "model name from the model zoo (e.g. small_cnn, resnet8), optionally with options: vgg16:width=0.25,norm=group (width multiplies every layer's channels; norm: batch | group | none); or your own: FILE.py:FUNCTION (a function returning an nn.Sequential, installed on the coordinator and on each device, sfl-agent start --model-file FILE.py), or {layers: [...]} (a layer list that travels in the run description; docs/models.md)."),
     ('data',
      'training data and how it is split over agents'),
     ('data.dataset',
@@ -44,8 +44,32 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'seed of the partition.'),
     ('data.image_size',
      'resize images to N x N (e.g. 32 so 28x28 data fits VGG).'),
+    ('data.bad_files',
+     "a device's unreadable file (corrupt image, bad table row): skip (skipped, counted, the first ones named at WARNING) | fail (the device stops, naming the file; exit status 2)."),
+    ('task',
+     'a run on the devices\' own data (sfl-agent start --data PATH; docs/data.md): the contract every device\'s data must fit. Without it, agents train on shards of data.dataset'),
+    ('task.classes',
+     'REQUIRED in a task: the class names in label order, e.g. [cat, dog, bird]. Class folders and label values map to indices by these names, never by what one device holds; a device may lack a class; a name not listed is an error naming the folder.'),
+    ('task.input_shape',
+     'REQUIRED in a task: one sample\'s shape: [channels, height, width] for images, [features] for a table.'),
+    ('task.scale',
+     'raw values are divided by it first (255 for 8-bit pixels; 1 for data already scaled, e.g. float sensor readings).'),
+    ('task.normalize',
+     'per-channel standardisation shared by the whole fleet: federated (each agent reports per-channel count, sum and sum of squares at registration; the coordinator combines them once, before round 1, sends them with every assignment and checkpoints them) | none | {mean: [...], std: [...]}. Exported models record the constants (sfl-agent predict --raw applies them).'),
+    ('task.resize',
+     'null (an image of another size is an error naming the file and both sizes) | N | [height, width] equal to input_shape\'s: images are resized bilinearly.'),
+    ('task.label_column',
+     'tables and Hugging Face data sets: the column holding the class name.'),
+    ('task.features',
+     'tables: the feature columns in order (input_shape [len(features)]); null = every column but the label.'),
+    ('eval',
+     'where the global model is scored'),
+    ('eval.data',
+     "the server's validation data in any format agents read (an image folder's val/ split if it has one, else all of it; needs task; relative to this file); null = none: the run says so at start and still trains."),
+    ('eval.federated_every',
+     'every k rounds the round\'s agents score the global model on their held-out split (val/ beside train/, x_val/y_val) and report loss, accuracy and count; metrics record each and their weighted mean; 0 = never.'),
     ('fleet',
-     'REQUIRED (unless min_agents is set): list of {profile, count}; agent indices are assigned in list order. `profile` is a name from profiles/devices/ (sfl-agent profiles) or a path to a profile YAML (relative to this file, then to the working directory). count >= 1, default 1. A bare string entry means count 1.'),
+     'REQUIRED (unless min_agents is set): list of {profile, count, data}; agent indices are assigned in list order. `profile` is a name from profiles/devices/ (sfl-agent profiles) or a path to a profile YAML (relative to this file, then to the working directory). count >= 1, default 1. A bare string entry means count 1. `data` (a run with task, simulate and plan): that device\'s own data, relative to this file; needs count 1.'),
     ('rounds',
      'communication rounds, > 0.'),
     ('per_round',
@@ -197,7 +221,8 @@ FIELDS: tuple[tuple[str, str], ...] = (
 )
 """(key path, meaning) in the order users read them; a section's keys follow the section."""
 
-_NO_DEFAULT = ("data", "fleet", "s2fl", "mergesfl", "hetero", "auto", "privacy")   # sections, and the one required key
+_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "s2fl", "mergesfl", "hetero",
+               "auto", "privacy")   # sections, and the required keys
 _RULE = "# " + "=" * 76 + " run config"
 _END = "# " + "=" * 86
 
@@ -206,7 +231,8 @@ def accepted_keys() -> set[str]:
     """Every key path the run-config loader accepts."""
     to_yaml = {attr: key for key, attr in config.RunConfig.YAML_KEYS.items()}
     keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig)}
-    for section, cls in (("data", config.DataConfig), ("s2fl", config.S2flConfig),
+    for section, cls in (("data", config.DataConfig), ("task", config.TaskConfig), ("eval", config.EvalConfig),
+                         ("s2fl", config.S2flConfig),
                          ("mergesfl", config.MergeSflConfig), ("hetero", config.HeteroConfig),
                          ("auto", config.AutoConfig), ("privacy", config.PrivacyConfig)):
         keys |= {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
@@ -215,7 +241,8 @@ def accepted_keys() -> set[str]:
 
 def defaults() -> dict[str, Any]:
     """Key path -> default, read from the dataclasses through the loader itself."""
-    d = config.run_config_to_dict(config.run_config_from_dict({"fleet": [{"profile": "s2fl-low-low"}]}))
+    d = config.run_config_to_dict(config.run_config_from_dict({"fleet": [{"profile": "s2fl-low-low"}],
+                                                              "task": {"classes": ["a", "b"], "input_shape": [1]}}))
 
     def flat(m: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
         for k, v in m.items():

@@ -232,6 +232,12 @@ def preprocess_raw(x: np.ndarray, prep: dict[str, Any] | None) -> np.ndarray:
     std = np.asarray(prep["std"], dtype=np.float32)
     raw_shape = tuple(int(d) for d in prep.get("raw_shape") or ())
     x = np.asarray(x, dtype=np.float32)
+    if len(raw_shape) == 1:                        # table rows: features standardised one by one
+        x = x[None] if x.shape == raw_shape else x
+        if x.ndim != 2 or x.shape[1] != raw_shape[0]:
+            raise OnnxError(f"raw inputs of shape {x.shape}: expected (N, {raw_shape[0]}) table rows")
+        x = x / np.float32(prep.get("scale", 1.0))
+        return np.ascontiguousarray((x - mean.reshape(1, -1)) / std.reshape(1, -1), dtype=np.float32)
     if raw_shape and x.shape == raw_shape[1:] and raw_shape[0] == 1:
         x = x[None, None]                          # one single-channel image
     elif raw_shape and x.shape == raw_shape:
@@ -246,6 +252,45 @@ def preprocess_raw(x: np.ndarray, prep: dict[str, Any] | None) -> np.ndarray:
         h, w = (int(v) for v in prep["resize"])
         x = _resize_axis(_resize_axis(x, h, 2), w, 3)
     return np.ascontiguousarray((x - mean.reshape(1, -1, 1, 1)) / std.reshape(1, -1, 1, 1), dtype=np.float32)
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+def load_raw_images(path: str | Path, prep: dict[str, Any] | None, classes: Sequence[str] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray | None, list[str]]:
+    """Photos as the model takes them: one image file, or a folder of them (searched
+    recursively), each prepared with :func:`preprocess_raw`. Where every image sits in a
+    folder named after one of ``classes`` (a ``val/<class>/`` layout), those are its true
+    classes. Returns (inputs, true classes or None, file names)."""
+    from PIL import Image
+
+    path = Path(path)
+    if not prep or "mean" not in prep:
+        raise OnnxError("the model's sidecar has no 'preprocessing' record: photos cannot be prepared for it")
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise OnnxError(f"{path}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(len(prep["mean"]))
+    if mode is None:
+        raise OnnxError(f"the model takes {len(prep['mean'])}-channel inputs, not images")
+    raw_shape = tuple(int(d) for d in prep.get("raw_shape") or ())
+    xs = []
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                arr = np.asarray(im.convert(mode))
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise OnnxError(f"{f}: unreadable image ({exc})") from None
+        arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+        if not prep.get("resize") and raw_shape and arr.shape != raw_shape:
+            raise OnnxError(f"{f}: image is {arr.shape[2]}x{arr.shape[1]} (width x height), the model takes "
+                            f"{raw_shape[2]}x{raw_shape[1]}")
+        xs.append(preprocess_raw(arr[None], prep)[0])
+    truth = None
+    if classes is not None and path.is_dir() and all(f.parent != path and f.parent.name in classes for f in files):
+        truth = np.array([list(classes).index(f.parent.name) for f in files], dtype=np.int64)
+    return np.stack(xs), truth, [str(f) for f in files]
 
 
 class OnnxPredictor:

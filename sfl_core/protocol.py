@@ -80,6 +80,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "logit_grads": {"g": dict, "loss": _NUM, "compute_s": _NUM},
     "weights": {"weights": dict, "num_samples": int, "compute_s": _NUM, "loss": _NUM},
     "heartbeat": {"state": str},
+    "evaluation": {"loss": _NUM, "correct": int, "count": int, "compute_s": _NUM},
     "status": {"online": bool, "instance": str},   # instance: which process of that agent id
     # coordinator -> agent
     "accepted": {"message": str},
@@ -91,6 +92,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "gradients": {"g": dict},
     "logits": {"z": dict},
     "shutdown": {"reason": str},
+    # federated evaluation (eval.federated_every): the global model, scored on the agent's held-out split
+    "evaluate": {"model": str, "weights": dict, "bottlenecks": list},
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
                  "splits": list, "partition": dict, "num_agents": int,
                  "coordinator": dict,   # {"key": Ed25519 public key (32 bytes), "instance": str}
@@ -100,14 +103,26 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 # type -> {field: python type(s)} that may be present: what newer agents add (older ones omit it)
 OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"privacy": dict,       # the agent's defenses (sfl_core.privacy.AgentPrivacy.describe)
-                 "instance": str},      # the registering process (its status messages carry the same)
+                 "instance": str,       # the registering process (its status messages carry the same)
+                 "channel_stats": dict,  # normalize: federated (sfl_core.preprocessing.ChannelStats)
+                 "architecture": str},  # the agent's model fingerprint (sfl_core.fingerprint)
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
-    "assign": {"sig": bytes},           # required over MQTT (sfl_core.signing); absent in a simulation
+    "assign": {"sig": bytes,            # required over MQTT (sfl_core.signing); absent in a simulation
+               "normalize": dict},      # a task run's standardisation constants {mean, std}
     "shutdown": {"sig": bytes},         # likewise
+    "evaluate": {"sig": bytes, "normalize": dict},
     "coordinator_status": {"pid": int, "host": str, "out_dir": str},   # for the operator's one line
+    # a run on the devices' own data: its task contract (sfl_core.config.TaskConfig.to_wire), the
+    # constants when already known, and the model's fingerprint (sfl_core.fingerprint)
+    "run_info": {"task": dict, "normalize": dict, "architecture": list,
+                 # a user's model (sfl_core.user_models): a file each side installs (named, never sent),
+                 # or a declarative layer list (data, validated by the agent)
+                 "model_file": str, "model_function": str, "model_layers": list},
 }
-AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "heartbeat", "status"})
-COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "shutdown", "run_info"})
+AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "evaluation", "heartbeat",
+                         "status"})
+COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "evaluate", "shutdown",
+                         "run_info"})
 PEER_TYPES = frozenset({"coordinator_status"})
 """Between coordinators of one run (the liveness claim); agents never read it."""
 COORDINATOR_ID = "coordinator"
@@ -192,11 +207,13 @@ class Sequencer:
 
 
 def register_body(*, index: int, profile: Any, measured: dict, label_counts: list[int], num_samples: int,
-                  emulate: bool, resume: dict, privacy: dict, instance: str = "") -> dict[str, Any]:
+                  emulate: bool, resume: dict, privacy: dict, instance: str = "",
+                  extra: dict | None = None) -> dict[str, Any]:
     """A ``register`` body; ``privacy`` (the agent's declared defenses) only when there are some,
-    ``instance`` (the process, as in its status messages) when known."""
+    ``instance`` (the process, as in its status messages) when known; ``extra``: optional
+    fields of a task run (``channel_stats``, ``architecture``)."""
     body = {"index": index, "profile": profile_body(profile), "measured": measured, "label_counts": label_counts,
-            "num_samples": num_samples, "emulate": emulate, "resume": resume}
+            "num_samples": num_samples, "emulate": emulate, "resume": resume, **(extra or {})}
     if privacy:
         body["privacy"] = privacy
     if instance:

@@ -82,3 +82,44 @@ def wait_log(path: Path, text: str, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+# ---------------------------------------------------------------- a fleet's own data
+
+NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+MODEL_FILE = '''
+from torch import nn
+
+def build_net(input_shape, num_classes):
+    c, h, w = input_shape
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        nn.Sequential(nn.Flatten(), nn.Linear(32 * (h // 2) * (w // 2), num_classes)),
+    )
+'''
+
+
+def write_fleet(root: Path) -> dict[str, Path]:
+    """Image folders of a fleet's own data, from scikit-learn's digits (real images): three
+    devices of unequal sizes (one without 'three', one with a corrupt file and a val/ split)
+    and the server's validation folder."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images * 255 / 16).round().astype(np.uint8)
+    order = np.random.default_rng(0).permutation(len(x))
+    parts = {"pi-1": order[:250], "pi-2": order[250:400], "pi-3": order[400:800], "server": order[800:1100]}
+    for dev, ids in parts.items():
+        for k, i in enumerate(ids):
+            y = int(d.target[i])
+            if dev == "pi-2" and y == 3:
+                continue
+            split = "val" if dev == "server" or (dev == "pi-3" and k % 5 == 0) else "train"
+            folder = root / dev / split / NAMES[y]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(x[i], "L").save(folder / f"{k}.png")
+    (root / "pi-3" / "train" / "five" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    return {k: root / k for k in parts}

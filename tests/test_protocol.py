@@ -37,6 +37,8 @@ VALID_BODIES = {
                  "splits": [1, 2, 3], "partition": {"kind": "iid"}, "num_agents": 4,
                  "coordinator": {"key": b"k" * 32, "instance": "c0ffee"}, "sig": b"s" * 64},
     "coordinator_status": {"online": True, "instance": "c0ffee"},
+    "evaluate": {"model": "small_cnn", "weights": {}, "bottlenecks": []},
+    "evaluation": {"loss": 0.7, "correct": 8, "count": 10, "compute_s": 0.01},
 }
 
 # for each type, one value of the wrong type per field
