@@ -385,7 +385,7 @@ class FleetSession:
                 info.online = msg.sender in self._present or (old is not None and old.online)
             twin = next((a for a, i in self.registry.agents.items()
                          if a != msg.sender and i.registered and i.index == info.index), None)
-            if twin is not None and not self.virtual:
+            if twin is not None and not self.virtual and self.cfg.task is None:   # own data: no shards
                 log.warning("agent %s registered with --index %d, which agent %s also uses: both train on the "
                             "same shard of a partitioned data set", msg.sender, info.index, twin)
             ra = agents.get(msg.sender) if agents is not None else None

@@ -266,9 +266,9 @@ def _print_check(report: dict) -> None:
         _say(f"{report['data']}: does not fit the run: {report['error']}")
         return
     if report["fits"] is None:
-        console.print(f"{report['data']} ({report['kind']}):", markup=False, highlight=False)
+        console.print(f"{report['data']} ({report['kind']}):", markup=False, highlight=False, soft_wrap=True)
         for line in report["lines"]:
-            console.print(f"  {line}", markup=False, highlight=False)
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
         console.print("give --run-config run.yaml to check it against a run's task", style="dim", markup=False)
         return
     console.print(report["line"], markup=False, highlight=False, soft_wrap=True)

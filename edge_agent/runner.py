@@ -289,6 +289,8 @@ class AgentRunner:
             raise ContractError(f"this device's model {b['model']!r} is not the run's ({diff}): install the same "
                                 f"model code here")
         data = load_for_task(self.o.data_root, task, bad_files)
+        if self.o.shard_file or self.o.index:
+            log.warning("--index/--shard-file are not used: a device training on its own data uses all of it")
         self._extra = {"architecture": digest(ours)}
         federated = task.normalize == "federated"
         if federated:

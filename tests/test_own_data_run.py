@@ -215,3 +215,56 @@ def test_an_agent_of_a_task_run_needs_the_constants_with_its_assignment():
     with pytest.raises(ValueError, match="positive stds"):
         core._standardise({"mean": [0.5], "std": [0.0]})
     assert task_from_wire({"classes": ["a", "b"], "input_shape": [1, 8, 8]}).normalize == "federated"
+
+
+# ---------------------------------------------------------------- the commands around it
+
+def _cli(app, *args: str):
+    from typer.testing import CliRunner
+    return CliRunner().invoke(app, list(args))
+
+
+def test_check_data_says_what_a_device_holds_and_whether_it_fits(fleet, tmp_path):
+    from edge_agent.cli import app
+
+    (fleet / "my_models.py").write_text(MODEL_FILE)
+    run = write_run(fleet, model="my_models.py:build_net")
+    agent_yaml = tmp_path / "agent.yaml"
+    agent_yaml.write_text(yaml.safe_dump({"profile": "rpi4", "data": str(fleet / "pi-3"),
+                                          "model_file": [str(fleet / "my_models.py")]}))
+    res = _cli(app, "check-data", "--config", str(agent_yaml), "--run-config", str(run), "--format", "json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["fits"] is True and report["train_samples"] == 320 and report["val_samples"] == 80
+    assert report["label_counts"] == list(report["train"].values()) and report["skipped"] == 1
+    assert report["skipped_files"][0].startswith(str(fleet / "pi-3" / "train" / "five" / "broken.png"))
+    text = _cli(app, "check-data", "--data", str(fleet / "pi-2"), "--run-config", str(run))
+    assert text.exit_code == 0 and "three 0, four" in text.output and "fits the run" in text.output
+    survey = _cli(app, "check-data", "--data", str(fleet / "pi-2"))
+    assert survey.exit_code == 0 and "train/: eight" in survey.output and "8x8 L" in survey.output
+    (tmp_path / "odd" / "horse").mkdir(parents=True)
+    PIL.fromarray(np.zeros((8, 8), np.uint8), "L").save(tmp_path / "odd" / "horse" / "0.png")
+    bad = _cli(app, "check-data", "--data", str(tmp_path / "odd"), "--run-config", str(run))
+    assert bad.exit_code == 2 and "class 'horse' is not one of the run's classes" in bad.output
+    assert "Traceback" not in bad.output
+
+
+def test_plan_and_models_work_on_a_task_run_with_a_users_model(fleet):
+    from coordinator.cli import app
+
+    (fleet / "my_models.py").write_text(MODEL_FILE)
+    run = write_run(fleet, model="my_models.py:build_net", strategy="auto")
+    res = _cli(app, "plan", "-c", str(run))
+    assert res.exit_code == 0, res.output
+    assert "auto's assignment" in res.output and "jetson-nano" in res.output
+    res = _cli(app, "models", "-c", str(run))
+    assert res.exit_code == 0 and "build_net input (1, 8, 8)" in res.output and "2:Sequential" in res.output
+
+
+def test_a_missing_server_validation_folder_is_one_line_and_exit_2(fleet, tmp_path):
+    from coordinator.cli import app
+
+    run = write_run(fleet, eval={"data": "no-such-folder"}, output_dir=str(tmp_path / "o"))
+    res = _cli(app, "simulate", "-c", str(run))
+    assert res.exit_code == 2 and "no-such-folder: no such file or directory" in res.output
+    assert "Traceback" not in res.output
