@@ -335,11 +335,17 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
 
     def launch(broker_url: str) -> None:
         logs_dir.mkdir(parents=True, exist_ok=True)
-        for i, profile in enumerate(cfg.agent_profiles()):
+        from sfl_core.user_models import model_source
+        source = model_source(cfg.model)
+        for i, (profile, own) in enumerate(zip(cfg.agent_profiles(), cfg.agent_data())):
             cmd = [sys.executable, "-m", "edge_agent.cli", "start", "--profile", profile, "--broker", broker_url,
-                   "--run", cfg.run_id, "--index", str(i), "--agent-id", f"agent-{i}", "--emulate"]
-            if cfg.data.root:
-                cmd += ["--data", cfg.data.root]
+                   "--run", cfg.run_id, "--agent-id", f"agent-{i}", "--emulate"]
+            if own is not None:     # a task run: each agent its own data
+                cmd += ["--data", own]
+            else:                   # a benchmark run: shard i of the built-in set
+                cmd += ["--index", str(i)] + (["--data", cfg.data.root] if cfg.data.root else [])
+            if source is not None:  # the user's model file, the same one here
+                cmd += ["--model-file", source[0]]
             log_file = open(logs_dir / f"agent-{i}.log", "w")
             env = dict(os.environ, OMP_NUM_THREADS="1")  # several agents share this machine's cores
             procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env))

@@ -140,8 +140,9 @@ class RoundEngine:
         if checkpoint is not None:
             self._resume(*checkpoint)
         if task is not None and not len(self.y_test):
-            note = ("no validation data on the server (eval.data): the global model's accuracy is not measured "
-                    "here")
+            note = ("no validation data on the server (eval.data): the global model's accuracy is measured "
+                    + (f"only on the devices' held-out splits, every {cfg.eval.federated_every} round(s)"
+                       if cfg.eval.federated_every else "nowhere in this run (no eval.federated_every either)"))
             log.warning(note)
             self.on_event("notice", {"text": note})
 

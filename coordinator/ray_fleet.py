@@ -38,11 +38,17 @@ RAY_MISSING = "--ray needs Ray: pip install 'sfl-edge[ray]'"
 class AgentHost:
     """One Ray actor's agents. A plain class: it becomes an actor in :func:`build_ray_fleet`."""
 
-    def __init__(self, run_id: str, agents: list[SimAgent], threads: int = 1) -> None:
+    def __init__(self, run_id: str, agents: list[SimAgent], threads: int = 1,
+                 user_model: Optional[dict] = None) -> None:
+        """``user_model``: a user's model to register in this worker first (its file, at the same
+        path on every machine of the cluster, or its layer list: ``describe_source``)."""
         import torch
+
+        from sfl_core.user_models import register_described
 
         # one core per actor: several actors share a machine, and intra-op threads would fight
         torch.set_num_threads(max(1, threads))
+        register_described(user_model or {})
         self.run_id = run_id
         self.cores = {a.agent_id: a.core(run_id) for a in agents}
 
@@ -111,7 +117,8 @@ def build_ray_fleet(cfg: RunConfig, data: Dataset, address: Optional[str] = None
     n = max(1, min(n, len(agents)))
     actor = ray.remote(num_cpus=1)(AgentHost)
     groups = [agents[i::n] for i in range(n)]
-    handles = [actor.remote(cfg.run_id, group) for group in groups]
+    from sfl_core.user_models import describe_source
+    handles = [actor.remote(cfg.run_id, group, user_model=describe_source(cfg.model)) for group in groups]
     ray.get([h.ready.remote() for h in handles])   # actors up and holding their shards
     hosts = {a.agent_id: h for h, group in zip(handles, groups) for a in group}
     transport = RayTransport(cfg.run_id, hosts)

@@ -78,7 +78,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                              "of x.npy/y.npy, CSV, Parquet, a Hugging Face data set (save_to_disk, "
                                              "or hf:BUILDER:PATH); for a built-in benchmark set, its directory."),
           index: int = typer.Option(0, help="This agent's shard index in the run's partition."),
-          shard_file: Optional[Path] = typer.Option(None, help="JSON/.npy file of training-set indices (instead of --index)."),
+          shard_file: Optional[Path] = typer.Option(None, help="Benchmark runs: a .npy array or JSON {\"indices\": [...]} of training-set indices (instead of --index)."),
           agent_id: Optional[str] = typer.Option(None, help="Default: the broker user name (per-device credentials: "
                                                  "the broker's ACL grants topics by it), else <hostname>-<index>."),
           emulate: bool = typer.Option(False, "--emulate/--no-emulate", help="Stretch compute and throttle the link to the profile's device."),

@@ -41,10 +41,10 @@ import torch
 
 from sfl_core.config import TaskConfig
 from sfl_core.data import DatasetError
+from sfl_core.onnx_export import IMAGE_SUFFIXES   # one list for training and for predict (torch-free there)
 
 __all__ = ["DeviceData", "Split", "IMAGE_SUFFIXES", "TABLE_SUFFIXES", "load_local", "describe_kind", "survey"]
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 TABLE_SUFFIXES = (".csv", ".parquet", ".arrow", ".feather")
 _VAL_NAMES = ("val", "validation", "test")
 _MODES = {1: "L", 3: "RGB", 4: "RGBA"}

@@ -230,8 +230,8 @@ def _make(kind: str, o: dict[str, Any], shape: tuple[int, ...], num_classes: int
         return nn.Linear(shape[-1], num_classes if o["out"] == "classes" else o["out"])
     if kind == "batchnorm":
         return {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d}[len(shape)](shape[0])
-    if kind == "groupnorm":
-        return nn.GroupNorm(min(o["groups"], shape[0]) if shape[0] % min(o["groups"], shape[0]) == 0 else 1, shape[0])
+    if kind == "groupnorm":   # groups must divide the channels: else one group (LayerNorm-like)
+        return nn.GroupNorm(o["groups"] if shape[0] % o["groups"] == 0 else 1, shape[0])
     if kind == "layernorm":
         return nn.LayerNorm(list(shape))
     if kind in ("maxpool", "avgpool"):

@@ -109,3 +109,16 @@ def test_leakage_quick(tmp_path: Path) -> None:
             assert math.isfinite(r[key]), (r["setting"], key)
         assert -1 <= r["ssim"] <= 1 and 0 <= r["label_attack"] <= 1
     assert {s["setting"] for s in doc["summary"]} == {r["setting"] for r in doc["results"]}
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason="needs the Fashion-MNIST idx files (SFL_DATASETS)")
+def test_own_data_quick(tmp_path: Path) -> None:
+    doc = _run("own_data.py", tmp_path)
+    assert doc["benchmark"] == "own_data"
+    seed = doc["results"][0]
+    assert [d["samples"] for d in seed["fleet"]["devices"]] == sorted((d["samples"] for d in seed["fleet"]["devices"]),
+                                                                      reverse=True)
+    assert set(seed["methods"]) == {"FedAvg", "SFL", "auto"}
+    for run in (seed["central"], *seed["methods"].values()):
+        assert 0 <= run["final"] <= 1 and run["wall_s"] > 0
+    assert [r["method"] for r in doc["summary"]] == ["central", "FedAvg", "SFL", "auto"]

@@ -190,6 +190,31 @@ def test_packaged_demo_by_name_resume_auto_metrics_and_page(installed: Installed
     assert p.stdout.split()[:2] == ["True", "4"] and p.stdout.split()[-1] == "True", p.stdout
 
 
+def test_packaged_fleet_on_its_own_folders_with_a_users_model(installed: Installed):
+    """The own-data path from the wheel, from another directory: check-data, simulate on the
+    devices' folders with a model file next to the run file, export, predict photos."""
+    import yaml
+    from helpers import MODEL_FILE, NAMES, write_fleet
+
+    work = installed.work / "own"
+    write_fleet(work)
+    (work / "my_models.py").write_text(MODEL_FILE)
+    (work / "run.yaml").write_text(yaml.safe_dump({
+        "run": "own", "model": "my_models.py:build_net", "strategy": "auto", "rounds": 2, "local_iters": 10,
+        "task": {"classes": NAMES, "input_shape": [1, 8, 8]}, "eval": {"data": "server", "federated_every": 1},
+        "fleet": [{"profile": "rpi4", "data": "pi-1"}, {"profile": "jetson-nano", "data": "pi-3"}],
+        "output_dir": str(work / "out")}))
+    p = installed.run(installed.bin("sfl-agent"), "check-data", "--data", work / "pi-3", "--run-config",
+                      work / "run.yaml", "--model-file", work / "my_models.py")
+    assert "fits the run (model build_net" in p.stdout + p.stderr
+    installed.run(installed.bin("sfl-coord"), "simulate", "-c", work / "run.yaml", "--quiet", timeout=180)
+    last = json.loads((work / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["round"] == 2 and last["federated"]["count"] == 80
+    installed.run(installed.bin("sfl-coord"), "export", work / "out", "--onnx", work / "m.onnx")
+    p = installed.run(installed.bin("sfl-agent"), "predict", work / "m.onnx", work / "server" / "val", "--raw")
+    assert f"accuracy: {last['accuracy']:.4f} (" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
 def test_profiles_dir_override_still_wins(installed: Installed, tmp_path: Path):
     (tmp_path / "devices").mkdir()
     (tmp_path / "devices" / "my-board.yaml").write_text("name: my-board\ncompute_flops: 1e9\nlink_bytes_per_s: 1e6\n")
