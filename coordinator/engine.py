@@ -32,7 +32,7 @@ from sfl_core.preprocessing import ChannelStats, Normalization, preprocessing_re
 from sfl_core.privacy import privacy_summary
 from sfl_core.protocol import Message
 
-from coordinator import state as ckpt
+from coordinator import evaluation, state as ckpt
 from coordinator.export import describe_model, restore_widths, run_model
 from coordinator.registry import Registry
 from coordinator.session import Event, FleetSession, RoundAgent
@@ -586,36 +586,21 @@ class RoundEngine:
         return record
 
     def _federated_evaluation(self, r: int, agents: dict[str, RoundAgent], done: list[str]) -> Optional[dict[str, Any]]:
-        """Every ``eval.federated_every`` rounds, the round's completed agents score the new global
-        model on their held-out splits; their loss, accuracy and count, and the count-weighted
-        mean (None in other rounds). An agent that does not answer is dropped as in any step."""
+        """Every ``eval.federated_every`` rounds the round's completed agents score the new global
+        model on their held-out splits (:mod:`coordinator.evaluation`; None in other rounds). An
+        agent that does not answer is dropped as in any step."""
         every = self.cfg.eval.federated_every
         if not every or r % every or not done:
             return None
-        body: dict[str, Any] = {
-            "model": self.cfg.model, "weights": wire.encode_state(self.model.state_dict(), self.cfg.zstd_level),
-            "bottlenecks": [[int(s), int(p.width), int(p.infer_width)] for s, p in self.model.bottlenecks.items()]}
-        if self.cfg.task is not None and self.normalization is not None:
-            body["normalize"] = self.normalization.to_wire()
+        body = evaluation.request_body(self.model, self.cfg.model, self.cfg.zstd_level,
+                                       self.normalization if self.cfg.task is not None else None)
         step = self.cfg.local_iters   # after the round's last training step
-        for a in done:
-            if a in agents:
-                self.session.send(agents[a], Message("evaluate", self.cfg.run_id, protocol.COORDINATOR_ID, body,
-                                                     round=r, step=step, seq=protocol.next_seq()))
-        replies = self.session.collect(agents, "evaluation", r, step, only=[a for a in done if a in agents])
-        per_agent: dict[str, dict[str, Any]] = {}
-        for a, msg in replies.items():
-            b = msg.body
-            if not (0 <= b["correct"] <= b["count"]) or not math.isfinite(b["loss"]) or b["loss"] < 0:
-                self.session.rejections.reject("invalid", f"evaluation from {a}: correct {b['correct']} of "
-                                                          f"{b['count']}, loss {b['loss']}")
-                continue
-            if b["count"]:
-                per_agent[a] = {"accuracy": b["correct"] / b["count"], "loss": float(b["loss"]), "count": b["count"]}
-        total = sum(v["count"] for v in per_agent.values())
-        return {"accuracy": sum(v["accuracy"] * v["count"] for v in per_agent.values()) / total if total else None,
-                "loss": sum(v["loss"] * v["count"] for v in per_agent.values()) / total if total else None,
-                "count": total, "agents": per_agent}
+        asked = [a for a in done if a in agents]
+        for a in asked:
+            self.session.send(agents[a], Message("evaluate", self.cfg.run_id, protocol.COORDINATOR_ID, body,
+                                                 round=r, step=step, seq=protocol.next_seq()))
+        replies = self.session.collect(agents, "evaluation", r, step, only=asked)
+        return evaluation.summarise(replies, lambda why: self.session.rejections.reject("invalid", why))
 
     def _dataset_name(self) -> str:
         return "local" if self.cfg.task is not None else self.cfg.data.dataset

@@ -244,6 +244,8 @@ def preprocess_raw(x: np.ndarray, prep: dict[str, Any] | None) -> np.ndarray:
         x = x[None]                                # one image
     elif raw_shape and x.ndim == 3 and raw_shape[0] == 1 and x.shape[1:] == raw_shape[1:]:
         x = x[:, None]                             # N single-channel images without a channel axis
+    elif not raw_shape and x.ndim == 3 and len(mean) == 1:
+        x = x[:, None]                             # the same, where the run resized photos of any size
     if x.ndim != 4 or x.shape[1] != len(mean):
         raise OnnxError(f"raw inputs of shape {x.shape}: expected (N, {len(mean)}, H, W) images"
                         + (f" of {raw_shape[1]}x{raw_shape[2]} pixels" if len(raw_shape) == 3 else ""))

@@ -1,6 +1,7 @@
 """A fleet on its own data, with real processes over a real Mosquitto: a coordinator with its
 own validation folder and a user's ``nn.Sequential`` from a file, three agent processes each
-with its own image folder (unequal sizes, one without a class, one with a corrupt file),
+with its own image folder (unequal sizes, one without a class, one with a corrupt file, one
+with photos of another pixel size, resized as the run says),
 ``normalize: federated``, federated evaluation; two agents that do not fit are refused with
 one line and exit 2 without stopping the fleet; the exported ONNX model reproduces the
 coordinator's accuracy from raw pixels (``sfl-agent predict --raw``)."""
@@ -32,6 +33,8 @@ def _agent(broker: str, tmp_path: Path, name: str, data: Path, model_file: Path,
 
 def test_three_devices_train_on_their_own_folders_and_the_export_reproduces_the_accuracy(mosquitto, tmp_path):
     write_fleet(tmp_path)
+    for f in (tmp_path / "pi-2").rglob("*.png"):    # another camera: 16x16 photos, resized by the run
+        PIL.open(f).resize((16, 16), PIL.NEAREST).save(f)
     (tmp_path / "my_models.py").write_text(MODEL_FILE)
     # an edited copy on one device: another width, so another model
     (tmp_path / "edited").mkdir()
@@ -42,7 +45,7 @@ def test_three_devices_train_on_their_own_folders_and_the_export_reproduces_the_
     config.write_text(yaml.safe_dump({
         "run": "own", "model": "my_models.py:build_net", "strategy": "sfl", "rounds": 3, "local_iters": 15,
         "batch_size": 16, "lr": 0.05, "momentum": 0.5, "step_timeout_s": 30, "register_timeout_s": 120,
-        "task": {"classes": NAMES, "input_shape": [1, 8, 8], "normalize": "federated"},
+        "task": {"classes": NAMES, "input_shape": [1, 8, 8], "normalize": "federated", "resize": [8, 8]},
         "eval": {"data": "server", "federated_every": 1},
         "fleet": [{"profile": "rpi4", "count": 2}, {"profile": "jetson-nano"}], "output_dir": str(tmp_path / "out")}))
     coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
