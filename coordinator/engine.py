@@ -199,13 +199,17 @@ class RoundEngine:
 
     def _federated_normalization(self) -> None:
         """``normalize: federated``: combine the registered agents' channel statistics, once,
-        before round 1 (a late joiner, and a resumed run, use the same constants)."""
+        before round 1, and publish them in the run description (a late joiner, and a resumed
+        run, use the same constants; every assignment carries them as well)."""
         parts = {a: s for a, s in self.registry.channel_stats.items()
                  if a in self.registry.agents and self.registry.agents[a].registered}
         if not parts:
             raise RoundFailed("normalize: federated, but no registered agent sent its channel statistics")
         norm = ChannelStats.combine(parts.values())
         self._standardise(norm)
+        amend = getattr(self.transport, "amend_run_info", None)   # a deployment: the run description says it too
+        if amend is not None:
+            amend(normalize=norm.to_wire())
         text = (f"standardisation from {len(parts)} agent(s), {sum(p.count for p in parts.values())} values per "
                 f"channel: mean {[round(m, 4) for m in norm.mean]}, std {[round(v, 4) for v in norm.std]}")
         log.info(text)

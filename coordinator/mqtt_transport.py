@@ -74,6 +74,7 @@ class MqttTransport:
         self._reassembler = wire.Reassembler(max_bytes)
         self.rejections = protocol.Rejections(log)
         self._run_info: Optional[bytes] = None
+        self._run_info_body: dict[str, Any] = {}
         self._info_repeated_at = float("-inf")
         self._info_repeat: Optional[threading.Timer] = None
         self._info_lock = threading.Lock()
@@ -137,12 +138,19 @@ class MqttTransport:
         the run's description forever.
         """
         first = self._run_info is None
+        self._run_info_body = dict(body)
         body = {**body, "coordinator": {"key": self.signer.public, "instance": self.instance}}
         msg = Message("run_info", self.run_id, COORDINATOR_ID, body, seq=protocol.next_seq())
         self._run_info = self.signer.sign(msg).encode()
         self.link.publish(protocol.info_topic(self.run_id), self._run_info, retain=True)
         if first:
             self.link.add_reconnect_callback(self._republish_run_info)
+
+    def amend_run_info(self, **fields: Any) -> None:
+        """Publish the description again with ``fields`` added (a task run's constants, once the
+        fleet's statistics are combined): agents that join later read them first."""
+        if self._run_info is not None:
+            self.publish_run_info({**self._run_info_body, **fields})
 
     def _republish_run_info(self) -> None:
         if self._run_info is not None:  # on paho's thread: publish only enqueues

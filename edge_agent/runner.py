@@ -386,7 +386,10 @@ class AgentRunner:
         while not self._stop.is_set():
             info = self._run_info
             if info is not None and self._joined is not None and info.seq != self._joined.seq:
-                self._rejoin(info)
+                if _only_constants_added(self._joined.body, info.body):
+                    self._joined = info   # the fleet's constants, published: they come with every assignment too
+                else:
+                    self._rejoin(info)
             try:
                 msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
@@ -481,8 +484,9 @@ class AgentRunner:
                                            + (f" (it would change {changes})" if changes else "") + "; refused")
                 return False
             if changes:
-                log.warning("the run description of run %s changed, signed by our coordinator: %s", self.o.run_id,
-                            changes)
+                level = logging.INFO if _only_constants_added(self._run_info.body, msg.body) else logging.WARNING
+                log.log(level, "the run description of run %s changed, signed by our coordinator: %s",
+                        self.o.run_id, changes)
             return True
         if msg.type in signing.SIGNED_TYPES:
             key = self.trust.pinned(self.o.run_id)
@@ -539,6 +543,15 @@ _NOT_TASK = ("sig", "coordinator")
 def _task(body: dict) -> dict:
     """What a run description asks an agent to do (without who signed it)."""
     return {k: v for k, v in body.items() if k not in _NOT_TASK}
+
+
+def _only_constants_added(old: dict, new: dict) -> bool:
+    """The same coordinator process published the same run with its standardisation constants
+    now known (``normalize: federated``): nothing to reload or measure again."""
+    def rest(body: dict) -> dict:
+        return {k: v for k, v in _task(body).items() if k != "normalize"}
+    return ("normalize" in new and "normalize" not in old and rest(old) == rest(new)
+            and old.get("coordinator", {}).get("instance") == new.get("coordinator", {}).get("instance"))
 
 
 def _changes(old: dict, new: dict) -> str:

@@ -55,7 +55,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('task.scale',
      'raw values are divided by it first (255 for 8-bit pixels; 1 for data already scaled, e.g. float sensor readings).'),
     ('task.normalize',
-     'per-channel standardisation shared by the whole fleet: federated (each agent reports per-channel count, sum and sum of squares at registration; the coordinator combines them once, before round 1, sends them with every assignment and checkpoints them) | none | {mean: [...], std: [...]}. Exported models record the constants (sfl-agent predict --raw applies them).'),
+     'per-channel standardisation shared by the whole fleet: federated (each agent reports per-channel count, sum and sum of squares at registration; the coordinator combines them once, before round 1, publishes them in the run description, sends them with every assignment and checkpoints them) | none | {mean: [...], std: [...]}. Exported models record the constants (sfl-agent predict --raw applies them).'),
     ('task.resize',
      'null (an image of another size is an error naming the file and both sizes) | N | [height, width] equal to input_shape\'s: images are resized bilinearly.'),
     ('task.label_column',

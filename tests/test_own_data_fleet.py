@@ -61,6 +61,11 @@ def test_three_devices_train_on_their_own_folders_and_the_export_reproduces_the_
     assert re.search(r"is not the run's \(tensor 0: the run has 'blocks.0.0.weight 16x1x3x3 float32 Conv2d', "
                      r"this device has 'blocks.0.0.weight 24x1x3x3 float32 Conv2d'\)", edited), edited
     assert finish([coord, *agents], 240) == [0, 0, 0, 0], logs(tmp_path)
+    pi1 = (tmp_path / "agent-pi-1.log").read_text()
+    # the constants, once combined, are published in the run description too: no agent re-registers
+    assert re.search(r"INFO sfl.agent: the run description of run own changed, signed by our coordinator: "
+                     r"normalize: None -> \{'mean': \[0\.\d+\], 'std': \[0\.\d+\]\}", pi1), pi1
+    assert "registering again" not in pi1
     pi3 = (tmp_path / "agent-pi-3.log").read_text()
     assert "skipped 1 unreadable file(s)" in pi3 and "broken.png" in pi3
     assert re.search(r"loaded 1\d\d samples from .*pi-2 \(images\): zero \d+, one \d+, two \d+, three 0, four",
