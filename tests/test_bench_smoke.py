@@ -122,3 +122,18 @@ def test_own_data_quick(tmp_path: Path) -> None:
     for run in (seed["central"], *seed["methods"].values()):
         assert 0 <= run["final"] <= 1 and run["wall_s"] > 0
     assert [r["method"] for r in doc["summary"]] == ["central", "FedAvg", "SFL", "auto"]
+
+
+def test_identical_quick_writes_a_reference_and_finds_the_same_run_identical(tmp_path: Path) -> None:
+    ref = tmp_path / "ref.json"
+    for mode in ("--write", "--check"):
+        proc = subprocess.run([sys.executable, str(BENCH / "identical.py"), "--quick", mode, str(ref)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "runs/demo.yaml: identical" in proc.stdout and "1 of 1 runs identical" in proc.stdout
+    doc = json.loads(ref.read_text())
+    doc["histories"]["runs/demo.yaml"][1]["accuracy"] += 1e-12     # one bit of one number
+    ref.write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, str(BENCH / "identical.py"), "--quick", "--check", str(ref)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "runs/demo.yaml: [1].accuracy:" in proc.stdout, proc.stdout

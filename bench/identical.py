@@ -1,0 +1,133 @@
+"""Does a refactoring change what the product computes? Same runs, same numbers, to the bit.
+
+A re-layout (moving modules, splitting packages, renaming) must not change a single metric.
+This script runs the shipped run configs (``profiles/runs/*.yaml``, ``--rounds`` each, in
+simulation) and one paper-bench setting (``bench/paper.py <paper> --quick``), and keeps each
+run's metrics history with the fields that measure *this host* removed (``wall_s``, and each
+agent's ``compute_s`` and ``server_s``: host seconds, different on every run). Everything
+else — accuracies, losses, virtual times, bytes, plans, assignments — must be identical:
+
+    python bench/identical.py --write bench/results/identical-reference.json   # before a step
+    python bench/identical.py --check bench/results/identical-reference.json   # after it
+
+``--check`` prints, per run, ``identical`` or the first differing field, and exits 1 if any
+run differs. The reference records the commit it was taken at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import common  # noqa: E402  (puts the repo root on sys.path)
+
+from sfl_core.config import default_profiles_dir, load_run_config  # noqa: E402
+
+HOST_TIME_KEYS = frozenset({"wall_s", "compute_s", "server_s"})
+"""Fields that measure the host running the simulation, not the simulated fleet."""
+
+
+def canonical(value: Any) -> Any:
+    """``value`` without :data:`HOST_TIME_KEYS`, at any depth."""
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items() if k not in HOST_TIME_KEYS}
+    if isinstance(value, list):
+        return [canonical(v) for v in value]
+    return value
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str:
+    """Where two canonical histories first differ ('' when they are equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return f"{path}.{k}: only in the {'reference' if k in a else 'new run'}"
+            d = first_difference(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return ""
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} entries in the reference, {len(b)} now"
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return ""
+    return "" if a == b else f"{path}: {a!r} in the reference, {b!r} now"
+
+
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    return [canonical(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def shipped_runs(work: Path, rounds: int, only: str | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    from coordinator.api import run_simulation
+
+    for path in sorted((default_profiles_dir() / "runs").glob("*.yaml")):
+        if only is not None and path.stem != only:
+            continue
+        cfg = load_run_config(path)
+        cfg = dataclasses.replace(cfg, rounds=rounds, output_dir=str(work / path.stem))
+        run_simulation(cfg, quiet=True)
+        print(f"ran {path.name}", flush=True)
+        yield f"runs/{path.name}", read_history(work / path.stem)
+
+
+def paper_runs(work: Path, paper: str, data: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    import paper as paper_bench
+
+    paper_bench.main([paper, "--quick", "--work", str(work / "paper"), "--out", str(work / "paper-out"),
+                      "--data", data])
+    for run_dir in sorted(p.parent for p in (work / "paper").glob("*/metrics.jsonl")):
+        yield f"paper/{paper}/{run_dir.name}", read_history(run_dir)
+
+
+def main() -> int:
+    p = common.base_parser(__doc__)
+    p.add_argument("--write", type=Path, help="record the histories here (the reference)")
+    p.add_argument("--check", type=Path, help="compare with this reference")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--paper", default="mixed", help="the paper-bench setting to include (bench/configs/)")
+    args = p.parse_args()
+    if (args.write is None) == (args.check is None):
+        raise SystemExit("give exactly one of --write REF.json or --check REF.json")
+    common.apply_threads(args)
+    with tempfile.TemporaryDirectory(prefix="sfl-identical-") as tmp:
+        work = Path(tmp)
+        if args.quick:   # the smoke test: one shipped config, one round, no paper setting
+            runs = dict(shipped_runs(work, 1, only="demo"))
+        else:
+            runs = dict(shipped_runs(work, args.rounds))
+            runs.update(paper_runs(work, args.paper, args.data))
+    digests = {name: hashlib.sha256(json.dumps(h, sort_keys=True).encode()).hexdigest()[:16]
+               for name, h in runs.items()}
+    if args.write is not None:
+        args.write.parent.mkdir(parents=True, exist_ok=True)
+        args.write.write_text(json.dumps({"machine": common.machine_info(), "config": common.config_record(args),
+                                          "digests": digests, "histories": runs}, indent=1) + "\n")
+        print(f"wrote {args.write}: {len(runs)} runs")
+        return 0
+    ref = json.loads(args.check.read_text())
+    differ = 0
+    for name in sorted(set(ref["histories"]) | set(runs)):
+        if name not in runs or name not in ref["histories"]:
+            print(f"{name}: {'missing now' if name not in runs else 'not in the reference'}")
+            differ += 1
+            continue
+        d = first_difference(ref["histories"][name], runs[name])
+        print(f"{name}: {'identical' if not d else d}")
+        differ += bool(d)
+    print(f"{len(runs) - differ} of {len(runs)} runs identical to {args.check} "
+          f"(taken at {ref['machine'].get('git_commit')})")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
