@@ -3,7 +3,8 @@
 A re-layout (moving modules, splitting packages, renaming) must not change a single metric.
 This script runs the shipped run configs (``profiles/runs/*.yaml``, ``--rounds`` each, in
 simulation) and one paper-bench setting (``bench/paper.py <paper> --quick``), and keeps each
-run's metrics history with the fields that measure *this host* removed (``wall_s``, and each
+run's metrics history (the paper setting: six methods of ``mixed``, two rounds each) with
+the fields that measure *this host* removed (``wall_s``, and each
 agent's ``compute_s`` and ``server_s``: host seconds, different on every run). Everything
 else — accuracies, losses, virtual times, bytes, plans, assignments — must be identical:
 
@@ -75,16 +76,23 @@ def shipped_runs(work: Path, rounds: int, only: str | None = None) -> Iterator[t
             continue
         cfg = load_run_config(path)
         cfg = dataclasses.replace(cfg, rounds=rounds, output_dir=str(work / path.stem))
+        if cfg.data.root is None and (common.DATASETS_DIR / cfg.data.dataset).is_dir():   # the real files here
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                                     root=str(common.DATASETS_DIR / cfg.data.dataset)))
         run_simulation(cfg, quiet=True)
         print(f"ran {path.name}", flush=True)
         yield f"runs/{path.name}", read_history(work / path.stem)
+
+
+PAPER_METHODS = ("FedAvg", "SFL fastest", "S2FL+MB", "FM+BR", "FedFC mixed", "auto")
+"""Of the paper setting (bench/configs/mixed.yaml): every method family once."""
 
 
 def paper_runs(work: Path, paper: str, data: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     import paper as paper_bench
 
     paper_bench.main([paper, "--quick", "--work", str(work / "paper"), "--out", str(work / "paper-out"),
-                      "--data", data])
+                      "--data", data, "--methods", *PAPER_METHODS])
     for run_dir in sorted(p.parent for p in (work / "paper").glob("*/metrics.jsonl")):
         yield f"paper/{paper}/{run_dir.name}", read_history(run_dir)
 

@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bad = [x for x in (settings if name == "setting" else methods) if x not in known]
         if bad:
             raise SystemExit(f"unknown {name}(s) {bad}; {args.paper} has {list(known)}")
-    if args.quick:
-        args.seeds, settings, methods = 1, settings[:1], methods[:2]
+    if args.quick:   # a smoke test: one seed, the first setting, the first two methods unless named
+        args.seeds, settings, methods = 1, settings[:1], methods if args.methods else methods[:2]
     common.apply_threads(args)
     spec_data = args.data
     args.dataset, args.root = ("fashion-mnist", spec_data) if Path(spec_data).is_dir() else (spec_data, None)
