@@ -41,13 +41,13 @@ import torch
 
 from sfl_core.config import TaskConfig
 from sfl_core.data import DatasetError
-from sfl_core.onnx_export import IMAGE_SUFFIXES   # one list for training and for predict (torch-free there)
+# one image reader for training and for predict (torch-free there)
+from sfl_core.onnx_export import IMAGE_MODES, IMAGE_SUFFIXES, read_image, unreadable_image_errors
 
 __all__ = ["DeviceData", "Split", "IMAGE_SUFFIXES", "TABLE_SUFFIXES", "load_local", "describe_kind", "survey"]
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".arrow", ".feather")
 _VAL_NAMES = ("val", "validation", "test")
-_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 MAX_NAMED = 5
 """Skipped files named in messages (the rest are counted)."""
 
@@ -242,21 +242,15 @@ def _read_class_folders(folder: Path, task: TaskConfig, skips: _Skips) -> Split:
 def _read_image(path: Path | str, task: TaskConfig, skips: _Skips, source: Any = None) -> Optional[torch.Tensor]:
     """One image as scaled ``(C, H, W)`` float32, or None when skipped. ``source``: what to open
     instead of ``path`` (a Hugging Face row's bytes); ``path`` names it in messages."""
-    from PIL import Image
-
     channels, height, width = task.input_shape
-    if channels not in _MODES:
+    if channels not in IMAGE_MODES:
         raise DatasetError(f"{path}: the run's images have {channels} channels; image folders hold 1 (grey), "
                            f"3 (RGB) or 4 (RGBA)")
     try:
-        with Image.open(path if source is None else source) as im:
-            im.load()
-            im = im.convert(_MODES[channels])
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        arr = read_image(path if source is None else source, channels)
+    except unreadable_image_errors() as exc:
         skips(str(path), f"unreadable image ({exc})")
         return None
-    arr = np.asarray(im)
-    arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
     x = torch.from_numpy(arr.astype(np.float32)).div_(task.scale)
     if tuple(x.shape[1:]) != (height, width):
         if task.resize is None:

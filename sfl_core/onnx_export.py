@@ -257,6 +257,27 @@ def preprocess_raw(x: np.ndarray, prep: dict[str, Any] | None) -> np.ndarray:
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+IMAGE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+"""Pillow's mode for a model's input channels (grey, RGB, RGBA)."""
+
+
+def read_image(source: Any, channels: int) -> np.ndarray:
+    """One image as raw ``(C, H, W)`` pixels, converted to ``channels`` as torchvision's
+    ``ImageFolder`` converts (``convert('RGB')``): what training reads and ``predict --raw``
+    reads alike. ``source``: a path or a file object. Check ``channels`` against
+    :data:`IMAGE_MODES` first; a bad file raises one of :func:`unreadable_image_errors`."""
+    from PIL import Image
+
+    with Image.open(source) as im:
+        im.load()
+        arr = np.asarray(im.convert(IMAGE_MODES[channels]))
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+def unreadable_image_errors() -> tuple[type[BaseException], ...]:
+    """What Pillow raises for a corrupt, truncated or oversized image file."""
+    from PIL import Image
+    return (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 def load_raw_images(path: str | Path, prep: dict[str, Any] | None, classes: Sequence[str] | None = None
@@ -265,26 +286,21 @@ def load_raw_images(path: str | Path, prep: dict[str, Any] | None, classes: Sequ
     recursively), each prepared with :func:`preprocess_raw`. Where every image sits in a
     folder named after one of ``classes`` (a ``val/<class>/`` layout), those are its true
     classes. Returns (inputs, true classes or None, file names)."""
-    from PIL import Image
-
     path = Path(path)
     if not prep or "mean" not in prep:
         raise OnnxError("the model's sidecar has no 'preprocessing' record: photos cannot be prepared for it")
     files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise OnnxError(f"{path}: no images ({', '.join(IMAGE_SUFFIXES)})")
-    mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(len(prep["mean"]))
-    if mode is None:
+    if len(prep["mean"]) not in IMAGE_MODES:
         raise OnnxError(f"the model takes {len(prep['mean'])}-channel inputs, not images")
     raw_shape = tuple(int(d) for d in prep.get("raw_shape") or ())
     xs = []
     for f in files:
         try:
-            with Image.open(f) as im:
-                arr = np.asarray(im.convert(mode))
-        except (OSError, ValueError, SyntaxError) as exc:
+            arr = read_image(f, len(prep["mean"]))
+        except unreadable_image_errors() as exc:
             raise OnnxError(f"{f}: unreadable image ({exc})") from None
-        arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
         if not prep.get("resize") and raw_shape and arr.shape != raw_shape:
             raise OnnxError(f"{f}: image is {arr.shape[2]}x{arr.shape[1]} (width x height), the model takes "
                             f"{raw_shape[2]}x{raw_shape[1]}")
