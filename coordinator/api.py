@@ -28,7 +28,7 @@ from rich.console import Console
 from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.config import RunConfig
 from sfl_core.data import Dataset, DatasetError, load_dataset
-from sfl_core.fingerprint import architecture
+from sfl_core.fingerprint import architecture, fingerprinted
 from sfl_core.user_models import user_model_fields
 from sfl_core.accounting import model_costs
 from sfl_core.methods import build_method
@@ -169,11 +169,14 @@ def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dic
             "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},
             "num_agents": cfg.num_agents}
     body.update(user_model_fields(cfg.model))
+    if fingerprinted(cfg):
+        body["architecture"] = architecture(build_model(cfg.model, data.input_shape, data.num_classes))
     if cfg.task is not None:
-        body.update(task={**cfg.task.to_wire(), "bad_files": cfg.data.bad_files}, architecture=architecture(model))
+        body["task"] = {**cfg.task.to_wire(), "bad_files": cfg.data.bad_files}
         if normalize is not None:
             body["normalize"] = normalize
     return body
+
 
 
 def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, resume: Resume = False,

@@ -26,7 +26,7 @@ from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
 from sfl_core.config import RunConfig
 from sfl_core.methods import AgentRound, RoundPlan, build_method
-from sfl_core.fingerprint import architecture, digest
+from sfl_core.fingerprint import architecture, digest, fingerprinted
 from sfl_core.models import SplitModel, build_model
 from sfl_core.preprocessing import ChannelStats, Normalization, preprocessing_record
 from sfl_core.privacy import privacy_summary
@@ -116,7 +116,7 @@ class RoundEngine:
                                  channels=task.input_shape[0] if task is not None and task.normalize == "federated"
                                  else None,
                                  architecture=digest(architecture(build_model(cfg.model, self.input_shape, num_classes)))
-                                 if task is not None else None)
+                                 if fingerprinted(cfg) else None)
         self.normalization: Optional[Normalization] = None
         """A task run's standardisation constants (None until known); a built-in data set comes standardised."""
         self._x_scaled = self.x_test   # a task run's validation inputs before standardisation

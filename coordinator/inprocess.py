@@ -104,35 +104,30 @@ class SimAgent:
 
 
 def own_data_agents(cfg: RunConfig) -> tuple[list[SimAgent], list[Message]]:
-    """A task run's simulated devices, each reading its own ``data`` through the agents' loaders."""
-    from sfl_core.fingerprint import architecture, digest
+    """A task run's simulated devices, each reading its own ``data`` as an agent does."""
+    from sfl_core.fingerprint import architecture
     from sfl_core.models import build_model
-    from sfl_core.preprocessing import ChannelStats
-    from edge_agent.own_data import load_for_task
+    from edge_agent.own_data import prepare_device
 
     task = cfg.task
     assert task is not None
-    arch = digest(architecture(build_model(cfg.model, task.input_shape, task.num_classes)))
+    lines = architecture(build_model(cfg.model, task.input_shape, task.num_classes))
     agents, registrations = [], []
     for i, (profile_name, path) in enumerate(zip(cfg.agent_profiles(), cfg.agent_data())):
         if path is None:
             raise DatasetError(f"fleet: agent {i} ({profile_name}) has no 'data': simulating a run on the devices' "
                                f"own data needs each fleet entry's data path")
-        own = load_for_task(path, task, cfg.data.bad_files)
-        agent = SimAgent(f"sim-{i:03d}", i, own.train.x, own.train.y, task.num_classes, tuple(task.input_shape),
+        device = prepare_device(path, task, cfg.data.bad_files, lines)
+        train, val = device.local(task.num_classes)
+        agent = SimAgent(f"sim-{i:03d}", i, train.x, train.y, task.num_classes, tuple(task.input_shape),
                          seed=cfg.seed * 1000 + i, privacy=cfg.privacy.agent(), standardise=True,
-                         x_val=own.val.x if own.val is not None else None,
-                         y_val=own.val.y if own.val is not None else None)
-        extra = {"architecture": arch}
-        if task.normalize == "federated":
-            extra["channel_stats"] = ChannelStats.of(own.train.x).to_wire()
+                         x_val=val.x if val is not None else None, y_val=val.y if val is not None else None)
         agents.append(agent)
         registrations.append(Message(
             "register", cfg.run_id, agent.agent_id, round=0, seq=1,
             body=protocol.register_body(index=i, profile=load_profile(profile_name), measured={},
-                                        label_counts=own.train.label_counts(task.num_classes),
-                                        num_samples=len(own.train), emulate=True, resume={},
-                                        privacy=agent.privacy.describe(), extra=extra)))
+                                        label_counts=train.label_counts(), num_samples=len(train), emulate=True,
+                                        resume={}, privacy=agent.privacy.describe(), extra=device.extra)))
     return agents, registrations
 
 

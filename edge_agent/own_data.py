@@ -8,15 +8,20 @@ what ``check-data`` prints is what ``start`` would train on.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from sfl_core.config import ConfigError, TaskConfig, task_from_wire
 from sfl_core.data import DatasetError
+from sfl_core.fingerprint import digest
 from sfl_core.local_data import MAX_NAMED, DeviceData, load_local
+from sfl_core.preprocessing import ChannelStats
+
+from edge_agent.agent import LocalData
 
 log = logging.getLogger("sfl.agent")
 
-__all__ = ["task_of", "load_for_task", "describe"]
+__all__ = ["Device", "task_of", "load_for_task", "prepare_device", "describe"]
 
 
 def task_of(body: dict[str, Any]) -> tuple[TaskConfig, str]:
@@ -40,6 +45,32 @@ def load_for_task(path: Optional[str], task: TaskConfig, bad_files: str = "skip"
         more = f" and {len(data.skipped) - MAX_NAMED} more" if len(data.skipped) > MAX_NAMED else ""
         log.warning("skipped %d unreadable file(s) in %s: %s%s", len(data.skipped), path, named, more)
     return data
+
+
+@dataclass
+class Device:
+    """What a device brings to a task run: its data and what its registration adds."""
+
+    data: DeviceData
+    extra: dict[str, Any]
+    """``register`` fields of a task run: the model's digest and, for ``normalize: federated``,
+    the channel statistics of the training inputs."""
+
+    def local(self, num_classes: int) -> tuple[LocalData, Optional[LocalData]]:
+        """The training split and the held-out split as the agent core takes them."""
+        train = LocalData(self.data.train.x, self.data.train.y, num_classes)
+        val = self.data.val
+        return train, (LocalData(val.x, val.y, num_classes) if val is not None else None)
+
+
+def prepare_device(path: Optional[str], task: TaskConfig, bad_files: str, model_lines: list[str]) -> Device:
+    """Load this device's data and build its registration additions, as ``sfl-agent start``
+    does and as the simulation does for each simulated device."""
+    data = load_for_task(path, task, bad_files)
+    extra: dict[str, Any] = {"architecture": digest(model_lines)}
+    if task.normalize == "federated":
+        extra["channel_stats"] = ChannelStats.of(data.train.x).to_wire()
+    return Device(data, extra)
 
 
 def describe(data: DeviceData, task: TaskConfig) -> str:

@@ -31,7 +31,6 @@ from sfl_core.config import ConfigError, DeviceProfile
 from sfl_core.data import load_dataset
 from sfl_core.fingerprint import architecture, digest, first_difference
 from sfl_core.models import build_model
-from sfl_core.preprocessing import ChannelStats
 from sfl_core.partition import load_shard_file, shard_for_agent
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.protocol import Message
@@ -39,7 +38,7 @@ from sfl_core.user_models import register_layers, resolve_agent_model
 
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
-from edge_agent.own_data import load_for_task, task_of
+from edge_agent.own_data import prepare_device, task_of
 from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
 from edge_agent.profiler import measure_compute, measure_link
@@ -225,9 +224,10 @@ class AgentRunner:
     def _build_core(self, info: Message) -> AgentCore:
         b = info.body
         self._resolve_model(b)
+        lines = self._check_model(b)
         if "task" in b:
-            return self._build_own_data_core(b)
-        self._extra = {}
+            return self._build_own_data_core(b, lines)
+        self._extra = {"architecture": digest(lines)} if "architecture" in b else {}
         shape = tuple(b["input_shape"])
         # the run may train on resized images (data.image_size): resize ours the same way
         size = shape[1] if len(shape) == 3 and shape[1] == shape[2] else None
@@ -270,33 +270,33 @@ class AgentRunner:
         except ValueError as exc:
             raise ContractError(str(exc)) from None
 
-    def _build_own_data_core(self, b: dict) -> AgentCore:
-        """A run on the devices' own data: all of this device's data under the run's task
-        contract; the model checked against the run's fingerprint before anything is sent."""
+    def _check_model(self, b: dict) -> list[str]:
+        """This device's build of the run's model, described tensor by tensor; where the run
+        description carries the coordinator's description (a task run, a user's model), the
+        first difference stops the agent before it registers."""
+        try:
+            ours = architecture(build_model(b["model"], tuple(b["input_shape"]), b["num_classes"]))
+        except ValueError as exc:
+            raise ContractError(f"cannot build the run's model here: {exc}") from None
+        diff = first_difference([str(x) for x in b.get("architecture") or []], ours) if "architecture" in b else ""
+        if diff:
+            raise ContractError(f"this device's model {b['model']!r} is not the run's ({diff}): install the same "
+                                f"model code here")
+        return ours
+
+    def _build_own_data_core(self, b: dict, lines: list[str]) -> AgentCore:
+        """A run on the devices' own data: all of this device's data under the run's task contract."""
         try:
             task, bad_files = task_of(b)
         except ConfigError as exc:
             raise ContractError(f"the run's task contract: {exc}") from None
         if list(task.input_shape) != list(b["input_shape"]) or task.num_classes != b["num_classes"]:
             raise ContractError("the run description's task does not match its input_shape/num_classes")
-        theirs = b.get("architecture") or []
-        try:
-            ours = architecture(build_model(b["model"], task.input_shape, task.num_classes))
-        except ValueError as exc:
-            raise ContractError(f"cannot build the run's model here: {exc}") from None
-        diff = first_difference([str(x) for x in theirs], ours) if theirs else ""
-        if diff:
-            raise ContractError(f"this device's model {b['model']!r} is not the run's ({diff}): install the same "
-                                f"model code here")
-        data = load_for_task(self.o.data_root, task, bad_files)
+        device = prepare_device(self.o.data_root, task, bad_files, lines)
         if self.o.shard_file or self.o.index:
             log.warning("--index/--shard-file are not used: a device training on its own data uses all of it")
-        self._extra = {"architecture": digest(ours)}
-        federated = task.normalize == "federated"
-        if federated:
-            self._extra["channel_stats"] = ChannelStats.of(data.train.x).to_wire()
-        local = LocalData(data.train.x, data.train.y, task.num_classes)
-        held_out = LocalData(data.val.x, data.val.y, task.num_classes) if data.val is not None else None
+        self._extra = device.extra
+        local, held_out = device.local(task.num_classes)
         hook = self.emulator.compute if self.emulator else None
         return AgentCore(self.o.agent_id, self.o.run_id, local, tuple(task.input_shape),
                          seed=self.o.seed * 1000 + self.o.index, compute_hook=hook, privacy=self.o.privacy,

@@ -12,11 +12,11 @@ carries a digest the coordinator checks too (for agents written by others).
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Any, Sequence
 
 from torch import nn
 
-__all__ = ["MAX_LINES", "architecture", "digest", "first_difference"]
+__all__ = ["MAX_LINES", "architecture", "digest", "fingerprinted", "first_difference"]
 
 MAX_LINES = 4096
 """Most lines a received description may have (a run description is bounded)."""
@@ -48,3 +48,12 @@ def first_difference(expected: Sequence[str], ours: Sequence[str]) -> str:
         return (f"{who} has {abs(len(expected) - len(ours))} more tensor(s), from "
                 f"'{longer[min(len(expected), len(ours))]}'")
     return ""
+
+
+def fingerprinted(cfg: Any) -> bool:
+    """Whether a run (a ``RunConfig``) checks every agent's model against its own: where each
+    side builds it from code installed on its own (a user's model file or layer list), and in
+    every run on the devices' own data. Runs of the built-in zoo on benchmark sets leave it
+    out, so that agents of an earlier release still join them."""
+    from sfl_core.user_models import user_model_fields
+    return cfg.task is not None or bool(user_model_fields(cfg.model))

@@ -268,3 +268,19 @@ def test_a_missing_server_validation_folder_is_one_line_and_exit_2(fleet, tmp_pa
     res = _cli(app, "simulate", "-c", str(run))
     assert res.exit_code == 2 and "no-such-folder: no such file or directory" in res.output
     assert "Traceback" not in res.output
+
+
+def test_the_run_description_carries_the_fingerprint_where_code_is_installed_on_each_side(fleet, tmp_path):
+    from coordinator.api import _dataset, run_info_body
+    from sfl_core.config import run_config_from_dict
+
+    (fleet / "my_models.py").write_text(MODEL_FILE)
+    own = load_run_config(write_run(fleet))                                        # a task run, zoo model
+    bench_user = load_run_config(write_run(fleet, task=None, eval={}, model="my_models.py:build_net",
+                                           fleet=[{"profile": "rpi4"}], data={"dataset": "digits"}))
+    bench_zoo = run_config_from_dict({"run": "z", "fleet": ["rpi4"], "model": "small_cnn"})
+    for cfg, carried in ((own, True), (bench_user, True), (bench_zoo, False)):
+        body = run_info_body(cfg, _dataset(cfg))
+        assert ("architecture" in body) == carried, cfg.model
+    lines = run_info_body(bench_user, _dataset(bench_user))["architecture"]
+    assert lines == architecture(build_model("build_net", (1, 8, 8), 10))
