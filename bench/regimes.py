@@ -68,7 +68,7 @@ Methods (the training runs use the same switches):
   Split Federated Learning'): sliding split + data-balance groups. Each agent takes the
   candidate split whose round time is closest to the median of all agents x candidates times
   (``sfl_core.sliding_split.median_rule``; the model's candidates in
-  ``sfl_core.sliding_split.CANDIDATE_SPLITS``). The median rule equalises, it does not
+  ``sfl_core.models.CANDIDATE_SPLITS``). The median rule equalises, it does not
   minimise: on an even fleet everybody gets the median candidate.
 - ``HeteroSFL`` (HeteroSFL: Split Federated Learning with Heterogeneous Clients and Non-IID
   Data, ICLR 2024 submission; Chen et al., IEEE IoT Journal 2025): two link-rate groups, the
@@ -119,7 +119,8 @@ import torch  # noqa: E402
 
 from sfl_core.accounting import SplitCost, model_costs  # noqa: E402
 from sfl_core.hetero import group_by_link_rate, widths_for_groups  # noqa: E402
-from sfl_core.sliding_split import CANDIDATE_SPLITS, ClientTimeTable, median_rule  # noqa: E402
+from sfl_core.models import CANDIDATE_SPLITS
+from sfl_core.sliding_split import ClientTimeTable, median_rule  # noqa: E402
 from sfl_core.timing import agent_round_time, round_time  # noqa: E402
 
 METHODS = ("FedAvg", "SFL", "S2FL", "HeteroSFL", "MergeSFL", "FedFC")

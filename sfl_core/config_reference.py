@@ -131,7 +131,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('s2fl.group_size',
      'agents per group when balancing.'),
     ('s2fl.candidates',
-     "candidate split points, e.g. [1, 2, 3]; null = the model's defaults (sfl_core/sliding_split.py). With sliding false the largest candidate is used (the paper's SFL baseline)."),
+     "candidate split points, e.g. [1, 2, 3]; null = the model's defaults (sfl_core/models.py). With sliding false the largest candidate is used (the paper's SFL baseline)."),
     ('mergesfl',
      'MergeSFL control (docs/methods.md section 7), on top of feature merging'),
     ('mergesfl.regulate',

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from sfl_core.bottleneck import Bottleneck, Decoder, Encoder
 from sfl_core.plugins import load_entry_points
 
-__all__ = ["SplitModel", "MODEL_NAMES", "NORMS", "ModelSpec", "build_model", "model_base_name", "model_names",
+__all__ = ["CANDIDATE_SPLITS", "candidate_splits", "SplitModel", "MODEL_NAMES", "NORMS", "ModelSpec", "build_model", "model_base_name", "model_names",
            "register_model"]
 
 
@@ -495,6 +495,41 @@ ENTRY_POINT_GROUP = "sfl_edge.models"
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
+CANDIDATE_SPLITS: dict[str, tuple[int, ...]] = {
+    # Where each zoo model may be cut: the split points methods choose among (S2FL's sliding
+    # split, auto's cuts, FedFC's mixed cuts); register_model(candidate_splits=...) adds to it.
+    "small_cnn": (1, 2, 3),
+    "resnet8": (2, 3, 4),
+    "vgg_mini": (1, 2, 4),
+    "vgg11": (2, 4, 6),
+    "vgg16": (2, 4, 7),
+    "alexnet": (2, 4, 5),
+    "mobilenet_v1": (3, 5, 7),
+    "cnn1d": (1, 2, 3),
+}
+
+
+def candidate_splits(model_name: str, k: Optional[int] = None) -> tuple[int, ...]:
+    """The model's candidate split points, ascending (smallest client portion first).
+
+    With ``k`` (``1 <= k <= K``), an evenly spread subset that keeps the first and last
+    candidate (for ``k >= 2``), so a smaller K still spans the whole shared part;
+    ``k == 1`` gives the first (lightest) candidate.
+    """
+    base = model_name.partition(":")[0]   # a width/norm variant keeps its model's cuts
+    if base not in CANDIDATE_SPLITS:
+        raise ValueError(f"no candidate splits for model {model_name!r}; known: {sorted(CANDIDATE_SPLITS)} "
+                         f"(set s2fl.candidates in the run config)")
+    c = CANDIDATE_SPLITS[base]
+    if k is None:
+        return c
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= len(c):
+        raise ValueError(f"model {model_name!r} has {len(c)} candidate splits {list(c)}; k must be 1..{len(c)}, got {k!r}")
+    if k == 1:
+        return c[:1]
+    return tuple(c[round(i * (len(c) - 1) / (k - 1))] for i in range(k))
+
+
 def register_model(name: str, builder: Callable[..., SplitModel], *, candidate_splits: Sequence[int] | None = None,
                    norms: bool = True, replace: bool = False) -> None:
     """Add a model to the zoo, so run configs, agents and every command can name it.
@@ -519,11 +554,10 @@ def register_model(name: str, builder: Callable[..., SplitModel], *, candidate_s
     else:
         _NATIVE_NORM.pop(name, None)
     if candidate_splits is not None:
-        from sfl_core import sliding_split   # sliding_split imports this module
         cands = tuple(sorted({int(c) for c in candidate_splits}))
         if not cands or cands[0] < 1:
             raise ValueError(f"model {name!r}: candidate_splits must be split points >= 1, got {candidate_splits!r}")
-        sliding_split.CANDIDATE_SPLITS[name] = cands
+        CANDIDATE_SPLITS[name] = cands
 
 
 def model_names() -> tuple[str, ...]:

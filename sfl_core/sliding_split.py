@@ -45,43 +45,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from sfl_core.accounting import SplitCost
+from sfl_core.models import candidate_splits
 from sfl_core.timing import agent_round_time
 
-__all__ = ["CANDIDATE_SPLITS", "candidate_splits", "TimeEntry", "ClientTimeTable", "warmup_split",
+__all__ = ["TimeEntry", "ClientTimeTable", "warmup_split",
            "median_rule", "estimate_round_time", "fleet_round_time"]
-
-CANDIDATE_SPLITS: dict[str, tuple[int, ...]] = {
-    "small_cnn": (1, 2, 3),
-    "resnet8": (2, 3, 4),
-    "vgg_mini": (1, 2, 4),
-    "vgg11": (2, 4, 6),
-    "vgg16": (2, 4, 7),
-    "alexnet": (2, 4, 5),
-    "mobilenet_v1": (3, 5, 7),
-    "cnn1d": (1, 2, 3),
-}
-
-
-def candidate_splits(model_name: str, k: Optional[int] = None) -> tuple[int, ...]:
-    """The model's candidate split points, ascending (smallest client portion first).
-
-    With ``k`` (``1 <= k <= K``), an evenly spread subset that keeps the first and last
-    candidate (for ``k >= 2``), so a smaller K still spans the whole shared part;
-    ``k == 1`` gives the first (lightest) candidate.
-    """
-    base = model_name.partition(":")[0]   # a width/norm variant keeps its model's cuts
-    if base not in CANDIDATE_SPLITS:
-        raise ValueError(f"no candidate splits for model {model_name!r}; known: {sorted(CANDIDATE_SPLITS)} "
-                         f"(set s2fl.candidates in the run config)")
-    c = CANDIDATE_SPLITS[base]
-    if k is None:
-        return c
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= len(c):
-        raise ValueError(f"model {model_name!r} has {len(c)} candidate splits {list(c)}; k must be 1..{len(c)}, got {k!r}")
-    if k == 1:
-        return c[:1]
-    return tuple(c[round(i * (len(c) - 1) / (k - 1))] for i in range(k))
-
 
 # ====================================================================== client time table
 

@@ -13,7 +13,7 @@ from sfl_core.accounting import model_costs
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config import ConfigError, run_config_from_dict
 from sfl_core.models import ModelSpec, build_model
-from sfl_core.sliding_split import candidate_splits
+from sfl_core.models import candidate_splits
 
 from coordinator.server_trainer import ServerTrainer
 

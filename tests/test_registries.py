@@ -45,13 +45,13 @@ def stripes(root):
 @pytest.fixture
 def clean_registries():
     builders, norms = dict(models_mod._BUILDERS), dict(models_mod._NATIVE_NORM)
-    from sfl_core import sliding_split
-    cands = dict(sliding_split.CANDIDATE_SPLITS)
+    from sfl_core import models as zoo
+    cands = dict(zoo.CANDIDATE_SPLITS)
     plugins = dict(data_mod._PLUGINS)
     yield
     models_mod._BUILDERS.clear(), models_mod._BUILDERS.update(builders)
     models_mod._NATIVE_NORM.clear(), models_mod._NATIVE_NORM.update(norms)
-    sliding_split.CANDIDATE_SPLITS.clear(), sliding_split.CANDIDATE_SPLITS.update(cands)
+    zoo.CANDIDATE_SPLITS.clear(), zoo.CANDIDATE_SPLITS.update(cands)
     data_mod._PLUGINS.clear(), data_mod._PLUGINS.update(plugins)
     data_mod.clear_cache()
 
@@ -125,7 +125,7 @@ def test_entry_points_register_on_first_use(tmp_path, monkeypatch, clean_registr
     monkeypatch.setattr(plugins, "_loaded", set())
     m = build_model("wide", (1, 3, 3), 3)
     assert m.num_blocks == 2 and "wide" in models_mod.model_names() and "broken" not in models_mod.model_names()
-    from sfl_core.sliding_split import candidate_splits
+    from sfl_core.models import candidate_splits
     assert candidate_splits("wide") == (1,)
     ds = load_dataset("blobs")
     assert ds.num_classes == 3 and ds.preprocessing["scale"] == 8.0 and "blobs" in data_mod.dataset_names()

@@ -38,7 +38,7 @@ from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, fleet
 from sfl_core.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.models import SplitModel
-from sfl_core.sliding_split import candidate_splits
+from sfl_core.models import candidate_splits
 from sfl_core.wire import nominal_ratio
 
 log = logging.getLogger(__name__)

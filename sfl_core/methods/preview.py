@@ -22,7 +22,8 @@ from sfl_core.fleet import AgentInfo
 from sfl_core.methods import build_method
 from sfl_core.methods.auto import price_option, wire_fraction
 from sfl_core.models import SplitModel
-from sfl_core.sliding_split import candidate_splits, fleet_round_time
+from sfl_core.models import candidate_splits
+from sfl_core.sliding_split import fleet_round_time
 from sfl_core.wire import nominal_ratio
 
 

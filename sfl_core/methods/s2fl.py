@@ -16,7 +16,8 @@ from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplin
 from sfl_core.grouping import group_by_balance
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.models import SplitModel
-from sfl_core.sliding_split import candidate_splits, estimate_round_time, median_rule, warmup_split
+from sfl_core.models import candidate_splits
+from sfl_core.sliding_split import estimate_round_time, median_rule, warmup_split
 
 
 class S2FL(Method):
