@@ -25,7 +25,8 @@ from sfl_core.aggregation import layerwise_average
 from sfl_core.assignment import Assignment
 from sfl_core.bottleneck import bottleneck_shape, slice_state
 from sfl_core.config import RunConfig
-from sfl_core.methods import AgentRound, RoundPlan, build_method
+from sfl_core.methods import build_method
+from sfl_core.methods.base import AgentRound, RoundPlan
 from sfl_core.fingerprint import architecture, digest, fingerprinted
 from sfl_core.models import SplitModel, build_model
 from sfl_core.preprocessing import ChannelStats, Normalization, preprocessing_record

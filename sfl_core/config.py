@@ -31,6 +31,7 @@ from sfl_core.fields import (
     STRICT, YAML_SUFFIXES, ConfigError, Conv, Fail, Section, checked, invalid, looks_like_path, number, read_yaml,
     validate,
 )
+from sfl_core.methods.registry import strategies
 from sfl_core.partition import SCHEMES
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
 from sfl_core.protocol import check_id
@@ -138,7 +139,6 @@ def _enum(*choices: str) -> Conv:
 
 def _strategy(v: Any, fail: Fail) -> str:
     """A built-in strategy or one registered with :func:`sfl_core.methods.register_method`."""
-    from sfl_core.methods import strategies   # late: the methods read RunConfig
     known = strategies()
     if v not in known:
         fail("one of " + ", ".join(repr(c) for c in known))

@@ -10,10 +10,14 @@ import pytest
 from coordinator.api import run_simulation
 from sfl_core.accounting import model_costs
 from sfl_core.config import ConfigError, run_config_from_dict
-from sfl_core.methods import (
-    FedAvg, FedFC, HeteroSFL, MergeSFL, Method, RoundPlan, S2FL, SFL, build_method, register_method, strategies,
-)
-from sfl_core.methods import _BASES  # noqa: PLC2701  (a test registers and removes its own method)
+from sfl_core.methods import build_method, register_method, strategies, unregister_method
+from sfl_core.methods.base import Method, RoundPlan
+from sfl_core.methods.fedavg import FedAvg
+from sfl_core.methods.fedfc import FedFC
+from sfl_core.methods.heterosfl import HeteroSFL
+from sfl_core.methods.mergesfl import MergeSFL
+from sfl_core.methods.s2fl import S2FL
+from sfl_core.methods.sfl import SFL
 from sfl_core.models import build_model
 
 SHAPE = (1, 8, 8)
@@ -66,7 +70,7 @@ def test_a_new_method_is_one_class_and_its_registration(tmp_path):
         cfg = _cfg(tmp_path, strategy="alternate", server_mode="merged")
         history, _ = run_simulation(cfg)
     finally:
-        del _BASES["alternate"]
+        unregister_method("alternate")
     rounds = [h for h in history if h["round"] >= 1]
     assert [h["phase"] for h in rounds] == ["alternate 1", "alternate 2"]
     assert [{a["split"] for a in h["agents"].values()} for h in rounds] == [{1}, {2}]

@@ -7,11 +7,14 @@ a group's server copy counts once in the layer-wise average (the paper's Alg. 3)
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
+from sfl_core.accounting import SplitCost
+from sfl_core.config import RunConfig
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import RoundPlan, split_plan
 from sfl_core.methods.sfl import SFL
+from sfl_core.models import SplitModel
 
 
 class FedFC(SFL):
@@ -23,3 +26,8 @@ class FedFC(SFL):
         by_profile = self.cfg.profile_splits or {}
         return split_plan(self.cfg, {a: by_profile.get(agents[a].profile.name, self.split) for a in selected},
                           "per profile")
+
+
+def split_learning(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> Union[SFL, FedFC]:
+    """``strategy: sfl``: one cut for everybody, or FedFC's cut per profile where ``profile_splits`` is set."""
+    return (FedFC if cfg.profile_splits else SFL)(cfg, model, costs)

@@ -1,0 +1,77 @@
+"""Which method a run config's ``strategy:`` names, and the layers its other keys ask for.
+
+The built-in methods are listed here by where they live (``"module:attribute"``) and imported
+only when a run builds one. That keeps the run config free to check ``strategy:`` against
+:func:`strategies` without importing any method (every method reads the run config, so an
+import the other way would be a loop), exactly as installed plugins are found: by name in the
+``sfl_edge.methods`` entry-point group, loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
+
+from sfl_core.plugins import load_entry_points
+
+if TYPE_CHECKING:
+    from sfl_core.accounting import SplitCost
+    from sfl_core.config import RunConfig
+    from sfl_core.methods.base import Layer, Method
+    from sfl_core.models import SplitModel
+
+    MethodFactory = Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Method]
+
+ENTRY_POINT_GROUP = "sfl_edge.methods"
+
+_BASES: dict[str, Union[str, "MethodFactory"]] = {
+    "sfl": "sfl_core.methods.fedfc:split_learning",     # SFL at one cut, FedFC with profile_splits
+    "fedavg": "sfl_core.methods.fedavg:FedAvg",
+    "s2fl": "sfl_core.methods.s2fl:S2FL",
+    "auto": "sfl_core.methods.auto:Auto",
+}
+_LAYERS: list[Union[str, "type[Layer]"]] = ["sfl_core.methods.heterosfl:HeteroSFL",
+                                            "sfl_core.methods.mergesfl:MergeSFL"]
+"""Applied in this order, innermost first: MergeSFL's selection sees HeteroSFL's plan underneath."""
+
+
+def _resolve(ref: Union[str, Any]) -> Any:
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def register_method(strategy: str, factory: "MethodFactory") -> None:
+    """Make ``strategy: <name>`` in a run config build ``factory(cfg, model, costs)``."""
+    _BASES[strategy] = factory
+
+
+def unregister_method(strategy: str) -> None:
+    """Forget a registered method (tests, and plugins that replace one)."""
+    _BASES.pop(strategy, None)
+
+
+def strategies() -> tuple[str, ...]:
+    """The names ``strategy:`` accepts: the built-in methods first, then registered ones
+    (including those installed packages declare in the ``sfl_edge.methods`` entry-point group)."""
+    load_entry_points(ENTRY_POINT_GROUP, register_method, _BASES, "method")
+    return tuple(_BASES)
+
+
+def register_layer(layer: "type[Layer]") -> None:
+    """Apply ``layer`` to every run whose config it :meth:`~Layer.wanted` (after the built-in layers)."""
+    if layer not in _LAYERS:
+        _LAYERS.append(layer)
+
+
+def build_method(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, SplitCost]") -> "Method":
+    """The run's method: its strategy's base, wrapped in every layer its config asks for."""
+    if cfg.strategy not in strategies():
+        raise ValueError(f"strategy {cfg.strategy!r}: no such method; known: {sorted(_BASES)}")
+    method = _resolve(_BASES[cfg.strategy])(cfg, model, costs)
+    for ref in _LAYERS:
+        layer = _resolve(ref)
+        if layer.wanted(cfg):
+            method = layer(method)
+    return method
