@@ -1,4 +1,4 @@
-"""Wire codec benchmark: bytes and speed of ``sfl_core.wire`` on real activations/gradients.
+"""Wire codec benchmark: bytes and speed of ``sfl_core.wire.codec`` on real activations/gradients.
 
 Command (full run, well under a minute on 2 CPU cores with ``--threads 1``)::
 
@@ -10,8 +10,8 @@ What is measured: a batch of ``--batch`` real images (Fashion-MNIST by default) 
 through the client portion ``blocks[:s]`` of a freshly initialised model in train mode;
 the activations are the tensor an agent uploads. Their gradient comes from the server
 portion ``blocks[s:]`` + cross-entropy (mean over the batch), i.e. the tensor the
-coordinator sends back. Each tensor is encoded with :func:`sfl_core.wire.encode_tensor`
-and decoded with :func:`sfl_core.wire.decode_tensor` for every codec setting
+coordinator sends back. Each tensor is encoded with :func:`sfl_core.wire.codec.encode_tensor`
+and decoded with :func:`sfl_core.wire.codec.decode_tensor` for every codec setting
 (fp32 / fp16 / bf16 / int8 / topk10 / topk1 x zstd level 0 = off, 1, 3, 9). The physical reference, timed in the same
 run on the same bytes, is a plain memory copy of the raw fp32 buffer (``numpy.copy``).
 
@@ -51,8 +51,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sfl_core.models import build_model  # noqa: E402
-from sfl_core.wire import CODECS, decode_tensor, encode_tensor, encoded_nbytes, is_codec  # noqa: E402
+from sfl_core.model.zoo import build_model  # noqa: E402
+from sfl_core.wire.codec import CODECS, decode_tensor, encode_tensor, encoded_nbytes, is_codec  # noqa: E402
 
 ZSTD_LEVELS = (0, 1, 3, 9)
 BENCH_CODECS = (*CODECS, "topk10", "topk1")

@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402  (after the path fix on purpose)
 
-from sfl_core.data import DATASET_NAMES, Dataset, load_dataset  # noqa: E402
+from sfl_core.data.builtin import DATASET_NAMES, Dataset, load_dataset  # noqa: E402
 
 
 # --------------------------------------------------------------------------- arguments

@@ -59,11 +59,12 @@ import torch
 import yaml
 from brokers import MosquittoBroker, find_mosquitto, MOSQUITTO_MISSING
 
-from sfl_core import protocol, wire
-from sfl_core.config import load_profile
-from sfl_core.data import load_dataset
-from sfl_core.models import build_model
-from sfl_core.protocol import Message
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.config.run import load_profile
+from sfl_core.data.builtin import load_dataset
+from sfl_core.model.zoo import build_model
+from sfl_core.wire.protocol import Message
 from sfl_core.transport.mqtt_link import MqttLink
 
 RUN = "load"

@@ -8,9 +8,9 @@ Command (full run, ~1-2 minutes on 2 CPU cores)::
 
 What is measured (product path), for each payload size:
 
-- agent side: an ``activations`` :class:`~sfl_core.protocol.Message` whose ``x`` is a real
+- agent side: an ``activations`` :class:`~sfl_core.wire.protocol.Message` whose ``x`` is a real
   client-portion output (a batch of real images through ``blocks[:s]`` of a fresh model,
-  encoded with :func:`~sfl_core.wire.encode_tensor` at zstd 3) is packed with
+  encoded with :func:`~sfl_core.wire.codec.encode_tensor` at zstd 3) is packed with
   ``Message.encode``, cut with ``wire.split_chunks`` (1 MiB chunks, as the agent does) and
   sent with ``MqttLink.publish`` to ``sfl/<run>/up/<agent>``, one QoS-1 PUBACK wait per
   chunk - exactly ``AgentRunner._publish``.
@@ -67,11 +67,12 @@ from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from brokers import MosquittoBroker  # noqa: E402
 from coordinator.mqtt_transport import MqttTransport  # noqa: E402
 from sfl_core.transport.mqtt_link import MqttLink  # noqa: E402
-from sfl_core import protocol, wire  # noqa: E402
+from sfl_core.wire import protocol  # noqa: E402
+from sfl_core.wire import codec as wire
 from sfl_core.transport.broker_url import parse_broker_url  # noqa: E402
-from sfl_core.data import Dataset, load_dataset  # noqa: E402
-from sfl_core.models import build_model  # noqa: E402
-from sfl_core.protocol import Message  # noqa: E402
+from sfl_core.data.builtin import Dataset, load_dataset  # noqa: E402
+from sfl_core.model.zoo import build_model  # noqa: E402
+from sfl_core.wire.protocol import Message  # noqa: E402
 
 RUN = "bench-dp"
 AGENT = "bench-agent"

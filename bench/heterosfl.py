@@ -41,7 +41,7 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sfl_core import wire  # noqa: E402
+from sfl_core.wire import codec as wire  # noqa: E402
 
 P_BAR = 256          # channels of vgg_mini at split 3
 HIGH_LOW_RATIO = 16  # link-rate ratio of heterosfl-high to heterosfl-low
@@ -98,7 +98,7 @@ def run_one(job: tuple[str, str, int, Any]) -> dict[str, Any]:
     method, setting, seed, args = job
     torch.set_num_threads(args.threads or 1)
     from coordinator.api import run_simulation
-    from sfl_core.config import run_config_from_dict
+    from sfl_core.config.run import run_config_from_dict
     t0 = time.time()
     cfg = run_config_from_dict(config(method, setting, seed, args))
     history, engine = run_simulation(cfg, device="cpu", quiet=True)
@@ -114,8 +114,8 @@ def run_one(job: tuple[str, str, int, Any]) -> dict[str, Any]:
 def bytes_per_sample(state: dict[str, torch.Tensor], args: Any) -> list[dict[str, Any]]:
     """Wire bytes per sample (activation up + gradient down, zstd included) for every width and
     codec the methods use, on real activations/gradients of the trained SFL model."""
-    from sfl_core.data import load_dataset
-    from sfl_core.models import build_model
+    from sfl_core.data.builtin import load_dataset
+    from sfl_core.model.zoo import build_model
     ds = load_dataset(args.dataset, args.root)
     x, y = ds.x_train[:256], ds.y_train[:256]
     rows = []

@@ -54,8 +54,9 @@ import torch.nn.functional as F
 
 from coordinator.api import run_simulation
 from edge_agent.agent import AgentCore, LocalData
-from sfl_core import protocol, wire
-from sfl_core.config import run_config_from_dict
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.config.run import run_config_from_dict
 from sfl_core.privacy import distance_correlation, distance_correlation_u
 
 RUN = "leakage"
@@ -285,7 +286,7 @@ _DATA_CACHE: dict[tuple, Any] = {}
 def engine_data(a: dict[str, Any]):
     key = (a["dataset"], a["root"])
     if key not in _DATA_CACHE:
-        from sfl_core.data import load_dataset
+        from sfl_core.data.builtin import load_dataset
         _DATA_CACHE[key] = load_dataset(a["dataset"], a["root"])
     return _DATA_CACHE[key]
 

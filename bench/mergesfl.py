@@ -78,7 +78,7 @@ def run_one(job: tuple[str, str, str, int, Any]) -> dict[str, Any]:
     part, method, setting, seed, args = job
     torch.set_num_threads(args.threads or 1)
     from coordinator.api import run_simulation
-    from sfl_core.config import run_config_from_dict
+    from sfl_core.config.run import run_config_from_dict
     t0 = time.time()
     history, _ = run_simulation(run_config_from_dict(config(part, method, setting, seed, args)), device="cpu", quiet=True)
     curve = [{k: r[k] for k in ("round", "accuracy", "elapsed_s", "waiting_s", "bytes_up", "bytes_down")}
@@ -115,7 +115,7 @@ def summarise(by_method: dict[str, list[list[dict[str, Any]]]], reference: str) 
 
 def ga_timing(seed: int = 0) -> list[dict[str, Any]]:
     """Wall time of the GA worker selection (default settings) for 100 and 1,000 agents."""
-    from sfl_core import mergesfl
+    from sfl_core.methods.mergesfl import control as mergesfl
     rng = np.random.default_rng(seed)
     rows = []
     for n in (100, 1000):

@@ -28,7 +28,7 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 from coordinator import state as checkpoint  # noqa: E402
 from coordinator.export import rebuild_model  # noqa: E402
-from sfl_core.data import Dataset, load_dataset  # noqa: E402
+from sfl_core.data.builtin import Dataset, load_dataset  # noqa: E402
 
 
 def has_batch_norm(model: nn.Module) -> bool:

@@ -42,11 +42,11 @@ import yaml
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from sfl_core.config import load_run_config  # noqa: E402
-from sfl_core.data import _read_mnist_dir  # noqa: E402
-from sfl_core.local_data import load_local  # noqa: E402
-from sfl_core.models import build_model  # noqa: E402
-from sfl_core.preprocessing import ChannelStats  # noqa: E402
+from sfl_core.config.run import load_run_config  # noqa: E402
+from sfl_core.data.builtin import _read_mnist_dir  # noqa: E402
+from sfl_core.data.local import load_local  # noqa: E402
+from sfl_core.model.zoo import build_model  # noqa: E402
+from sfl_core.data.preprocessing import ChannelStats  # noqa: E402
 
 CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
 PROFILES = ("rpi4", "jetson-nano", "jetson-xavier-nx")

@@ -43,9 +43,9 @@ import yaml
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from sfl_core.accounting import model_costs  # noqa: E402
-from sfl_core.config import load_profile, run_config_from_dict  # noqa: E402
-from sfl_core.models import ModelSpec  # noqa: E402
+from sfl_core.model.accounting import model_costs  # noqa: E402
+from sfl_core.config.run import load_profile, run_config_from_dict  # noqa: E402
+from sfl_core.model.zoo import ModelSpec  # noqa: E402
 
 CONFIG_DIR = common.BENCH_DIR / "configs"
 PAPERS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
@@ -82,7 +82,7 @@ def scaled_profile(name: str, factors: dict[str, float], out_dir: Path,
     fleets, a capacity schedule); returns its path. ``name`` is a profile name
     (profiles/devices/) or a path to a profile YAML, relative to bench/configs/ (where the
     paper configs live) or to the working directory; the copy keeps the profile's ``name``."""
-    from sfl_core.fields import looks_like_path
+    from sfl_core.config.fields import looks_like_path
     if looks_like_path(name) and not Path(name).is_absolute() and (CONFIG_DIR / name).is_file():
         p = load_profile(str(CONFIG_DIR / name))
     else:
@@ -119,7 +119,7 @@ def ordered_fleet(fleet: list[dict[str, Any]], correlate: dict[str, Any] | None,
     dominant classes on the same device class, by ordering the fleet (agent i gets shard i)."""
     if not correlate:
         return fleet
-    from sfl_core.partition import partition_indices
+    from sfl_core.data.partition import partition_indices
     import numpy as np
     profiles = [e["profile"] for e in fleet for _ in range(e["count"])]
     shards = partition_indices(labels, len(profiles), data["partition"], alpha=data.get("alpha", 0.5),
@@ -199,8 +199,8 @@ def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], meth
 
 def fastest_split(cfg: dict[str, Any], costs: dict[int, Any]) -> int:
     """The candidate split whose synchronous round (slowest agent) is shortest for this fleet."""
-    from sfl_core.models import candidate_splits
-    from sfl_core.sliding_split import fleet_round_time
+    from sfl_core.model.zoo import candidate_splits
+    from sfl_core.methods.s2fl.sliding_split import fleet_round_time
     cands = (cfg.get("s2fl") or {}).get("candidates") or candidate_splits(cfg["model"])
     samples = cfg.get("batch_size", 32) * cfg.get("local_iters", 10)
     profiles = [load_profile(e["profile"]) for e in cfg["fleet"]]
@@ -259,7 +259,7 @@ def add_norm_stats(spec: dict[str, Any], summary: dict[str, Any], work: Path, ar
     """Each method's final accuracy with BatchNorm statistics recomputed (mean ± std over its
     seeds' run directories; models without BatchNorm get none)."""
     import norm_stats
-    from sfl_core.data import load_dataset
+    from sfl_core.data.builtin import load_dataset
     image_size = (spec["base"].get("data") or {}).get("image_size")
     data = load_dataset(args.dataset, args.root, image_size=image_size)
     for setting, s in summary.items():

@@ -29,11 +29,11 @@ import numpy as np
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from sfl_core.accounting import model_costs  # noqa: E402
-from sfl_core.config import DeviceProfile, load_run_config, run_config_from_dict  # noqa: E402
+from sfl_core.model.accounting import model_costs  # noqa: E402
+from sfl_core.config.run import DeviceProfile, load_run_config, run_config_from_dict  # noqa: E402
 from sfl_core.fleet import AgentInfo  # noqa: E402
 from sfl_core.methods import build_method  # noqa: E402
-from sfl_core.models import build_model  # noqa: E402
+from sfl_core.model.zoo import build_model  # noqa: E402
 
 
 def synthetic_fleet(n: int, seed: int) -> dict[str, AgentInfo]:

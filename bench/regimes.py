@@ -12,7 +12,7 @@ The two axes:
     bytes against one round's activation bytes (``p = batch·tau`` samples of ``q`` bytes; both
     move twice a round: weights down and up, activations up and gradients down). ``rho_full =
     |W| / (p·q)`` is the same with the whole model, what FedAvg moves. The panels are real
-    models of ``sfl_core.models`` at a CIFAR-10 input (3x32x32; small_cnn at Fashion-MNIST's
+    models of ``sfl_core.model.zoo`` at a CIFAR-10 input (3x32x32; small_cnn at Fashion-MNIST's
     1x28x28), chosen so ``rho`` spans four decades: MobileNet cut early (activations
     dominate), ResNet-8, VGG-16, VGG-11, and small_cnn cut after its big fully connected
     layer (weights dominate). ``--panels model@split`` picks others.
@@ -40,7 +40,7 @@ What is MEASURED and what is MODELLED:
 - Per-round times are modelled: the time model of the S2FL paper (Eq. 1) via
   ``sfl_core.timing.agent_round_time``, ``T = (2|Wc| + 2·p·q)/R + p·F_c/C + p·F_s/C_server``,
   with each panel model's FLOPs (torch's flop counter) and fp32 bytes
-  (``sfl_core.accounting.model_costs``), no latency, no server contention; a synchronous
+  (``sfl_core.model.accounting.model_costs``), no latency, no server contention; a synchronous
   round lasts as long as its slowest agent. Time to target = rounds x round time (S2FL: its
   K warm-up rounds at each candidate split for everybody, then the steady split plan).
 - Transfers of the measured rounds, i.e. the assumptions: the rounds measured on small_cnn
@@ -67,13 +67,13 @@ Methods (the training runs use the same switches):
 - ``S2FL`` (Yan et al., 2023, 'Have Your Cake and Eat It Too: Toward Efficient and Accurate
   Split Federated Learning'): sliding split + data-balance groups. Each agent takes the
   candidate split whose round time is closest to the median of all agents x candidates times
-  (``sfl_core.sliding_split.median_rule``; the model's candidates in
-  ``sfl_core.models.CANDIDATE_SPLITS``). The median rule equalises, it does not
+  (``sfl_core.methods.s2fl.sliding_split.median_rule``; the model's candidates in
+  ``sfl_core.model.zoo.CANDIDATE_SPLITS``). The median rule equalises, it does not
   minimise: on an even fleet everybody gets the median candidate.
 - ``HeteroSFL`` (HeteroSFL: Split Federated Learning with Heterogeneous Clients and Non-IID
   Data, ICLR 2024 submission; Chen et al., IEEE IoT Journal 2025): two link-rate groups, the
   bottleneck width of a group proportional to its slowest member's rate, the fastest group
-  at the full channel count (``sfl_core.hetero``); activation bytes scale by width/full.
+  at the full channel count (``sfl_core.methods.heterosfl.groups``); activation bytes scale by width/full.
   The 1x1 encoder/decoder's weights and FLOPs are added; BDKS (on in training) doubles the
   server FLOPs of the wider group; logit-calibrated loss.
 - ``MergeSFL`` (Liao et al., 2023, 'MergeSFL: Split Federated Learning with Feature Merging
@@ -117,10 +117,10 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from sfl_core.accounting import SplitCost, model_costs  # noqa: E402
-from sfl_core.hetero import group_by_link_rate, widths_for_groups  # noqa: E402
-from sfl_core.models import CANDIDATE_SPLITS
-from sfl_core.sliding_split import ClientTimeTable, median_rule  # noqa: E402
+from sfl_core.model.accounting import SplitCost, model_costs  # noqa: E402
+from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups  # noqa: E402
+from sfl_core.model.zoo import CANDIDATE_SPLITS
+from sfl_core.methods.s2fl.sliding_split import ClientTimeTable, median_rule  # noqa: E402
 from sfl_core.timing import agent_round_time, round_time  # noqa: E402
 
 METHODS = ("FedAvg", "SFL", "S2FL", "HeteroSFL", "MergeSFL", "FedFC")
@@ -423,7 +423,7 @@ def train_fleet_profiles(work: Path, args: argparse.Namespace) -> list[dict[str,
 def merge_max_batch(w: Workload, fleet: Sequence[Mapping[str, Any]], target_total: int) -> int:
     """``max_batch`` D whose Eq. 9 batches (first-round estimates, as the coordinator makes them)
     sum closest to ``target_total``."""
-    from sfl_core import mergesfl
+    from sfl_core.methods.mergesfl import control as mergesfl
     c = w.costs[w.split]
     states = {f["name"]: mergesfl.AgentState(mu=c.client_flops / f["compute_flops"],
                                              beta=2 * c.activation_bytes / f["link_bytes_per_s"]) for f in fleet}
@@ -470,7 +470,7 @@ def run_one(job: tuple[str, int, dict[str, Any], int]) -> dict[str, Any]:
     name, seed, cfg, threads = job
     torch.set_num_threads(threads)
     from coordinator.api import run_simulation
-    from sfl_core.config import run_config_from_dict
+    from sfl_core.config.run import run_config_from_dict
     out = Path(cfg["output_dir"])
     if out.exists():
         shutil.rmtree(out)

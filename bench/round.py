@@ -77,9 +77,9 @@ import yaml  # noqa: E402
 
 from brokers import MosquittoBroker  # noqa: E402
 from sfl_core import timing  # noqa: E402
-from sfl_core.accounting import model_costs  # noqa: E402
-from sfl_core.config import load_profile  # noqa: E402
-from sfl_core.data import load_dataset  # noqa: E402
+from sfl_core.model.accounting import model_costs  # noqa: E402
+from sfl_core.config.run import load_profile  # noqa: E402
+from sfl_core.data.builtin import load_dataset  # noqa: E402
 
 REPO = common.REPO_ROOT
 DEFAULT_PROFILES = ("s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high", "s2fl-low-high")

@@ -34,7 +34,7 @@ from typing import Any
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from sfl_core.config import run_config_from_dict  # noqa: E402
+from sfl_core.config.run import run_config_from_dict  # noqa: E402
 
 CLASSES = [f"s2fl-{c}-{r}" for c in ("low", "mid", "high") for r in ("low", "mid", "high")]
 METHODS: dict[str, dict[str, Any]] = {

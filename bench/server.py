@@ -48,7 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from coordinator.server_trainer import ServerTrainer, pick_device  # noqa: E402
-from sfl_core.models import build_model  # noqa: E402
+from sfl_core.model.zoo import build_model  # noqa: E402
 
 LR = 0.05
 NUM_CLASSES = 10

@@ -43,11 +43,11 @@ from coordinator.clock import VirtualClock
 from coordinator.engine import RoundEngine
 from coordinator.inprocess import InProcessTransport, build_fleet
 from edge_agent.agent import AgentCore, LocalData
-from sfl_core import protocol
-from sfl_core.config import load_run_config
-from sfl_core.data import load_dataset
-from sfl_core.partition import partition_indices
-from sfl_core.protocol import Message
+from sfl_core.wire import protocol
+from sfl_core.config.run import load_run_config
+from sfl_core.data.builtin import load_dataset
+from sfl_core.data.partition import partition_indices
+from sfl_core.wire.protocol import Message
 
 PROFILES = ["s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high", "jetson-nano"]
 RUN = "soak"

@@ -1,6 +1,6 @@
 """The programmatic API: run a simulation or serve a deployment from Python.
 
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
     from coordinator.api import run_simulation, serve
 
     history, engine = run_simulation(load_run_config("profiles/runs/demo.yaml"))
@@ -26,13 +26,13 @@ import torch
 from rich.console import Console
 
 from sfl_core.transport.broker_url import BrokerAddress
-from sfl_core.config import RunConfig
-from sfl_core.data import Dataset, DatasetError, load_dataset
-from sfl_core.fingerprint import architecture, fingerprinted
-from sfl_core.user_models import user_model_fields
-from sfl_core.accounting import model_costs
+from sfl_core.config.run import RunConfig
+from sfl_core.data.builtin import Dataset, DatasetError, load_dataset
+from sfl_core.model.fingerprint import architecture, fingerprinted
+from sfl_core.model.user_models import user_model_fields
+from sfl_core.model.accounting import model_costs
 from sfl_core.methods import build_method
-from sfl_core.models import build_model
+from sfl_core.model.zoo import build_model
 
 from coordinator import state as ckpt
 from coordinator.clock import VirtualClock, WallClock
@@ -69,7 +69,7 @@ def task_eval_set(cfg: RunConfig) -> Dataset:
     """A run on the devices' own data: the server holds no training data, only its validation
     set (``eval.data``: its held-out split if it has one, else all of it), scaled and resized
     like the devices' inputs. Standardisation is the engine's, once the fleet agrees on it."""
-    from sfl_core.local_data import load_local
+    from sfl_core.data.local import load_local
 
     task = cfg.task
     assert task is not None
@@ -195,7 +195,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     keep it and wait for the restarted coordinator. ``observers``: event sinks with an
     optional ``attach(engine)`` (metrics exporter, live page).
     """
-    from sfl_core.signing import KEY_FILE, Signer, TrustError
+    from sfl_core.wire.signing import KEY_FILE, Signer, TrustError
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import DuplicateCoordinatorError, MqttTransport
     from coordinator.server_workers import cannot_share, from_env

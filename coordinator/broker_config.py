@@ -2,7 +2,7 @@
 
 Why generated and not a static file: the ACL is what stops one board from reading another
 board's gradients or publishing as another board, and it is only right if it matches the
-protocol's topic layout (:mod:`sfl_core.protocol`) exactly; generating it from the same
+protocol's topic layout (:mod:`sfl_core.wire.protocol`) exactly; generating it from the same
 topic functions keeps the two in step. ``sfl-coord broker-config`` and
 ``install/coordinator.sh --with-mosquitto`` write these files.
 
@@ -24,8 +24,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from sfl_core import protocol
-
+from sfl_core.wire import protocol
 from coordinator.server_workers import worker_user
 
 __all__ = ["BrokerFiles", "BrokerTls", "acl_text", "mosquitto_conf", "password_hash", "write_broker_config"]

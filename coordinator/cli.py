@@ -19,11 +19,11 @@ from rich.console import Console
 from typer.core import TyperGroup
 from rich.table import Table
 
-from sfl_core.accounting import format_cost_table, model_costs
-from sfl_core.config import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
-from sfl_core.data import DatasetError, load_dataset
+from sfl_core.model.accounting import format_cost_table, model_costs
+from sfl_core.config.run import ConfigError, RunConfig, default_profiles_dir, list_profiles, load_run_config
+from sfl_core.data.builtin import DatasetError, load_dataset
 from sfl_core.methods import build_method
-from sfl_core.models import build_model, model_names
+from sfl_core.model.zoo import build_model, model_names
 from sfl_core.console import say
 from sfl_core.version import version_option
 
@@ -335,7 +335,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
 
     def launch(broker_url: str) -> None:
         logs_dir.mkdir(parents=True, exist_ok=True)
-        from sfl_core.user_models import model_source
+        from sfl_core.model.user_models import model_source
         source = model_source(cfg.model)
         for i, (profile, own) in enumerate(zip(cfg.agent_profiles(), cfg.agent_data())):
             cmd = [sys.executable, "-m", "edge_agent.cli", "start", "--profile", profile, "--broker", broker_url,
@@ -408,7 +408,7 @@ def models(model: Optional[str] = typer.Argument(None, help="A zoo model (see th
 
 def _shape_and_classes(cfg: "RunConfig") -> tuple[tuple[int, ...], int]:
     """The per-sample input shape and class count of a run, without loading any data."""
-    from sfl_core.data import input_shape_of
+    from sfl_core.data.builtin import input_shape_of
 
     if cfg.task is not None:
         return tuple(cfg.task.input_shape), cfg.task.num_classes
@@ -418,10 +418,10 @@ def _shape_and_classes(cfg: "RunConfig") -> tuple[tuple[int, ...], int]:
 def _label_counts(cfg: "RunConfig") -> list[list[int]]:
     """Each agent's label counts for ``plan``: its own data (a task run's fleet ``data``), else
     its shard of the built-in set by the run's partition. DatasetError names what is wrong."""
-    from sfl_core.partition import partition_indices
+    from sfl_core.data.partition import partition_indices
 
     if cfg.task is not None:
-        from sfl_core.local_data import load_local
+        from sfl_core.data.local import load_local
         counts = []
         for i, path in enumerate(cfg.agent_data()):
             if path is None:
@@ -438,9 +438,9 @@ def _label_counts(cfg: "RunConfig") -> list[list[int]]:
 
 def _models_for_run(config: Path) -> None:
     """The run's model, one row per cut with the round it would take on the run's fleet."""
-    from sfl_core.accounting import split_note
-    from sfl_core.config import load_profile
-    from sfl_core.sliding_split import fleet_round_time
+    from sfl_core.model.accounting import split_note
+    from sfl_core.config.run import load_profile
+    from sfl_core.methods.s2fl.sliding_split import fleet_round_time
 
     try:
         cfg = load_run_config(config)
@@ -478,7 +478,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     and auto's assignment per agent (time model from the device profiles; a run refines it)."""
     import json
 
-    from sfl_core.methods.auto import decide_widths
+    from sfl_core.methods.auto.method import decide_widths
     from sfl_core.fleet import fleet_of
     from sfl_core.methods.preview import preview, variants
 
@@ -533,7 +533,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
 @app.command()
 def profiles() -> None:
     """List the device profiles (devices/) and run configs (runs/) of the profiles folder in use."""
-    from sfl_core.config import load_profile, profiles_origin
+    from sfl_core.config.run import load_profile, profiles_origin
     root, origin = default_profiles_dir(), profiles_origin()
     hint = "" if origin == "SFL_PROFILES_DIR" else "; set SFL_PROFILES_DIR to use a folder of your own"
     console.print(f"profiles folder: {root} ({origin}{hint})", markup=False, highlight=False)
@@ -578,7 +578,7 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
     out = Console()
     print_table(out, status_table(metrics, str(run_dir)))
     if st is not None:
-        from sfl_core.sliding_split import ClientTimeTable
+        from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
         out.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
         if st.get("time_table") and st.get("candidates"):
             out.print("client time table: seconds per round at each candidate split (* = estimated)")

@@ -7,7 +7,7 @@ import time
 from typing import Iterable
 
 from sfl_core import timing
-from sfl_core.config import DeviceProfile
+from sfl_core.config.run import DeviceProfile
 
 
 class WallClock:

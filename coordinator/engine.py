@@ -19,19 +19,23 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from sfl_core import protocol, timing, wire
-from sfl_core.accounting import model_costs, split_note
+from sfl_core import timing
+
+
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.model.accounting import model_costs, split_note
 from sfl_core.aggregation import layerwise_average
-from sfl_core.assignment import Assignment
-from sfl_core.bottleneck import bottleneck_shape, slice_state
-from sfl_core.config import RunConfig
+from sfl_core.wire.assignment import Assignment
+from sfl_core.model.bottleneck import bottleneck_shape, slice_state
+from sfl_core.config.run import RunConfig
 from sfl_core.methods import build_method
 from sfl_core.methods.base import AgentRound, RoundPlan
-from sfl_core.fingerprint import architecture, digest, fingerprinted
-from sfl_core.models import SplitModel, build_model
-from sfl_core.preprocessing import ChannelStats, Normalization, preprocessing_record
+from sfl_core.model.fingerprint import architecture, digest, fingerprinted
+from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
 from sfl_core.privacy import privacy_summary
-from sfl_core.protocol import Message
+from sfl_core.wire.protocol import Message
 
 from coordinator import evaluation, state as ckpt
 from coordinator.export import describe_model, restore_widths, run_model

@@ -11,16 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from sfl_core.accounting import model_costs
-from sfl_core.methods.auto import decide_widths, within_bottleneck
-from sfl_core.models import SplitModel, build_model
-from sfl_core.onnx_export import export_onnx
-from sfl_core.user_models import describe_source, register_described
+from sfl_core.model.accounting import model_costs
+from sfl_core.methods.auto.method import decide_widths, within_bottleneck
+from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.model.onnx_export import export_onnx
+from sfl_core.model.user_models import describe_source, register_described
 
 from coordinator import state as ckpt
 
 if TYPE_CHECKING:
-    from sfl_core.config import RunConfig
+    from sfl_core.config.run import RunConfig
 
 
 class ExportError(ValueError):
@@ -44,7 +44,7 @@ def describe_model(model: SplitModel, dataset: Optional[str] = None,
 
 def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
     """The (untrained) global model of a run: the zoo model plus, with ``hetero.width`` (or
-    the widths :func:`~sfl_core.methods.auto.decide_widths` gives strategy auto), the bottleneck
+    the widths :func:`~sfl_core.methods.auto.method.decide_widths` gives strategy auto), the bottleneck
     at the run's split. With fixed
     per-group widths nobody trains the channels past the widest, so the full model is
     evaluated without them; under auto it starts at the narrowest width."""
@@ -84,8 +84,8 @@ def restore_widths(model: SplitModel, info: dict[str, Any]) -> None:
 
 def _info_from_config(config: Path) -> dict[str, Any]:
     """For runs whose state.json has no ``model_info``: the shapes from the config's data set."""
-    from sfl_core.config import ConfigError, load_run_config
-    from sfl_core.data import DatasetError, load_dataset
+    from sfl_core.config.run import ConfigError, load_run_config
+    from sfl_core.data.builtin import DatasetError, load_dataset
 
     try:
         cfg = load_run_config(config)

@@ -13,12 +13,13 @@ from typing import Optional
 
 import torch
 
-from sfl_core import protocol, wire
-from sfl_core.config import RunConfig, load_profile
-from sfl_core.data import Dataset, DatasetError
-from sfl_core.partition import partition_indices
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.config.run import RunConfig, load_profile
+from sfl_core.data.builtin import Dataset, DatasetError
+from sfl_core.data.partition import partition_indices
 from sfl_core.privacy import AgentPrivacy
-from sfl_core.protocol import Message
+from sfl_core.wire.protocol import Message
 
 from edge_agent.agent import AgentCore, LocalData
 
@@ -105,8 +106,8 @@ class SimAgent:
 
 def own_data_agents(cfg: RunConfig) -> tuple[list[SimAgent], list[Message]]:
     """A task run's simulated devices, each reading its own ``data`` as an agent does."""
-    from sfl_core.fingerprint import architecture
-    from sfl_core.models import build_model
+    from sfl_core.model.fingerprint import architecture
+    from sfl_core.model.zoo import build_model
     from edge_agent.own_data import prepare_device
 
     task = cfg.task

@@ -7,7 +7,7 @@ the rest for the round engine.
 
 It also holds the run's two identities on the broker: the liveness claim (one coordinator
 per run: :meth:`MqttTransport.claim`) and the signing key (agents follow only descriptions,
-assignments and shutdowns signed by it: :mod:`sfl_core.signing`).
+assignments and shutdowns signed by it: :mod:`sfl_core.wire.signing`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import time
 import uuid
 from typing import Any, Optional
 
-from sfl_core import protocol, wire
-from sfl_core.protocol import COORDINATOR_ID, Message
-from sfl_core.signing import SIGNED_TYPES, Signer
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.wire.protocol import COORDINATOR_ID, Message
+from sfl_core.wire.signing import SIGNED_TYPES, Signer
 
 from sfl_core.transport.broker_url import BrokerAddress, parse_broker_url
 from sfl_core.transport.claim import Claim

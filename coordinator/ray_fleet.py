@@ -24,9 +24,9 @@ import logging
 import os
 from typing import Any, Optional
 
-from sfl_core.config import RunConfig
-from sfl_core.data import Dataset
-from sfl_core.protocol import Message
+from sfl_core.config.run import RunConfig
+from sfl_core.data.builtin import Dataset
+from sfl_core.wire.protocol import Message
 
 from coordinator.inprocess import InProcessTransport, SimAgent, answer, fleet_agents
 
@@ -44,7 +44,7 @@ class AgentHost:
         path on every machine of the cluster, or its layer list: ``describe_source``)."""
         import torch
 
-        from sfl_core.user_models import register_described
+        from sfl_core.model.user_models import register_described
 
         # one core per actor: several actors share a machine, and intra-op threads would fight
         torch.set_num_threads(max(1, threads))
@@ -117,7 +117,7 @@ def build_ray_fleet(cfg: RunConfig, data: Dataset, address: Optional[str] = None
     n = max(1, min(n, len(agents)))
     actor = ray.remote(num_cpus=1)(AgentHost)
     groups = [agents[i::n] for i in range(n)]
-    from sfl_core.user_models import describe_source
+    from sfl_core.model.user_models import describe_source
     handles = [actor.remote(cfg.run_id, group, user_model=describe_source(cfg.model)) for group in groups]
     ray.get([h.ready.remote() for h in handles])   # actors up and holding their shards
     hosts = {a.agent_id: h for h, group in zip(handles, groups) for a in group}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from sfl_core import wire
-from sfl_core.config import ConfigError, profile_from_dict
+from sfl_core.wire import codec as wire
+from sfl_core.config.run import ConfigError, profile_from_dict
 from sfl_core.fleet import AgentInfo
-from sfl_core.preprocessing import ChannelStats
+from sfl_core.data.preprocessing import ChannelStats
 from sfl_core.privacy import AgentPrivacy
-from sfl_core.protocol import Message
+from sfl_core.wire.protocol import Message
 
 TOTALS = ("rounds", "bytes_up", "bytes_down", "compute_s", "client_s", "transfer_s", "wait_s")
 """An agent's running totals: kept across re-registration and restored from checkpoints."""
@@ -23,7 +23,7 @@ class Registry:
     def __init__(self, num_classes: int, now: Callable[[], float] = time.monotonic, *,
                  channels: Optional[int] = None, architecture: Optional[str] = None):
         """``channels``: a task run's input channels (the size of the agents' ``channel_stats``);
-        ``architecture``: the digest of the run's model (:mod:`sfl_core.fingerprint`), which an
+        ``architecture``: the digest of the run's model (:mod:`sfl_core.model.fingerprint`), which an
         agent that sends its own must match."""
         self.num_classes = num_classes
         self.now = now

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from sfl_core.hetero import under_represented_classes
+from sfl_core.methods.heterosfl.groups import under_represented_classes
 from sfl_core.losses import logit_calibrated_ce, n2w_loss, w2n_loss
-from sfl_core.models import SplitModel
+from sfl_core.model.zoo import SplitModel
 
 if TYPE_CHECKING:
     from coordinator.server_workers import GradReducer

@@ -15,7 +15,7 @@ from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFi
 from sfl_core.console import say
 from sfl_core.version import version_option   # standard library and typer only, no torch
 
-# torch-using modules (sfl_core.models, .data, .config via .wire, edge_agent.profiler) are imported
+# torch-using modules (sfl_core.model.zoo, .data, .config via .wire, edge_agent.profiler) are imported
 # inside the commands that need them: `sfl-agent predict` must run on a board without torch
 
 app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=True, add_completion=False,
@@ -36,7 +36,7 @@ def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Opti
     """``start --config``: the file's settings become defaults that flags override (edge_agent.settings)."""
     if value is None:
         return value
-    from edge_agent.settings import use_config_file  # imports sfl_core.config (torch): only when used
+    from edge_agent.settings import use_config_file  # imports sfl_core.config.run (torch): only when used
 
     # 'data' is a directory and 'profile' a name or a YAML path: relative ones are relative to the file
     return use_config_file(ctx, param, value, path_options={"data", "trust_file", "model_file"},
@@ -114,9 +114,9 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
     from edge_agent.runner import (AgentError, AgentOptions, AgentRunner, AgentStopped, ContractError,
                                    DuplicateAgentError)
-    from sfl_core.signing import TrustError, Trust, parse_public
-    from sfl_core.config import ConfigError, load_profile
-    from sfl_core.data import DatasetError
+    from sfl_core.wire.signing import TrustError, Trust, parse_public
+    from sfl_core.config.run import ConfigError, load_profile
+    from sfl_core.data.builtin import DatasetError
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -205,9 +205,9 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
 
     from edge_agent.own_data import describe, load_for_task
     from edge_agent.settings import command_option_specs, load_settings_file
-    from sfl_core.config import ConfigError, load_run_config
-    from sfl_core.data import DatasetError
-    from sfl_core.local_data import survey
+    from sfl_core.config.run import ConfigError, load_run_config
+    from sfl_core.data.builtin import DatasetError
+    from sfl_core.data.local import survey
 
     logging.getLogger("sfl.agent").setLevel(logging.ERROR)   # the report below says it all, once
     if fmt not in ("text", "json"):
@@ -235,8 +235,8 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
             report.update(survey(path))
             report["fits"] = None
         else:
-            from sfl_core.fingerprint import architecture
-            from sfl_core.user_models import model_source, resolve_agent_model
+            from sfl_core.model.fingerprint import architecture
+            from sfl_core.model.user_models import model_source, resolve_agent_model
             cfg = load_run_config(run_config)   # registers a file model from the coordinator's path
             if cfg.task is None:
                 raise ConfigError(f"{run_config}: has no 'task' section: its agents train on shards of "
@@ -244,7 +244,7 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
             src = model_source(cfg.model)
             if src is not None and files:   # this device's own copy of the model file, as start uses it
                 resolve_agent_model(Path(src[0]).name, src[1], files)
-            from sfl_core.models import build_model
+            from sfl_core.model.zoo import build_model
             report["model"] = {"name": cfg.model, "tensors": len(architecture(
                 build_model(cfg.model, cfg.task.input_shape, cfg.task.num_classes)))}
             own = load_for_task(path, cfg.task, cfg.data.bad_files)
@@ -287,8 +287,8 @@ def profile(model: str = typer.Option("small_cnn", help="A zoo model name (`sfl-
             batch_size: int = typer.Option(16)) -> None:
     """Time forward+backward of every client portion on this device (what `start` reports at registration)."""
     from edge_agent.profiler import measure_compute
-    from sfl_core.accounting import model_costs
-    from sfl_core.models import build_model
+    from sfl_core.model.accounting import model_costs
+    from sfl_core.model.zoo import build_model
 
     shape = tuple(int(v) for v in input_shape.split(","))
     m = build_model(model, shape, classes)
@@ -321,7 +321,7 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
     import numpy as np
     from rich.table import Table
 
-    from sfl_core.onnx_export import (IMAGE_SUFFIXES, OnnxError, OnnxPredictor, load_inputs, load_labels,
+    from sfl_core.model.onnx_export import (IMAGE_SUFFIXES, OnnxError, OnnxPredictor, load_inputs, load_labels,
                                       load_raw_images, preprocess_raw, softmax)
 
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from sfl_core.config import DeviceProfile
+from sfl_core.config.run import DeviceProfile
 
 log = logging.getLogger("sfl.agent.emulate")
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from sfl_core.models import SplitModel
+from sfl_core.model.zoo import SplitModel
 
 ComputeHook = Callable[[float, float], float]
 

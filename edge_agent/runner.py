@@ -24,17 +24,19 @@ from typing import Optional
 
 import torch
 
-from sfl_core import protocol, signing, wire
-from sfl_core.accounting import model_costs
+from sfl_core.wire import signing
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.model.accounting import model_costs
 from sfl_core.transport.broker_url import BrokerAddress
-from sfl_core.config import ConfigError, DeviceProfile
-from sfl_core.data import load_dataset
-from sfl_core.fingerprint import architecture, digest, first_difference
-from sfl_core.models import build_model
-from sfl_core.partition import load_shard_file, shard_for_agent
+from sfl_core.config.run import ConfigError, DeviceProfile
+from sfl_core.data.builtin import load_dataset
+from sfl_core.model.fingerprint import architecture, digest, first_difference
+from sfl_core.model.zoo import build_model
+from sfl_core.data.partition import load_shard_file, shard_for_agent
 from sfl_core.privacy import AgentPrivacy
-from sfl_core.protocol import Message
-from sfl_core.user_models import register_layers, resolve_agent_model
+from sfl_core.wire.protocol import Message
+from sfl_core.model.user_models import register_layers, resolve_agent_model
 
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
@@ -467,7 +469,7 @@ class AgentRunner:
             self._inbox.put(msg)
 
     def _trusted(self, msg: Message, topic: str) -> bool:
-        """Follow only what our coordinator signed (:mod:`sfl_core.signing`): a run description
+        """Follow only what our coordinator signed (:mod:`sfl_core.wire.signing`): a run description
         by a trusted key (pinned on first use, or given), an assignment or a shutdown by that key."""
         if msg.type == "run_info":
             key = msg.body["coordinator"].get("key")

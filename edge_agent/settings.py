@@ -14,7 +14,7 @@ the command's options: they are read from the command itself, so an option added
 
 Why check the file ourselves first: click would silently turn ``index: 3.5`` into 3
 and report a bad value without naming the file. So the file is validated by a pydantic
-model built from the command's options; as in :mod:`sfl_core.config`, unknown keys are
+model built from the command's options; as in :mod:`sfl_core.config.run`, unknown keys are
 refused with a did-you-mean, wrong types name the file and the key, and
 relative paths are taken relative to the file's directory (a unit's working directory
 is not where the operator wrote the file).
@@ -31,7 +31,7 @@ from typing import Annotated, Any, Collection, Iterable, Mapping, Optional
 
 from pydantic import BaseModel, BeforeValidator, create_model
 
-from sfl_core.fields import STRICT, ConfigError, Section, checked, invalid, looks_like_path, number, read_yaml, validate
+from sfl_core.config.fields import STRICT, ConfigError, Section, checked, invalid, looks_like_path, number, read_yaml, validate
 
 __all__ = ["OptionSpec", "command_option_specs", "load_settings_file", "settings_from_mapping", "use_config_file"]
 

@@ -131,7 +131,7 @@ ENV
 
 # the run config must load (fleet profiles resolved from the installed copies)
 if ! SFL_PROFILES_DIR="$SHARE/profiles" "$VENV/bin/python" -c \
-        "import sys; from sfl_core.config import load_run_config; load_run_config(sys.argv[1])" "$CONFIG"; then
+        "import sys; from sfl_core.config.run import load_run_config; load_run_config(sys.argv[1])" "$CONFIG"; then
     warn "$CONFIG does not load (see above); fix it before starting the service"
 fi
 

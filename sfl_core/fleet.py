@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from sfl_core.config import DeviceProfile, RunConfig, load_profile
-from sfl_core.mergesfl import AgentState
-from sfl_core.sliding_split import ClientTimeTable
+from sfl_core.config.run import DeviceProfile, RunConfig, load_profile
+from sfl_core.methods.mergesfl.control import AgentState
+from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
 
 
 @dataclass

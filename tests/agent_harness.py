@@ -9,10 +9,11 @@ import torch
 
 from coordinator.server_trainer import ServerTrainer
 from edge_agent.agent import AgentCore, LocalData
-from sfl_core import protocol, wire
-from sfl_core.assignment import Assignment
-from sfl_core.models import build_model
-from sfl_core.protocol import Message
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.wire.assignment import Assignment
+from sfl_core.model.zoo import build_model
+from sfl_core.wire.protocol import Message
 
 RUN = "run-t"
 AGENT = "agent-1"

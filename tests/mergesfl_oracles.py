@@ -1,5 +1,5 @@
 """Reference formulas of MergeSFL (Eq. 7-8, 10, 14) that the tests check the product's algorithms
-against. They are written out here, apart from ``sfl_core.mergesfl``, because the product never
+against. They are written out here, apart from ``sfl_core.methods.mergesfl.control``, because the product never
 needs them in this form: its algorithms fold them into their own loops. A plain module (not a
 test module), so test modules import it instead of importing each other."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Collection, Mapping
 
 from sfl_core import timing
-from sfl_core.mergesfl import AgentState
+from sfl_core.methods.mergesfl.control import AgentState
 
 
 def _batches(ids: list[str], batches: Mapping[str, int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""Tests for per-split cost accounting (sfl_core.accounting)."""
+"""Tests for per-split cost accounting (sfl_core.model.accounting)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from sfl_core.accounting import SplitCost, block_flops, format_cost_table, model_costs, split_costs
-from sfl_core.models import MODEL_NAMES, SplitModel, build_model
+from sfl_core.model.accounting import SplitCost, block_flops, format_cost_table, model_costs, split_costs
+from sfl_core.model.zoo import MODEL_NAMES, SplitModel, build_model
 
 IMAGE_SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 CASES = [(n, s) for n in MODEL_NAMES if n != "cnn1d" for s in IMAGE_SHAPES] + [("cnn1d", (9, 128))]

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 import edge_agent.runner
 from edge_agent.cli import app
 from edge_agent.settings import OptionSpec, command_option_specs, load_settings_file, settings_from_mapping
-from sfl_core.config import ConfigError
+from sfl_core.config.run import ConfigError
 
 from conftest import free_port
 

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 
 from coordinator.server_trainer import ServerTrainer
 from edge_agent.agent import AgentCore, LocalData
-from sfl_core import protocol, wire
-from sfl_core.data import load_dataset
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.data.builtin import load_dataset
 from sfl_core.privacy import AgentPrivacy
-from sfl_core.protocol import Message
-from sfl_core.wire import WireError
+from sfl_core.wire.protocol import Message
+from sfl_core.wire.codec import WireError
 
 from agent_harness import (ACT_SHAPE, AGENT, MODEL, RUN, Coordinator, make_agent, client_weights, run_round,
                            same_weights, send, through_wire)

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import yaml
 
-from sfl_core.config import run_config_from_dict
+from sfl_core.config.run import run_config_from_dict
 
 
 def _cfg(tmp_path, fleet, rounds=4, local_iters=5, **auto):
@@ -110,10 +110,10 @@ def test_auto_never_predicts_a_longer_round_than_the_plans_it_could_have_made(se
     longer; nor is it when the label-mix bound pulls its batches back towards equal ones."""
     import numpy as np
 
-    from sfl_core.accounting import model_costs
+    from sfl_core.model.accounting import model_costs
     from sfl_core.fleet import fleet_of
     from sfl_core.methods.preview import preview
-    from sfl_core.models import build_model
+    from sfl_core.model.zoo import build_model
 
     rng = np.random.default_rng(seed)
     names = ["s2fl-low-low", "s2fl-low-high", "s2fl-high-low", "s2fl-high-high", "s2fl-mid-mid", "jetson-nano", "rpi4"]
@@ -157,9 +157,9 @@ def test_weights_cheaper_than_activations_put_the_whole_model_on_the_agent(tmp_p
 
 
 def test_selection_prefers_a_balanced_label_mix_and_rotates_everyone_through():
-    from sfl_core.config import DeviceProfile
+    from sfl_core.config.run import DeviceProfile
     from sfl_core.fleet import AgentInfo
-    from sfl_core.methods.auto import select_by_label_mix
+    from sfl_core.methods.auto.method import select_by_label_mix
 
     # 8 agents, each holding one of 4 classes: a balanced round of 4 takes one of each class
     profile = DeviceProfile(name="d", compute_flops=1e9, link_bytes_per_s=1e6)
@@ -186,7 +186,7 @@ def test_selection_prefers_a_balanced_label_mix_and_rotates_everyone_through():
 
 
 def test_the_label_mix_bound_is_dropped_only_where_label_mix_selection_chose_the_round():
-    from sfl_core.methods.auto import LABEL_MIX_BOUND, label_mix_bound
+    from sfl_core.methods.auto.method import LABEL_MIX_BOUND, label_mix_bound
 
     assert label_mix_bound("auto", by_mix=True) is None
     assert label_mix_bound("auto", by_mix=False) == LABEL_MIX_BOUND
@@ -199,10 +199,10 @@ def test_by_default_label_mix_selection_chooses_the_round_and_regulates_it_witho
     where every agent trains, label-mix selection has nothing to choose and the bound holds."""
     import numpy as np
 
-    from sfl_core.accounting import model_costs
+    from sfl_core.model.accounting import model_costs
     from sfl_core.fleet import fleet_of
     from sfl_core.methods import build_method
-    from sfl_core.models import build_model
+    from sfl_core.model.zoo import build_model
 
     fleet = [{"profile": p, "count": 2} for p in ("s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high")]
     shape = (1, 8, 8)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from sfl_core.accounting import model_costs
-from sfl_core.config import ConfigError, DeviceProfile, run_config_from_dict
+from sfl_core.model.accounting import model_costs
+from sfl_core.config.run import ConfigError, DeviceProfile, run_config_from_dict
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods import build_method
-from sfl_core.methods.auto import WIDTHS_PAY, decide_widths, width_ladder
-from sfl_core.models import build_model
+from sfl_core.methods.auto.method import WIDTHS_PAY, decide_widths, width_ladder
+from sfl_core.model.zoo import build_model
 
 SHAPE = (1, 28, 28)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.server_trainer import LossSpec, ServerTrainer
-from sfl_core.models import build_model
+from sfl_core.model.zoo import build_model
 
 
 def _trainer(spec: LossSpec, model=None) -> ServerTrainer:

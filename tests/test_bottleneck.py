@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfl_core.bottleneck import Bottleneck, bottleneck_shape, slice_state
-from sfl_core.models import MODEL_NAMES, build_model
+from sfl_core.model.bottleneck import Bottleneck, bottleneck_shape, slice_state
+from sfl_core.model.zoo import MODEL_NAMES, build_model
 
 SHAPES = {"cnn1d": (9, 32)}
 

@@ -158,8 +158,8 @@ def test_coordinator_repeats_the_run_description_when_agents_come_online(mosquit
     online status makes the coordinator publish the same bytes again, at most once a second,
     and a burst of agents is answered by one repeat after it, not dropped."""
     from coordinator.mqtt_transport import INFO_REPEAT_MIN_S, MqttTransport
-    from sfl_core import protocol
-    from sfl_core.protocol import Message
+    from sfl_core.wire import protocol
+    from sfl_core.wire.protocol import Message
 
     transport = MqttTransport(mosquitto.url, "rep").start()
     inbox = Inbox()

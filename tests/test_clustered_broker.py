@@ -20,8 +20,7 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from sfl_core import protocol
-
+from sfl_core.wire import protocol
 from helpers import PROFILES, REPO, finish, logs, metrics, start_agents, start_coord, write_config
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -76,7 +75,7 @@ def test_training_through_one_rabbitmq_node(rabbitmq_cluster, tmp_path):
     assert [r["round"] for r in m] == [0, 1, 2]
     assert all(len(r["completed"]) == 3 for r in m[1:])
     from coordinator.api import run_simulation
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
     cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
     history, _ = run_simulation(cfg, device="cpu")
     assert [h["accuracy"] for h in history] == [r["accuracy"] for r in m]

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sfl_core import wire
-from sfl_core.models import build_model
-from sfl_core.wire import WireError
+from sfl_core.wire import codec as wire
+from sfl_core.model.zoo import build_model
+from sfl_core.wire.codec import WireError
 from helpers import DATASETS
 
 MNIST = DATASETS / "mnist"
@@ -32,7 +32,7 @@ def tensors() -> dict[str, torch.Tensor]:
     """ReLU activations (64, 32, 14, 14) at split 2 and their gradient from the server portion."""
     torch.manual_seed(0)
     if MNIST.is_dir():
-        from sfl_core.data import load_dataset
+        from sfl_core.data.builtin import load_dataset
 
         ds = load_dataset("mnist", MNIST)
         x, y = ds.x_train[:64], ds.y_train[:64]

@@ -1,4 +1,4 @@
-"""Tests for sfl_core.config: shipped profiles/run files load, and bad input fails loudly."""
+"""Tests for sfl_core.config.run: shipped profiles/run files load, and bad input fails loudly."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sfl_core import config_reference
-
-from sfl_core.config import (
+from sfl_core.config import reference as config_reference
+from sfl_core.config.run import (
     ConfigError,
     DeviceProfile,
     RunConfig,
@@ -87,9 +86,9 @@ def test_every_run_config_loads_and_documents_every_field(path: Path):
     cfg = load_run_config(path)
     assert cfg.run_id == path.stem
     assert cfg.num_agents == len(cfg.agent_profiles()) > 0
-    # the reference block is generated (python -m sfl_core.config_reference --write): up to date
+    # the reference block is generated (python -m sfl_core.config.reference --write): up to date
     assert path.read_text().startswith(config_reference.render_yaml_header()), \
-        f"{path.name}: stale reference block; run python -m sfl_core.config_reference --write"
+        f"{path.name}: stale reference block; run python -m sfl_core.config.reference --write"
 
 
 def test_config_reference_documents_exactly_what_the_loader_accepts():
@@ -104,7 +103,7 @@ def test_config_reference_documents_exactly_what_the_loader_accepts():
     assert set(run_config_to_dict(cfg)) <= set(documented)
     docs = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert docs.read_text() == config_reference.render_markdown(), \
-        "docs/config.md is stale; run python -m sfl_core.config_reference --write"
+        "docs/config.md is stale; run python -m sfl_core.config.reference --write"
     # defaults come from the dataclasses, not from the text
     assert "| `mergesfl.min_batch` |" in docs.read_text() and "| `2` |" in docs.read_text()
 

@@ -20,8 +20,8 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from conftest import free_port
-from sfl_core import protocol
-from sfl_core.protocol import Message
+from sfl_core.wire import protocol
+from sfl_core.wire.protocol import Message
 from helpers import PROFILES, REPO, logs, wait_log, write_config
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from sfl_core import data as data_mod
-from sfl_core.data import DATASET_NAMES, Dataset, DatasetError, load_dataset
+from sfl_core.data import builtin as data_mod
+from sfl_core.data.builtin import DATASET_NAMES, Dataset, DatasetError, load_dataset
 from helpers import DATASETS
 
 SHARED = DATASETS

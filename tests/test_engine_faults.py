@@ -25,10 +25,10 @@ from coordinator import state as ckpt
 from coordinator.clock import VirtualClock
 from coordinator.engine import RoundEngine
 from coordinator.inprocess import InProcessTransport, build_fleet
-from sfl_core import protocol
-from sfl_core.config import load_profile, run_config_from_dict
-from sfl_core.data import load_dataset
-from sfl_core.protocol import Message
+from sfl_core.wire import protocol
+from sfl_core.config.run import load_profile, run_config_from_dict
+from sfl_core.data.builtin import load_dataset
+from sfl_core.wire.protocol import Message
 
 
 def _cfg(tmp_path: Path, **over):
@@ -156,7 +156,7 @@ def _model_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _small_cnn_without(key: str) -> dict[str, torch.Tensor]:
-    from sfl_core.models import build_model
+    from sfl_core.model.zoo import build_model
 
     state = build_model("small_cnn", (1, 8, 8), 10).state_dict()
     assert key in state
@@ -355,8 +355,7 @@ def test_a_simulated_agent_that_rejects_its_assignment_is_dropped_without_waitin
     step_timeout_s of that clock (here 60 s), and the run does not wait 60 s of real time."""
     import time
 
-    from sfl_core import wire
-
+    from sfl_core.wire import codec as wire
     cfg = _cfg(tmp_path, rounds=2, step_timeout_s=60)
     transport = build_fleet(cfg, load_dataset("digits"))
     deaf = transport.agents["sim-001"]

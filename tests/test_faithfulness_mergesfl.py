@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from mergesfl_oracles import waiting_time
-from sfl_core.methods.mergesfl import BUDGET_WINDOW, MergeControl
-from sfl_core.accounting import SplitCost
-from sfl_core.config import DeviceProfile, run_config_from_dict
-from sfl_core.mergesfl import (
+from sfl_core.methods.mergesfl.method import BUDGET_WINDOW, MergeControl
+from sfl_core.model.accounting import SplitCost
+from sfl_core.config.run import DeviceProfile, run_config_from_dict
+from sfl_core.methods.mergesfl.control import (
     AgentState, fixed_transfer_time, observed_ingress, regulate_batches, split_transfer,
 )
 

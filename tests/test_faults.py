@@ -46,7 +46,7 @@ import torch
 
 import conftest
 from coordinator import state as ckpt
-from sfl_core import wire
+from sfl_core.wire import codec as wire
 from helpers import PROFILES, REPO, finish, logs, metrics, start_coord, wait_log, write_config
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -74,7 +74,7 @@ def config(tmp_path: Path, run: str) -> Path:
 WARM_START = """
 import os, sys, time
 import torch, edge_agent.cli, edge_agent.runner      # the slow part of a cold start, paid ahead
-from sfl_core.data import load_dataset
+from sfl_core.data.builtin import load_dataset
 load_dataset("digits")
 trigger = sys.argv[1]
 while not os.path.exists(trigger):
@@ -384,9 +384,9 @@ def test_coordinator_killed_mid_round_resumes_with_live_agents(mosquitto, procs,
         # the time table: what the resumed engine starts from is the checkpoint's, entry for entry
         from coordinator.clock import WallClock
         from coordinator.engine import RoundEngine
-        from sfl_core.config import load_run_config
-        from sfl_core.data import load_dataset
-        from sfl_core.sliding_split import ClientTimeTable
+        from sfl_core.config.run import load_run_config
+        from sfl_core.data.builtin import load_dataset
+        from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
 
         data = load_dataset("digits")
         engine = RoundEngine(load_run_config(cfg), None, WallClock(), (data.x_test, data.y_test),
@@ -488,9 +488,9 @@ def test_slow_agent_is_a_straggler_not_a_failure(mosquitto, procs, tmp_path, und
             assert m[r]["agents"][slow]["split"] == ref[r]["agents"][slow]["split"] == r
         # the reported compute is at least 10x what the profile's FLOP/s take (emulation sleeps up to it;
         # this machine's real time stands where it is longer, so no exact ratio to the reference run)
-        from sfl_core.accounting import model_costs
-        from sfl_core.config import load_profile
-        from sfl_core.data import load_dataset
+        from sfl_core.model.accounting import model_costs
+        from sfl_core.config.run import load_profile
+        from sfl_core.data.builtin import load_dataset
 
         costs = model_costs("small_cnn", load_dataset("digits").input_shape, 10)
         prof = load_profile(PROFILES[2])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sfl_core.config import ConfigError, run_config_from_dict
+from sfl_core.config.run import ConfigError, run_config_from_dict
 
 
 def _cfg(tmp_path, **over):
@@ -51,7 +51,7 @@ def test_joined_forward_equals_each_agents_rows_run_separately():
     import torch.nn.functional as F
 
     from coordinator.server_trainer import ServerTrainer
-    from sfl_core.models import build_model
+    from sfl_core.model.zoo import build_model
 
     torch.manual_seed(0)
     model = build_model("small_cnn", (1, 8, 8), 10)

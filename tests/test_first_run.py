@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from coordinator.cli import app
-from sfl_core.config import default_profiles_dir
+from sfl_core.config.run import default_profiles_dir
 
 RUNNER = CliRunner()
 
@@ -46,8 +46,8 @@ def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
 
     from coordinator.api import run_simulation
     from coordinator.console import summary_table
-    from sfl_core.accounting import model_costs
-    from sfl_core.config import load_run_config
+    from sfl_core.model.accounting import model_costs
+    from sfl_core.config.run import load_run_config
 
     cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
     history, engine = run_simulation(cfg, device="cpu")
@@ -71,7 +71,7 @@ def test_status_fits_80_columns_and_speaks_json(tmp_path):
     import json
 
     from coordinator.api import run_simulation
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
 
     cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
     history, _ = run_simulation(cfg, device="cpu")
@@ -109,8 +109,8 @@ def test_mergesfl_selection_says_per_round_is_unused_and_bounds_the_count(tmp_pa
 def test_a_costly_default_split_is_named_at_start_and_by_models(tmp_path):
     """vgg_mini's default cut sends 49 KB per sample where the next sends 2.2 KB for similar
     client compute: the run says so in one line, `models --config` marks the fastest cut."""
-    from sfl_core.accounting import model_costs, split_note
-    from sfl_core.models import build_model
+    from sfl_core.model.accounting import model_costs, split_note
+    from sfl_core.model.zoo import build_model
 
     shape = (1, 28, 28)
     costs = model_costs("vgg_mini", shape, 10)

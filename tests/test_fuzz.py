@@ -30,12 +30,13 @@ from coordinator.clock import VirtualClock
 from coordinator.mqtt_transport import MqttTransport
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.runner import AgentOptions, AgentRunner
-from sfl_core import protocol, wire
-from sfl_core.assignment import Assignment
-from sfl_core.config import load_profile, load_run_config
-from sfl_core.data import load_dataset
-from sfl_core.models import build_model
-from sfl_core.protocol import Message
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.wire.assignment import Assignment
+from sfl_core.config.run import load_profile, load_run_config
+from sfl_core.data.builtin import load_dataset
+from sfl_core.model.zoo import build_model
+from sfl_core.wire.protocol import Message
 
 RUN = "fuzz"
 REASONS = {"version", "unsigned", "untrusted", "rate_limited", "unprobed", "registry_full", "malformed", "wrong_run", "spoofed", "replayed", "duplicate", "stale", "unknown_sender",

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from sfl_core.grouping import balance_distance, group_by_balance, group_sizes, grouping_cost, random_groups
+from sfl_core.methods.s2fl.grouping import balance_distance, group_by_balance, group_sizes, grouping_cost, random_groups
 
 
 def _counts(n: int, seed: int, classes: int = 10, alpha: float = 0.3) -> dict[str, list[int]]:
@@ -147,7 +147,7 @@ def test_heuristic_near_optimal_and_better_than_random(n, size):
 
 
 def test_heuristic_swaps_improve_on_greedy_alone():
-    from sfl_core import grouping as G
+    from sfl_core.methods.s2fl import grouping as G
     counts = _counts(60, 3)
     checked = G._check(counts)
     greedy = G._greedy(sorted(counts), checked, group_sizes(60, 4), 0)

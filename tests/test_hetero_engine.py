@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sfl_core.config import run_config_from_dict
+from sfl_core.config.run import run_config_from_dict
 
 
 def _cfg(tmp_path, rounds=4, **bottleneck):
@@ -43,7 +43,7 @@ def test_fixed_widths(tmp_path):
     assert widths == {4, 8}
     # channels 8..15 were trained by nobody: they keep their initial values (HetBL default)
     torch.manual_seed(0)
-    from sfl_core.models import build_model
+    from sfl_core.model.zoo import build_model
     init = build_model("small_cnn", (1, 8, 8), 10)
     init.add_bottleneck(2, 16)
     torch.testing.assert_close(engine.model.state_dict()["bottlenecks.2.encoder.weight"][8:],

@@ -13,8 +13,9 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from sfl_core import protocol, wire
-from sfl_core.protocol import Message
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.wire.protocol import Message
 
 from conftest import free_port, wait_port
 from helpers import PROFILES, REPO, finish, logs, metrics, start_agents, start_coord, write_config
@@ -42,7 +43,7 @@ def test_multiprocess_mosquitto(mosquitto, tmp_path):
     # one engine: the same config simulated (in-process agents, virtual clock) trains the same
     # model, round by round, as the deployment did over Mosquitto with agent processes
     from coordinator.api import run_simulation
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
     import dataclasses
     cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
     history, _ = run_simulation(cfg, device="cpu")
@@ -134,7 +135,7 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
 def test_simulation_virtual_clock(tmp_path):
     """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (docs/methods.md §3)."""
     from coordinator.api import run_simulation
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
 
     cfg_path = write_config(tmp_path, "sim", rounds=3, fleet=[{"profile": "s2fl-low-low", "count": 2},
                                                               {"profile": "s2fl-high-high", "count": 2}])

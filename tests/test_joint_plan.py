@@ -1,4 +1,4 @@
-"""The joint planner (sfl_core.joint_plan) on hand-built fleets whose optimum is known."""
+"""The joint planner (sfl_core.methods.auto.joint_plan) on hand-built fleets whose optimum is known."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sfl_core.joint_plan import Option, label_skew, limit_skew, option_for, plan_round
+from sfl_core.methods.auto.joint_plan import Option, label_skew, limit_skew, option_for, plan_round
 
 TAU = 5
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.api import run_simulation
-from sfl_core.config import default_profiles_dir, load_run_config
+from sfl_core.config.run import default_profiles_dir, load_run_config
 
 DATA = Path(__file__).parent / "data" / "checkpoints"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from sfl_core.config import ConfigError, run_config_from_dict, task_from_wire
-from sfl_core.data import DatasetError
-from sfl_core.local_data import describe_kind, load_local
-from sfl_core.preprocessing import ChannelStats, Normalization
+from sfl_core.config.run import ConfigError, run_config_from_dict, task_from_wire
+from sfl_core.data.builtin import DatasetError
+from sfl_core.data.local import describe_kind, load_local
+from sfl_core.data.preprocessing import ChannelStats, Normalization
 
 PIL = pytest.importorskip("PIL.Image")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mergesfl_oracles import added_wait, waiting_time, within_budget
-from sfl_core.mergesfl import (
+from sfl_core.methods.mergesfl.control import (
     KL_EPS, AgentState, estimate_budget, fill_budget, kl, mixed_distribution, plan_round,
     population_distribution, priorities, regulate_batches, scale_lr, select_workers, smooth, tune_batches,
 )

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sfl_core import mergesfl
-from sfl_core.config import run_config_from_dict
+from sfl_core.methods.mergesfl import control as mergesfl
+from sfl_core.config.run import run_config_from_dict
 
 
 def _cfg(tmp_path, rounds=3, per_round=None, fleet=None, partition="iid", **merge):
@@ -94,10 +94,10 @@ def test_capacity_change_is_followed_by_the_estimates_and_batches(tmp_path):
 
 def test_capacity_schedule_validated():
     from coordinator.registry import Registry
-    from sfl_core import protocol
-    from sfl_core.config import ConfigError, profile_from_dict
-    from sfl_core.protocol import Message
-    from sfl_core.wire import WireError
+    from sfl_core.wire import protocol
+    from sfl_core.config.run import ConfigError, profile_from_dict
+    from sfl_core.wire.protocol import Message
+    from sfl_core.wire.codec import WireError
 
     base = {"name": "x", "compute_flops": 1e9, "link_bytes_per_s": 1e6}
     p = profile_from_dict({**base, "capacity": [{"from_round": 2, "compute": 0.5}, {"from_round": 4, "link": 0.1}]}, "t")

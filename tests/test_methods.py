@@ -8,17 +8,17 @@ from typing import Mapping, Sequence
 import pytest
 
 from coordinator.api import run_simulation
-from sfl_core.accounting import model_costs
-from sfl_core.config import ConfigError, run_config_from_dict
+from sfl_core.model.accounting import model_costs
+from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.methods import build_method, register_method, strategies, unregister_method
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.methods.fedavg import FedAvg
 from sfl_core.methods.fedfc import FedFC
-from sfl_core.methods.heterosfl import HeteroSFL
-from sfl_core.methods.mergesfl import MergeSFL
-from sfl_core.methods.s2fl import S2FL
+from sfl_core.methods.heterosfl.method import HeteroSFL
+from sfl_core.methods.mergesfl.method import MergeSFL
+from sfl_core.methods.s2fl.method import S2FL
 from sfl_core.methods.sfl import SFL
-from sfl_core.models import build_model
+from sfl_core.model.zoo import build_model
 
 SHAPE = (1, 8, 8)
 

@@ -1,4 +1,4 @@
-"""Tests for the splittable model zoo (sfl_core.models)."""
+"""Tests for the splittable model zoo (sfl_core.model.zoo)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from sfl_core.models import MODEL_NAMES, SplitModel, build_model
+from sfl_core.model.zoo import MODEL_NAMES, SplitModel, build_model
 
 IMAGE_SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 CASES = [(n, s) for n in MODEL_NAMES if n != "cnn1d" for s in IMAGE_SHAPES] + [

@@ -20,8 +20,8 @@ import pytest
 import torch
 import yaml
 
-from sfl_core.models import MODEL_NAMES, SplitModel, build_model
-from sfl_core.onnx_export import OnnxError, OnnxPredictor, export_onnx, load_inputs, read_sidecar
+from sfl_core.model.zoo import MODEL_NAMES, SplitModel, build_model
+from sfl_core.model.onnx_export import OnnxError, OnnxPredictor, export_onnx, load_inputs, read_sidecar
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,8 +135,8 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
     predictions equal torch's on the checkpointed model, and score the run's accuracy."""
     from coordinator.api import run_simulation
     from coordinator.export import load_global_model
-    from sfl_core.config import load_run_config
-    from sfl_core.data import load_dataset
+    from sfl_core.config.run import load_run_config
+    from sfl_core.data.builtin import load_dataset
 
     out = tmp_path / "run"
     cfg = {"run": "onnx", "model": "small_cnn", "data": {"dataset": "digits", "partition": "iid", "seed": 0},
@@ -186,7 +186,7 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
     r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "bad.npy"), block_torch=True)
     assert r.returncode == 2 and "expected (N, 1, 8, 8)" in r.stderr, r.stderr
     # raw pixels, prepared on the device with the constants the sidecar records: same answers
-    from sfl_core.data import _read_digits
+    from sfl_core.data.builtin import _read_digits
     raw_test = _read_digits()[2]                     # uint8 0..16, the same split as x
     assert meta["preprocessing"]["scale"] == 16.0 and meta["preprocessing"]["raw_shape"] == [1, 8, 8]
     np.save(tmp_path / "raw.npy", raw_test)
@@ -252,8 +252,8 @@ def test_rebuild_model_with_bottleneck() -> None:
 def test_preprocess_raw_matches_the_training_pipeline() -> None:
     """Raw images through `preprocess_raw` (numpy only) equal the data set's tensors, with and
     without the bilinear resize a run's `data.image_size` asks for."""
-    from sfl_core.data import _read_digits, load_dataset
-    from sfl_core.onnx_export import OnnxError, preprocess_raw
+    from sfl_core.data.builtin import _read_digits, load_dataset
+    from sfl_core.model.onnx_export import OnnxError, preprocess_raw
 
     raw = _read_digits()[2]
     for size in (None, 12, 5):

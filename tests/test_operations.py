@@ -33,9 +33,11 @@ from conftest import free_port
 from coordinator.mqtt_transport import MqttTransport
 from coordinator import state as ckpt
 from helpers import PROFILES, REPO, finish, logs, start_agents, start_coord, wait_log, write_config
-from sfl_core import protocol, signing, wire
-from sfl_core.config import load_profile
-from sfl_core.protocol import Message
+from sfl_core.wire import signing
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.config.run import load_profile
+from sfl_core.wire.protocol import Message
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -119,7 +121,7 @@ def test_one_coordinator_per_run_and_resume_auto_after_sigkill(mosquitto, tmp_pa
 
 def test_a_refused_resume_puts_nothing_on_the_wire(mosquitto, tmp_path):
     from coordinator.api import run_simulation
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
 
     config = write_config(tmp_path, "refused", rounds=2, local_iters=2)
     run_simulation(load_run_config(config))

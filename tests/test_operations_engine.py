@@ -21,9 +21,10 @@ from coordinator import state as ckpt
 from coordinator.engine import RoundFailed
 from coordinator.session import FleetSession
 from coordinator.registry import Registry
-from sfl_core import protocol, signing
-from sfl_core.config import load_profile
-from sfl_core.protocol import Message
+from sfl_core.wire import signing
+from sfl_core.wire import protocol
+from sfl_core.config.run import load_profile
+from sfl_core.wire.protocol import Message
 
 from test_engine_faults import Recording, _cfg, _engine, _fleet
 

@@ -19,7 +19,7 @@ from coordinator.api import run_simulation
 from coordinator.run_lock import RunLock, holder
 from coordinator.web import (FleetPage, MetricsExporter, WebAccess, WebError, parse_address, start_dashboard,
                             start_metrics)
-from sfl_core.config import run_config_from_dict
+from sfl_core.config.run import run_config_from_dict
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "coordinator" / "static" / "grafana-dashboard.json"
 
@@ -82,7 +82,7 @@ def test_metrics_follow_a_run_and_the_grafana_dashboard_queries_only_exported_na
         from coordinator.clock import VirtualClock
         from coordinator.engine import RoundEngine
         from coordinator.inprocess import build_fleet
-        from sfl_core.data import load_dataset
+        from sfl_core.data.builtin import load_dataset
 
         data = load_dataset("digits")
         engine = RoundEngine(cfg, build_fleet(cfg, data), VirtualClock(), (data.x_test, data.y_test),
@@ -230,9 +230,9 @@ def test_resume_takes_auto_or_nothing():
 
 
 def test_s2fl_warmup_says_it_trains_everyone():
-    from sfl_core.accounting import model_costs
+    from sfl_core.model.accounting import model_costs
     from sfl_core.methods import build_method
-    from sfl_core.models import build_model
+    from sfl_core.model.zoo import build_model
 
     cfg = run_config_from_dict({"run": "w", "model": "small_cnn", "data": {"dataset": "digits"},
                                 "fleet": [{"profile": "s2fl-low-low", "count": 40}], "per_round": 8,

@@ -17,14 +17,14 @@ import yaml
 
 from coordinator.api import RunError, run_simulation
 from coordinator.registry import Registry
-from sfl_core import wire
-from sfl_core.config import ConfigError, load_run_config, task_from_wire
-from sfl_core.fingerprint import architecture, digest, first_difference
-from sfl_core.local_data import load_local
-from sfl_core.models import build_model
-from sfl_core.preprocessing import ChannelStats
-from sfl_core.protocol import Message, register_body
-from sfl_core.user_models import normalise_layers, register_layers, resolve_agent_model
+from sfl_core.wire import codec as wire
+from sfl_core.config.run import ConfigError, load_run_config, task_from_wire
+from sfl_core.model.fingerprint import architecture, digest, first_difference
+from sfl_core.data.local import load_local
+from sfl_core.model.zoo import build_model
+from sfl_core.data.preprocessing import ChannelStats
+from sfl_core.wire.protocol import Message, register_body
+from sfl_core.model.user_models import normalise_layers, register_layers, resolve_agent_model
 
 from helpers import MODEL_FILE, NAMES, write_fleet
 
@@ -120,7 +120,7 @@ def test_a_device_whose_data_does_not_fit_stops_the_simulation_with_one_line(fle
 
 def test_a_users_model_file_next_to_the_run_file_trains_and_exports(fleet, tmp_path):
     from coordinator.export import export_run
-    from sfl_core.onnx_export import OnnxPredictor, preprocess_raw
+    from sfl_core.model.onnx_export import OnnxPredictor, preprocess_raw
 
     (fleet / "my_models.py").write_text(MODEL_FILE)
     cfg = load_run_config(write_run(fleet, model="my_models.py:build_net", strategy="auto",
@@ -172,7 +172,7 @@ def test_a_layer_list_is_validated_named_by_content_and_built_alike_everywhere()
         else:
             with pytest.raises(ValueError, match=match):
                 normalise_layers(bad)
-    from sfl_core.config import run_config_from_dict
+    from sfl_core.config.run import run_config_from_dict
     with pytest.raises(ConfigError, match=r"field 'model': expected a valid layer list .*unknown layer"):
         run_config_from_dict({"run": "x", "min_agents": 1, "model": {"layers": [{"lstm": 4}, "linear"]}})
 
@@ -186,7 +186,7 @@ def test_the_fingerprint_names_the_first_difference():
 
 
 def _register(**extra) -> Message:
-    from sfl_core.config import load_profile
+    from sfl_core.config.run import load_profile
     body = register_body(index=0, profile=load_profile("rpi4"), measured={}, label_counts=[1, 1], num_samples=2,
                          emulate=False, resume={}, privacy={}, extra=extra)
     return Message("register", "r", "a1", body)
@@ -272,7 +272,7 @@ def test_a_missing_server_validation_folder_is_one_line_and_exit_2(fleet, tmp_pa
 
 def test_the_run_description_carries_the_fingerprint_where_code_is_installed_on_each_side(fleet, tmp_path):
     from coordinator.api import _dataset, run_info_body
-    from sfl_core.config import run_config_from_dict
+    from sfl_core.config.run import run_config_from_dict
 
     (fleet / "my_models.py").write_text(MODEL_FILE)
     own = load_run_config(write_run(fleet))                                        # a task run, zoo model

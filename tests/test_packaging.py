@@ -104,8 +104,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 
 def test_profiles_dir_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """$SFL_PROFILES_DIR, else a source checkout's profiles/, else the installed sfl_profiles package."""
-    from sfl_core import config
-
+    from sfl_core.config import run as config
     monkeypatch.delenv("SFL_PROFILES_DIR", raising=False)
     assert (config.default_profiles_dir(), config.profiles_origin()) == (REPO / "profiles", "source checkout")
     # as installed from a wheel: no checkout around sfl_core, the package beside it
@@ -153,7 +152,7 @@ def test_profiles_come_from_the_package(installed: Installed):
     assert "installed package sfl_profiles" in out and str(installed.site / "sfl_profiles") in out
     assert "jetson-nano" in out and "rpi4" in out and "demo.yaml" in out
     # what `sfl-agent start --profile jetson-nano` does with the name
-    p = installed.py("from sfl_core.config import load_profile; print(load_profile('jetson-nano').compute_flops)")
+    p = installed.py("from sfl_core.config.run import load_profile; print(load_profile('jetson-nano').compute_flops)")
     assert float(p.stdout) > 0
 
 

@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
-from sfl_core.accounting import model_costs
+from sfl_core.model.accounting import model_costs
 from sfl_core.aggregation import layerwise_average
-from sfl_core.config import ConfigError, run_config_from_dict
-from sfl_core.models import ModelSpec, build_model
-from sfl_core.models import candidate_splits
+from sfl_core.config.run import ConfigError, run_config_from_dict
+from sfl_core.model.zoo import ModelSpec, build_model
+from sfl_core.model.zoo import candidate_splits
 
 from coordinator.server_trainer import ServerTrainer
 
@@ -61,7 +61,7 @@ def test_run_config_accepts_a_model_mapping():
 
 
 def test_image_size_resizes_train_and_test_alike():
-    from sfl_core.data import load_dataset
+    from sfl_core.data.builtin import load_dataset
     d = load_dataset("digits", image_size=16)
     assert d.input_shape == (1, 16, 16) and d.x_test.shape[1:] == (1, 16, 16)
     assert load_dataset("digits").input_shape == (1, 8, 8)      # the unresized copy is untouched

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from sfl_core.partition import (
+from sfl_core.data.partition import (
     SCHEMES,
     class_groups,
     class_pairs,

@@ -56,8 +56,8 @@ def test_bad_noise_settings_are_refused(clip, sigma):
 
 # ------------------------------------------------------------------ on the agent
 from agent_harness import Coordinator, make_agent, send  # noqa: E402
-from sfl_core import wire  # noqa: E402
-from sfl_core.data import load_dataset  # noqa: E402
+from sfl_core.wire import codec as wire  # noqa: E402
+from sfl_core.data.builtin import load_dataset  # noqa: E402
 from sfl_core.privacy import AgentPrivacy  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def test_nopeek_lowers_the_distance_correlation_of_what_is_sent(digits):
 
 def test_a_simulation_applies_the_runs_defenses_and_records_them(tmp_path):
     from coordinator.api import run_simulation
-    from sfl_core.config import run_config_from_dict
+    from sfl_core.config.run import run_config_from_dict
 
     cfg = run_config_from_dict({
         "run": "priv", "model": "small_cnn", "data": {"dataset": "digits"}, "strategy": "sfl",
@@ -150,7 +150,7 @@ def test_bad_privacy_settings_are_one_line_naming_the_field(tmp_path):
     from typer.testing import CliRunner
 
     from edge_agent.cli import app
-    from sfl_core.config import ConfigError, run_config_from_dict
+    from sfl_core.config.run import ConfigError, run_config_from_dict
 
     with pytest.raises(ConfigError, match="privacy.activation_noise"):
         run_config_from_dict({"fleet": ["s2fl-low-low"], "privacy": {"activation_noise": {"clip": 0, "sigma": 1}}})
@@ -206,7 +206,7 @@ def test_label_protection_changes_the_logit_gradients_an_agent_returns(digits):
         agent, coord = make_agent(digits, privacy=privacy), Coordinator(digits)
         (act,) = send(agent, coord.assign(1, tau=2, batch=64))
         z = torch.randn(64, digits.num_classes, generator=torch.Generator().manual_seed(0))
-        from sfl_core import protocol
+        from sfl_core.wire import protocol
         from agent_harness import RUN, through_wire
         (out,) = send(agent, through_wire(protocol.Message("logits", RUN, protocol.COORDINATOR_ID,
                                                              {"z": wire.encode_tensor(z)}, round=1, step=0, seq=9)))
@@ -290,7 +290,7 @@ def test_a_simulation_with_every_agent_defense_trains_and_records_epsilon(tmp_pa
     """Labels withheld and protected, DP-SGD on the client portion: the run still learns, and
     each round records the defenses (with how many agents) and the largest epsilon, growing."""
     from coordinator.api import run_simulation
-    from sfl_core.config import run_config_from_dict
+    from sfl_core.config.run import run_config_from_dict
 
     privacy = {"withhold_labels": True, "label_protection": "max_norm",
                "dp_sgd": {"clip": 5.0, "sigma": 0.5, "delta": 1e-5}}
@@ -312,7 +312,7 @@ def test_the_new_defenses_bad_settings_are_one_line_naming_the_field():
     from typer.testing import CliRunner
 
     from edge_agent.cli import app
-    from sfl_core.config import ConfigError, run_config_from_dict
+    from sfl_core.config.run import ConfigError, run_config_from_dict
 
     with pytest.raises(ConfigError, match="privacy.label_protection.*withheld labels"):
         run_config_from_dict({"fleet": ["s2fl-low-low"], "privacy": {"label_protection": "max_norm"}})
@@ -328,8 +328,8 @@ def test_the_new_defenses_bad_settings_are_one_line_naming_the_field():
 
 def test_the_coordinator_records_declared_defenses_and_rejects_malformed_ones():
     from coordinator.registry import Registry
-    from sfl_core import protocol
-    from sfl_core.config import load_profile
+    from sfl_core.wire import protocol
+    from sfl_core.config.run import load_profile
 
     def register(privacy):
         body = protocol.register_body(index=0, profile=load_profile("s2fl-low-low"), measured={},

@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
-from sfl_core import protocol, wire
-from sfl_core.protocol import Message
-from sfl_core.wire import WireError
+from sfl_core.wire import protocol
+from sfl_core.wire import codec as wire
+from sfl_core.wire.protocol import Message
+from sfl_core.wire.codec import WireError
 
 RUN = "run-1"
 

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from torch import nn
 
-from sfl_core import data as data_mod
-from sfl_core import models as models_mod
-from sfl_core.data import DatasetError, load_dataset, register_dataset
-from sfl_core.models import SplitModel, build_model, register_model
+from sfl_core.data import builtin as data_mod
+from sfl_core.model import zoo as models_mod
+from sfl_core.data.builtin import DatasetError, load_dataset, register_dataset
+from sfl_core.model.zoo import SplitModel, build_model, register_model
 
 
 def tiny_mlp(input_shape, num_classes, *, width=1.0, norm="none"):
@@ -45,7 +45,7 @@ def stripes(root):
 @pytest.fixture
 def clean_registries():
     builders, norms = dict(models_mod._BUILDERS), dict(models_mod._NATIVE_NORM)
-    from sfl_core import models as zoo
+    from sfl_core.model import zoo
     cands = dict(zoo.CANDIDATE_SPLITS)
     plugins = dict(data_mod._PLUGINS)
     yield
@@ -58,7 +58,7 @@ def clean_registries():
 
 def test_registered_model_and_data_set_train_through_the_engine(tmp_path, clean_registries):
     from coordinator.api import run_simulation
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
 
     register_model("tiny_mlp", tiny_mlp, candidate_splits=[1, 2], norms=False)
     register_dataset("stripes", stripes, num_classes=2, input_shape=(1, 4, 4))
@@ -100,7 +100,7 @@ def test_entry_points_register_on_first_use(tmp_path, monkeypatch, clean_registr
     (tmp_path / "my_plugin.py").write_text(textwrap.dedent('''
         import numpy as np
         from torch import nn
-        from sfl_core.models import SplitModel
+        from sfl_core.model.zoo import SplitModel
 
         def wide(input_shape, num_classes, *, width=1.0, norm="batch"):
             n = int(np.prod(input_shape))
@@ -125,7 +125,7 @@ def test_entry_points_register_on_first_use(tmp_path, monkeypatch, clean_registr
     monkeypatch.setattr(plugins, "_loaded", set())
     m = build_model("wide", (1, 3, 3), 3)
     assert m.num_blocks == 2 and "wide" in models_mod.model_names() and "broken" not in models_mod.model_names()
-    from sfl_core.models import candidate_splits
+    from sfl_core.model.zoo import candidate_splits
     assert candidate_splits("wide") == (1,)
     ds = load_dataset("blobs")
     assert ds.num_classes == 3 and ds.preprocessing["scale"] == 8.0 and "blobs" in data_mod.dataset_names()

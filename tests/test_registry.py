@@ -1,7 +1,7 @@
 """Registry rules that the round engine's waiting and selection depend on."""
 
 from coordinator.registry import Registry
-from sfl_core.protocol import Message
+from sfl_core.wire.protocol import Message
 
 
 def _register(reg: Registry, agent: str, seq: int = 1) -> None:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from sfl_core.aggregation import layerwise_average
-from sfl_core.config import run_config_from_dict
-from sfl_core.models import build_model
+from sfl_core.config.run import run_config_from_dict
+from sfl_core.model.zoo import build_model
 
 from coordinator.server_trainer import ServerTrainer
 

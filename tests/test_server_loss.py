@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from coordinator.server_trainer import LossSpec, ServerTrainer
-from sfl_core.models import build_model
+from sfl_core.model.zoo import build_model
 
 
 def _model():

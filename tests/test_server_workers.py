@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from coordinator.server_trainer import ServerTrainer
 from coordinator.server_workers import GradReducer, ServerShards, shard_agents
-from sfl_core.models import build_model
+from sfl_core.model.zoo import build_model
 
 from helpers import finish, logs, metrics, start_agents, start_coord, write_config
 
@@ -108,7 +108,7 @@ def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tm
         for a in r["agents"].values():   # 10 steps of activations, not only the weights
             assert a["bytes_up"] > 10 * 16 * 32 * 4 * 4 * 4 * 0.3 and a["server_s"] > 0
     from coordinator.api import run_simulation
-    from sfl_core.config import load_run_config
+    from sfl_core.config.run import load_run_config
     from coordinator import state as ckpt
     cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
     history, engine = run_simulation(cfg, device="cpu")

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from sfl_core.accounting import model_costs
-from sfl_core.models import MODEL_NAMES, build_model
-from sfl_core.models import CANDIDATE_SPLITS, candidate_splits
-from sfl_core.sliding_split import (ClientTimeTable, TimeEntry,
+from sfl_core.model.accounting import model_costs
+from sfl_core.model.zoo import MODEL_NAMES, build_model
+from sfl_core.model.zoo import CANDIDATE_SPLITS, candidate_splits
+from sfl_core.methods.s2fl.sliding_split import (ClientTimeTable, TimeEntry,
                                     estimate_round_time, median_rule, warmup_split)
 from sfl_core.timing import agent_round_time
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sfl_core import timing
-from sfl_core.assignment import MAX_BATCH, MAX_TAU, Assignment
-from sfl_core.wire import WireError
+from sfl_core.wire.assignment import MAX_BATCH, MAX_TAU, Assignment
+from sfl_core.wire.codec import WireError
 
 # S2FL Table 1 device classes: FLOP/s, link bytes/s
 MID = (1e10, 2e6)

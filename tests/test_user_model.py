@@ -8,9 +8,9 @@ import pytest
 import torch.nn as nn
 
 from coordinator.api import run_simulation
-from sfl_core import models
-from sfl_core.accounting import model_costs
-from sfl_core.config import run_config_from_dict
+from sfl_core.model import zoo as models
+from sfl_core.model.accounting import model_costs
+from sfl_core.config.run import run_config_from_dict
 
 
 def _sequential(input_shape, num_classes, *, width=1.0, norm="batch"):

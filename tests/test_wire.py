@@ -13,8 +13,8 @@ import pytest
 import torch
 import zstandard
 
-from sfl_core import wire
-from sfl_core.wire import WireError
+from sfl_core.wire import codec as wire
+from sfl_core.wire.codec import WireError
 
 
 def _envelope(**over):

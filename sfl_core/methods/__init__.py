@@ -11,13 +11,13 @@ config asks for::
 A new method is one module: a :class:`Method` subclass (or a :class:`Layer`), registered with
 :func:`register_method` (or :func:`register_layer`); the engine needs no change.
 
-The method classes live in their modules (``sfl_core.methods.s2fl.S2FL``, ...) and the seam in
+The method classes live in their modules (``sfl_core.methods.s2fl.method.S2FL``, ...) and the seam in
 :mod:`sfl_core.methods.base`; this package itself imports neither, so reading the registry
 (the run config checks ``strategy:`` against it) never imports a method.
 """
 
 from __future__ import annotations
 
-from sfl_core.methods.registry import build_method, register_layer, register_method, strategies, unregister_method
+from sfl_core.method_registry import build_method, register_layer, register_method, strategies, unregister_method
 
 __all__ = ["build_method", "register_layer", "register_method", "strategies", "unregister_method"]

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from sfl_core.accounting import SplitCost
-from sfl_core.config import DeviceProfile, RunConfig
+from sfl_core.model.accounting import SplitCost
+from sfl_core.config.run import DeviceProfile, RunConfig
 from sfl_core.fleet import AgentInfo, FleetEstimates
-from sfl_core.models import SplitModel
-from sfl_core.sliding_split import ClientTimeTable
+from sfl_core.model.zoo import SplitModel
+from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence, Union
 
-from sfl_core.accounting import SplitCost
-from sfl_core.config import RunConfig
+from sfl_core.model.accounting import SplitCost
+from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import RoundPlan, split_plan
 from sfl_core.methods.sfl import SFL
-from sfl_core.models import SplitModel
+from sfl_core.model.zoo import SplitModel
 
 
 class FedFC(SFL):

@@ -3,7 +3,7 @@
 For a run config, every method (FedAvg, SFL, S2FL, HeteroSFL, MergeSFL, FedFC, auto) is built
 from the same config with its own switches, asked for its round plan exactly as the engine
 asks it (``select`` then ``plan``), and each agent's assignment is priced by the time model
-(:func:`sfl_core.methods.auto.price_option`, the function auto plans with, which the virtual
+(:func:`sfl_core.methods.auto.method.price_option`, the function auto plans with, which the virtual
 clock charges). The result: per method the predicted round time, bytes moved per round and
 mean waiting time, and per agent its split, codec, width and batch. Nothing is measured yet,
 so the numbers are the profiles' (registration measurements refine them in a run).
@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from sfl_core import timing
-from sfl_core.accounting import SplitCost
-from sfl_core.config import RunConfig, load_profile
+from sfl_core.model.accounting import SplitCost
+from sfl_core.config.run import RunConfig, load_profile
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods import build_method
-from sfl_core.methods.auto import price_option, wire_fraction
-from sfl_core.models import SplitModel
-from sfl_core.models import candidate_splits
-from sfl_core.sliding_split import fleet_round_time
-from sfl_core.wire import nominal_ratio
+from sfl_core.methods.auto.method import price_option, wire_fraction
+from sfl_core.model.zoo import SplitModel
+from sfl_core.model.zoo import candidate_splits
+from sfl_core.methods.s2fl.sliding_split import fleet_round_time
+from sfl_core.wire.codec import nominal_ratio
 
 
 @dataclass(frozen=True)

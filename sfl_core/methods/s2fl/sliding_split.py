@@ -10,7 +10,7 @@ The model has a fixed *client part* (``blocks[:min(candidates)]``, always on the
 always on the coordinator). The paper uses three split layers per model; so do we. The
 candidates are chosen so client FLOPs (and, mostly, activation bytes) change meaningfully
 from one to the next: an early cut suits a slow processor, a late one (small activations)
-a slow link. Numbers from :func:`sfl_core.accounting.model_costs` (10 classes): client
+a slow link. Numbers from :func:`sfl_core.model.accounting.model_costs` (10 classes): client
 forward+backward FLOPs per sample | activation bytes per sample | ratio of consecutive
 client FLOPs:
 
@@ -44,8 +44,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from sfl_core.accounting import SplitCost
-from sfl_core.models import candidate_splits
+from sfl_core.model.accounting import SplitCost
+from sfl_core.model.zoo import candidate_splits
 from sfl_core.timing import agent_round_time
 
 __all__ = ["TimeEntry", "ClientTimeTable", "warmup_split",

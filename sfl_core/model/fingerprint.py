@@ -55,5 +55,5 @@ def fingerprinted(cfg: Any) -> bool:
     side builds it from code installed on its own (a user's model file or layer list), and in
     every run on the devices' own data. Runs of the built-in zoo on benchmark sets leave it
     out, so that agents of an earlier release still join them."""
-    from sfl_core.user_models import user_model_fields
+    from sfl_core.model.user_models import user_model_fields
     return cfg.task is not None or bool(user_model_fields(cfg.model))

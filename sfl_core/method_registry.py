@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
 from sfl_core.plugins import load_entry_points
 
 if TYPE_CHECKING:
-    from sfl_core.accounting import SplitCost
-    from sfl_core.config import RunConfig
+    from sfl_core.model.accounting import SplitCost
+    from sfl_core.config.run import RunConfig
     from sfl_core.methods.base import Layer, Method
-    from sfl_core.models import SplitModel
+    from sfl_core.model.zoo import SplitModel
 
     MethodFactory = Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Method]
 
@@ -27,11 +27,11 @@ ENTRY_POINT_GROUP = "sfl_edge.methods"
 _BASES: dict[str, Union[str, "MethodFactory"]] = {
     "sfl": "sfl_core.methods.fedfc:split_learning",     # SFL at one cut, FedFC with profile_splits
     "fedavg": "sfl_core.methods.fedavg:FedAvg",
-    "s2fl": "sfl_core.methods.s2fl:S2FL",
-    "auto": "sfl_core.methods.auto:Auto",
+    "s2fl": "sfl_core.methods.s2fl.method:S2FL",
+    "auto": "sfl_core.methods.auto.method:Auto",
 }
-_LAYERS: list[Union[str, "type[Layer]"]] = ["sfl_core.methods.heterosfl:HeteroSFL",
-                                            "sfl_core.methods.mergesfl:MergeSFL"]
+_LAYERS: list[Union[str, "type[Layer]"]] = ["sfl_core.methods.heterosfl.method:HeteroSFL",
+                                            "sfl_core.methods.mergesfl.method:MergeSFL"]
 """Applied in this order, innermost first: MergeSFL's selection sees HeteroSFL's plan underneath."""
 
 

@@ -7,7 +7,7 @@ error names the file, the field path (``fleet[1].count``) and what was expected.
 arrive as strings surprisingly often (PyYAML reads ``5e9`` as a string because YAML 1.1
 floats need a dot), so numeric strings are accepted for numbers.
 
-The types are pydantic v2 dataclasses (:mod:`sfl_core.fields` holds the glue): pydantic does
+The types are pydantic v2 dataclasses (:mod:`sfl_core.config.fields` holds the glue): pydantic does
 the walking, nesting and construction, and ``dataclasses.replace`` re-validates; each field's
 check is a small converter that says what it expects, so the messages stay one line each.
 Relations between fields are each section's ``_relations`` (after its fields are checked).
@@ -27,15 +27,15 @@ from typing import Annotated, Any, ClassVar, Mapping, Optional, Sequence, Union
 from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-from sfl_core.fields import (
+from sfl_core.config.fields import (
     STRICT, YAML_SUFFIXES, ConfigError, Conv, Fail, Section, checked, invalid, looks_like_path, number, read_yaml,
     validate,
 )
-from sfl_core.methods.registry import strategies
-from sfl_core.partition import SCHEMES
+from sfl_core.method_registry import strategies
+from sfl_core.data.partition import SCHEMES
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
-from sfl_core.protocol import check_id
-from sfl_core.wire import CODECS, TOPK_PATTERN, is_codec
+from sfl_core.wire.protocol import check_id
+from sfl_core.wire.codec import CODECS, TOPK_PATTERN, is_codec
 
 __all__ = [
     "CODECS",
@@ -168,9 +168,9 @@ def _opt(conv: Conv) -> Conv:
 def _model(v: Any, fail: Fail) -> str:
     """A zoo model name, a spec string (``vgg16:width=0.25,norm=group``), a mapping
     ``{name: vgg16, width: 0.25, norm: group}``, a user's ``FILE.py:FUNCTION`` or a layer list
-    ``{layers: [...]}`` (:mod:`sfl_core.user_models`); stored as the canonical spec string."""
-    from sfl_core.models import ModelSpec   # torch is only needed once a model is named
-    from sfl_core.user_models import FILE_REF, register_file_model, register_layers
+    ``{layers: [...]}`` (:mod:`sfl_core.model.user_models`); stored as the canonical spec string."""
+    from sfl_core.model.zoo import ModelSpec   # torch is only needed once a model is named
+    from sfl_core.model.user_models import FILE_REF, register_file_model, register_layers
 
     if isinstance(v, Mapping) and set(v) == {"layers"}:
         try:
@@ -662,7 +662,7 @@ class AutoConfig(Section):
     """Bottleneck widths an agent cut at the run's split may send (HeteroSFL's encoder/decoder pair
     there, the widest = its full width); None = no bottleneck; "auto" = a ladder of widths where
     they make the fleet's predicted round much shorter (decided once, from the run's fleet:
-    :func:`sfl_core.methods.auto.decide_widths`). Cuts then stop at that split."""
+    :func:`sfl_core.methods.auto.method.decide_widths`). Cuts then stop at that split."""
     max_bottleneck: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 64.0
     """Strongest bottleneck compression allowed (the cut's channels over the width sent)."""
     min_bottleneck_values: Annotated[int, _pos_int_c] = 64
@@ -674,7 +674,7 @@ class AutoConfig(Section):
     min_batch: Annotated[int, _batch_c] = 2
     epsilon: Annotated[Union[str, float], checked(_epsilon)] = "auto"
     """Nats the merged label mix may drift from equal batches'; "auto" = none where label-mix
-    selection chose the round's agents, else 0.05 (:func:`sfl_core.methods.auto.label_mix_bound`)."""
+    selection chose the round's agents, else 0.05 (:func:`sfl_core.methods.auto.method.label_mix_bound`)."""
     smoothing: Annotated[float, _unit_open_c] = 0.5
     """Weight of the previous speed estimate when a round's measurement arrives (MergeSFL Eq. 5-6)."""
 
@@ -854,7 +854,7 @@ class RunConfig(Section):
 
 # ------------------------------------------------------------------------ loading
 
-_CHECKOUT_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+_CHECKOUT_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 _PROFILES_PACKAGE = "sfl_profiles"  # profiles/ as the wheel ships it (pyproject.toml)
 
 
@@ -943,7 +943,7 @@ def run_config_from_dict(d: Any, source: str = "<dict>", base_dir: Path | None =
     ``base_dir`` anchors relative profile paths in ``fleet`` (the run file's directory).
     """
     if isinstance(d, Mapping) and isinstance(d.get("model"), str) and base_dir is not None:
-        from sfl_core.user_models import FILE_REF
+        from sfl_core.model.user_models import FILE_REF
         ref = FILE_REF.match(d["model"].strip())
         if ref and not Path(ref["path"]).is_absolute():   # a model file sits next to the run file
             d = {**d, "model": str((base_dir / ref["path"]).resolve()) + d["model"].strip()[len(ref["path"]):]}

@@ -1,5 +1,5 @@
 """Field checks shared by every YAML file the product reads: run configs and device profiles
-(:mod:`sfl_core.config`) and agent settings (:mod:`edge_agent.settings`).
+(:mod:`sfl_core.config.run`) and agent settings (:mod:`edge_agent.settings`).
 
 One style of error for all of them — ``<file>: field '<path>': expected <what>, got <value>``,
 unknown keys with a did-you-mean, duplicate keys and YAML syntax errors with their line —

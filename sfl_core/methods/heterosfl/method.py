@@ -12,9 +12,9 @@ import bisect
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from sfl_core.config import RunConfig
+from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
-from sfl_core.hetero import group_by_link_rate, widths_for_groups
+from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 from sfl_core.methods.base import Layer, RoundPlan
 
 

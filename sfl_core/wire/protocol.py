@@ -1,7 +1,7 @@
 """Message types and topic layout of the agent <-> coordinator protocol.
 
 The full description for third-party agent authors is ``docs/protocol.md``; this module is
-its executable form. Every message is a msgpack envelope (:mod:`sfl_core.wire`) whose
+its executable form. Every message is a msgpack envelope (:mod:`sfl_core.wire.codec`) whose
 ``body`` is checked here against a per-type schema before any field is used.
 """
 
@@ -14,9 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfl_core import wire
-
-# ---------------------------------------------------------------- topics
+from sfl_core.wire import codec as wire
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -97,25 +95,25 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
                  "splits": list, "partition": dict, "num_agents": int,
                  "coordinator": dict,   # {"key": Ed25519 public key (32 bytes), "instance": str}
-                 "sig": bytes},         # sfl_core.signing: over the whole envelope
+                 "sig": bytes},         # sfl_core.wire.signing: over the whole envelope
     "coordinator_status": {"online": bool, "instance": str},   # sfl/R/coordinator, retained + last will
 }
 # type -> {field: python type(s)} that may be present: what newer agents add (older ones omit it)
 OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"privacy": dict,       # the agent's defenses (sfl_core.privacy.AgentPrivacy.describe)
                  "instance": str,       # the registering process (its status messages carry the same)
-                 "channel_stats": dict,  # normalize: federated (sfl_core.preprocessing.ChannelStats)
-                 "architecture": str},  # the agent's model fingerprint (sfl_core.fingerprint)
+                 "channel_stats": dict,  # normalize: federated (sfl_core.data.preprocessing.ChannelStats)
+                 "architecture": str},  # the agent's model fingerprint (sfl_core.model.fingerprint)
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
-    "assign": {"sig": bytes,            # required over MQTT (sfl_core.signing); absent in a simulation
+    "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
                "normalize": dict},      # a task run's standardisation constants {mean, std}
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
     "coordinator_status": {"pid": int, "host": str, "out_dir": str},   # for the operator's one line
-    # a run on the devices' own data: its task contract (sfl_core.config.TaskConfig.to_wire), the
-    # constants when already known, and the model's fingerprint (sfl_core.fingerprint)
+    # a run on the devices' own data: its task contract (sfl_core.config.run.TaskConfig.to_wire), the
+    # constants when already known, and the model's fingerprint (sfl_core.model.fingerprint)
     "run_info": {"task": dict, "normalize": dict, "architecture": list,
-                 # a user's model (sfl_core.user_models): a file each side installs (named, never sent),
+                 # a user's model (sfl_core.model.user_models): a file each side installs (named, never sent),
                  # or a declarative layer list (data, validated by the agent)
                  "model_file": str, "model_function": str, "model_layers": list},
 }

@@ -22,7 +22,7 @@ know is an error naming the folder or file.
 
 What is returned is *scaled* (``raw / task.scale``) and resized only if the task says so;
 standardisation comes later, with constants the whole fleet agrees on
-(:mod:`sfl_core.preprocessing`). Errors are :class:`~sfl_core.data.DatasetError` with one
+(:mod:`sfl_core.data.preprocessing`). Errors are :class:`~sfl_core.data.builtin.DatasetError` with one
 line naming the file and what was expected; an unreadable file is skipped and counted
 (``bad_files="skip"``) or fatal (``"fail"``).
 """
@@ -39,10 +39,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from sfl_core.config import TaskConfig
-from sfl_core.data import DatasetError
+from sfl_core.config.run import TaskConfig
+from sfl_core.data.builtin import DatasetError
 # one image reader for training and for predict (torch-free there)
-from sfl_core.onnx_export import IMAGE_MODES, IMAGE_SUFFIXES, read_image, unreadable_image_errors
+from sfl_core.model.onnx_export import IMAGE_MODES, IMAGE_SUFFIXES, read_image, unreadable_image_errors
 
 __all__ = ["DeviceData", "Split", "IMAGE_SUFFIXES", "TABLE_SUFFIXES", "load_local", "describe_kind", "survey"]
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from sfl_core.bottleneck import Bottleneck, Decoder, Encoder
+from sfl_core.model.bottleneck import Bottleneck, Decoder, Encoder
 from sfl_core.plugins import load_entry_points
 
 __all__ = ["CANDIDATE_SPLITS", "candidate_splits", "SplitModel", "MODEL_NAMES", "NORMS", "ModelSpec", "build_model", "model_base_name", "model_names",

@@ -58,7 +58,7 @@ class WireError(ValueError):
     """A received payload is malformed, oversized or does not match what was expected.
 
     ``reason`` is the short key under which a receiver counts the rejection
-    (:class:`sfl_core.protocol.Rejections`): ``malformed`` unless the raiser knows better.
+    (:class:`sfl_core.wire.protocol.Rejections`): ``malformed`` unless the raiser knows better.
     """
 
     def __init__(self, message: str, reason: str = "malformed") -> None:
@@ -414,7 +414,7 @@ _ENVELOPE_FIELDS: dict[str, type | tuple[type, ...]] = {
 
 
 def pack(envelope: Mapping[str, Any]) -> bytes:
-    """Serialise an envelope (see :mod:`sfl_core.protocol` for how one is built)."""
+    """Serialise an envelope (see :mod:`sfl_core.wire.protocol` for how one is built)."""
     return msgpack.packb(dict(envelope), use_bin_type=True)
 
 

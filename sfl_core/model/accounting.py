@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .models import SplitModel, build_model
+from sfl_core.model.zoo import SplitModel, build_model
 
 __all__ = ["SplitCost", "block_flops", "split_costs", "model_costs", "format_cost_table"]
 

@@ -8,7 +8,7 @@ Two ways besides the ``register_model`` plugin (docs/models.md, "Your own model"
   agent imports a file only if it was given that file locally (``sfl-agent start
   --model-file my_models.py``). The function is called as ``build_net(input_shape,
   num_classes)`` and returns an ``nn.Sequential`` (each child a block), a module listing its
-  ``blocks``, or a :class:`~sfl_core.models.SplitModel`.
+  ``blocks``, or a :class:`~sfl_core.model.zoo.SplitModel`.
 - ``model: {layers: [...]}`` — a declarative list of layers from an allow-list, validated like
   any config field. It is data, not code, so it *does* travel in the run description and a
   device needs nothing of the user's. Each entry is one block (every block boundary is a
@@ -17,7 +17,7 @@ Two ways besides the ``register_model`` plugin (docs/models.md, "Your own model"
 Both are registered in the model zoo under a name (the function's name; ``layers-<digest>``
 for a layer list), so FLOPs, activation bytes, ``plan``, ``models``, ``auto`` and ONNX export
 work on them as on the built-in models. Either side checks the other's build with an
-architecture fingerprint (:mod:`sfl_core.fingerprint`).
+architecture fingerprint (:mod:`sfl_core.model.fingerprint`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from sfl_core.models import MODEL_NAMES, register_model
+from sfl_core.model.zoo import MODEL_NAMES, register_model
 
 __all__ = ["FILE_REF", "LAYERS", "build_layers", "describe_source", "layers_name", "layers_of", "model_source",
            "normalise_layers", "register_described", "register_file_model", "register_layers", "resolve_agent_model",

@@ -3,7 +3,7 @@
 Feature merging is the server trainer's merged step (``server_mode: merged``); this module
 holds the other two mechanisms (paper Alg. 1; docs/methods.md §7).
 
-The algorithms are pure functions in :mod:`sfl_core.mergesfl`; this class holds what they
+The algorithms are pure functions in :mod:`sfl_core.methods.mergesfl.control`; this class holds what they
 need between rounds — each agent's smoothed compute and transfer seconds per sample (μ, β)
 and fixed transfer seconds per round, and the ingress the past rounds observed (for the
 budget ``B`` of Eq. 10) — and turns a round's candidates into the selected agents and their
@@ -16,18 +16,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Sequence
 
-from sfl_core import mergesfl
-from sfl_core.accounting import SplitCost
-from sfl_core.config import DeviceProfile, RunConfig
+from sfl_core.methods.mergesfl import control as mergesfl
+from sfl_core.model.accounting import SplitCost
+from sfl_core.config.run import DeviceProfile, RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
-from sfl_core.mergesfl import AgentState
+from sfl_core.methods.mergesfl.control import AgentState
 from sfl_core.methods.base import AgentRound, Layer, Method
 
 
 log = logging.getLogger("sfl.method.mergesfl")
 
 BUDGET_WINDOW = 10
-"""Past rounds the ingress budget is estimated from (:func:`sfl_core.mergesfl.estimate_budget`)."""
+"""Past rounds the ingress budget is estimated from (:func:`sfl_core.methods.mergesfl.control.estimate_budget`)."""
 
 
 class MergeControl:
@@ -62,7 +62,7 @@ class MergeControl:
 
         A configured ``mergesfl.budget_bytes`` is a fixed override. Otherwise the paper's
         estimate from past rounds: the median over the last :data:`BUDGET_WINDOW` rounds of
-        the ingress each observed (:func:`sfl_core.mergesfl.observed_ingress`: the nominal
+        the ingress each observed (:func:`sfl_core.methods.mergesfl.control.observed_ingress`: the nominal
         budget times the share of the planned activation bytes that arrived); the first round
         has no past and takes the nominal budget. Never below one agent at the maximum batch,
         so rounds that all failed still leave a round to recover in.
@@ -171,7 +171,7 @@ class MergeControl:
         part that does not scale with the batch (:meth:`fixed_transfer_s`): ``beta`` gets only
         the rest, per sample (``samples = tau * batch``), and the fixed part is smoothed on its
         own — folded into ``beta`` it would make small batches look slow and shrink them further
-        (:func:`sfl_core.mergesfl.split_transfer`). The agent's planned activations also count
+        (:func:`sfl_core.methods.mergesfl.control.split_transfer`). The agent's planned activations also count
         as received for the ingress budget."""
         if samples <= 0:
             return

@@ -5,7 +5,7 @@ the options the run allows (each candidate split × each codec within ``auto.max
 and with bottleneck widths each width at the run's split within ``auto.max_bottleneck``),
 prices them with the time model (docs/methods.md §3, the function the virtual clock charges)
 from the agent's profile, its registration measurements and what its past rounds showed,
-and lets :func:`sfl_core.joint_plan.plan_round` pick the assignment whose slowest agent
+and lets :func:`sfl_core.methods.auto.joint_plan.plan_round` pick the assignment whose slowest agent
 finishes first while the merged batch keeps its size. Agents whose memory cannot hold any
 client portion at the smallest batch sit the round out.
 
@@ -31,15 +31,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sfl_core import mergesfl
-from sfl_core.accounting import SplitCost
-from sfl_core.config import RunConfig
+from sfl_core.methods.mergesfl import control as mergesfl
+from sfl_core.model.accounting import SplitCost
+from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, fleet_of, uplink_rate
-from sfl_core.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
+from sfl_core.methods.auto.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
-from sfl_core.models import SplitModel
-from sfl_core.models import candidate_splits
-from sfl_core.wire import nominal_ratio
+from sfl_core.model.zoo import SplitModel
+from sfl_core.model.zoo import candidate_splits
+from sfl_core.wire.codec import nominal_ratio
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ def select_by_label_mix(online: Sequence[str], agents: Mapping[str, AgentInfo], 
     each time with the agent that brings the mix closest to the population's, ties going to
     the larger key. The pool and the tie-break keep it fair (an agent the label mix never
     needs enters the pool more often the longer it sits out); greedy keeps it linear in the
-    fleet (MergeSFL's genetic search is :func:`sfl_core.mergesfl.select_workers`)."""
+    fleet (MergeSFL's genetic search is :func:`sfl_core.methods.mergesfl.control.select_workers`)."""
     ids = sorted(online)
     rng = np.random.default_rng(seed)
     weights = mergesfl.priorities({a: agents[a].rounds for a in ids}, ids)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sfl_core import wire
-
+from sfl_core.wire import codec as wire
 STRATEGIES = ("sfl", "fedavg")
 MAX_BATCH = 4096
 MAX_TAU = 10_000
@@ -42,7 +41,7 @@ class Assignment:
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> "Assignment":
-        """Range-check every field; the schema check in :mod:`sfl_core.protocol` did the types."""
+        """Range-check every field; the schema check in :mod:`sfl_core.wire.protocol` did the types."""
         def bad(field: str, why: str) -> wire.WireError:
             return wire.WireError(f"assign.{field}: {why}")
         if body["strategy"] not in STRATEGIES:
