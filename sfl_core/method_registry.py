@@ -1,4 +1,5 @@
-"""Which method a run config's ``strategy:`` names, and the layers its other keys ask for.
+"""Which method a run config's ``strategy:`` names, the layers its other keys ask for, and the
+config sections the methods own.
 
 The built-in methods are listed here by where they live (``"module:attribute"``) and imported
 only when a run builds one. That keeps the run config free to check ``strategy:`` against
@@ -17,6 +18,7 @@ from sfl_core.plugins import load_entry_points
 if TYPE_CHECKING:
     from sfl_core.model.accounting import SplitCost
     from sfl_core.config.run import RunConfig
+    from sfl_core.config.section import MethodSection
     from sfl_core.methods.base import Layer, Method
     from sfl_core.model.zoo import SplitModel
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "sfl_edge.methods"
 
 _BASES: dict[str, Union[str, "MethodFactory"]] = {
-    "sfl": "sfl_core.methods.fedfc:split_learning",     # SFL at one cut, FedFC with profile_splits
+    "sfl": "sfl_core.methods.sfl:SFL",          # one cut for everybody, or FedFC's cut per profile
     "fedavg": "sfl_core.methods.fedavg:FedAvg",
     "s2fl": "sfl_core.methods.s2fl.method:S2FL",
     "auto": "sfl_core.methods.auto.method:Auto",
@@ -33,6 +35,15 @@ _BASES: dict[str, Union[str, "MethodFactory"]] = {
 _LAYERS: list[Union[str, "type[Layer]"]] = ["sfl_core.methods.heterosfl.method:HeteroSFL",
                                             "sfl_core.methods.mergesfl.method:MergeSFL"]
 """Applied in this order, innermost first: MergeSFL's selection sees HeteroSFL's plan underneath."""
+_SECTIONS: dict[str, Union[str, "type[MethodSection]"]] = {
+    "s2fl": "sfl_core.methods.s2fl.config:S2flConfig",
+    "mergesfl": "sfl_core.methods.mergesfl.config:MergeSflConfig",
+    "hetero": "sfl_core.methods.heterosfl.config:HeteroConfig",
+    "auto": "sfl_core.methods.auto.config:AutoConfig",
+}
+"""YAML key -> the method's section class (``sfl_core/methods/<method>/config.py``); a section
+module imports only :mod:`sfl_core.config.fields`, ``values`` and ``section``, never the run
+config, so the run config may load it while it is itself being read."""
 
 
 def _resolve(ref: Union[str, Any]) -> Any:
@@ -52,6 +63,33 @@ def unregister_method(strategy: str) -> None:
     _BASES.pop(strategy, None)
 
 
+def register_section(section: "type[MethodSection]") -> None:
+    """Make the run config accept ``section.KEY:`` and validate it with ``section`` (a plugin
+    method's own settings). Register it before any run config is read."""
+    if not section.KEY or not section.KEY.isidentifier():
+        raise ValueError(f"a method's config section needs KEY, a YAML key, got {section.KEY!r}")
+    _SECTIONS[section.KEY] = section
+
+
+def unregister_section(key: str) -> None:
+    """Forget a registered config section (tests)."""
+    _SECTIONS.pop(key, None)
+
+
+def sections() -> "dict[str, type[MethodSection]]":
+    """Every method config section by YAML key, built-in ones first."""
+    strategies()    # an entry-point plugin registers its section when it loads
+    for key, ref in list(_SECTIONS.items()):
+        _SECTIONS[key] = _resolve(ref)
+    return dict(_SECTIONS)   # type: ignore[arg-type]
+
+
+def base_method(strategy: str) -> Any:
+    """The class (or factory) ``strategy:`` names, for what a section asks of it before any run is built."""
+    strategies()
+    return _resolve(_BASES[strategy])
+
+
 def strategies() -> tuple[str, ...]:
     """The names ``strategy:`` accepts: the built-in methods first, then registered ones
     (including those installed packages declare in the ``sfl_edge.methods`` entry-point group)."""
@@ -69,7 +107,8 @@ def build_method(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, Spl
     """The run's method: its strategy's base, wrapped in every layer its config asks for."""
     if cfg.strategy not in strategies():
         raise ValueError(f"strategy {cfg.strategy!r}: no such method; known: {sorted(_BASES)}")
-    method = _resolve(_BASES[cfg.strategy])(cfg, model, costs)
+    base = _resolve(_BASES[cfg.strategy])
+    method = base.for_run(cfg, model, costs) if hasattr(base, "for_run") else base(cfg, model, costs)
     for ref in _LAYERS:
         layer = _resolve(ref)
         if layer.wanted(cfg):

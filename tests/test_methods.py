@@ -13,7 +13,7 @@ from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.methods import build_method, register_method, strategies, unregister_method
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.methods.fedavg import FedAvg
-from sfl_core.methods.fedfc import FedFC
+from sfl_core.methods.sfl import FedFC
 from sfl_core.methods.heterosfl.method import HeteroSFL
 from sfl_core.methods.mergesfl.method import MergeSFL
 from sfl_core.methods.s2fl.method import S2FL

@@ -149,19 +149,36 @@ class Section:
 
     YAML_KEYS: ClassVar[Mapping[str, str]] = {}
     REQUIRED: ClassVar[Mapping[str, str]] = {}
+    GATHERED: ClassVar[str] = ""
+    """A field that is not a YAML key but holds the keys :meth:`gathered_keys` names (the run
+    config's ``sections``: one YAML key per method section); :meth:`gather` fills it."""
+
+    @classmethod
+    def gathered_keys(cls) -> list[str]:
+        return []
+
+    @classmethod
+    def gather(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return data
 
     @model_validator(mode="before")
     @classmethod
     def _mapping_with_known_keys(cls, data: Any) -> Any:
         if data is None:
             return {}
-        if isinstance(data, (ArgsKwargs, cls)):   # built in code (``DataConfig()``, a default): pydantic checks it
+        if isinstance(data, cls):
+            return data
+        if isinstance(data, ArgsKwargs):   # built in code (``DataConfig()``, a default): pydantic checks it
+            if cls.GATHERED and data.kwargs and not data.args:
+                return ArgsKwargs((), cls.gather(dict(data.kwargs)))
             return data
         if not isinstance(data, Mapping):
             raise PydanticCustomError("config", "{message}", {
                 "field": "", "message": f"expected a mapping (key: value lines), got {data!r}"})
         to_yaml = {attr: key for key, attr in cls.YAML_KEYS.items()}
-        allowed = [to_yaml.get(f, f) for f in cls.__pydantic_fields__]  # type: ignore[attr-defined]
+        allowed: list[str] = []
+        for f in cls.__pydantic_fields__:  # type: ignore[attr-defined]
+            allowed += cls.gathered_keys() if f == cls.GATHERED else [to_yaml.get(f, f)]
         for k in data:
             if not isinstance(k, str) or k not in allowed:
                 close = difflib.get_close_matches(str(k), allowed, n=1)
@@ -172,7 +189,8 @@ class Section:
             if key not in data:
                 raise PydanticCustomError("config", "{message}", {
                     "field": key, "message": f"expected {what}, but it is missing"})
-        return {cls.YAML_KEYS.get(k, k): v for k, v in data.items()}
+        data = {cls.YAML_KEYS.get(k, k): v for k, v in data.items()}
+        return cls.gather(data) if cls.GATHERED else data
 
 
 def _path(loc: Sequence[Any], renames: Mapping[str, str]) -> str:
@@ -185,8 +203,8 @@ def _path(loc: Sequence[Any], renames: Mapping[str, str]) -> str:
     return out
 
 
-def error_line(source: str, err: Mapping[str, Any], renames: Mapping[str, str] = {}) -> str:
-    """One pydantic error as this product words it (``<file>: field '<path>': expected ...``)."""
+def describe_error(err: Mapping[str, Any], renames: Mapping[str, str] = {}) -> tuple[str, str]:
+    """(field path, message) of one pydantic error, as :func:`error_line` words them."""
     ctx = err.get("ctx") or {}
     path = _path(list(err["loc"]) + str(ctx.get("field", "")).split("."), renames)
     if err["type"] == "config":
@@ -195,6 +213,23 @@ def error_line(source: str, err: Mapping[str, Any], renames: Mapping[str, str] =
         message = f"expected {ctx['what']}, got {err['input']!r}"
     else:   # pydantic's own wording, for what the sections leave to it
         message = f"{err['msg']}, got {err.get('input')!r}"
+    return path, message
+
+
+def read_section(cls: type, key: str, data: Any) -> Any:
+    """``data`` as a ``cls`` section under YAML key ``key`` of an enclosing section; its first
+    error is re-raised as that section's own (``field 'key.sub': ...``)."""
+    try:
+        return TypeAdapter(cls).validate_python(data)
+    except ValidationError as exc:
+        path, message = describe_error(exc.errors()[0])
+        raise PydanticCustomError("config", "{message}", {
+            "field": f"{key}.{path}" if path else key, "message": message}) from None
+
+
+def error_line(source: str, err: Mapping[str, Any], renames: Mapping[str, str] = {}) -> str:
+    """One pydantic error as this product words it (``<file>: field '<path>': expected ...``)."""
+    path, message = describe_error(err, renames)
     if not path:
         return f"{source}: top level: {message}"
     return f"{source}: field '{path}': {message}"

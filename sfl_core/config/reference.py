@@ -4,7 +4,8 @@ Every key the loader accepts (:mod:`sfl_core.config.run`) is documented here onc
 come from the config dataclasses, never from the text. The same list becomes the comment
 block at the top of every shipped run config (``profiles/runs/*.yaml``) and the Markdown
 reference in ``docs/config.md``, and a test checks that those files and the loader agree
-with it. After adding a key: document it in :data:`FIELDS`, then regenerate with
+with it. After adding a key: document it in :data:`FIELDS` (a method's own key: in its section's
+``DOCS``), then regenerate with
 
     python -m sfl_core.config.reference --write
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sfl_core.config import run as config
+from sfl_core.method_registry import sections
+
 PREAMBLE = (
     "Configuration reference (every key is optional unless marked; unknown keys are errors).",
     'Numbers may be written 5e9, 5.0e9, 5_000_000_000 or "5e9". `null` means "automatic".',
@@ -121,90 +124,6 @@ FIELDS: tuple[tuple[str, str], ...] = (
      "server-side training loss: ce (cross-entropy) | calibrated (FedLC logit calibration, Zhang et al. 2022: logit z_c - tau * n_c^(-1/4) with n_c the row's agent's count of class c; counters label skew)."),
     ('calibration_tau',
      'calibration strength tau >= 0 (0 = plain cross-entropy).'),
-    ('s2fl',
-     'S2FL switches, used when strategy is s2fl (docs/methods.md section 5)'),
-    ('s2fl.sliding',
-     'per-agent split from the client time table (warm-up: rounds 1..K use candidate k for everybody; then the median rule).'),
-    ('s2fl.balance',
-     "group agents so each group's label mix is closest to uniform (Eq. 2); one server copy per group. false = one copy per agent."),
-    ('s2fl.group_size',
-     'agents per group when balancing.'),
-    ('s2fl.candidates',
-     "candidate split points, e.g. [1, 2, 3]; null = the model's defaults (sfl_core/model/zoo.py). With sliding false the largest candidate is used (the paper's SFL baseline)."),
-    ('mergesfl',
-     'MergeSFL control (docs/methods.md section 7), on top of feature merging'),
-    ('mergesfl.regulate',
-     'batch-size regulation (Eq. 9): the fastest agent gets max_batch, the others d_i = floor(D (mu_l+beta_l)/(mu_i+beta_i)) so all take equally long; lr scales with the batch; aggregation weighted by batch size (Eq. 17).'),
-    ('mergesfl.max_batch',
-     "D, the fastest agent's batch (>= batch_size); null = batch_size."),
-    ('mergesfl.select',
-     "KL worker selection (Eq. 10-13): a genetic algorithm picks the agents whose merged label mix is closest to the population's, within the ingress budget; then batches are tuned (Eq. 14) and scaled to fill the budget. per_round is not used: the budget sets how many agents train (bound it with min_agents / max_agents)."),
-    ('mergesfl.min_agents',
-     'with select: the fewest agents a round takes, where the budget lets that many fit.'),
-    ('mergesfl.max_agents',
-     'with select: the most agents a round takes; null = no bound.'),
-    ('mergesfl.min_batch',
-     'the smallest batch regulation and selection give an agent (>= 2 keeps batch-norm layers from single-sample batches).'),
-    ('mergesfl.budget_bytes',
-     "coordinator ingress budget per round (activation bytes per step); null = per_round x batch_size samples' activations."),
-    ('mergesfl.epsilon',
-     'KL target (nats) of the batch fine-tuning.'),
-    ('mergesfl.smoothing',
-     'weight of the previous estimate of mu (compute s/sample) and beta (transfer s/sample), Eq. 5-6, in [0, 1).'),
-    ('mergesfl.ga_population',
-     'individuals of the genetic algorithm.'),
-    ('mergesfl.ga_generations',
-     'generations at most (stops after 30 without improvement).'),
-    ('mergesfl.ga_crossover',
-     'uniform-crossover probability in [0, 1].'),
-    ('mergesfl.ga_mutation',
-     'per-gene flip probability; null = 1/agents.'),
-    ('hetero',
-     'HeteroSFL (docs/methods.md section 6): agents grouped by link rate, each group with its own bottleneck width and/or codec'),
-    ('hetero.width',
-     'full (widest) bottleneck width P in channels; null = no bottleneck. Needs one fixed split (strategy sfl); under strategy auto use auto.widths.'),
-    ('hetero.groups',
-     'agents grouped by measured uplink rate into 1-4 groups.'),
-    ('hetero.widths',
-     "fixed width per group, slowest group first; null = widths proportional to the groups' rates (fastest = width)."),
-    ('hetero.thresholds',
-     'ascending uplink rates (B/s) separating the groups; null = equal-count quantiles.'),
-    ('hetero.codecs',
-     "codec per group, slowest group first (e.g. [topk4, fp32]); works with or without a bottleneck; null = the run's codec."),
-    ('hetero.bdks',
-     'bi-directional knowledge sharing (HeteroSFL Eq. 6-8) for every group wider than the narrowest: loss(wide) + bdks_alpha * N2W + W2N, on the server only (about 2x server compute for those rows).'),
-    ('hetero.bdks_alpha',
-     'weight of the narrow-to-wide distillation, >= 0.'),
-    ('hetero.bdks_theta',
-     "a class is under-represented in a group when its share of the group's data is below bdks_theta x its share of all agents' data, in [0, 1]."),
-    ('auto',
-     'the joint planner, used when strategy is auto (docs/methods.md section 11): each round, per agent, the split, codec (bottleneck width) and batch that make the slowest agent finish first while the merged batch keeps its size'),
-    ('auto.candidates',
-     "the cuts it chooses among (strictly increasing); null = the model's candidate splits."),
-    ('auto.whole_model',
-     'also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut.'),
-    ('auto.selection',
-     "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: with epsilon auto it reached the target 1.3-1.6x sooner than the uniform sample in the mixed-fleet, S2FL and MergeSFL p = 10 benches, and 0.91x as soon at MergeSFL p = 2 (docs/methods.md section 11). Where every online agent trains each round the two are the same."),
-    ('auto.codecs',
-     'the activation codecs it may choose among (only those within max_compression are used).'),
-    ('auto.max_compression',
-     'the strongest codec compression allowed, >= 1: fp16/bf16 = 2, int8 = 4, topk<P> = 67/P. Default 2 (fp16 measured at about 4e-4 relative error; int8 cost accuracy on the MergeSFL bench).'),
-    ('auto.widths',
-     "bottleneck widths (channels, HeteroSFL's encoder/decoder pair at the run's split, the widest its full width) it may give an agent cut at that split, within max_bottleneck; cuts then stop at that split (no later cut, no whole model), and an agent with time to spare sends the widest width that keeps the round's time. auto (the default) = decided once from the run's fleet: the full width and each quarter of it down to 1 channel that sends at least min_bottleneck_values values per sample, where they make the fleet's predicted round at the run's batch size at least 2.5x shorter (links that slow), else none (the run's notes and sfl-coord plan say which and why); a list = these widths; null = no bottleneck (docs/methods.md section 11)."),
-    ('auto.max_bottleneck',
-     'the strongest bottleneck compression allowed (the cut\'s channels over the width sent), >= 1.'),
-    ('auto.min_bottleneck_values',
-     "the fewest values per sample (width x the activation map's positions) a width of the widths: auto ladder may send, >= 1; default 64, the narrowest bottleneck the HeteroSFL paper measured (one 8x8 channel). Narrower ones stalled learning on 8x8 digits (2 channels of 4x4 = 32 values)."),
-    ('auto.regulate',
-     "plan batch sizes too (faster agents train larger batches, learning rate scaled with the batch, MergeSFL Eq. 15); false = every agent trains the run's batch_size."),
-    ('auto.max_batch',
-     'largest batch of one agent (1-4096); null = 2 x batch_size.'),
-    ('auto.min_batch',
-     'smallest batch of one agent (1-4096; batch-norm needs >= 2).'),
-    ('auto.epsilon',
-     "how far (KL, nats) regulated batches may move the merged batch's label mix from what equal batches would give, >= 0; auto = no limit where label-mix selection (kl) chose the round's agents out of more, else 0.05."),
-    ('auto.smoothing',
-     "weight of the previous estimate when a round's measured compute and link seconds arrive, in [0, 1); lower follows a device's slowdown faster."),
     ('privacy',
      "what the agents keep back and the defenses they apply to what they send (docs/methods.md section 12). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise, --withhold-labels, --label-protection, --dp-sgd) and declares them when it registers. Each round's metrics record them."),
     ('privacy.nopeek',
@@ -218,10 +137,13 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('privacy.dp_sgd',
      "null, {clip: C, sigma: S, delta: D} or \"C,S[,D]\": DP-SGD on the client portion (Abadi et al. 2016): each sample's gradient clipped to C, Gaussian noise of std S x C on the sum; each round records epsilon at delta D (default 1e-5; Opacus's accountant, the package's privacy extra). Not with nopeek."),
 )
-"""(key path, meaning) in the order users read them; a section's keys follow the section."""
+"""(key path, meaning) of the core keys in the order users read them; a section's keys follow the
+section. Each method documents its own section (``DOCS`` of its config class)."""
+SECTIONS_BEFORE = "privacy"
+"""The methods' sections are listed just before this core key."""
 
-_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "s2fl", "mergesfl", "hetero",
-               "auto", "privacy")   # sections, and the required keys
+_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "privacy")
+"""Sections (a method's section is one too), and the required keys: no default shown."""
 _RULE = "# " + "=" * 76 + " run config"
 _END = "# " + "=" * 86
 
@@ -229,13 +151,24 @@ _END = "# " + "=" * 86
 def accepted_keys() -> set[str]:
     """Every key path the run-config loader accepts."""
     to_yaml = {attr: key for key, attr in config.RunConfig.YAML_KEYS.items()}
-    keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig)}
-    for section, cls in (("data", config.DataConfig), ("task", config.TaskConfig), ("eval", config.EvalConfig),
-                         ("s2fl", config.S2flConfig),
-                         ("mergesfl", config.MergeSflConfig), ("hetero", config.HeteroConfig),
-                         ("auto", config.AutoConfig), ("privacy", config.PrivacyConfig)):
-        keys |= {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
+    keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig) if f.name != "sections"}
+    parts = {"data": config.DataConfig, "task": config.TaskConfig, "eval": config.EvalConfig,
+             **sections(), "privacy": config.PrivacyConfig}
+    for section, cls in parts.items():
+        keys |= {section} | {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
     return keys
+
+
+def documented() -> list[tuple[str, str]]:
+    """(key path, meaning) of every key: the core keys of :data:`FIELDS`, with each method's
+    section (its ``DOCS``) where :data:`SECTIONS_BEFORE` stands."""
+    out: list[tuple[str, str]] = []
+    for path, text in FIELDS:
+        if path == SECTIONS_BEFORE:
+            for key, section in sections().items():
+                out += [(f"{key}.{sub}" if sub else key, meaning) for sub, meaning in section.DOCS]
+        out.append((path, text))
+    return out
 
 
 def defaults() -> dict[str, Any]:
@@ -264,8 +197,8 @@ def _value(v: Any) -> str:
 def _entries() -> Iterator[tuple[str, str, str, str | None]]:
     """(path, key, meaning, default text or None) per documented key."""
     values = defaults()
-    for path, text in FIELDS:
-        default = None if path in _NO_DEFAULT else _value(values[path])
+    for path, text in documented():
+        default = None if path in _NO_DEFAULT or path in sections() else _value(values[path])
         yield path, path.rsplit(".", 1)[-1], text, default
 
 

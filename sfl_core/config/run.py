@@ -28,10 +28,15 @@ from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from sfl_core.config.fields import (
-    STRICT, YAML_SUFFIXES, ConfigError, Conv, Fail, Section, checked, invalid, looks_like_path, number, read_yaml,
+    STRICT, YAML_SUFFIXES, ConfigError, Conv, Fail, Section, checked, invalid, looks_like_path, number, read_section, read_yaml,
     validate,
 )
-from sfl_core.method_registry import strategies
+from sfl_core.config.values import (
+    AT_LEAST_0, BOOLEAN, NONNEG_INTEGER, NONEMPTY_STRING, OPTIONAL_POSITIVE_INTEGER, OPTIONAL_POSITIVE_NUMBER,
+    POSITIVE_INTEGER, POSITIVE_NUMBER, UNIT_OPEN, integer_in, nonneg_number, number_in, one_of, optional,
+    nonempty_string,
+)
+from sfl_core.method_registry import sections, strategies
 from sfl_core.data.partition import SCHEMES
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
 from sfl_core.wire.protocol import check_id
@@ -74,44 +79,6 @@ MAX_CAPACITY_CHANGES = 1000
 # ------------------------------------------------------------------------ field checks
 # Each converter takes the raw value and ``fail``; ``fail(what)`` reports "expected <what>".
 
-def _float(lo: float | None = None, lo_open: bool = True, hi: float | None = None,
-           hi_open: bool = False, what: str = "a number") -> Conv:
-    def conv(v: Any, fail: Fail) -> float:
-        x = number(v)
-        if x is None:
-            fail(what)
-        x = float(x)
-        if lo is not None and (x < lo or (lo_open and x == lo)):
-            fail(what)
-        if hi is not None and (x > hi or (hi_open and x == hi)):
-            fail(what)
-        return x
-    return conv
-
-
-def _int(lo: int, hi: int | None = None, what: str = "an integer") -> Conv:
-    def conv(v: Any, fail: Fail) -> int:
-        x = number(v)
-        if x is None or (isinstance(x, float) and not x.is_integer()):
-            fail(what)
-        x = int(x)
-        if x < lo or (hi is not None and x > hi):
-            fail(what)
-        return x
-    return conv
-
-
-_pos_float = _float(0.0, what="a positive number")
-_nonneg_float = _float(0.0, lo_open=False, what="a non-negative number")
-_pos_int = _int(1, what="a positive integer")
-_nonneg_int = _int(0, what="a non-negative integer")
-
-
-def _str(v: Any, fail: Fail) -> str:
-    if not isinstance(v, str) or not v.strip():
-        fail("a non-empty string")
-    return v
-
 
 def _text(v: Any, fail: Fail) -> str:
     """Free text (descriptions); empty is fine, but a number or list is a mistake."""
@@ -127,14 +94,6 @@ def _ident(v: Any, fail: Fail) -> str:
         return check_id("run", v)
     except ValueError:
         fail("1-64 characters of letters, digits, '-' or '_' (it becomes an MQTT topic level)")
-
-
-def _enum(*choices: str) -> Conv:
-    def conv(v: Any, fail: Fail) -> str:
-        if v not in choices:
-            fail("one of " + ", ".join(repr(c) for c in choices))
-        return v
-    return conv
 
 
 def _strategy(v: Any, fail: Fail) -> str:
@@ -156,13 +115,6 @@ def _codec(v: Any, fail: Fail) -> str:
     if not is_codec(v):
         fail("one of " + ", ".join(repr(c) for c in CODECS) + f" or {TOPK_PATTERN}")
     return v
-
-
-def _opt(conv: Conv) -> Conv:
-    """``None`` (YAML ``null`` or ``~``) means 'use the automatic value'."""
-    def wrapped(v: Any, fail: Fail) -> Any:
-        return None if v is None else conv(v, fail)
-    return wrapped
 
 
 def _model(v: Any, fail: Fail) -> str:
@@ -198,64 +150,6 @@ def _model(v: Any, fail: Fail) -> str:
         raise
 
 
-def _bool(v: Any, fail: Fail) -> bool:
-    if not isinstance(v, bool):
-        fail("true or false")
-    return v
-
-
-def _split_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
-    if v is None:
-        return None
-    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
-        fail("a non-empty list of split points (integers >= 1), or null")
-    if sorted(set(v)) != list(v):
-        fail("strictly increasing split points")
-    return tuple(v)
-
-
-def _pos_int_list(v: Any, fail: Fail) -> tuple[int, ...] | None:
-    if v is None:
-        return None
-    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
-        fail("a non-empty list of positive integers, or null")
-    return tuple(v)
-
-
-def _widths(v: Any, fail: Fail) -> str | tuple[int, ...] | None:
-    if v == "auto":
-        return "auto"
-    if isinstance(v, str):
-        fail('"auto", a non-empty list of positive integers, or null')
-    return _pos_int_list(v, fail)
-
-
-def _epsilon(v: Any, fail: Fail) -> str | float:
-    if v == "auto":
-        return "auto"
-    x = number(v)
-    if x is None or x < 0:
-        fail('"auto" or a number >= 0')
-    return float(x)
-
-
-def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
-    if v is None:
-        return None
-    nums = [number(x) for x in v] if isinstance(v, (list, tuple)) else None
-    if not nums or any(x is None or x <= 0 for x in nums) or any(b <= a for a, b in zip(nums, nums[1:])):
-        fail("a strictly ascending list of positive rates in bytes/s, or null")
-    return tuple(float(x) for x in nums)
-
-
-def _codec_list(v: Any, fail: Fail) -> tuple[str, ...] | None:
-    if v is None:
-        return None
-    if not isinstance(v, (list, tuple)) or not v or not all(is_codec(c) for c in v):
-        fail("a non-empty list of codecs (" + ", ".join(CODECS) + f" or {TOPK_PATTERN}), or null")
-    return tuple(v)
-
-
 def _capacity(v: Any, fail: Fail) -> tuple[tuple[int, float, float], ...]:
     """A profile file writes ``{from_round, compute, link}`` entries; a registration (and an older
     checkpoint) sends ``[from_round, compute, link]`` triples. Both mean the same schedule."""
@@ -279,21 +173,8 @@ def _capacity(v: Any, fail: Fail) -> tuple[tuple[int, float, float], ...]:
     return tuple(out)
 
 
-_pos_float_c = checked(_pos_float)
-_opt_pos_float_c = checked(_opt(_pos_float))
-_pos_int_c = checked(_pos_int)
-_opt_pos_int_c = checked(_opt(_pos_int))
-_nonneg_int_c = checked(_nonneg_int)
-_bool_c = checked(_bool)
-_str_c = checked(_str)
-_fraction_c = checked(_float(0.0, lo_open=False, hi=1.0, what="a number in [0, 1]"))
-_at_least_0 = checked(_float(0.0, lo_open=False, what="a number >= 0"))
-_batch_c = checked(_int(1, 4096, what="an integer from 1 to 4096"))
-_opt_batch_c = checked(_opt(_int(1, 4096, what="an integer from 1 to 4096")))
-_unit_open_c = checked(_float(0.0, lo_open=False, hi=1.0, hi_open=True, what="a number in [0, 1)"))
-
-
 # ------------------------------------------------------------------------ device profiles
+
 
 def capacity_scales(capacity: Sequence[Sequence[float]], r: int) -> tuple[float, float]:
     """(compute, link) scale in force in round ``r`` under a capacity schedule (1, 1 before any)."""
@@ -313,12 +194,12 @@ class DeviceProfile(Section):
                                              "link_bytes_per_s": "a positive number",
                                              "name": "a non-empty string"}
 
-    name: Annotated[str, _str_c]
-    compute_flops: Annotated[float, _pos_float_c]  # sustained FLOP/s for training (fp32)
-    link_bytes_per_s: Annotated[float, _pos_float_c]  # uplink rate, bytes/s
-    downlink_bytes_per_s: Annotated[Optional[float], _opt_pos_float_c] = None  # None -> link_bytes_per_s
-    latency_s: Annotated[float, checked(_nonneg_float)] = 0.0  # one-way latency
-    memory_bytes: Annotated[Optional[float], _opt_pos_float_c] = None
+    name: Annotated[str, NONEMPTY_STRING]
+    compute_flops: Annotated[float, POSITIVE_NUMBER]  # sustained FLOP/s for training (fp32)
+    link_bytes_per_s: Annotated[float, POSITIVE_NUMBER]  # uplink rate, bytes/s
+    downlink_bytes_per_s: Annotated[Optional[float], OPTIONAL_POSITIVE_NUMBER] = None  # None -> link_bytes_per_s
+    latency_s: Annotated[float, checked(nonneg_number)] = 0.0  # one-way latency
+    memory_bytes: Annotated[Optional[float], OPTIONAL_POSITIVE_NUMBER] = None
     description: Annotated[str, checked(_text)] = ""
     source: Annotated[str, checked(_text)] = ""  # where the numbers come from
     capacity: Annotated[tuple[tuple[int, float, float], ...], checked(_capacity)] = ()
@@ -352,6 +233,7 @@ class DeviceProfile(Section):
 
 
 # ------------------------------------------------------------------------ run configs
+
 
 def _data_path(v: Any, fail: Fail) -> Optional[str]:
     if v is None:
@@ -389,8 +271,8 @@ class FleetEntry(Section):
 
     REQUIRED: ClassVar[Mapping[str, str]] = {"profile": "a device profile name or YAML path"}
 
-    profile: Annotated[str, _str_c]
-    count: Annotated[int, _pos_int_c] = 1
+    profile: Annotated[str, NONEMPTY_STRING]
+    count: Annotated[int, POSITIVE_INTEGER] = 1
     data: Annotated[Optional[str], checked(_data_path)] = None
     """A simulated device's own data (a run with ``task``), relative to the run file; needs count 1."""
 
@@ -427,13 +309,13 @@ class FleetEntry(Section):
 
 @dataclass(frozen=True, config=STRICT)
 class DataConfig(Section):
-    dataset: Annotated[str, _str_c] = "digits"
-    root: Annotated[Optional[str], checked(_opt(_str))] = None  # relative paths are relative to the working directory
-    partition: Annotated[str, checked(_enum(*PARTITIONS))] = "iid"
-    alpha: Annotated[float, _pos_float_c] = 0.5  # Dirichlet concentration; only used when partition == 'dirichlet'
-    seed: Annotated[int, _nonneg_int_c] = 0
-    image_size: Annotated[Optional[int], _opt_pos_int_c] = None  # resize images to image_size x image_size
-    bad_files: Annotated[str, checked(_enum("skip", "fail"))] = "skip"
+    dataset: Annotated[str, NONEMPTY_STRING] = "digits"
+    root: Annotated[Optional[str], checked(optional(nonempty_string))] = None  # relative paths are relative to the working directory
+    partition: Annotated[str, checked(one_of(*PARTITIONS))] = "iid"
+    alpha: Annotated[float, POSITIVE_NUMBER] = 0.5  # Dirichlet concentration; only used when partition == 'dirichlet'
+    seed: Annotated[int, NONNEG_INTEGER] = 0
+    image_size: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # resize images to image_size x image_size
+    bad_files: Annotated[str, checked(one_of("skip", "fail"))] = "skip"
     """A device's unreadable file: skipped and counted ('skip'), or the end of that device ('fail')."""
 
 
@@ -503,14 +385,14 @@ class TaskConfig(Section):
 
     classes: Annotated[tuple[str, ...], checked(_class_names)]
     input_shape: Annotated[tuple[int, ...], checked(_input_shape)]
-    scale: Annotated[float, _pos_float_c] = 255.0
+    scale: Annotated[float, POSITIVE_NUMBER] = 255.0
     """Raw values are divided by it first (255 for 8-bit pixels; 1 for data already scaled)."""
     normalize: Annotated[Union[str, tuple[tuple[float, ...], tuple[float, ...]]], checked(_normalize)] = "federated"
     """Per-channel standardisation: 'federated' (from the devices' statistics, once, before round 1),
     'none', or given constants."""
     resize: Annotated[Optional[tuple[int, int]], checked(_resize)] = None
     """Resize images to this size (bilinear); null: an image of another size is an error."""
-    label_column: Annotated[str, _str_c] = "label"
+    label_column: Annotated[str, NONEMPTY_STRING] = "label"
     """Tables and Hugging Face data sets: the column holding the class name."""
     features: Annotated[Optional[tuple[str, ...]], checked(_names)] = None
     """Tables: the feature columns, in order; null: every column but the label."""
@@ -555,134 +437,13 @@ class EvalConfig(Section):
 
     data: Annotated[Optional[str], checked(_data_path)] = None
     """The server's validation data, in any format agents read (needs ``task``); relative to the run file."""
-    federated_every: Annotated[int, _nonneg_int_c] = 0
+    federated_every: Annotated[int, NONNEG_INTEGER] = 0
     """Every k rounds, the round's agents score the global model on their held-out split (0: never)."""
 
     @field_validator("data")
     @classmethod
     def _anchor(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
         return _anchored(v, info)
-
-
-@dataclass(frozen=True, config=STRICT)
-class S2flConfig(Section):
-    """S2FL switches (docs/methods.md §5). The paper's ablations: +R = both off (SplitFed v1 at the
-    largest candidate split), +B = balance only, +M = sliding only, +MB = both."""
-
-    sliding: Annotated[bool, _bool_c] = True           # adaptive sliding split from the client time table
-    balance: Annotated[bool, _bool_c] = True           # data-balance grouping (one server copy per group)
-    group_size: Annotated[int, _pos_int_c] = 5         # agents per group when balancing
-    candidates: Annotated[Optional[tuple[int, ...]], checked(_split_list)] = None  # None = the model's defaults
-
-
-@dataclass(frozen=True, config=STRICT)
-class MergeSflConfig(Section):
-    """MergeSFL control (docs/methods.md §7): batch-size regulation and KL worker selection under an
-    ingress budget, on top of feature merging (``server_mode: merged``)."""
-
-    regulate: Annotated[bool, _bool_c] = False    # Eq. 9: fastest agent gets max_batch, the others equal time
-    max_batch: Annotated[Optional[int], _opt_batch_c] = None  # D; None = batch_size
-    select: Annotated[bool, _bool_c] = False      # Eq. 10-13: GA picks the agents whose mixed labels are closest to IID
-    min_agents: Annotated[int, _pos_int_c] = 1    # with select: fewest agents per round (where the budget fits them)
-    max_agents: Annotated[Optional[int], _opt_pos_int_c] = None    # with select: most agents per round; None = no bound
-    min_batch: Annotated[int, _batch_c] = 2       # smallest regulated batch (batch-norm needs >= 2 samples)
-    budget_bytes: Annotated[Optional[float], _opt_pos_float_c] = None   # ingress budget per round; None = per_round x batch_size samples
-    epsilon: Annotated[float, _at_least_0] = 0.01                       # Eq. 14: KL target (nats) of the batch fine-tuning
-    smoothing: Annotated[float, _unit_open_c] = 0.8
-    """Eq. 5-6: weight of the previous estimate of mu and beta."""
-    ga_population: Annotated[int, checked(_int(2, 10_000, what="an integer from 2 to 10000"))] = 60
-    ga_generations: Annotated[int, checked(_int(1, 100_000, what="an integer from 1 to 100000"))] = 100
-    ga_crossover: Annotated[float, _fraction_c] = 0.9
-    ga_mutation: Annotated[Optional[float], checked(_opt(_float(0.0, lo_open=False, hi=1.0, what="a number in [0, 1]")))] = None
-    """Per-gene flip probability; None = 1/agents."""
-
-    @model_validator(mode="after")
-    def _relations(self) -> "MergeSflConfig":
-        if self.max_agents is not None and self.max_agents < self.min_agents:
-            raise invalid("max_agents", f"expected at least mergesfl.min_agents {self.min_agents}, got {self.max_agents}")
-        return self
-
-
-@dataclass(frozen=True, config=STRICT)
-class HeteroConfig(Section):
-    """HeteroSFL (docs/methods.md §6): agents grouped by link rate; each group gets a bottleneck width (and
-    optionally its own codec) so the groups' per-step transfer times come out close (the slow
-    group compresses most)."""
-
-    width: Annotated[Optional[int], _opt_pos_int_c] = None                     # full (widest) width P; None = no bottleneck
-    groups: Annotated[int, checked(_int(1, 4, what="an integer from 1 to 4"))] = 2   # link-rate groups, 1..4
-    widths: Annotated[Optional[tuple[int, ...]], checked(_pos_int_list)] = None      # fixed width per group, slowest first
-    thresholds: Annotated[Optional[tuple[float, ...]], checked(_rate_list)] = None   # uplink B/s between groups; None = quantiles
-    codecs: Annotated[Optional[tuple[str, ...]], checked(_codec_list)] = None        # codec per group, slowest first
-    bdks: Annotated[bool, _bool_c] = False                 # bi-directional knowledge sharing for the wider groups
-    bdks_alpha: Annotated[float, _at_least_0] = 1.0        # weight of the narrow-to-wide distillation (Eq. 8)
-    bdks_theta: Annotated[float, _fraction_c] = 0.1        # under-represented: class share < theta x its share overall
-
-    @model_validator(mode="after")
-    def _relations(self) -> "HeteroConfig":
-        if self.codecs is not None and len(self.codecs) != self.groups:
-            raise invalid("codecs", f"expected {self.groups} codecs (one per group), got {list(self.codecs)}")
-        if self.widths is not None:
-            if len(self.widths) != self.groups:
-                raise invalid("widths", f"expected {self.groups} widths (one per group), got {list(self.widths)}")
-            if self.width is None:
-                raise invalid("widths", "fixed widths need the full width (set hetero.width)")
-            if any(b < a for a, b in zip(self.widths, self.widths[1:])):
-                raise invalid("widths", f"expected widths non-decreasing from the slowest group, got {list(self.widths)}")
-            if max(self.widths) > self.width:
-                raise invalid("widths", f"expected widths <= hetero.width {self.width}")
-        if self.thresholds is not None and len(self.thresholds) != self.groups - 1:
-            raise invalid("thresholds", f"expected {self.groups - 1} rates (between {self.groups} groups), "
-                                        f"got {list(self.thresholds)}")
-        if self.bdks and self.width is None:
-            raise invalid("bdks", "needs a bottleneck (set hetero.width)")
-        return self
-
-
-def _codec_tuple(v: Any, fail: Fail) -> tuple[str, ...]:
-    out = _codec_list(v, fail)
-    if out is None:
-        fail("a non-empty list of codecs (" + ", ".join(CODECS) + f" or {TOPK_PATTERN})")
-    return out
-
-
-@dataclass(frozen=True, config=STRICT)
-class AutoConfig(Section):
-    """``strategy: auto`` (docs/methods.md §11): split, codec and batch per agent, planned jointly each round."""
-
-    candidates: Annotated[Optional[tuple[int, ...]], checked(_split_list)] = None   # None = the model's candidate cuts
-    whole_model: Annotated[bool, _bool_c] = True
-    """Also consider the whole model on the agent (it sends weights only) where that is faster."""
-    selection: Annotated[str, checked(_enum("uniform", "kl"))] = "kl"
-    """Which agents train: 'kl' = label mix closest to the population's, or the engine's uniform sample."""
-    codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
-    max_compression: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 2.0
-    """Strongest codec compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""
-    widths: Annotated[Union[str, tuple[int, ...], None], checked(_widths)] = "auto"
-    """Bottleneck widths an agent cut at the run's split may send (HeteroSFL's encoder/decoder pair
-    there, the widest = its full width); None = no bottleneck; "auto" = a ladder of widths where
-    they make the fleet's predicted round much shorter (decided once, from the run's fleet:
-    :func:`sfl_core.methods.auto.method.decide_widths`). Cuts then stop at that split."""
-    max_bottleneck: Annotated[float, checked(_float(1.0, lo_open=False, what="a number >= 1"))] = 64.0
-    """Strongest bottleneck compression allowed (the cut's channels over the width sent)."""
-    min_bottleneck_values: Annotated[int, _pos_int_c] = 64
-    """Fewest values per sample a width of the ``widths: auto`` ladder sends (width x the map's
-    positions): HeteroSFL's narrowest measured bottleneck, one 8x8 channel."""
-    regulate: Annotated[bool, _bool_c] = True        # batch sizes planned with the rest; false = the run's batch
-    max_batch: Annotated[Optional[int], _opt_batch_c] = None
-    """Largest batch of one agent; None = 2 x batch_size."""
-    min_batch: Annotated[int, _batch_c] = 2
-    epsilon: Annotated[Union[str, float], checked(_epsilon)] = "auto"
-    """Nats the merged label mix may drift from equal batches'; "auto" = none where label-mix
-    selection chose the round's agents, else 0.05 (:func:`sfl_core.methods.auto.method.label_mix_bound`)."""
-    smoothing: Annotated[float, _unit_open_c] = 0.5
-    """Weight of the previous speed estimate when a round's measurement arrives (MergeSFL Eq. 5-6)."""
-
-    @model_validator(mode="after")
-    def _relations(self) -> "AutoConfig":
-        if self.max_batch is not None and self.max_batch < self.min_batch:
-            raise invalid("max_batch", f"expected at least auto.min_batch {self.min_batch}, got {self.max_batch}")
-        return self
 
 
 def _parsed(kind: Any, what: str) -> Conv:
@@ -705,10 +466,10 @@ class PrivacyConfig(Section):
     them to its in-process agents; a deployed agent takes them from its own ``sfl-agent start``
     flags (the device owner decides, and the coordinator needs to know nothing)."""
 
-    nopeek: Annotated[float, checked(_nonneg_float)] = 0.0
+    nopeek: Annotated[float, checked(nonneg_number)] = 0.0
     activation_noise: Annotated[Optional[ActivationNoise], checked(_parsed(
         ActivationNoise, 'null, {clip: number > 0, sigma: number >= 0} or "CLIP,SIGMA"'))] = None
-    withhold_labels: Annotated[bool, _bool_c] = False
+    withhold_labels: Annotated[bool, BOOLEAN] = False
     """Agents send no labels: the coordinator returns their rows' logits (MergeSFL)."""
     label_protection: Annotated[Optional[LabelProtection], checked(_parsed(
         LabelProtection, "null, max_norm, a number >= 0 (sigma) or {sigma: number >= 0}"))] = None
@@ -750,43 +511,68 @@ class RunConfig(Section):
     built-in data set of ``data``, partitioned over the agents (simulations and benchmarks)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     fleet: tuple[FleetEntry, ...] = ()
-    rounds: Annotated[int, _pos_int_c] = 5
-    per_round: Annotated[Optional[int], _opt_pos_int_c] = None  # agents selected per round; None = all
-    min_agents: Annotated[Optional[int], _opt_pos_int_c] = None  # agents to wait for before round 1; None = fleet size
+    rounds: Annotated[int, POSITIVE_INTEGER] = 5
+    per_round: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents selected per round; None = all
+    min_agents: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents to wait for before round 1; None = fleet size
     strategy: Annotated[str, checked(_strategy)] = "auto"
-    server_mode: Annotated[str, checked(_enum(*SERVER_MODES))] = "merged"
-    split: Annotated[Optional[int], _opt_pos_int_c] = None  # None = the model's default split point
-    profile_splits: Annotated[Optional[dict[str, int]], checked(_opt(_split_map))] = None
+    server_mode: Annotated[str, checked(one_of(*SERVER_MODES))] = "merged"
+    split: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # None = the model's default split point
+    profile_splits: Annotated[Optional[dict[str, int]], checked(optional(_split_map))] = None
     """FedFC mixed cuts: split per device profile (strategy sfl)."""
-    server_weight: Annotated[str, checked(_enum("members", "once"))] = "members"
+    server_weight: Annotated[str, checked(one_of("members", "once"))] = "members"
     """A merged server copy in the layer-wise average: once per member | once."""
-    batch_size: Annotated[int, _pos_int_c] = 32
-    lr: Annotated[float, _pos_float_c] = 0.05
-    lr_decay: Annotated[float, checked(_float(0.0, hi=1.0, what="a number in (0, 1]"))] = 1.0
+    batch_size: Annotated[int, POSITIVE_INTEGER] = 32
+    lr: Annotated[float, POSITIVE_NUMBER] = 0.05
+    lr_decay: Annotated[float, checked(number_in(0.0, hi=1.0, what="a number in (0, 1]"))] = 1.0
     """Learning rate of round r (from 1) = lr x lr_decay^(r-1), agents and server alike."""
-    momentum: Annotated[float, _unit_open_c] = 0.0
-    local_iters: Annotated[int, _pos_int_c] = 10  # tau
+    momentum: Annotated[float, UNIT_OPEN] = 0.0
+    local_iters: Annotated[int, POSITIVE_INTEGER] = 10  # tau
     codec: Annotated[str, checked(_codec)] = "fp32"
-    zstd_level: Annotated[int, checked(_int(0, 22, what="an integer from 0 (no compression) to 22"))] = 3
-    seed: Annotated[int, _nonneg_int_c] = 0
-    server_flops: Annotated[float, _pos_float_c] = 5e10
-    step_timeout_s: Annotated[float, _pos_float_c] = 60.0
-    register_timeout_s: Annotated[float, _pos_float_c] = 300.0
-    min_completed: Annotated[int, _pos_int_c] = 1
+    zstd_level: Annotated[int, checked(integer_in(0, 22, what="an integer from 0 (no compression) to 22"))] = 3
+    seed: Annotated[int, NONNEG_INTEGER] = 0
+    server_flops: Annotated[float, POSITIVE_NUMBER] = 5e10
+    step_timeout_s: Annotated[float, POSITIVE_NUMBER] = 60.0
+    register_timeout_s: Annotated[float, POSITIVE_NUMBER] = 300.0
+    min_completed: Annotated[int, POSITIVE_INTEGER] = 1
     """Agents that must complete a round for it to count (at most those selected)."""
-    max_registered: Annotated[Optional[int], _opt_pos_int_c] = None
+    max_registered: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None
     """Most agents the registry holds; None = 2 x the fleet size + 10."""
-    register_rate_per_s: Annotated[float, _pos_float_c] = 10.0
+    register_rate_per_s: Annotated[float, POSITIVE_NUMBER] = 10.0
     """New agent ids accepted per second (burst: the fleet size)."""
-    output_dir: Annotated[Optional[str], checked(_opt(_str))] = None  # None -> runs/<run_id>
-    eval_samples: Annotated[Optional[int], _opt_pos_int_c] = None  # evaluate on the first N test samples; None = all
-    loss: Annotated[str, checked(_enum(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods.md §6)
-    calibration_tau: Annotated[float, _at_least_0] = 1.0    # calibration strength tau of the calibrated loss
-    s2fl: S2flConfig = field(default_factory=S2flConfig)
-    hetero: HeteroConfig = field(default_factory=HeteroConfig)
-    mergesfl: MergeSflConfig = field(default_factory=MergeSflConfig)
+    output_dir: Annotated[Optional[str], checked(optional(nonempty_string))] = None  # None -> runs/<run_id>
+    eval_samples: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # evaluate on the first N test samples; None = all
+    loss: Annotated[str, checked(one_of(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods.md §6)
+    calibration_tau: Annotated[float, AT_LEAST_0] = 1.0    # calibration strength tau of the calibrated loss
+    sections: Mapping[str, Any] = field(default_factory=lambda: {k: s() for k, s in sections().items()})
+    """Each method's own section by YAML key (``s2fl:``, ``hetero:``, ...: the classes registered in
+    :mod:`sfl_core.method_registry`); read one with ``SectionClass.of(cfg)``."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    auto: AutoConfig = field(default_factory=AutoConfig)
+
+    GATHERED: ClassVar[str] = "sections"
+
+    @classmethod
+    def gathered_keys(cls) -> list[str]:
+        return list(sections())
+
+    @classmethod
+    def gather(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Move the method sections' YAML keys into ``sections``, each read by its own class."""
+        registered = sections()
+        given = dict(data.pop("sections", None) or {})
+        given.update({key: data.pop(key) for key in registered if key in data})
+        for key in given:
+            if key not in registered:
+                raise invalid(key, f"no method registers a section {key!r} (known: {', '.join(registered)})")
+        data["sections"] = {key: given[key] if isinstance(given.get(key), section) else
+                            read_section(section, key, given.get(key)) for key, section in registered.items()}
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        """``cfg.<section key>``: shorthand for the method's section (bench scripts and tests)."""
+        found = self.__dict__.get("sections") or {}
+        if name in found:
+            return found[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def registry_limit(self) -> int:
@@ -803,25 +589,11 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _relations(self) -> "RunConfig":
-        if self.profile_splits is not None and (self.strategy != "sfl" or self.hetero.width is not None):
+        if self.profile_splits is not None and self.strategy != "sfl":
             raise invalid("profile_splits", f"mixed cut layers need strategy 'sfl' without a bottleneck, "
                                             f"got strategy {self.strategy!r}")
-        m = self.mergesfl
-        if (m.regulate or m.select) and self.strategy == "fedavg":
-            raise invalid("mergesfl", "batch regulation and worker selection need split training "
-                                      "(strategy sfl or s2fl), got strategy 'fedavg'")
-        if m.max_batch is not None and m.max_batch < self.batch_size:
-            raise invalid("mergesfl.max_batch", f"expected at least batch_size {self.batch_size}, got {m.max_batch}")
-        if m.min_batch > (m.max_batch or self.batch_size):
-            raise invalid("mergesfl.min_batch", f"expected at most max_batch {m.max_batch or self.batch_size}, "
-                                                f"got {m.min_batch}")
-        if self.hetero.width is not None and self.strategy == "auto":
-            raise invalid("hetero.width", "HeteroSFL's link-rate groups need strategy sfl; strategy auto "
-                                          "(the default) plans widths itself from auto.widths")
-        if self.hetero.width is not None and (self.strategy == "fedavg" or
-                                              (self.strategy == "s2fl" and self.s2fl.sliding)):
-            raise invalid("hetero.width", f"a bottleneck needs one fixed split point (strategy sfl, or s2fl with "
-                                          f"sliding false), got strategy {self.strategy!r}")
+        for section in self.sections.values():
+            section.check_run(self)
         if self.task is None and any(e.data is not None for e in self.fleet):
             raise invalid("fleet", "a device's own 'data' needs a 'task' section (its class names and input shape)")
         if self.eval.data is not None and self.task is None:
@@ -977,7 +749,10 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         value = getattr(cfg, f.name)
         if f.name == "task":
             value = value.to_wire() if value is not None else None
-        elif f.name in ("data", "eval", "s2fl", "hetero", "mergesfl", "auto", "privacy"):
+        elif f.name == "sections":
+            out.update({key: section.describe() for key, section in value.items()})
+            continue
+        elif f.name in ("data", "eval", "privacy"):
             value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":
             value = [{"profile": e.profile, "count": e.count, **({"data": e.data} if e.data else {})} for e in value]

@@ -18,7 +18,7 @@ delegates what it does not change, so layers compose with every base.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import DeviceProfile, RunConfig
@@ -84,6 +84,21 @@ class Method:
     a method's name. State that must survive a restart goes through :meth:`to_json` /
     :meth:`load_json` (the checkpoint's ``state.json``).
     """
+
+    TRAINS_WHOLE_MODEL: ClassVar[bool] = False
+    """The whole model trains on the agent (nothing is split): split-only settings do not apply."""
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> "Method":
+        """The method ``strategy:`` builds for ``cfg`` (a subclass may pick a variant)."""
+        return cls(cfg, model, costs)
+
+    @classmethod
+    def one_split_conflict(cls, cfg: RunConfig) -> Optional[str]:
+        """Why this method does not keep every agent at one fixed split, which a bottleneck
+        (an encoder/decoder pair at the cut) needs; None when it does."""
+        return (f"a bottleneck needs one fixed split point for every agent, which strategy "
+                f"{cfg.strategy!r} does not keep")
 
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         self.cfg = cfg

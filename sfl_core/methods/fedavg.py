@@ -9,6 +9,8 @@ from sfl_core.methods.base import Method, RoundPlan
 
 
 class FedAvg(Method):
+    TRAINS_WHOLE_MODEL = True
+
     def splits_to_time(self) -> list[int]:
         return [self.model.num_blocks]
 

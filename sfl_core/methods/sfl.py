@@ -1,19 +1,36 @@
-"""Split federated learning at one fixed cut (SplitFed, Thapa et al., 2022).
+"""Split federated learning at one fixed cut (SplitFed, Thapa et al., 2022), or at a cut per
+device profile (FedFC, Tsai et al., 2023: ``profile_splits``).
 
 ``server_mode`` says how the server trains on the agents' activations: ``per_agent`` (SplitFed
 v1: one server copy per agent, averaged), ``merged`` (one copy on the concatenated batch, as
 MergeSFL's feature merging) or ``sequential`` (SplitFed v2: one copy updated agent after agent).
+
+FedFC's mixed cuts: each profile trains at its own split; the server concatenates the features
+where they meet (the engine's merged step joins each agent's rows at its split). With
+``server_weight: once`` a group's server copy counts once in the layer-wise average (the
+paper's Alg. 3).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
+from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import Method, RoundPlan, split_plan
+from sfl_core.model.accounting import SplitCost
+from sfl_core.model.zoo import SplitModel
 
 
 class SFL(Method):
+    @classmethod
+    def for_run(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> Method:
+        return (FedFC if cfg.profile_splits else SFL)(cfg, model, costs)
+
+    @classmethod
+    def one_split_conflict(cls, cfg: RunConfig) -> Optional[str]:
+        return None     # profile_splits with a bottleneck is refused by the run config itself
+
     @property
     def split(self) -> int:
         return self.cfg.split or self.model.default_split
@@ -24,3 +41,14 @@ class SFL(Method):
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         return split_plan(self.cfg, {a: self.split for a in selected}, "fixed")
+
+
+class FedFC(SFL):
+    @property
+    def configured_splits(self) -> tuple[int, ...]:
+        return tuple(sorted({self.split, *(self.cfg.profile_splits or {}).values()}))
+
+    def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
+        by_profile = self.cfg.profile_splits or {}
+        return split_plan(self.cfg, {a: by_profile.get(agents[a].profile.name, self.split) for a in selected},
+                          "per profile")

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 
 
 class Auto(Method):
+    @classmethod
+    def one_split_conflict(cls, cfg: RunConfig) -> Optional[str]:
+        return ("link-rate groups with a bottleneck (hetero.width) need one fixed split; strategy auto "
+                "(the default) plans widths itself from auto.widths")
+
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         super().__init__(cfg, model, costs)
         a = cfg.auto

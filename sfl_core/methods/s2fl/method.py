@@ -8,11 +8,12 @@ every agent trains at the largest candidate (the S2FL paper's SFL baseline).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
+from sfl_core.methods.s2fl.config import S2flConfig
 from sfl_core.methods.s2fl.grouping import group_by_balance
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.model.zoo import SplitModel
@@ -21,6 +22,13 @@ from sfl_core.methods.s2fl.sliding_split import estimate_round_time, median_rule
 
 
 class S2FL(Method):
+    @classmethod
+    def one_split_conflict(cls, cfg: RunConfig) -> Optional[str]:
+        if S2flConfig.of(cfg).sliding:
+            return ("a bottleneck needs one fixed split point, and s2fl's sliding split moves it "
+                    "(set s2fl.sliding false, or use strategy sfl)")
+        return None
+
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         super().__init__(cfg, model, costs)
         cands = cfg.s2fl.candidates or candidate_splits(cfg.model)
