@@ -200,7 +200,7 @@ def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], meth
 def fastest_split(cfg: dict[str, Any], costs: dict[int, Any]) -> int:
     """The candidate split whose synchronous round (slowest agent) is shortest for this fleet."""
     from sfl_core.model.zoo import candidate_splits
-    from sfl_core.methods.s2fl.sliding_split import fleet_round_time
+    from sfl_core.timing import fleet_round_time
     cands = (cfg.get("s2fl") or {}).get("candidates") or candidate_splits(cfg["model"])
     samples = cfg.get("batch_size", 32) * cfg.get("local_iters", 10)
     profiles = [load_profile(e["profile"]) for e in cfg["fleet"]]

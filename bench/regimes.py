@@ -120,7 +120,8 @@ import torch  # noqa: E402
 from sfl_core.model.accounting import SplitCost, model_costs  # noqa: E402
 from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups  # noqa: E402
 from sfl_core.model.zoo import CANDIDATE_SPLITS
-from sfl_core.methods.s2fl.sliding_split import ClientTimeTable, median_rule  # noqa: E402
+from sfl_core.estimates import ClientTimeTable  # noqa: E402
+from sfl_core.methods.s2fl.sliding_split import median_rule  # noqa: E402
 from sfl_core.timing import agent_round_time, round_time  # noqa: E402
 
 METHODS = ("FedAvg", "SFL", "S2FL", "HeteroSFL", "MergeSFL", "FedFC")

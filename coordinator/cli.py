@@ -440,7 +440,7 @@ def _models_for_run(config: Path) -> None:
     """The run's model, one row per cut with the round it would take on the run's fleet."""
     from sfl_core.model.accounting import split_note
     from sfl_core.config.run import load_profile
-    from sfl_core.methods.s2fl.sliding_split import fleet_round_time
+    from sfl_core.timing import fleet_round_time
 
     try:
         cfg = load_run_config(config)
@@ -578,7 +578,7 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
     out = Console()
     print_table(out, status_table(metrics, str(run_dir)))
     if st is not None:
-        from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
+        from sfl_core.estimates import ClientTimeTable
         out.print(f"checkpoint after round {st['round']} (model {st['model']}, strategy {st.get('strategy', '?')})")
         if st.get("time_table") and st.get("candidates"):
             out.print("client time table: seconds per round at each candidate split (* = estimated)")

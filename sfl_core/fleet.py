@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from sfl_core.config.run import DeviceProfile, RunConfig, load_profile
-from sfl_core.methods.mergesfl.control import AgentState
-from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
 
 
 @dataclass
@@ -84,16 +82,3 @@ def compute_s_per_sample(info: AgentInfo, split: int) -> float | None:
     return _measured(info, "compute_s_per_sample", str(split))
 
 
-@dataclass
-class FleetEstimates:
-    """Per-agent estimates, one copy for all of a run's methods and layers.
-
-    ``time_table``: round seconds per (agent, split), measured or estimated (S2FL's table);
-    ``rates``: per agent the smoothed compute and transfer seconds per sample and the fixed
-    transfer seconds per round (MergeSFL's μ, β; Eq. 5-6); ``wire_ratio``: measured wire bytes
-    over fp32 bytes per ``"<split>/<codec>"``, so estimates charge what the clock charges.
-    """
-
-    time_table: ClientTimeTable = field(default_factory=ClientTimeTable)
-    rates: dict[str, AgentState] = field(default_factory=dict)
-    wire_ratio: dict[str, float] = field(default_factory=dict)

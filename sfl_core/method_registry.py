@@ -90,6 +90,12 @@ def base_method(strategy: str) -> Any:
     return _resolve(_BASES[strategy])
 
 
+def method_classes() -> list[Any]:
+    """Every registered base method and layer (classes or factories), in registration order."""
+    strategies()
+    return [_resolve(ref) for ref in (*_BASES.values(), *_LAYERS)]
+
+
 def strategies() -> tuple[str, ...]:
     """The names ``strategy:`` accepts: the built-in methods first, then registered ones
     (including those installed packages declare in the ``sfl_edge.methods`` entry-point group)."""

@@ -1,13 +1,28 @@
-"""The timing model of docs/methods.md §3, shared by the profiler, the planner and the virtual clock.
+"""The time model (docs/methods.md §3): what one agent's round costs, for every part that asks.
 
-Keeping it in one place is what makes simulated time-to-accuracy comparable with a real
-deployment: the virtual clock charges exactly what the planner predicts.
+One function prices a round (:func:`agent_round_time`, S2FL's Eq. 1 with the transfer split by
+direction); the virtual clock charges it, and every planner predicts with it: the joint
+planner's and the previews' :func:`price_option` (a round as a line in the batch size,
+:class:`Option`), S2FL's estimates for splits never measured (:func:`estimate_round_time`) and
+the fleet's fastest cut (:func:`fleet_round_time`). Keeping them in one place is what makes
+simulated time-to-accuracy comparable with a real deployment: the virtual clock charges
+exactly what the planners predict.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+
+from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
+
+if TYPE_CHECKING:
+    from sfl_core.config.run import RunConfig
+    from sfl_core.fleet import AgentInfo
+    from sfl_core.model.accounting import SplitCost
+
 
 @dataclass(frozen=True)
 class AgentTime:
@@ -60,3 +75,157 @@ def waiting_time(times: Iterable[float]) -> float:
         return 0.0
     slowest = max(ts)
     return sum(slowest - t for t in ts) / len(ts)
+
+
+def estimate_round_time(cost: "SplitCost", *, samples: int, compute_flops: float, uplink_bytes_per_s: float,
+                        downlink_bytes_per_s: float, server_flops_per_s: float, latency_s: float = 0.0,
+                        messages: int = 0, bytes_per_activation: Optional[float] = None,
+                        measured_compute_s_per_sample: Optional[float] = None, wire_ratio: float = 1.0) -> float:
+    """S2FL Eq. 1 (docs/methods.md §3) for an (agent, split) never measured, via :func:`agent_round_time`.
+
+    ``T = (2|Wc| + 2·p·q) / R + F_c / Comp_c + F_s / Comp_s`` with the transfer split by
+    direction: weights down and up (``client_param_bytes`` each way), activations up and
+    gradients down (``samples · q`` each way; ``q`` = ``cost.activation_bytes`` at fp32, or
+    ``bytes_per_activation`` for a compressed wire), plus ``messages`` one-way latencies.
+    ``wire_ratio`` (encoded / fp32 bytes, as measured on the wire) scales all of those bytes,
+    so an estimate charges what the virtual clock will charge for the real encoded messages.
+    Client compute is ``measured_compute_s_per_sample · samples`` when the agent measured
+    it (real devices rarely reach their nominal FLOP/s), else
+    ``client_flops · samples / compute_flops``; server compute is
+    ``server_flops · samples / server_flops_per_s``.
+    """
+    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 0:
+        raise ValueError(f"estimate_round_time: samples must be an integer >= 0, got {samples!r}")
+    for name, v in (("compute_flops", compute_flops), ("uplink_bytes_per_s", uplink_bytes_per_s),
+                    ("downlink_bytes_per_s", downlink_bytes_per_s), ("server_flops_per_s", server_flops_per_s)):
+        if not (isinstance(v, numbers.Real) and math.isfinite(v) and v > 0):
+            raise ValueError(f"estimate_round_time: {name} must be a finite number > 0, got {v!r}")
+    for name, v in (("latency_s", latency_s), ("bytes_per_activation", bytes_per_activation),
+                    ("measured_compute_s_per_sample", measured_compute_s_per_sample)):
+        if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"estimate_round_time: {name} must be a finite number >= 0, got {v!r}")
+    act = cost.activation_bytes if bytes_per_activation is None else float(bytes_per_activation)
+    if measured_compute_s_per_sample is not None:
+        client_flops = measured_compute_s_per_sample * samples * compute_flops   # seconds x FLOP/s
+    else:
+        client_flops = cost.client_flops * samples
+    if not (isinstance(wire_ratio, numbers.Real) and math.isfinite(wire_ratio) and wire_ratio > 0):
+        raise ValueError(f"estimate_round_time: wire_ratio must be a finite number > 0, got {wire_ratio!r}")
+    one_way = (cost.client_param_bytes + samples * act) * wire_ratio
+    t = agent_round_time(
+        client_flops=client_flops, server_flops=cost.server_flops * samples,
+        bytes_up=one_way, bytes_down=one_way,
+        client_flops_per_s=compute_flops, server_flops_per_s=server_flops_per_s,
+        uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s,
+        latency_s=latency_s, messages=messages)
+    return t.total_s
+
+
+def fleet_round_time(cost: "SplitCost", profiles: Sequence[Any], *, samples: int, server_flops_per_s: float) -> float:
+    """A synchronous round at one split for a fleet of device ``profiles`` (objects with
+    ``compute_flops``, ``link_bytes_per_s``, ``downlink_bytes_per_s``, ``latency_s``): the
+    slowest device's :func:`estimate_round_time`. What "the fastest cut for this fleet" means."""
+    return max(estimate_round_time(cost, samples=samples, compute_flops=p.compute_flops,
+                                   uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink_bytes_per_s,
+                                   server_flops_per_s=server_flops_per_s, latency_s=p.latency_s) for p in profiles)
+
+
+# ====================================================================== pricing one agent's round
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way an agent can train a round: cut ``split``, wire ``codec`` and bottleneck ``width``;
+    its round time and memory as lines in the batch size (per-sample terms already include
+    the ``tau`` steps)."""
+
+    split: int
+    codec: str
+    fixed_s: float
+    per_sample_s: float
+    compute_per_sample_s: float = 0.0
+    """The client-compute part of ``per_sample_s`` (what a compute slowdown scales)."""
+    mem_fixed: float = 0.0
+    mem_per_sample: float = 0.0
+    width: int = 0
+    """Bottleneck width at the cut (0: none)."""
+
+    def time(self, batch: int) -> float:
+        return self.fixed_s + self.per_sample_s * batch
+
+    def memory(self, batch: int) -> float:
+        return self.mem_fixed + self.mem_per_sample * batch
+
+    def largest_batch(self, deadline: float, memory: float | None, hi: int) -> int:
+        """The largest batch in ``[0, hi]`` that finishes by ``deadline`` and fits ``memory`` (-1: none)."""
+        room = deadline - self.fixed_s
+        if room < 0:
+            return -1
+        b = hi if self.per_sample_s <= 0 or math.isinf(room) else min(hi, math.floor(room / self.per_sample_s + 1e-9))
+        if memory is not None:
+            if self.mem_fixed > memory:
+                return -1
+            if self.mem_per_sample > 0:
+                b = min(b, math.floor((memory - self.mem_fixed) / self.mem_per_sample))
+        return b
+
+
+def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_flops: float,
+               weight_bytes: float, activation_bytes: float, compute_flops_per_s: float,
+               server_flops_per_s: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float,
+               latency_s: float, messages: int, compute_scale: float = 1.0, link_scale: float = 1.0,
+               mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0) -> Option:
+    """An :class:`Option` from the time model itself (:func:`sfl_core.agent_round_time`, the
+    function the virtual clock charges), evaluated at batch 0 and 1 (it is linear in the batch).
+
+    Per-sample FLOPs and bytes are per training sample; ``tau`` steps per round; weights go
+    down and up once (``weight_bytes`` each way), activations up and gradients down
+    (``activation_bytes`` each way, on the wire). ``compute_scale`` and ``link_scale`` are the
+    measured-over-predicted corrections the planner learns from finished rounds.
+    """
+    def parts(batch: int) -> AgentTime:
+        samples = tau * batch
+        one_way = weight_bytes + samples * activation_bytes
+        return agent_round_time(
+            client_flops=client_flops * samples, server_flops=server_flops * samples, bytes_up=one_way,
+            bytes_down=one_way, client_flops_per_s=compute_flops_per_s, server_flops_per_s=server_flops_per_s,
+            uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s, latency_s=latency_s,
+            messages=messages)
+
+    def scaled(t: AgentTime) -> float:
+        return t.client_compute_s * compute_scale + t.transfer_s * link_scale + t.server_compute_s
+
+    zero, one = parts(0), parts(1)
+    return Option(split=split, codec=codec, fixed_s=scaled(zero), per_sample_s=scaled(one) - scaled(zero),
+                  compute_per_sample_s=(one.client_compute_s - zero.client_compute_s) * compute_scale,
+                  mem_fixed=mem_fixed, mem_per_sample=mem_per_sample, width=width)
+
+
+def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentInfo", *, ratio: float,
+                 compute_scale: float = 1.0, link_scale: float = 1.0, width: int = 0) -> Option:
+    """One agent's round at one cut and codec, by the time model, from what is known of it: its
+    registration measurements (compute seconds per sample at that cut, link rates) where it
+    measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (the
+    codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
+    gradients (and momentum) plus every client activation and its gradient per sample.
+    The planners (auto), ``sfl-coord plan`` and every method's preview price with this."""
+    ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
+    seconds = compute_s_per_sample(info, cost.split)
+    speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
+    copies = 3 if cfg.momentum > 0 else 2
+    whole = cost.activation_bytes == 0   # the whole model on the agent: weights only, no per-step exchange
+    return option_for(
+        split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
+        server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
+        activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
+        server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
+        downlink_bytes_per_s=downlink_rate(info),
+        latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
+        compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
+        mem_per_sample=2 * cost.client_activation_bytes, width=width)
+
+
+def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:
+    """Activation bytes on the wire over fp32: the codec's ratio, times ``width / channels`` where a
+    bottleneck of ``width`` channels (0: none) crosses instead of the cut's ``channels``."""
+    return codec_ratio * (width / channels if width else 1.0)

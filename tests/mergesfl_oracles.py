@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Collection, Mapping
 
 from sfl_core import timing
-from sfl_core.methods.mergesfl.control import AgentState
+from sfl_core.estimates import AgentState
 
 
 def _batches(ids: list[str], batches: Mapping[str, int]) -> list[int]:

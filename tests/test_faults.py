@@ -386,7 +386,7 @@ def test_coordinator_killed_mid_round_resumes_with_live_agents(mosquitto, procs,
         from coordinator.engine import RoundEngine
         from sfl_core.config.run import load_run_config
         from sfl_core.data.builtin import load_dataset
-        from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
+        from sfl_core.estimates import ClientTimeTable
 
         data = load_dataset("digits")
         engine = RoundEngine(load_run_config(cfg), None, WallClock(), (data.x_test, data.y_test),

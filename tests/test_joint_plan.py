@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from sfl_core.methods.auto.joint_plan import Option, label_skew, limit_skew, option_for, plan_round
+from sfl_core.methods.auto.joint_plan import label_skew, limit_skew, plan_round
+from sfl_core.timing import Option, option_for
 
 TAU = 5
 

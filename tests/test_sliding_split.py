@@ -10,9 +10,9 @@ import pytest
 from sfl_core.model.accounting import model_costs
 from sfl_core.model.zoo import MODEL_NAMES, build_model
 from sfl_core.model.zoo import CANDIDATE_SPLITS, candidate_splits
-from sfl_core.methods.s2fl.sliding_split import (ClientTimeTable, TimeEntry,
-                                    estimate_round_time, median_rule, warmup_split)
-from sfl_core.timing import agent_round_time
+from sfl_core.estimates import ClientTimeTable, TimeEntry
+from sfl_core.methods.s2fl.sliding_split import median_rule, warmup_split
+from sfl_core.timing import agent_round_time, estimate_round_time
 
 # S2FL Table 1 device classes: FLOP/s, link bytes/s
 LOW, MID, HIGH, SERVER = (5e9, 1e6), (1e10, 2e6), (2e10, 5e6), (5e10, 1e7)

@@ -45,6 +45,11 @@ class MethodSection(Section):
         ``sfl_core.config.fields.invalid("<key>.<field>", message)`` for the first one broken."""
         return None
 
+    def neutral(self: S) -> S:
+        """This section with the method's own switches off (the common ground ``sfl-coord plan``
+        compares the methods from)."""
+        return self
+
     def describe(self) -> dict[str, Any]:
         """The section as plain YAML values (the inverse of reading it)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]

@@ -22,9 +22,9 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import DeviceProfile, RunConfig
-from sfl_core.fleet import AgentInfo, FleetEstimates
+from sfl_core.estimates import ClientTimeTable, FleetEstimates
+from sfl_core.fleet import AgentInfo
 from sfl_core.model.zoo import SplitModel
-from sfl_core.methods.s2fl.sliding_split import ClientTimeTable
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,13 @@ class Method:
         (an encoder/decoder pair at the cut) needs; None when it does."""
         return (f"a bottleneck needs one fixed split point for every agent, which strategy "
                 f"{cfg.strategy!r} does not keep")
+
+    @classmethod
+    def preview_variants(cls, base: RunConfig, model: SplitModel,
+                         costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
+        """``sfl-coord plan``'s comparison: this method's runs of ``base`` (the user's config with
+        every method's own switches off), by the name the table shows; none by default."""
+        return {}
 
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         self.cfg = cfg

@@ -1,9 +1,9 @@
 """What each method would do with a fleet before any training: ``sfl-coord plan``.
 
-For a run config, every method (FedAvg, SFL, S2FL, HeteroSFL, MergeSFL, FedFC, auto) is built
-from the same config with its own switches, asked for its round plan exactly as the engine
+For a run config, every registered method is built from the same config with its own switches
+(:meth:`~sfl_core.methods.base.Method.preview_variants`), asked for its round plan exactly as the engine
 asks it (``select`` then ``plan``), and each agent's assignment is priced by the time model
-(:func:`sfl_core.methods.auto.method.price_option`, the function auto plans with, which the virtual
+(:func:`sfl_core.timing.price_option`, the function auto plans with, which the virtual
 clock charges). The result: per method the predicted round time, bytes moved per round and
 mean waiting time, and per agent its split, codec, width and batch. Nothing is measured yet,
 so the numbers are the profiles' (registration measurements refine them in a run).
@@ -17,13 +17,12 @@ from typing import Any, Mapping
 
 from sfl_core import timing
 from sfl_core.model.accounting import SplitCost
-from sfl_core.config.run import RunConfig, load_profile
+from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo
+from sfl_core.method_registry import method_classes
 from sfl_core.methods import build_method
-from sfl_core.methods.auto.method import price_option, wire_fraction
+from sfl_core.timing import price_option, wire_fraction
 from sfl_core.model.zoo import SplitModel
-from sfl_core.model.zoo import candidate_splits
-from sfl_core.methods.s2fl.sliding_split import fleet_round_time
 from sfl_core.wire.codec import nominal_ratio
 
 
@@ -53,31 +52,14 @@ class MethodPreview:
 
 
 def variants(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
-    """Each method on this config: the user's settings, each method's own switches."""
-    replace = dataclasses.replace
-    split = cfg.split or model.default_split
-    base = replace(cfg, profile_splits=None, hetero=replace(cfg.hetero, width=None, widths=None, codecs=None,
-                                                            bdks=False),
-                   mergesfl=replace(cfg.mergesfl, regulate=False, select=False), server_mode="merged")
-    out = {"FedAvg": replace(base, strategy="fedavg"), "SFL": replace(base, strategy="sfl")}
-    try:
-        candidate_splits(cfg.model)
-        out["S2FL"] = replace(base, strategy="s2fl")
-    except ValueError:
-        pass
-    channels = costs[split].activation_shape[0] if costs[split].activation_shape else 0
-    if channels > 1:
-        out["HeteroSFL"] = replace(base, strategy="sfl", split=split,
-                                   hetero=replace(base.hetero, width=channels, groups=2))
-    out["MergeSFL"] = replace(base, strategy="sfl", mergesfl=replace(base.mergesfl, regulate=True, select=True))
-    profiles = {p: load_profile(p) for p in dict.fromkeys(cfg.agent_profiles())}
-    samples = cfg.batch_size * cfg.local_iters
-    cuts = [s for s in sorted(costs) if s < model.num_blocks]
-    fastest = {prof.name: min(cuts, key=lambda s: fleet_round_time(costs[s], [prof], samples=samples,
-                                                                   server_flops_per_s=cfg.server_flops))
-               for prof in profiles.values()}
-    out["FedFC"] = replace(base, strategy="sfl", profile_splits=fastest)   # each device class at its fastest cut
-    out["auto"] = replace(base, strategy="auto")
+    """Each method on this config: the user's settings with every method's own switches off
+    (``MethodSection.neutral``), then each registered method's runs of that common ground
+    (``Method.preview_variants``)."""
+    base = dataclasses.replace(cfg, profile_splits=None, server_mode="merged",
+                               sections={key: s.neutral() for key, s in cfg.sections.items()})
+    out: dict[str, RunConfig] = {}
+    for method in method_classes():
+        out.update(getattr(method, "preview_variants", lambda *_: {})(base, model, costs))
     return out
 
 

@@ -13,16 +13,30 @@ paper's Alg. 3).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Optional, Sequence
 
-from sfl_core.config.run import RunConfig
+from sfl_core.config.run import RunConfig, load_profile
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import Method, RoundPlan, split_plan
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
+from sfl_core.timing import fleet_round_time
 
 
 class SFL(Method):
+    @classmethod
+    def preview_variants(cls, base: RunConfig, model: SplitModel,
+                         costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
+        """SFL at the run's split; FedFC with each device class at its fastest cut for this fleet."""
+        samples = base.batch_size * base.local_iters
+        cuts = [s for s in sorted(costs) if s < model.num_blocks]
+        profiles = {p: load_profile(p) for p in dict.fromkeys(base.agent_profiles())}
+        fastest = {prof.name: min(cuts, key=lambda s: fleet_round_time(costs[s], [prof], samples=samples,
+                                                                       server_flops_per_s=base.server_flops))
+                   for prof in profiles.values()}
+        return {"SFL": replace(base, strategy="sfl"), "FedFC": replace(base, strategy="sfl", profile_splits=fastest)}
+
     @classmethod
     def for_run(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> Method:
         return (FedFC if cfg.profile_splits else SFL)(cfg, model, costs)

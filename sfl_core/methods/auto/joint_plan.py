@@ -42,76 +42,9 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from sfl_core import timing
+from sfl_core.timing import Option
 
-__all__ = ["Option", "AgentPlan", "JointPlan", "option_for", "plan_round", "with_batches", "label_skew", "limit_skew"]
-
-
-@dataclass(frozen=True)
-class Option:
-    """One way an agent can train a round: cut ``split``, wire ``codec`` and bottleneck ``width``;
-    its round time and memory as lines in the batch size (per-sample terms already include
-    the ``tau`` steps)."""
-
-    split: int
-    codec: str
-    fixed_s: float
-    per_sample_s: float
-    compute_per_sample_s: float = 0.0
-    """The client-compute part of ``per_sample_s`` (what a compute slowdown scales)."""
-    mem_fixed: float = 0.0
-    mem_per_sample: float = 0.0
-    width: int = 0
-    """Bottleneck width at the cut (0: none)."""
-
-    def time(self, batch: int) -> float:
-        return self.fixed_s + self.per_sample_s * batch
-
-    def memory(self, batch: int) -> float:
-        return self.mem_fixed + self.mem_per_sample * batch
-
-    def largest_batch(self, deadline: float, memory: float | None, hi: int) -> int:
-        """The largest batch in ``[0, hi]`` that finishes by ``deadline`` and fits ``memory`` (-1: none)."""
-        room = deadline - self.fixed_s
-        if room < 0:
-            return -1
-        b = hi if self.per_sample_s <= 0 or math.isinf(room) else min(hi, math.floor(room / self.per_sample_s + 1e-9))
-        if memory is not None:
-            if self.mem_fixed > memory:
-                return -1
-            if self.mem_per_sample > 0:
-                b = min(b, math.floor((memory - self.mem_fixed) / self.mem_per_sample))
-        return b
-
-
-def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_flops: float,
-               weight_bytes: float, activation_bytes: float, compute_flops_per_s: float,
-               server_flops_per_s: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float,
-               latency_s: float, messages: int, compute_scale: float = 1.0, link_scale: float = 1.0,
-               mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0) -> Option:
-    """An :class:`Option` from the time model itself (:func:`sfl_core.timing.agent_round_time`, the
-    function the virtual clock charges), evaluated at batch 0 and 1 (it is linear in the batch).
-
-    Per-sample FLOPs and bytes are per training sample; ``tau`` steps per round; weights go
-    down and up once (``weight_bytes`` each way), activations up and gradients down
-    (``activation_bytes`` each way, on the wire). ``compute_scale`` and ``link_scale`` are the
-    measured-over-predicted corrections the planner learns from finished rounds.
-    """
-    def parts(batch: int) -> timing.AgentTime:
-        samples = tau * batch
-        one_way = weight_bytes + samples * activation_bytes
-        return timing.agent_round_time(
-            client_flops=client_flops * samples, server_flops=server_flops * samples, bytes_up=one_way,
-            bytes_down=one_way, client_flops_per_s=compute_flops_per_s, server_flops_per_s=server_flops_per_s,
-            uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s, latency_s=latency_s,
-            messages=messages)
-
-    def scaled(t: timing.AgentTime) -> float:
-        return t.client_compute_s * compute_scale + t.transfer_s * link_scale + t.server_compute_s
-
-    zero, one = parts(0), parts(1)
-    return Option(split=split, codec=codec, fixed_s=scaled(zero), per_sample_s=scaled(one) - scaled(zero),
-                  compute_per_sample_s=(one.client_compute_s - zero.client_compute_s) * compute_scale,
-                  mem_fixed=mem_fixed, mem_per_sample=mem_per_sample, width=width)
+__all__ = ["AgentPlan", "JointPlan", "plan_round", "with_batches", "label_skew", "limit_skew"]
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ import numpy as np
 from sfl_core.methods.mergesfl import control as mergesfl
 from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import RunConfig
-from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, fleet_of, uplink_rate
-from sfl_core.methods.auto.joint_plan import JointPlan, Option, limit_skew, option_for, plan_round, with_batches
+from sfl_core.fleet import AgentInfo, fleet_of
+from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
+from sfl_core.timing import Option, price_option
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.model.zoo import SplitModel
 from sfl_core.model.zoo import candidate_splits
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 
 
 class Auto(Method):
+    @classmethod
+    def preview_variants(cls, base: RunConfig, model: SplitModel,
+                         costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
+        return {"auto": dataclasses.replace(base, strategy="auto")}
+
     @classmethod
     def one_split_conflict(cls, cfg: RunConfig) -> Optional[str]:
         return ("link-rate groups with a bottleneck (hetero.width) need one fixed split; strategy auto "
@@ -237,36 +243,6 @@ class Auto(Method):
     def load_json(self, st: Mapping[str, Any]) -> None:
         super().load_json(st)
         self.scales = {str(a): [float(x) for x in v][:2] for a, v in (st.get("auto_scales") or {}).items()}
-
-
-def price_option(cfg: RunConfig, cost: SplitCost, codec: str, info: AgentInfo, *, ratio: float,
-                 compute_scale: float = 1.0, link_scale: float = 1.0, width: int = 0) -> Option:
-    """One agent's round at one cut and codec, by the time model, from what is known of it: its
-    registration measurements (compute seconds per sample at that cut, link rates) where it
-    measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (the
-    codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
-    gradients (and momentum) plus every client activation and its gradient per sample.
-    ``sfl-coord plan`` prices every method's assignment with this too."""
-    ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
-    seconds = compute_s_per_sample(info, cost.split)
-    speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
-    copies = 3 if cfg.momentum > 0 else 2
-    whole = cost.activation_bytes == 0   # the whole model on the agent: weights only, no per-step exchange
-    return option_for(
-        split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
-        server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
-        activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
-        server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
-        downlink_bytes_per_s=downlink_rate(info),
-        latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
-        compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
-        mem_per_sample=2 * cost.client_activation_bytes, width=width)
-
-
-def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:
-    """Activation bytes on the wire over fp32: the codec's ratio, times ``width / channels`` where a
-    bottleneck of ``width`` channels (0: none) crosses instead of the cut's ``channels``."""
-    return codec_ratio * (width / channels if width else 1.0)
 
 
 LABEL_MIX_BOUND = 0.05

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Optional
 
 from pydantic import model_validator
@@ -82,6 +83,9 @@ class HeteroConfig(MethodSection):
         if self.bdks and self.width is None:
             raise invalid("bdks", "needs a bottleneck (set hetero.width)")
         return self
+
+    def neutral(self) -> "HeteroConfig":
+        return replace(self, width=None, widths=None, codecs=None, bdks=False)
 
     def check_run(self, run: "RunConfig") -> None:
         if self.width is None:

@@ -16,7 +16,6 @@ import bisect
 import math
 from typing import Mapping, Sequence
 
-import torch
 
 
 def _check_rate(name: str, r: float) -> None:

@@ -16,9 +16,23 @@ from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 from sfl_core.methods.base import Layer, RoundPlan
+from sfl_core.methods.heterosfl.config import HeteroConfig
+from sfl_core.model.accounting import SplitCost
+from sfl_core.model.zoo import SplitModel
 
 
 class HeteroSFL(Layer):
+    @classmethod
+    def preview_variants(cls, base: RunConfig, model: SplitModel,
+                         costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
+        """Two link-rate groups at the run's split, the full width being the cut's channels."""
+        split = base.split or model.default_split
+        channels = costs[split].activation_shape[0] if costs[split].activation_shape else 0
+        if channels <= 1:
+            return {}
+        return {"HeteroSFL": replace(base, strategy="sfl", split=split,
+                                     hetero=replace(HeteroConfig.of(base), width=channels, groups=2))}
+
     @staticmethod
     def wanted(cfg: RunConfig) -> bool:
         return cfg.hetero.width is not None or cfg.hetero.codecs is not None

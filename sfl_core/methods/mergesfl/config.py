@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, ClassVar, Optional
 
 from pydantic import model_validator
@@ -76,6 +77,9 @@ class MergeSflConfig(MethodSection):
         if self.max_agents is not None and self.max_agents < self.min_agents:
             raise invalid("max_agents", f"expected at least mergesfl.min_agents {self.min_agents}, got {self.max_agents}")
         return self
+
+    def neutral(self) -> "MergeSflConfig":
+        return replace(self, regulate=False, select=False)
 
     def check_run(self, run: "RunConfig") -> None:
         from sfl_core.method_registry import base_method

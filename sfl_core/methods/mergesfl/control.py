@@ -51,12 +51,12 @@ Where the paper is ambiguous (each is repeated where it matters):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
-from sfl_core import timing
+from sfl_core.estimates import AgentState, nonneg_float, positive_int, probability, smooth
 
 __all__ = [
     "AgentState", "KL_EPS", "MergePlan", "Selection", "Tuning",
@@ -74,37 +74,11 @@ _TINY = 1e-15      # KL or score differences below this are float noise, not pro
 _FLOOR_SLACK = 1e-9  # d_l * ratio may land a hair under an integer it equals exactly
 
 
-# ====================================================================== validation helpers
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
-def _nonneg_float(name: str, value: object, *, positive: bool = False) -> float:
-    try:
-        v = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {value!r}")
-    return v
-
-
-def _probability(name: str, value: float) -> float:
-    v = _nonneg_float(name, value)
-    if v > 1:
-        raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
-    return v
-
-
 def _batch_vector(ids: Sequence[str], batches: Mapping[str, int]) -> np.ndarray:
     missing = [a for a in ids if a not in batches]
     if missing:
         raise ValueError(f"no batch size for agents {missing[:5]}")
-    return np.array([_positive_int(f"batch of agent {a!r}", batches[a]) for a in ids], dtype=np.int64)
+    return np.array([positive_int(f"batch of agent {a!r}", batches[a]) for a in ids], dtype=np.int64)
 
 
 def dist_matrix(ids: Sequence[str], label_dists: Mapping[str, Sequence[float]]) -> np.ndarray:
@@ -160,60 +134,6 @@ def _sample_capacity(bytes_per_sample: float, budget: float) -> int:
 # ====================================================================== 1. state estimation (Eq. 5-6)
 
 
-def smooth(prev: float | None, measured: float, alpha: float = 0.8) -> float:
-    """Eq. 5-6: ``x_h = alpha * x_{h-1} + (1 - alpha) * x_hat_h``.
-
-    ``alpha`` weighs the *history* (the previous estimate), ``1 - alpha`` the new
-    measurement; the paper uses ``alpha = 0.8``, so one noisy round moves the estimate by
-    only a fifth of its error, while a lasting change (Jetson power mode switched) is
-    tracked within ~10 rounds (0.8^10 ≈ 0.11). ``prev=None`` (first observation) returns
-    ``measured``. Raises ``ValueError`` for negative or non-finite times or ``alpha``
-    outside ``[0, 1]``.
-    """
-    a = _probability("alpha", alpha)
-    x = _nonneg_float("measured", measured)
-    if prev is None:
-        return x
-    return a * _nonneg_float("prev", prev) + (1.0 - a) * x
-
-
-@dataclass(frozen=True)
-class AgentState:
-    """An agent's smoothed times (docs/methods.md §7, Table I of the paper).
-
-    ``mu``: compute seconds per sample (client-portion forward + backward);
-    ``beta``: transfer seconds per sample (activations up + gradients down) — only what
-    grows with the batch; ``fixed``: transfer seconds per round that do not (the client
-    portion's weights down and up, message latencies; 0 = the paper's model).
-    A round of ``tau`` local iterations at batch ``d`` takes
-    ``tau * d * (mu + beta) + fixed`` (Eq. 7 plus the fixed part, :meth:`round_time`).
-    """
-
-    mu: float
-    beta: float
-    fixed: float = 0.0
-
-    def __post_init__(self) -> None:
-        _nonneg_float("mu", self.mu)
-        _nonneg_float("beta", self.beta)
-        _nonneg_float("fixed", self.fixed)
-
-    @property
-    def per_sample(self) -> float:
-        """``mu + beta``: seconds one sample costs this agent per local iteration."""
-        return self.mu + self.beta
-
-    def round_time(self, batch: int, tau: int = 1) -> float:
-        """Eq. 7 plus the fixed part: ``tau * batch * (mu + beta) + fixed`` seconds."""
-        return _positive_int("tau", tau) * _positive_int("batch", batch) * self.per_sample + self.fixed
-
-    def update(self, mu: float, beta: float, alpha: float = 0.8, *, fixed: float | None = None) -> AgentState:
-        """A new state with the measurements smoothed in by Eq. 5-6 (``alpha`` weighs the old state);
-        ``fixed=None`` keeps the fixed part as it is."""
-        return replace(self, mu=smooth(self.mu, mu, alpha), beta=smooth(self.beta, beta, alpha),
-                       fixed=self.fixed if fixed is None else smooth(self.fixed, fixed, alpha))
-
-
 def split_transfer(transfer_s: float, fixed_s: float, samples: int) -> tuple[float, float]:
     """One round's measured transfer seconds as ``(beta_hat, fixed_hat)``: per-sample and per-round.
 
@@ -224,9 +144,9 @@ def split_transfer(transfer_s: float, fixed_s: float, samples: int) -> tuple[flo
     further (Eq. 9) — a feedback loop. ``fixed_s`` is capped at ``transfer_s`` (a rate
     estimate can overshoot the measurement), so both parts stay >= 0.
     """
-    t = _nonneg_float("transfer_s", transfer_s)
-    f = min(_nonneg_float("fixed_s", fixed_s), t)
-    n = _positive_int("samples", samples)
+    t = nonneg_float("transfer_s", transfer_s)
+    f = min(nonneg_float("fixed_s", fixed_s), t)
+    n = positive_int("samples", samples)
     return (t - f) / n, f
 
 
@@ -235,12 +155,12 @@ def fixed_transfer_time(weights_bytes: float, uplink_bytes_per_s: float, downlin
     """Seconds a round spends on the link whatever the batch: the client portion's weights
     down (assignment) and up (upload), plus ``messages`` one-way latencies (the number of
     messages is fixed by ``tau``, not by the batch). Same time model as the virtual clock."""
-    w = _nonneg_float("weights_bytes", weights_bytes)
-    up = _nonneg_float("uplink_bytes_per_s", uplink_bytes_per_s, positive=True)
-    down = _nonneg_float("downlink_bytes_per_s", downlink_bytes_per_s, positive=True)
+    w = nonneg_float("weights_bytes", weights_bytes)
+    up = nonneg_float("uplink_bytes_per_s", uplink_bytes_per_s, positive=True)
+    down = nonneg_float("downlink_bytes_per_s", downlink_bytes_per_s, positive=True)
     if isinstance(messages, bool) or not isinstance(messages, (int, np.integer)) or messages < 0:
         raise ValueError(f"messages must be an integer >= 0, got {messages!r}")
-    return w / up + w / down + int(messages) * _nonneg_float("latency_s", latency_s)
+    return w / up + w / down + int(messages) * nonneg_float("latency_s", latency_s)
 
 
 # ====================================================================== 2. batch regulation (Eq. 7-9, 15, 17)
@@ -264,9 +184,9 @@ def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_ba
     we floor the product (docs/methods.md §7). Raises ``ValueError`` for no agents, a non-positive
     ``mu + beta`` (a free agent would get an infinite batch) or bad batch bounds.
     """
-    d_max = _positive_int("max_batch", max_batch)
-    d_min = _positive_int("min_batch", min_batch)
-    n_iter = _positive_int("tau", tau)
+    d_max = positive_int("max_batch", max_batch)
+    d_min = positive_int("min_batch", min_batch)
+    n_iter = positive_int("tau", tau)
     if d_min > d_max:
         raise ValueError(f"min_batch ({d_min}) exceeds max_batch ({d_max})")
     if not states:
@@ -296,8 +216,8 @@ def scale_lr(base_lr: float, batch: int, base_batch: int) -> float:
     progress is the same for everyone. ``base_batch`` is the batch ``base_lr`` was tuned for
     (usually the maximum batch ``D``).
     """
-    lr = _nonneg_float("base_lr", base_lr, positive=True)
-    return lr * _positive_int("batch", batch) / _positive_int("base_batch", base_batch)
+    lr = nonneg_float("base_lr", base_lr, positive=True)
+    return lr * positive_int("batch", batch) / positive_int("base_batch", base_batch)
 
 
 # ====================================================================== 3. bandwidth budget (Eq. 10)
@@ -321,9 +241,9 @@ def observed_ingress(nominal: float, planned: float, received: float) -> float:
     so the budget recovers once rounds complete again. Raises ``ValueError`` for
     ``planned <= 0`` (such a round observes nothing) or negative inputs.
     """
-    b = _nonneg_float("nominal", nominal)
-    p = _nonneg_float("planned", planned, positive=True)
-    r = _nonneg_float("received", received)
+    b = nonneg_float("nominal", nominal)
+    p = nonneg_float("planned", planned, positive=True)
+    r = nonneg_float("received", received)
     return b * (min(r, p) / p)
 
 
@@ -341,9 +261,9 @@ def estimate_budget(past_ingress_bytes: Sequence[float], *, window: int = 10, qu
     back can only ratchet the budget down.
     Raises ``ValueError`` for no measurements (the caller must seed the first round).
     """
-    w = _positive_int("window", window)
-    q = _probability("quantile", quantile)
-    xs = [_nonneg_float("past ingress", x) for x in past_ingress_bytes]
+    w = positive_int("window", window)
+    q = probability("quantile", quantile)
+    xs = [nonneg_float("past ingress", x) for x in past_ingress_bytes]
     if not xs:
         raise ValueError("estimate_budget needs at least one past measurement; seed the first round's budget")
     return float(np.quantile(np.array(xs[-w:]), q))
@@ -490,19 +410,19 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
     Deterministic for a given input and ``seed``. Raises ``ValueError`` when no candidate
     fits the budget on its own, or for bad parameters.
     """
-    c = _nonneg_float("bytes_per_sample", bytes_per_sample, positive=True)
-    b = _nonneg_float("budget", budget)
-    pop = _positive_int("population", population)
-    gens = _positive_int("generations", generations)
+    c = nonneg_float("bytes_per_sample", bytes_per_sample, positive=True)
+    b = nonneg_float("budget", budget)
+    pop = positive_int("population", population)
+    gens = positive_int("generations", generations)
     if isinstance(exact_max_agents, bool) or not isinstance(exact_max_agents, (int, np.integer)) \
             or not 0 <= exact_max_agents <= 16:
         raise ValueError(f"exact_max_agents must be an integer in [0, 16], got {exact_max_agents!r}")
     if isinstance(elite, bool) or not isinstance(elite, (int, np.integer)) or not 0 <= elite < pop:
         raise ValueError(f"elite must be an integer in [0, population), got {elite!r}")
     n_elite = int(elite)
-    k_tour = _positive_int("tournament", tournament)
-    wait = _positive_int("patience", patience)
-    p_cross = _probability("crossover", crossover)
+    k_tour = positive_int("tournament", tournament)
+    wait = positive_int("patience", patience)
+    p_cross = probability("crossover", crossover)
     if not batches:
         raise ValueError("select_workers needs at least one candidate agent")
     ids = sorted(batches)
@@ -520,12 +440,12 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
     cand = [a for a, f in zip(ids, fits) if f]
     d, V, prio = d_all[fits], V_all[fits], prio_all[fits]
     n = len(cand)
-    lo = _positive_int("min_agents", min_agents)
-    hi = n if max_agents is None else _positive_int("max_agents", max_agents)
+    lo = positive_int("min_agents", min_agents)
+    hi = n if max_agents is None else positive_int("max_agents", max_agents)
     if hi < lo:
         raise ValueError(f"max_agents ({max_agents}) must be >= min_agents ({min_agents})")
     hi = min(hi, n)
-    p_mut = 1.0 / n if mutation is None else _probability("mutation", mutation)
+    p_mut = 1.0 / n if mutation is None else probability("mutation", mutation)
     rng = np.random.default_rng(seed)
 
     def repair(X: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -664,9 +584,9 @@ def tune_batches(selected: Collection[str], batches: Mapping[str, int], label_di
     :func:`population_distribution` over ``label_dists``.
     """
     ids = _selected_ids(selected)
-    eps = _nonneg_float("epsilon", epsilon)
-    lo = _positive_int("min_batch", min_batch)
-    hi = math.inf if max_batch is None else _positive_int("max_batch", max_batch)
+    eps = nonneg_float("epsilon", epsilon)
+    lo = positive_int("min_batch", min_batch)
+    hi = math.inf if max_batch is None else positive_int("max_batch", max_batch)
     if lo > hi:
         raise ValueError(f"min_batch ({lo}) exceeds max_batch ({max_batch})")
     if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 0:
@@ -727,10 +647,10 @@ def fill_budget(batches: Mapping[str, int], bytes_per_sample: float, budget: flo
     """
     if not batches:
         raise ValueError("fill_budget needs at least one agent")
-    c = _nonneg_float("bytes_per_sample", bytes_per_sample, positive=True)
-    b = _nonneg_float("budget", budget)
-    lo = _positive_int("min_batch", min_batch)
-    hi = math.inf if max_batch is None else _positive_int("max_batch", max_batch)
+    c = nonneg_float("bytes_per_sample", bytes_per_sample, positive=True)
+    b = nonneg_float("budget", budget)
+    lo = positive_int("min_batch", min_batch)
+    hi = math.inf if max_batch is None else positive_int("max_batch", max_batch)
     if lo > hi:
         raise ValueError(f"min_batch ({lo}) exceeds max_batch ({max_batch})")
     ids = sorted(batches)
@@ -797,7 +717,7 @@ def plan_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Seque
     weighs the states' fixed per-round time against the per-sample time in regulation.
     ``min_batch`` is every step's floor (batch-norm layers need at least 2 samples).
     """
-    if batch_cap is not None and _positive_int("batch_cap", batch_cap) < max_batch:
+    if batch_cap is not None and positive_int("batch_cap", batch_cap) < max_batch:
         raise ValueError(f"batch_cap ({batch_cap}) must be >= max_batch ({max_batch}): Eq. 9 already gives D")
     regulated = regulate_batches(states, max_batch, tau=tau, min_batch=min_batch)
     q = population_distribution(label_dists) if target is None else _distribution("target", target)

@@ -14,14 +14,17 @@ and simulation share it.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from sfl_core.methods.mergesfl import control as mergesfl
 from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import DeviceProfile, RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
-from sfl_core.methods.mergesfl.control import AgentState
+from sfl_core.estimates import AgentState
 from sfl_core.methods.base import AgentRound, Layer, Method
+from sfl_core.methods.mergesfl.config import MergeSflConfig
+from sfl_core.model.zoo import SplitModel
 
 
 log = logging.getLogger("sfl.method.mergesfl")
@@ -206,6 +209,12 @@ class MergeControl:
 class MergeSFL(Layer):
     """Selection (``mergesfl.select``) and/or batch regulation (``mergesfl.regulate``) on top of
     the inner method's plan; weights are averaged by batch size (paper Eq. 17)."""
+
+    @classmethod
+    def preview_variants(cls, base: RunConfig, model: SplitModel,
+                         costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
+        return {"MergeSFL": replace(base, strategy="sfl",
+                                    mergesfl=replace(MergeSflConfig.of(base), regulate=True, select=True))}
 
     def __init__(self, inner: Method):
         super().__init__(inner)

@@ -8,6 +8,7 @@ every agent trains at the largest candidate (the S2FL paper's SFL baseline).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Optional, Sequence
 
 from sfl_core.model.accounting import SplitCost
@@ -18,10 +19,20 @@ from sfl_core.methods.s2fl.grouping import group_by_balance
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.model.zoo import SplitModel
 from sfl_core.model.zoo import candidate_splits
-from sfl_core.methods.s2fl.sliding_split import estimate_round_time, median_rule, warmup_split
+from sfl_core.methods.s2fl.sliding_split import median_rule, warmup_split
+from sfl_core.timing import estimate_round_time
 
 
 class S2FL(Method):
+    @classmethod
+    def preview_variants(cls, base: RunConfig, model: SplitModel,
+                         costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
+        try:
+            candidate_splits(base.model)
+        except ValueError:      # a model without candidate cuts: nothing to slide over
+            return {}
+        return {"S2FL": replace(base, strategy="s2fl")}
+
     @classmethod
     def one_split_conflict(cls, cfg: RunConfig) -> Optional[str]:
         if S2flConfig.of(cfg).sliding:

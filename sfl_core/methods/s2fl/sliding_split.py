@@ -29,139 +29,18 @@ client FLOPs:
 (1.1x) but cuts the activations 100-fold; alexnet's last step is 1.3x in FLOPs and 4-5x in
 bytes. Run configs may override the candidates (``s2fl.candidates``).
 
-Time table semantics: a *measured* entry (:meth:`ClientTimeTable.record`) replaces an
-estimate and any earlier measurement of the same (agent, split) — the paper updates the
-table with every round, and the newest measurement reflects the device's current load.
-An *estimate* (:meth:`ClientTimeTable.set_estimate`, from :func:`estimate_round_time`)
-only fills a gap and never overwrites a measurement.
+The client time table itself is shared by every method that plans by time: :mod:`sfl_core.estimates`.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import statistics
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
-from sfl_core.model.accounting import SplitCost
-from sfl_core.model.zoo import candidate_splits
-from sfl_core.timing import agent_round_time
+from sfl_core.estimates import ClientTimeTable
 
-__all__ = ["TimeEntry", "ClientTimeTable", "warmup_split",
-           "median_rule", "estimate_round_time", "fleet_round_time"]
-
-# ====================================================================== client time table
-
-
-@dataclass
-class TimeEntry:
-    """One cell of the client time table."""
-
-    seconds: float
-    estimated: bool
-    round: int
-    """Round in which the time was measured (0 for estimates)."""
-
-
-def _check_seconds(seconds: float, what: str) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what}: round time must be a finite number of seconds >= 0, got {seconds!r}")
-    return float(seconds)
-
-
-def _check_split(split: int, what: str) -> int:
-    if isinstance(split, bool) or not isinstance(split, numbers.Integral) or split < 1:
-        raise ValueError(f"{what}: split must be an integer >= 1, got {split!r}")
-    return int(split)
-
-
-class ClientTimeTable:
-    """Per agent and per candidate split, the round time (S2FL's client time table).
-
-    Measured entries replace estimates and earlier measurements; estimates only fill gaps.
-    JSON-safe (:meth:`to_json` / :meth:`from_json`) so the coordinator keeps it across restarts.
-    """
-
-    def __init__(self) -> None:
-        self._t: dict[str, dict[int, TimeEntry]] = {}
-
-    def record(self, agent: str, split: int, seconds: float, round: int) -> None:
-        """A measured round time (replaces whatever was there)."""
-        what = f"time table record({agent!r}, {split!r})"
-        s, sec = _check_split(split, what), _check_seconds(seconds, what)
-        if isinstance(round, bool) or not isinstance(round, numbers.Integral) or round < 0:
-            raise ValueError(f"{what}: round must be an integer >= 0, got {round!r}")
-        self._t.setdefault(str(agent), {})[s] = TimeEntry(sec, False, int(round))
-
-    def set_estimate(self, agent: str, split: int, seconds: float) -> None:
-        """An estimated round time; ignored when a measured entry exists."""
-        what = f"time table set_estimate({agent!r}, {split!r})"
-        s, sec = _check_split(split, what), _check_seconds(seconds, what)
-        row = self._t.setdefault(str(agent), {})
-        old = row.get(s)
-        if old is None or old.estimated:
-            row[s] = TimeEntry(sec, True, 0)
-
-    def get(self, agent: str, split: int) -> Optional[TimeEntry]:
-        return self._t.get(str(agent), {}).get(int(split))
-
-    def agents(self) -> list[str]:
-        """Agents with at least one entry, sorted."""
-        return sorted(a for a, row in self._t.items() if row)
-
-    def splits(self) -> list[int]:
-        """Every split with at least one entry, ascending."""
-        return sorted({s for row in self._t.values() for s in row})
-
-    def times(self, agents: Sequence[str], splits: Sequence[int]) -> list[float]:
-        """All known entries (measured or estimated) of ``agents`` x ``splits``, row by row."""
-        return [e.seconds for a in agents for s in splits if (e := self.get(a, s)) is not None]
-
-    def __len__(self) -> int:
-        return sum(len(row) for row in self._t.values())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ClientTimeTable) and self._t == other._t
-
-    def to_json(self) -> dict[str, Any]:
-        """``{agent: {str(split): {"seconds", "estimated", "round"}}}`` (JSON object keys are strings)."""
-        return {a: {str(s): asdict(e) for s, e in sorted(row.items())} for a, row in sorted(self._t.items())}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ClientTimeTable":
-        """Inverse of :meth:`to_json`; raises ``ValueError`` on a malformed table."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"client time table: expected a JSON object, got {type(d).__name__}")
-        table = cls()
-        for a, row in d.items():
-            if not isinstance(row, Mapping):
-                raise ValueError(f"client time table: row of agent {a!r} must be an object, got {row!r}")
-            for s, e in row.items():
-                try:
-                    split = int(s)
-                    entry = TimeEntry(_check_seconds(e["seconds"], f"agent {a!r} split {s}"),
-                                      bool(e["estimated"]), int(e["round"]))
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise ValueError(f"client time table: bad entry for agent {a!r} split {s!r}: {e!r} ({exc})") from None
-                table._t.setdefault(str(a), {})[_check_split(split, f"agent {a!r}")] = entry
-        return table
-
-    def format(self, splits: Sequence[int]) -> str:
-        """Text table: one row per agent, one column per split; ``*`` marks estimates, ``-`` gaps."""
-        width = max(12, *(len(f"split {s}") + 2 for s in splits)) if splits else 12
-        name_w = max([5, *(len(a) for a in self.agents())]) + 2
-        lines = [f"{'agent':<{name_w}}" + "".join(f"{'split ' + str(s):>{width}}" for s in splits)]
-        for a in self.agents():
-            cells = []
-            for s in splits:
-                e = self.get(a, s)
-                cells.append(f"{'-':>{width - 1}} " if e is None
-                             else f"{e.seconds:>{width - 1}.3f}{'*' if e.estimated else ' '}")
-            lines.append(f"{a:<{name_w}}" + "".join(cells))
-        lines.append("(seconds per round; * = estimated, - = unknown)")
-        return "\n".join(lines)
-
+__all__ = ["warmup_split", "median_rule"]
 
 # ====================================================================== the S2FL rules
 
@@ -207,56 +86,3 @@ def median_rule(table: ClientTimeTable, agents: Sequence[str], candidates: Seque
         assert best_split is not None
         out[a] = best_split
     return out
-
-
-def estimate_round_time(cost: SplitCost, *, samples: int, compute_flops: float, uplink_bytes_per_s: float,
-                        downlink_bytes_per_s: float, server_flops_per_s: float, latency_s: float = 0.0,
-                        messages: int = 0, bytes_per_activation: Optional[float] = None,
-                        measured_compute_s_per_sample: Optional[float] = None, wire_ratio: float = 1.0) -> float:
-    """S2FL Eq. 1 (docs/methods.md §3) for an (agent, split) never measured, via :func:`sfl_core.timing.agent_round_time`.
-
-    ``T = (2|Wc| + 2·p·q) / R + F_c / Comp_c + F_s / Comp_s`` with the transfer split by
-    direction: weights down and up (``client_param_bytes`` each way), activations up and
-    gradients down (``samples · q`` each way; ``q`` = ``cost.activation_bytes`` at fp32, or
-    ``bytes_per_activation`` for a compressed wire), plus ``messages`` one-way latencies.
-    ``wire_ratio`` (encoded / fp32 bytes, as measured on the wire) scales all of those bytes,
-    so an estimate charges what the virtual clock will charge for the real encoded messages.
-    Client compute is ``measured_compute_s_per_sample · samples`` when the agent measured
-    it (real devices rarely reach their nominal FLOP/s), else
-    ``client_flops · samples / compute_flops``; server compute is
-    ``server_flops · samples / server_flops_per_s``.
-    """
-    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 0:
-        raise ValueError(f"estimate_round_time: samples must be an integer >= 0, got {samples!r}")
-    for name, v in (("compute_flops", compute_flops), ("uplink_bytes_per_s", uplink_bytes_per_s),
-                    ("downlink_bytes_per_s", downlink_bytes_per_s), ("server_flops_per_s", server_flops_per_s)):
-        if not (isinstance(v, numbers.Real) and math.isfinite(v) and v > 0):
-            raise ValueError(f"estimate_round_time: {name} must be a finite number > 0, got {v!r}")
-    for name, v in (("latency_s", latency_s), ("bytes_per_activation", bytes_per_activation),
-                    ("measured_compute_s_per_sample", measured_compute_s_per_sample)):
-        if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
-            raise ValueError(f"estimate_round_time: {name} must be a finite number >= 0, got {v!r}")
-    act = cost.activation_bytes if bytes_per_activation is None else float(bytes_per_activation)
-    if measured_compute_s_per_sample is not None:
-        client_flops = measured_compute_s_per_sample * samples * compute_flops   # seconds x FLOP/s
-    else:
-        client_flops = cost.client_flops * samples
-    if not (isinstance(wire_ratio, numbers.Real) and math.isfinite(wire_ratio) and wire_ratio > 0):
-        raise ValueError(f"estimate_round_time: wire_ratio must be a finite number > 0, got {wire_ratio!r}")
-    one_way = (cost.client_param_bytes + samples * act) * wire_ratio
-    t = agent_round_time(
-        client_flops=client_flops, server_flops=cost.server_flops * samples,
-        bytes_up=one_way, bytes_down=one_way,
-        client_flops_per_s=compute_flops, server_flops_per_s=server_flops_per_s,
-        uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s,
-        latency_s=latency_s, messages=messages)
-    return t.total_s
-
-
-def fleet_round_time(cost: SplitCost, profiles: Sequence[Any], *, samples: int, server_flops_per_s: float) -> float:
-    """A synchronous round at one split for a fleet of device ``profiles`` (objects with
-    ``compute_flops``, ``link_bytes_per_s``, ``downlink_bytes_per_s``, ``latency_s``): the
-    slowest device's :func:`estimate_round_time`. What "the fastest cut for this fleet" means."""
-    return max(estimate_round_time(cost, samples=samples, compute_flops=p.compute_flops,
-                                   uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink_bytes_per_s,
-                                   server_flops_per_s=server_flops_per_s, latency_s=p.latency_s) for p in profiles)
