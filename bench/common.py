@@ -243,7 +243,7 @@ def simulate_seeds(label: str, make_config: Callable[[int], Any], seeds: int, de
     """One simulated run per seed ``first .. first + seeds - 1`` of the run config
     ``make_config(seed)``, one progress line each; returns each run's curve (:data:`CURVE_KEYS`
     per round)."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     runs = []
     for seed in range(first, first + seeds):
         t0 = time.time()

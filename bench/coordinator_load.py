@@ -319,7 +319,7 @@ def run_level(url: str, broker_pid: int, args: Any, agents: int, registered: int
         coord_log = open(tmp / "coord.log", "w")
         spy = ["py-spy", "record", "--format", "raw", "--threads", "--subprocesses", "-o",
                f"{args.py_spy}-{agents}.txt", "--"] if args.py_spy else []
-        coord = subprocess.Popen([*spy, sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config),
+        coord = subprocess.Popen([*spy, sys.executable, "-m", "cli.coord", "serve", "--config", str(config),
                                   "--broker", url, "--quiet", "--device", "cpu",
                                   "--server-workers", str(args.server_workers)],
                                  stdout=coord_log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT,

@@ -21,7 +21,7 @@ same time, as in the paper):
 - ``HeteroSFL``: HetBL + BDKS (α = ``--alpha``, θ = 10 %).
 
 All but SFL use the logit-calibrated loss, as in the paper. Everything runs through the
-product's engine (``coordinator.api.run_simulation``): real training on real data, virtual
+product's engine (``simulation.run_simulation``): real training on real data, virtual
 time from the time model (docs/methods.md §3) with each agent's profile and its real encoded bytes (zstd included).
 Reported: final accuracy (mean of the last 3 evaluated rounds; mean ± std over seeds),
 total virtual training time for the same number of rounds and its reduction against SFL,
@@ -97,7 +97,7 @@ def run_one(job: tuple[str, str, int, Any]) -> dict[str, Any]:
     """One simulated run (in a worker process when --jobs > 1)."""
     method, setting, seed, args = job
     torch.set_num_threads(args.threads or 1)
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import run_config_from_dict
     t0 = time.time()
     cfg = run_config_from_dict(config(method, setting, seed, args))

@@ -69,7 +69,7 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def shipped_runs(work: Path, rounds: int, only: str | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     for path in sorted((default_profiles_dir() / "runs").glob("*.yaml")):
         if only is not None and path.stem != only:

@@ -6,7 +6,7 @@ of the same settings: where to cut, how narrow a bottleneck, which codec, which 
 
 For every setting (a split, a HeteroSFL bottleneck width, a codec, a defense) the bench:
 
-1. **Trains**: a real simulated run of the product (``coordinator.api.run_simulation``: 4
+1. **Trains**: a real simulated run of the product (``simulation.run_simulation``: 4
    agents, IID shards of the training set, ``--rounds`` rounds of ``--tau`` steps, the
    setting's run config) and records its final test accuracy and virtual time (device
    profile ``s2fl-mid-mid`` for every agent).
@@ -52,7 +52,7 @@ import common  # noqa: F401  (sets sys.path)
 import torch
 import torch.nn.functional as F
 
-from coordinator.api import run_simulation
+from simulation import run_simulation
 from edge_agent.agent import AgentCore, LocalData
 from sfl_core.wire import protocol
 from sfl_core.wire import codec as wire

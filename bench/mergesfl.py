@@ -77,7 +77,7 @@ def config(part: str, method: str, setting: str, seed: int, args: Any) -> dict[s
 def run_one(job: tuple[str, str, str, int, Any]) -> dict[str, Any]:
     part, method, setting, seed, args = job
     torch.set_num_threads(args.threads or 1)
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import run_config_from_dict
     t0 = time.time()
     history, _ = run_simulation(run_config_from_dict(config(part, method, setting, seed, args)), device="cpu", quiet=True)

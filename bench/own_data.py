@@ -129,7 +129,7 @@ def central(root: Path, fleet: list[dict[str, Any]], args: Any, seed: int, sampl
 
 
 def fleet_run(root: Path, fleet: list[dict[str, Any]], args: Any, seed: int, method: dict[str, Any]) -> dict[str, Any]:
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     t0 = time.perf_counter()
     history, _ = run_simulation(load_run_config(run_config(root, fleet, args, seed, method)), quiet=True)

@@ -78,7 +78,7 @@ def _summary(errors: list[float]) -> dict[str, float | int | None]:
 
 
 def prediction_error(config: Path, rounds: int, mqtt: bool) -> dict[str, dict]:
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     cfg = dataclasses.replace(load_run_config(config), rounds=rounds, strategy="auto")
     out: dict[str, dict] = {}
@@ -89,7 +89,7 @@ def prediction_error(config: Path, rounds: int, mqtt: bool) -> dict[str, dict]:
             run_cfg = Path(tmp) / "auto.yaml"
             text = config.read_text()
             run_cfg.write_text(text.replace("strategy: sfl", "strategy: auto"))
-            subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", "-c", str(run_cfg), "--rounds", str(rounds),
+            subprocess.run([sys.executable, "-m", "cli.coord", "demo", "-c", str(run_cfg), "--rounds", str(rounds),
                             "--output", str(Path(tmp) / "mqtt")], check=True, cwd=common.REPO_ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
             lines = (Path(tmp) / "mqtt" / "metrics.jsonl").read_text().splitlines()

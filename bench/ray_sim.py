@@ -30,7 +30,7 @@ from pathlib import Path
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
-from coordinator.api import run_simulation  # noqa: E402
+from simulation import run_simulation  # noqa: E402
 from sfl_core.config.run import default_profiles_dir, load_run_config  # noqa: E402
 
 _SAME = ("accuracy", "test_loss", "train_loss", "round_time_s", "bytes_up", "bytes_down", "selected")

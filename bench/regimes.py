@@ -27,7 +27,7 @@ The two axes:
 What is MEASURED and what is MODELLED:
 
 - Rounds to a target accuracy are measured: short real training runs (``--rounds`` 20,
-  ``--seeds`` 2) through the product's engine (``coordinator.api.run_simulation``: real data,
+  ``--seeds`` 2) through the product's engine (``simulation.run_simulation``: real data,
   real models, real aggregation) of every method on ``small_cnn`` cut after conv2 (its
   default split), Fashion-MNIST, ``--agents`` agents all selected every round, Dirichlet
   label skew a = 0.5, on one fleet of the grid (compute and link ratio 16, written as device
@@ -470,7 +470,7 @@ def run_one(job: tuple[str, int, dict[str, Any], int]) -> dict[str, Any]:
     """One training run through the product's engine (virtual clock)."""
     name, seed, cfg, threads = job
     torch.set_num_threads(threads)
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import run_config_from_dict
     out = Path(cfg["output_dir"])
     if out.exists():
@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "regimes", "config": common.config_record(args),
         "modelled": "per-round times: S2FL Eq. 1 via sfl_core.timing.agent_round_time with each panel model's "
                     "torch-counted FLOPs and fp32 bytes; synchronous rounds, no latency, no server contention",
-        "measured": "rounds to target: real training through coordinator.api.run_simulation on "
+        "measured": "rounds to target: real training through simulation.run_simulation on "
                     f"{TRAIN_MODEL}@{TRAIN_SPLIT}, {args.data}, one fleet (compute and link ratio {TRAIN_RATIO})",
         "axes": {"ratios": list(args.ratios), "agents": args.agents, "centre_compute_flops": args.centre_compute,
                  "centre_link_bytes_per_s": args.centre_link, "server_flops": args.server_flops,

@@ -10,7 +10,7 @@ Command (full run, ~2-3 minutes on 2 CPU cores)::
 Writes ``bench/results/round.json``.
 
 What runs: a Mosquitto on a free port, ``sfl-coord serve --broker`` (``python -m
-coordinator.cli``) and one ``sfl-agent start --emulate`` process per profile (default
+cli.coord``) and one ``sfl-agent start --emulate`` process per profile (default
 s2fl-low-low, s2fl-mid-mid, s2fl-high-high, s2fl-low-high), feature-merging SFL
 (``server_mode: merged``). ``--emulate`` stretches each agent's compute to its profile's
 FLOP/s and sleeps ``bytes / link rate (+ latency)`` for every message it sends or
@@ -156,7 +156,7 @@ def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float,
             with open(log, "w") as fh:
                 procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env))
 
-        launch("coord", [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--broker", url,
+        launch("coord", [sys.executable, "-m", "cli.coord", "serve", "--config", str(config), "--broker", url,
                          "--quiet", "--device", "cpu"])
         agent_env = None
         if agent_threads > 0:
@@ -165,7 +165,7 @@ def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float,
         for i, prof in enumerate(profiles):
             aid = f"a{i}"
             agent_profiles[aid] = prof
-            cmd = [sys.executable, "-m", "edge_agent.cli", "start", "--profile", prof, "--broker", url, "--run", run,
+            cmd = [sys.executable, "-m", "cli.agent", "start", "--profile", prof, "--broker", url, "--run", run,
                    "--index", str(i), "--agent-id", aid, "--emulate"]
             if w.root:
                 cmd += ["--data", w.root]

@@ -15,7 +15,7 @@ and IID. Methods:
 - ``S2FL+M``: sliding split from the client time table, one server copy per agent;
 - ``S2FL+MB``: both.
 
-Everything runs through the product's engine (``coordinator.api.run_simulation``): real
+Everything runs through the product's engine (``simulation.run_simulation``): real
 training on real data, virtual time from the time model (docs/methods.md §3) with each agent's profile and its real
 encoded bytes. Reported per method and setting: final accuracy (mean of the last 3
 evaluated rounds, mean +- std over seeds), virtual time to a target accuracy that every

@@ -39,9 +39,9 @@ import yaml
 from brokers import MosquittoBroker, find_mosquitto
 from common import base_parser, print_table, write_result
 
-from coordinator.clock import VirtualClock
+from simulation.clock import VirtualClock
 from coordinator.engine import RoundEngine
-from coordinator.inprocess import InProcessTransport, build_fleet
+from simulation.inprocess import InProcessTransport, build_fleet
 from edge_agent.agent import AgentCore, LocalData
 from sfl_core.wire import protocol
 from sfl_core.config.run import load_run_config
@@ -212,7 +212,7 @@ class Fleet:
 
     def start(self) -> None:
         log = open(self.out / "coord.log", "a")
-        self.coord = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--config", str(self.config),
+        self.coord = subprocess.Popen([sys.executable, "-m", "cli.coord", "serve", "--config", str(self.config),
                                        "--broker", self.broker.url, "--quiet", "--verbose"],
                                       stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT)
         for i in range(self.n):
@@ -221,7 +221,7 @@ class Fleet:
     def start_agent(self, i: int) -> None:
         log = open(self.out / f"agent-{i}.log", "a")
         self.agents[i] = subprocess.Popen(
-            [sys.executable, "-m", "edge_agent.cli", "start", "--profile", PROFILES[i % len(PROFILES)], "--broker",
+            [sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[i % len(PROFILES)], "--broker",
              self.broker.url, "--run", RUN, "--index", str(i), "--agent-id", f"a{i}", "--verbose"],
             stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT)
 

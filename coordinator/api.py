@@ -1,12 +1,14 @@
 """The programmatic API: run a simulation or serve a deployment from Python.
 
     from sfl_core.config.run import load_run_config
-    from coordinator.api import run_simulation, serve
+    from coordinator.api import serve
+    from simulation import run_simulation
 
     history, engine = run_simulation(load_run_config("profiles/runs/demo.yaml"))
 
 Both build the same :class:`~coordinator.engine.RoundEngine`; only the transport (in-process
-or MQTT) and the clock (virtual or wall) differ. They raise exceptions — :class:`RunError`
+or MQTT) and the clock (virtual or wall) differ. The helpers below that set a run up (its
+data, its lock, its checkpoint) serve :mod:`simulation` too. They raise exceptions — :class:`RunError`
 for a run that cannot start (its message names the file, option or field), the engine's
 own for a run that stops (``TimeoutError`` without a fleet, ``ConnectionError`` without a
 broker, :class:`~coordinator.state.CheckpointWriteError` on a full disk) — and never exit the
@@ -35,7 +37,7 @@ from sfl_core.methods import build_method
 from sfl_core.model.zoo import build_model
 
 from coordinator import state as ckpt
-from coordinator.clock import VirtualClock, WallClock
+from coordinator.clock import WallClock
 from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine
 from coordinator.run_lock import RunLock, RunLocked
@@ -43,7 +45,8 @@ from coordinator.server_trainer import pick_device
 
 log = logging.getLogger("sfl.coord")
 
-__all__ = ["RunError", "run_simulation", "serve", "output_dir", "run_info_body"]
+__all__ = ["RunError", "serve", "output_dir", "run_info_body", "run_dataset", "lock_run", "read_checkpoint",
+           "set_aside_earlier_run", "task_eval_set"]
 
 
 class RunError(ValueError):
@@ -56,7 +59,7 @@ def output_dir(cfg: RunConfig) -> Path:
     return Path(cfg.output_dir) if cfg.output_dir else Path("runs") / cfg.run_id
 
 
-def _dataset(cfg: RunConfig) -> Dataset:
+def run_dataset(cfg: RunConfig) -> Dataset:
     try:
         if cfg.task is not None:
             return task_eval_set(cfg)
@@ -91,7 +94,7 @@ Resume = Union[bool, str]
 checkpoint is refused): what a service manager's restart needs."""
 
 
-def _read_checkpoint(out: Path, resume: Resume) -> Optional[tuple[dict, dict]]:
+def read_checkpoint(out: Path, resume: Resume) -> Optional[tuple[dict, dict]]:
     """The checkpoint to continue from, read before anything starts or changes (None: a fresh run)."""
     if resume == "auto":
         resume = (out / ckpt.MODEL_FILE).exists()
@@ -105,7 +108,7 @@ def _read_checkpoint(out: Path, resume: Resume) -> Optional[tuple[dict, dict]]:
         raise RunError(f"cannot resume: {exc}") from None
 
 
-def _set_aside_earlier_run(out: Path, console: Console) -> None:
+def set_aside_earlier_run(out: Path, console: Console) -> None:
     """A fresh run moves an earlier (finished or abandoned) run's files aside, never mixing two
     runs' metrics; the run directory's lock guarantees no live coordinator owns them."""
     if (out / ckpt.METRICS_FILE).exists():
@@ -118,7 +121,7 @@ def _set_aside_earlier_run(out: Path, console: Console) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _lock(out: Path, run_id: str) -> RunLock:
+def lock_run(out: Path, run_id: str) -> RunLock:
     try:
         return RunLock(out).acquire(run_id)
     except RunLocked as exc:
@@ -201,7 +204,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     from coordinator.server_workers import cannot_share, from_env
 
     console = console or Console(stderr=True)
-    data = _dataset(cfg)
+    data = run_dataset(cfg)
     shards = from_env(pick_device(device), timeout_s=max(1800.0, 3 * cfg.register_timeout_s))
     problem = cannot_share(cfg.server_mode, broker is not None) if shards is not None else None
     if problem:
@@ -209,11 +212,11 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     if shards is not None and not shards.leader:
         return _serve_shard(cfg, broker, data, shards)
     out = output_dir(cfg)
-    lock = _lock(out, cfg.run_id)
+    lock = lock_run(out, cfg.run_id)
     embedded = transport = None
     finished = False
     try:
-        checkpoint = _read_checkpoint(out, resume)
+        checkpoint = read_checkpoint(out, resume)
         try:
             signer = Signer.load_or_create(signing_key or out / KEY_FILE)
         except (TrustError, OSError) as exc:
@@ -256,7 +259,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
             raise RunError(str(exc)) from None
         engine.use_transport(transport)
         if checkpoint is None:
-            _set_aside_earlier_run(out, console)
+            set_aside_earlier_run(out, console)
         console.print(f"coordinator key (agents may pin it with --coordinator-key): "
                       f"{(out / KEY_FILE).with_suffix('.pub') if signing_key is None else signing_key}",
                       markup=False, highlight=False, style="dim", soft_wrap=True)
@@ -313,55 +316,3 @@ def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) ->
         return [], engine
     finally:
         transport.close(finished=False)   # the leader owns the run's retained description
-
-
-def run_simulation(cfg: RunConfig, *, resume: Resume = False, device: str = "auto", quiet: bool = True,
-                   console: Optional[Console] = None, ray: Optional[str] = None,
-                   ray_workers: Optional[int] = None) -> tuple[list[dict], RoundEngine]:
-    """The same engine as :func:`serve`, with in-process agents and a virtual clock: real
-    training on real data, times from the device profiles and the real encoded bytes.
-
-    ``ray``: place the agents in Ray actors instead, ``"local"`` for a Ray started here, else
-    a cluster address (``ray_workers`` actors, default one per CPU); same results, in parallel."""
-    console = console or Console(stderr=True)
-    data = _dataset(cfg)
-    out = output_dir(cfg)
-    lock = _lock(out, cfg.run_id)
-    try:
-        checkpoint = _read_checkpoint(out, resume)
-        return _simulate(cfg, data, out, checkpoint, device, quiet, console, ray, ray_workers)
-    finally:
-        lock.release()
-
-
-def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tuple[dict, dict]], device: str,
-              quiet: bool, console: Console, ray: Optional[str],
-              ray_workers: Optional[int]) -> tuple[list[dict], RoundEngine]:
-    from coordinator.inprocess import build_fleet
-
-    if checkpoint is None:
-        _set_aside_earlier_run(out, console)
-    dev = pick_device(device)
-    if ray is not None:
-        from coordinator.ray_fleet import build_ray_fleet
-        try:
-            transport = build_ray_fleet(cfg, data, None if ray == "local" else ray, ray_workers)
-        except RuntimeError as exc:
-            raise RunError(str(exc)) from exc
-    else:
-        try:
-            transport = build_fleet(cfg, data, dev)
-        except DatasetError as exc:
-            raise RunError(str(exc)) from None
-    try:
-        with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
-            engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
-                                 input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
-                                 device=dev, on_event=display, checkpoint=checkpoint,
-                                 preprocessing=data.preprocessing)
-            history = engine.run()
-    finally:
-        close = getattr(transport, "close", None)
-        if close is not None:
-            close()
-    return history, engine

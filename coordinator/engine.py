@@ -41,7 +41,7 @@ from coordinator import evaluation, state as ckpt
 from coordinator.export import describe_model, restore_widths, run_model
 from coordinator.registry import Registry
 from coordinator.session import Event, FleetSession, RoundAgent
-from coordinator.server_trainer import LossSpec, ServerTrainer
+from coordinator.server_trainer import ServerTrainer
 from coordinator.server_workers import GradReducer, ServerShards, shard_agents
 
 log = logging.getLogger("sfl.coord")
@@ -129,9 +129,8 @@ class RoundEngine:
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
         self.method = build_method(cfg, self.model, self.costs)
-        loss = LossSpec(cfg.loss, cfg.calibration_tau, cfg.hetero.bdks, cfg.hetero.bdks_alpha,
-                        cfg.hetero.bdks_theta)
-        self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device, loss=loss,
+        self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
+                                    loss=self.method.server_loss(),
                                     reducer=GradReducer(shards) if shards is not None else None)
         self.session = FleetSession(cfg, transport, self.registry, virtual=clock.virtual, now=self._now,
                                     on_event=self.on_event, on_drop=self.server.drop,

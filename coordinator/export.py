@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from sfl_core.model.accounting import model_costs
-from sfl_core.methods.auto.method import decide_widths, within_bottleneck
+from sfl_core.method_registry import prepare_model
 from sfl_core.model.zoo import SplitModel, build_model
 from sfl_core.model.onnx_export import export_onnx
 from sfl_core.model.user_models import describe_source, register_described
@@ -43,24 +43,10 @@ def describe_model(model: SplitModel, dataset: Optional[str] = None,
 
 
 def run_model(cfg: "RunConfig", input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
-    """The (untrained) global model of a run: the zoo model plus, with ``hetero.width`` (or
-    the widths :func:`~sfl_core.methods.auto.method.decide_widths` gives strategy auto), the bottleneck
-    at the run's split. With fixed
-    per-group widths nobody trains the channels past the widest, so the full model is
-    evaluated without them; under auto it starts at the narrowest width."""
+    """The (untrained) global model of a run: the zoo model, plus what the run's method trains
+    beyond it (a bottleneck at the cut: :func:`~sfl_core.method_registry.prepare_model`)."""
     model = build_model(cfg.model, input_shape, num_classes)
-    split = cfg.split or model.default_split
-    if cfg.hetero.width is not None:
-        pair = model.add_bottleneck(split, cfg.hetero.width)
-        pair.infer_width = max(cfg.hetero.widths) if cfg.hetero.widths else cfg.hetero.width
-    elif cfg.strategy == "auto":
-        widths = decide_widths(cfg, model, model_costs(cfg.model, input_shape, num_classes)).widths
-        if widths:   # runs at the widest width trained so far (the engine widens it)
-            pair = model.add_bottleneck(split, max(widths))
-            channels = pair.activation_shape[0]
-            pair.infer_width = min((w for w in widths if within_bottleneck(w, channels, cfg.auto.max_bottleneck)),
-                                   default=pair.width)   # the narrowest width auto may assign
-    return model
+    return prepare_model(cfg, model, model_costs(cfg.model, input_shape, num_classes))
 
 
 def rebuild_model(info: dict[str, Any]) -> SplitModel:

@@ -25,14 +25,12 @@ sub-bottlenecks, so the wide and narrow paths teach each other (:func:`_bdks_ter
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from sfl_core.methods.heterosfl.groups import under_represented_classes
-from sfl_core.losses import logit_calibrated_ce, n2w_loss, w2n_loss
+from sfl_core.losses import LossSpec, logit_calibrated_ce, n2w_loss, under_represented_classes, w2n_loss
 from sfl_core.model.zoo import SplitModel
 
 if TYPE_CHECKING:
@@ -49,17 +47,6 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """How the server scores the rows it trains on (run config ``loss``, ``hetero.bdks*``)."""
-
-    kind: str = "ce"          # ce | calibrated
-    tau: float = 1.0          # calibration strength (calibrated only)
-    bdks: bool = False
-    alpha: float = 1.0        # weight of N2W in BDKS
-    theta: float = 0.1        # under-represented threshold of BDKS
 
 
 class _Group:

@@ -222,5 +222,5 @@ def launch_workers(n: int, argv: Sequence[str], env: Mapping[str, str] | None = 
     base = dict(env if env is not None else os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 WORLD_SIZE=str(n))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), RANK="0", LOCAL_RANK="0")
-    return [subprocess.Popen([sys.executable, "-m", "coordinator.cli", *argv],
+    return [subprocess.Popen([sys.executable, "-m", "cli.coord", *argv],
                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(1, n)]

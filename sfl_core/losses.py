@@ -1,5 +1,8 @@
-"""Losses of HeteroSFL (docs/methods.md §6; HeteroSFL paper, Chen et al.): logit calibration and BDKS's two distillation terms
-(the server trainer combines them, Eq. 8, in ``coordinator.server_trainer``).
+"""The server's losses (docs/methods.md §6): logit calibration (FedLC, Zhang et al., 2022, as
+HeteroSFL uses it) and HeteroSFL's BDKS (Chen et al., 2024): its set of under-represented
+classes and its two distillation terms. The server trainer combines them (Eq. 8, in
+``coordinator.server_trainer``) as the run's method asks (:class:`LossSpec`, from
+``Method.server_loss``).
 
 All take raw logits ``(B, C)`` and return scalar tensors averaged over the batch.
 """
@@ -7,12 +10,25 @@ All take raw logits ``(B, C)`` and return scalar tensors averaged over the batch
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 Counts = Sequence[int] | Sequence[float] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How the server scores the rows it trains on: the run config's ``loss``, and what the method adds
+    (``Method.server_loss``: HeteroSFL's BDKS)."""
+
+    kind: str = "ce"          # ce | calibrated
+    tau: float = 1.0          # calibration strength (calibrated only)
+    bdks: bool = False
+    alpha: float = 1.0        # weight of N2W in BDKS
+    theta: float = 0.1        # under-represented threshold of BDKS
 
 
 def _counts_tensor(label_counts: Counts, logits: torch.Tensor) -> torch.Tensor:
@@ -130,3 +146,44 @@ def w2n_loss(narrow_logits: torch.Tensor, wide_logits: torch.Tensor, *, T: float
         return narrow_logits.sum() * 0.0
     p_w = F.softmax(wide_logits.detach() / T, dim=1)
     return -(p_w * F.log_softmax(narrow_logits / T, dim=1)).sum(dim=1).mean() * (T * T)
+
+
+def under_represented_classes(group_label_counts: Sequence[int], global_label_counts: Sequence[int],
+                              theta: float = 0.1, *, relative: bool = True) -> list[int]:
+    """BDKS's set R of under-represented classes for the wide (high-end) group, ascending.
+
+    The paper (§4.2) defines R as the classes processed by the high-end group "where the
+    number of samples per class is less than θ% of its share in the global dataset"
+    (θ = 10 %), and calls R "a subset of minority classes in high-end group". A *share* is
+    a proportion, so both sides are label proportions:
+
+        R = { c : n_group[c] / N_group  <  θ · n_global[c] / N_global }
+
+    — class ``c`` makes up less of the group's data than a fraction θ of what it makes up of
+    the global data (docs/methods.md §6). This is a statement about the group's label *mix*:
+    it does not change when the group holds more or less of the data overall, which is what
+    over-fitting to the group's mix depends on. The global counts are the whole population's
+    (every agent's data), of which the group is a part. Classes absent globally are never in
+    R (the narrow model knows nothing about them either); the complement J is every other
+    class. A group with no data at all lacks every class present globally.
+
+    ``relative=False`` is the other reading, absolute counts, ``n_group[c] < θ · n_global[c]``
+    (the group holds less than a fraction θ of the class's samples), which makes the bar
+    depend on how much of all data the group holds.
+    """
+    g = [int(x) for x in group_label_counts]
+    a = [int(x) for x in global_label_counts]
+    if len(g) != len(a) or not g:
+        raise ValueError(f"need one group and one global count per class, got {len(g)} and {len(a)}")
+    if any(x < 0 for x in g) or any(x < 0 for x in a):
+        raise ValueError("label counts must be non-negative")
+    if any(x > y for x, y in zip(g, a)):
+        raise ValueError(f"a group cannot hold more samples of a class than the whole data set: {g} vs {a}")
+    if not math.isfinite(theta) or not 0 <= theta <= 1:
+        raise ValueError(f"theta must be in [0, 1], got {theta!r}")
+    if relative:
+        ng, na = sum(g), sum(a)
+        if ng == 0:
+            return [c for c in range(len(a)) if a[c] > 0 and theta > 0]
+        return [c for c in range(len(a)) if a[c] > 0 and g[c] * na < theta * a[c] * ng]
+    return [c for c in range(len(a)) if a[c] > 0 and g[c] < theta * a[c]]

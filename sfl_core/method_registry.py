@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     MethodFactory = Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Method]
 
 ENTRY_POINT_GROUP = "sfl_edge.methods"
+DEFAULT_STRATEGY = "auto"
+"""What ``strategy:`` is when a run config leaves it out: the joint planner."""
 
 _BASES: dict[str, Union[str, "MethodFactory"]] = {
     "sfl": "sfl_core.methods.sfl:SFL",          # one cut for everybody, or FedFC's cut per profile
@@ -107,6 +109,18 @@ def register_layer(layer: "type[Layer]") -> None:
     """Apply ``layer`` to every run whose config it :meth:`~Layer.wanted` (after the built-in layers)."""
     if layer not in _LAYERS:
         _LAYERS.append(layer)
+
+
+def prepare_model(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, SplitCost]") -> "SplitModel":
+    """The run's global model as its method trains it: the base method's and each wanted
+    layer's :meth:`~sfl_core.methods.base.Method.prepare_model` applied to ``model``."""
+    strategies()
+    for ref in (_BASES[cfg.strategy], *_LAYERS):
+        method = _resolve(ref)
+        if ref is not _BASES[cfg.strategy] and not method.wanted(cfg):
+            continue
+        getattr(method, "prepare_model", lambda *_: None)(cfg, model, costs)
+    return model
 
 
 def build_method(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, SplitCost]") -> "Method":

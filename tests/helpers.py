@@ -36,7 +36,7 @@ def write_config(tmp_path: Path, run: str, **overrides) -> Path:
 
 def start_coord(config: Path, tmp_path: Path, *args: str, name: str = "coord") -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--quiet",
+    return subprocess.Popen([sys.executable, "-m", "cli.coord", "serve", "--config", str(config), "--quiet",
                              "--verbose", *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
@@ -45,7 +45,7 @@ def start_agents(broker: str, run: str, tmp_path: Path, n: int = 3, emulate: boo
     procs = []
     for i in range(n):
         log = open(tmp_path / f"agent-{i}.log", "w")
-        cmd = [sys.executable, "-m", "edge_agent.cli", "start", "--profile", PROFILES[i % len(PROFILES)],
+        cmd = [sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[i % len(PROFILES)],
                "--broker", broker, "--run", run, "--index", str(i), "--agent-id", f"a{i}", "--verbose"]
         if emulate:
             cmd.append("--emulate")

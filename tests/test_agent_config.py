@@ -22,7 +22,7 @@ import yaml
 from typer.testing import CliRunner
 
 import edge_agent.runner
-from edge_agent.cli import app
+from cli.agent import app
 from edge_agent.settings import OptionSpec, command_option_specs, load_settings_file, settings_from_mapping
 from sfl_core.config.run import ConfigError
 
@@ -241,7 +241,7 @@ def test_file_is_read_before_the_broker_is_contacted(tmp_path: Path):
     f = tmp_path / "agent.yaml"
     f.write_text(yaml.safe_dump({"profile": "rpi4", "broker": f"mqtt://127.0.0.1:{port}", "run": "r1",
                                  "agent_id": "cfg-test"}))
-    p = subprocess.run([sys.executable, "-m", "edge_agent.cli", "start", "--config", str(f)], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "cli.agent", "start", "--config", str(f)], cwd=REPO,
                        env={**os.environ, "COLUMNS": "400"}, capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode == 1, out

@@ -25,7 +25,7 @@ def _by_profile(engine, record):
 
 
 def test_unequal_agents_get_different_assignments_and_the_model_learns(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     fleet = [{"profile": "s2fl-low-high", "count": 1}, {"profile": "s2fl-high-low", "count": 1},
              {"profile": "s2fl-high-high", "count": 1}]
@@ -48,7 +48,7 @@ def test_a_throttled_device_gets_a_lighter_assignment_within_a_few_rounds(tmp_pa
     prof = tmp_path / "throttled.yaml"
     prof.write_text(yaml.safe_dump({"name": "throttled", "compute_flops": 2e10, "link_bytes_per_s": 5e6,
                                     "capacity": [{"from_round": 3, "compute": 0.05, "link": 1.0}]}))
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-high", "count": 1}]
     history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=6), device="cpu")
@@ -69,7 +69,7 @@ def test_memory_limit_keeps_a_device_off_the_portions_it_cannot_hold(tmp_path):
     # and with 20 steps a round its small activations make that cut the twin's fastest
     prof.write_text(yaml.safe_dump({"name": "small-ram", "compute_flops": 2e10, "link_bytes_per_s": 1e6,
                                     "memory_bytes": 3e5}))
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-low", "count": 1}]
     # widths: null, so the deepest cut stays an option (a bottleneck would stop the cuts at split 2)
@@ -87,7 +87,7 @@ def test_memory_limit_keeps_a_device_off_the_portions_it_cannot_hold(tmp_path):
 
 
 def test_learned_speed_factors_survive_a_checkpoint(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.methods import build_method
 
     prof = tmp_path / "throttled.yaml"
@@ -134,7 +134,7 @@ def test_weights_cheaper_than_activations_put_the_whole_model_on_the_agent(tmp_p
     """small_cnn's whole model is 2 MB of weights; at 10 steps of batch 16 a fast device on a slow
     link sends less by training it all (FedAvg-style) than by streaming activations, while slow
     devices on the same links keep an early cut. Both kinds train in the same round."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     fleet = [{"profile": p, "count": 1} for p in ("s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high")]
     history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=4, local_iters=10), device="cpu")
@@ -235,7 +235,7 @@ def test_by_default_label_mix_selection_chooses_the_round_and_regulates_it_witho
 
 
 def test_the_server_side_follows_server_mode(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     fleet = [{"profile": p, "count": 1} for p in ("s2fl-low-low", "s2fl-high-high")]
     cfg = _cfg(tmp_path, fleet, rounds=1, whole_model=False)
@@ -248,7 +248,7 @@ def test_bottleneck_widths_beside_earlier_cuts_train_one_model(tmp_path):
     """auto.widths: a slow-link agent sends a narrow bottleneck at the run's split while a slow-CPU
     agent cuts earlier (its rows pass the whole pair on the server) in the same rounds; the
     full model runs the pair at the widest width trained, and it learns."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     slow_cpu, slow_link = tmp_path / "slow-cpu.yaml", tmp_path / "slow-link.yaml"
     slow_cpu.write_text(yaml.safe_dump({"name": "slow-cpu", "compute_flops": 3e6, "link_bytes_per_s": 1e9}))

@@ -153,7 +153,7 @@ def test_a_heterosfl_bottleneck_under_auto_is_refused_with_the_key_to_use():
 
 
 def test_a_run_with_widths_auto_trains_the_bottleneck_it_decided_on(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     slow_link = tmp_path / "slow-link.yaml"     # s2fl-high-low's compute on a 10x slower link
     slow_link.write_text(yaml.safe_dump({"name": "slow-link", "compute_flops": 2e10, "link_bytes_per_s": 1e5}))

@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from coordinator.server_trainer import LossSpec, ServerTrainer
+from coordinator.server_trainer import ServerTrainer
+from sfl_core.losses import LossSpec
 from sfl_core.model.zoo import build_model
 
 

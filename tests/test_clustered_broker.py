@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 def _agent(url: str, run: str, i: int, tmp_path) -> subprocess.Popen:
     log = open(tmp_path / f"agent-{i}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "start", "--profile", PROFILES[i],
+    return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[i],
                              "--broker", url, "--run", run, "--index", str(i), "--agent-id", f"a{i}",
                              "--verbose", "--emulate"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -74,7 +74,7 @@ def test_training_through_one_rabbitmq_node(rabbitmq_cluster, tmp_path):
     m = metrics(tmp_path)
     assert [r["round"] for r in m] == [0, 1, 2]
     assert all(len(r["completed"]) == 3 for r in m[1:])
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import load_run_config
     cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
     history, _ = run_simulation(cfg, device="cpu")

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 def agent(tmp_path: Path, broker: str, run: str, agent_id: str, name: str, index: int = 0) -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "start", "--profile", PROFILES[0],
+    return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[0],
                              "--broker", broker, "--run", run, "--index", str(index), "--agent-id", agent_id,
                              "--verbose"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -132,7 +132,7 @@ def _anonymous_client_connects(host: str, port: int) -> bool:
 def _serve(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
     config = write_config(tmp_path, "emb", register_timeout_s=60)
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--quiet",
+    return subprocess.Popen([sys.executable, "-m", "cli.coord", "serve", "--config", str(config), "--quiet",
                              *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
@@ -140,7 +140,7 @@ def test_embedded_broker_is_loopback_only_unless_insecure_flag(tmp_path):
     # default: 127.0.0.1 (the --help says so, and so does the process)
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from cli.coord import app
     help_text = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
     assert "127.0.0.1:1883" in help_text and "0.0.0.0" not in help_text
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from coordinator import state as ckpt
-from coordinator.clock import VirtualClock
+from simulation.clock import VirtualClock
 from coordinator.engine import RoundEngine
-from coordinator.inprocess import InProcessTransport, build_fleet
+from simulation.inprocess import InProcessTransport, build_fleet
 from sfl_core.wire import protocol
 from sfl_core.config.run import load_profile, run_config_from_dict
 from sfl_core.data.builtin import load_dataset
@@ -254,7 +254,7 @@ def test_every_bad_checkpoint_is_one_line_exit_2_and_metrics_untouched(tmp_path)
     nothing started over."""
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from cli.coord import app
 
     cfg_path, out = _run_yaml(tmp_path, rounds=2)
     runner = CliRunner()
@@ -319,7 +319,7 @@ def test_disk_full_mid_run_exit_1_agents_not_stopped(tmp_path):
     round 1 once there is room."""
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from cli.coord import app
     from coordinator import engine as engine_mod
 
     cfg_path, out = _run_yaml(tmp_path, rounds=3)

@@ -73,14 +73,14 @@ def config(tmp_path: Path, run: str) -> Path:
 
 WARM_START = """
 import os, sys, time
-import torch, edge_agent.cli, edge_agent.runner      # the slow part of a cold start, paid ahead
+import torch, cli.agent, edge_agent.runner      # the slow part of a cold start, paid ahead
 from sfl_core.data.builtin import load_dataset
 load_dataset("digits")
 trigger = sys.argv[1]
 while not os.path.exists(trigger):
     time.sleep(0.02)
 sys.argv = ["sfl-agent", *sys.argv[2:]]
-edge_agent.cli.app(prog_name="sfl-agent")
+cli.agent.app(prog_name="sfl-agent")
 """
 """A fresh agent process that imports everything, then waits for ``trigger`` before it runs
 ``sfl-agent <args>``: the agent comes back within a second or two of the trigger (as on a device
@@ -103,7 +103,7 @@ class Procs:
               trigger: Path | None = None) -> subprocess.Popen:
         args = ["start", "--profile", PROFILES[i % len(PROFILES)], "--broker", broker, "--run", run,
                 "--index", str(i), "--agent-id", f"a{i}", "--verbose", "--emulate", *extra]
-        cmd = ([sys.executable, "-m", "edge_agent.cli", *args] if trigger is None
+        cmd = ([sys.executable, "-m", "cli.agent", *args] if trigger is None
                else [sys.executable, "-c", WARM_START, str(trigger), *args])
         log = open(self.tmp_path / f"{name or f'agent-{i}'}.log", "w")
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

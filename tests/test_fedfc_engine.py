@@ -19,7 +19,7 @@ def _cfg(tmp_path, **over):
 
 
 def test_mixed_cut_layers_by_profile_train_in_one_server_pass(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     cfg = _cfg(tmp_path, profile_splits={"s2fl-low-low": 1, "s2fl-high-high": 3})
     history, engine = run_simulation(cfg, device="cpu")
@@ -36,7 +36,7 @@ def test_profile_splits_validated(tmp_path):
         _cfg(tmp_path, profile_splits={"s2fl-low-low": 0})
     with pytest.raises(ConfigError, match="profile_splits"):
         _cfg(tmp_path, profile_splits={"s2fl-low-low": 1}, strategy="fedavg")
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     with pytest.raises(ValueError, match="invalid split point"):
         run_simulation(_cfg(tmp_path, profile_splits={"s2fl-low-low": 9}), device="cpu")
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from coordinator.cli import app
+from cli.coord import app
 from sfl_core.config.run import default_profiles_dir
 
 RUNNER = CliRunner()
@@ -44,7 +44,7 @@ def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
 
     from rich.console import Console
 
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from coordinator.console import summary_table
     from sfl_core.model.accounting import model_costs
     from sfl_core.config.run import load_run_config
@@ -70,7 +70,7 @@ def test_simulate_summary_shows_the_clocks_seconds_not_the_hosts(tmp_path):
 def test_status_fits_80_columns_and_speaks_json(tmp_path):
     import json
 
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import load_run_config
 
     cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))

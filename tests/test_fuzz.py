@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.engine import RoundEngine
-from coordinator.inprocess import build_fleet
-from coordinator.clock import VirtualClock
+from simulation.inprocess import build_fleet
+from simulation.clock import VirtualClock
 from coordinator.mqtt_transport import MqttTransport
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.runner import AgentOptions, AgentRunner

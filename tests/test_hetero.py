@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfl_core.methods.heterosfl.groups import group_by_link_rate, under_represented_classes, widths_for_groups
+from sfl_core.losses import under_represented_classes
+from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 
 
 # ------------------------------------------------------------------ grouping

@@ -18,7 +18,7 @@ def _cfg(tmp_path, rounds=4, **bottleneck):
 
 
 def test_slow_link_group_gets_narrow_width_and_sends_fewer_bytes(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     history, engine = run_simulation(_cfg(tmp_path, rounds=8, width=16, groups=2), device="cpu")
     assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.3, [h["accuracy"] for h in history]
@@ -36,7 +36,7 @@ def test_slow_link_group_gets_narrow_width_and_sends_fewer_bytes(tmp_path):
 
 
 def test_fixed_widths(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     history, engine = run_simulation(_cfg(tmp_path, width=16, groups=2, widths=[4, 8]), device="cpu")
     widths = {v["width"] for v in history[-1]["agents"].values()}
@@ -52,7 +52,7 @@ def test_fixed_widths(tmp_path):
 
 def test_heterosfl_calibrated_loss_and_bdks_train(tmp_path):
     """The full HeteroSFL recipe (HetBL + logit calibration + BDKS) on label-skewed shards learns."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     cfg = run_config_from_dict({
         "run": "hsfl", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.3},
@@ -68,7 +68,7 @@ def test_heterosfl_calibrated_loss_and_bdks_train(tmp_path):
 
 def test_codec_per_link_group_without_bottleneck(tmp_path):
     """HeteroSFL's Top-k baseline: the slow group sends top-k sparse activations, the fast fp32."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     history, _ = run_simulation(_cfg(tmp_path, rounds=2, groups=2, codecs=["topk5", "fp32"]), device="cpu")
     last = history[-1]["agents"]

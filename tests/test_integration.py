@@ -42,7 +42,7 @@ def test_multiprocess_mosquitto(mosquitto, tmp_path):
     assert (tmp_path / "out" / "checkpoint.pt").exists()
     # one engine: the same config simulated (in-process agents, virtual clock) trains the same
     # model, round by round, as the deployment did over Mosquitto with agent processes
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import load_run_config
     import dataclasses
     cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
@@ -134,7 +134,7 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
 
 def test_simulation_virtual_clock(tmp_path):
     """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (docs/methods.md §3)."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import load_run_config
 
     cfg_path = write_config(tmp_path, "sim", rounds=3, fleet=[{"profile": "s2fl-low-low", "count": 2},

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.api import run_simulation
+from simulation import run_simulation
 from sfl_core.config.run import default_profiles_dir, load_run_config
 
 DATA = Path(__file__).parent / "data" / "checkpoints"

@@ -22,7 +22,7 @@ def _cfg(tmp_path, rounds=3, per_round=None, fleet=None, partition="iid", **merg
 
 
 def test_regulated_batches_equalise_iteration_time(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     history, engine = run_simulation(_cfg(tmp_path, regulate=True, max_batch=32), device="cpu")
     last = history[-1]["agents"]
@@ -51,7 +51,7 @@ def test_regulated_batches_equalise_iteration_time(tmp_path):
 
 
 def test_kl_selection_respects_the_budget_and_mixes_labels(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     fleet = [{"profile": "s2fl-mid-mid", "count": 8}]
     cfg = _cfg(tmp_path, rounds=3, per_round=3, fleet=fleet, partition="dirichlet", select=True, max_batch=16)
@@ -80,7 +80,7 @@ def test_capacity_change_is_followed_by_the_estimates_and_batches(tmp_path):
     prof = tmp_path / "throttled.yaml"
     prof.write_text(yaml.safe_dump({"name": "throttled", "compute_flops": 2e10, "link_bytes_per_s": 5e6,
                                     "capacity": [{"from_round": 3, "compute": 0.05, "link": 0.05}]}))
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     fleet = [{"profile": str(prof), "count": 1}, {"profile": "s2fl-high-high", "count": 1}]
     history, engine = run_simulation(_cfg(tmp_path, rounds=5, fleet=fleet, regulate=True, max_batch=32), device="cpu")

@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from coordinator.api import run_simulation
+from simulation import run_simulation
 from sfl_core.model.accounting import model_costs
 from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.methods import build_method, register_method, strategies, unregister_method

@@ -120,7 +120,7 @@ def test_predictor_validates_inputs(tmp_path: Path) -> None:
 
 def _cli(module: str, *args: str, block_torch: bool = False) -> subprocess.CompletedProcess:
     if block_torch:
-        # `python -m edge_agent.cli ...` with `import torch` made to fail: predict must not need it
+        # `python -m cli.agent ...` with `import torch` made to fail: predict must not need it
         code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = 'sfl-agent'; "
                 f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
         cmd = [sys.executable, "-c", code, *args]
@@ -133,7 +133,7 @@ def _cli(module: str, *args: str, block_torch: bool = False) -> subprocess.Compl
 def test_export_and_predict_cli(tmp_path: Path) -> None:
     """A real (1-round, simulated) run -> `sfl-coord export` -> `sfl-agent predict`: the device's
     predictions equal torch's on the checkpointed model, and score the run's accuracy."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from coordinator.export import load_global_model
     from sfl_core.config.run import load_run_config
     from sfl_core.data.builtin import load_dataset
@@ -151,7 +151,7 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
     x, y = data.x_test.numpy(), data.y_test.numpy()
     np.save(tmp_path / "x.npy", x)
 
-    r = _cli("coordinator.cli", "export", str(out), "--onnx", str(tmp_path / "m.onnx"))
+    r = _cli("cli.coord", "export", str(out), "--onnx", str(tmp_path / "m.onnx"))
     assert r.returncode == 0, r.stderr
     assert "m.onnx" in r.stderr and "(N, 1, 8, 8)" in r.stderr
     meta = json.loads((tmp_path / "m.json").read_text())
@@ -159,7 +159,7 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
     assert meta["dataset"] == "digits" and meta["input_shape"] == [1, 8, 8]
 
     np.save(tmp_path / "y.npy", y)
-    r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
+    r = _cli("cli.agent", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
              "--output", str(tmp_path / "preds.json"), "--show", "3", "--labels", str(tmp_path / "y.npy"))
     assert r.returncode == 0, r.stderr
     header = next(l for l in r.stdout.splitlines() if "probability" in l)
@@ -177,29 +177,29 @@ def test_export_and_predict_cli(tmp_path: Path) -> None:
     assert all(0.0 < p["probability"] <= 1.0 for p in preds)
 
     # the client portion of the same run; predict refuses it (activations, not classes) -- without torch
-    r = _cli("coordinator.cli", "export", str(out), "--onnx", str(tmp_path / "c.onnx"), "--split", "2")
+    r = _cli("cli.coord", "export", str(out), "--onnx", str(tmp_path / "c.onnx"), "--split", "2")
     assert r.returncode == 0, r.stderr
-    r = _cli("edge_agent.cli", "predict", str(tmp_path / "c.onnx"), str(tmp_path / "x.npy"), block_torch=True)
+    r = _cli("cli.agent", "predict", str(tmp_path / "c.onnx"), str(tmp_path / "x.npy"), block_torch=True)
     assert r.returncode == 2 and "client portion" in r.stderr, r.stderr
     # a shape mismatch is a clear error, also without torch; and one sample works
     np.save(tmp_path / "bad.npy", np.zeros((2, 28, 28), np.float32))
-    r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "bad.npy"), block_torch=True)
+    r = _cli("cli.agent", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "bad.npy"), block_torch=True)
     assert r.returncode == 2 and "expected (N, 1, 8, 8)" in r.stderr, r.stderr
     # raw pixels, prepared on the device with the constants the sidecar records: same answers
     from sfl_core.data.builtin import _read_digits
     raw_test = _read_digits()[2]                     # uint8 0..16, the same split as x
     assert meta["preprocessing"]["scale"] == 16.0 and meta["preprocessing"]["raw_shape"] == [1, 8, 8]
     np.save(tmp_path / "raw.npy", raw_test)
-    r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "raw.npy"), "--raw",
+    r = _cli("cli.agent", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "raw.npy"), "--raw",
              "--output", str(tmp_path / "raw.json"), block_torch=True)
     assert r.returncode == 0, r.stderr
     assert [p["class"] for p in json.loads((tmp_path / "raw.json").read_text())["predictions"]] == got.tolist()
     np.save(tmp_path / "short.npy", y[:5])
-    r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
+    r = _cli("cli.agent", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
              "--labels", str(tmp_path / "short.npy"), block_torch=True)
     assert r.returncode == 2 and f"expected {len(y)} labels" in r.stderr, r.stderr
     np.save(tmp_path / "one.npy", x[0])
-    r = _cli("edge_agent.cli", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "one.npy"), block_torch=True)
+    r = _cli("cli.agent", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "one.npy"), block_torch=True)
     assert r.returncode == 0, r.stderr
 
 
@@ -207,7 +207,7 @@ def test_export_errors(tmp_path: Path) -> None:
     """No checkpoint, or a split the model does not have: red message, exit code 2."""
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from cli.coord import app
     from coordinator.export import describe_model
     from coordinator import state as ckpt
 

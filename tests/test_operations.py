@@ -120,7 +120,7 @@ def test_one_coordinator_per_run_and_resume_auto_after_sigkill(mosquitto, tmp_pa
 # ============================================================ defect 3
 
 def test_a_refused_resume_puts_nothing_on_the_wire(mosquitto, tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import load_run_config
 
     config = write_config(tmp_path, "refused", rounds=2, local_iters=2)
@@ -152,7 +152,7 @@ def test_a_refused_resume_puts_nothing_on_the_wire(mosquitto, tmp_path):
 
 def _agent(tmp_path: Path, broker: str, run: str, name: str, *extra: str) -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "start", "--profile", PROFILES[0], "--broker",
+    return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[0], "--broker",
                              broker, "--run", run, "--agent-id", name, "--verbose", *extra],
                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -343,7 +343,7 @@ def test_live_fleet_page_and_metrics_of_a_running_run(mosquitto, tmp_path):
         _stop(*procs)
     # over the finished run's files
     port = free_port()
-    viewer = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "dashboard", str(tmp_path / "out"),
+    viewer = subprocess.Popen([sys.executable, "-m", "cli.coord", "dashboard", str(tmp_path / "out"),
                                "--listen", f"127.0.0.1:{port}"], stdout=open(tmp_path / "viewer.log", "w"),
                               stderr=subprocess.STDOUT, cwd=REPO)
     try:

@@ -13,9 +13,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from coordinator import cli
+from cli.coord import app as coord_app
+from cli.coord.app import run_config_path
 from coordinator import state as ckpt
-from coordinator.api import run_simulation
+from simulation import run_simulation
 from coordinator.run_lock import RunLock, holder
 from coordinator.web import (FleetPage, MetricsExporter, WebAccess, WebError, parse_address, start_dashboard,
                             start_metrics)
@@ -51,7 +52,7 @@ def test_a_simulation_of_a_held_run_directory_exits_2(tmp_path):
                                     "strategy": "sfl", "output_dir": str(tmp_path / "out")}))
     lock = RunLock(tmp_path / "out").acquire("view")
     try:
-        r = CliRunner().invoke(cli.app, ["simulate", "-c", str(path), "--quiet"])
+        r = CliRunner().invoke(coord_app, ["simulate", "-c", str(path), "--quiet"])
     finally:
         lock.release()
     assert r.exit_code == 2, r.output
@@ -79,9 +80,9 @@ def test_metrics_follow_a_run_and_the_grafana_dashboard_queries_only_exported_na
     exporter = start_metrics("127.0.0.1:0", cfg)
     try:
         from coordinator.api import _Events  # the engine's event fan-out, as serve() builds it
-        from coordinator.clock import VirtualClock
+        from simulation.clock import VirtualClock
         from coordinator.engine import RoundEngine
-        from coordinator.inprocess import build_fleet
+        from simulation.inprocess import build_fleet
         from sfl_core.data.builtin import load_dataset
 
         data = load_dataset("digits")
@@ -202,7 +203,7 @@ def test_the_page_of_a_directory_without_a_run(tmp_path):
 def test_config_errors_print_paths_verbatim_on_one_line(tmp_path):
     bad = tmp_path / "bad[bold]x.yaml"
     bad.write_text(yaml.safe_dump({"run": "r", "local_iter": 3, "fleet": [{"profile": "s2fl-low-low"}]}))
-    r = CliRunner().invoke(cli.app, ["simulate", "-c", str(bad)], terminal_width=80)
+    r = CliRunner().invoke(coord_app, ["simulate", "-c", str(bad)], terminal_width=80)
     assert r.exit_code == 2
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1, r.output
@@ -210,22 +211,22 @@ def test_config_errors_print_paths_verbatim_on_one_line(tmp_path):
 
 
 def test_help_prints_extras_as_written():
-    r = CliRunner().invoke(cli.app, ["simulate", "--help"], terminal_width=200)
+    r = CliRunner().invoke(coord_app, ["simulate", "--help"], terminal_width=200)
     assert "pip install 'sfl-edge[ray]'" in r.output, r.output
 
 
 def test_shipped_run_configs_resolve_by_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli._run_config_path(Path("demo")).name == "demo.yaml"
-    assert cli._run_config_path(Path("s2fl-demo.yaml")).name == "s2fl-demo.yaml"
-    assert cli._run_config_path(Path("nope")) == Path("nope")
-    assert cli._run_config_path(Path("sub/demo")) == Path("sub/demo")   # a path is never replaced
+    assert run_config_path(Path("demo")).name == "demo.yaml"
+    assert run_config_path(Path("s2fl-demo.yaml")).name == "s2fl-demo.yaml"
+    assert run_config_path(Path("nope")) == Path("nope")
+    assert run_config_path(Path("sub/demo")) == Path("sub/demo")   # a path is never replaced
 
 
 def test_resume_takes_auto_or_nothing():
-    r = CliRunner().invoke(cli.app, ["simulate", "-c", "demo", "--resume=sometimes"])
+    r = CliRunner().invoke(coord_app, ["simulate", "-c", "demo", "--resume=sometimes"])
     assert r.exit_code == 2 and "--resume sometimes: expected no value (resume) or auto" in r.output
-    r = CliRunner().invoke(cli.app, ["simulate", "-c", "demo", "--resume", "sometimes"])
+    r = CliRunner().invoke(coord_app, ["simulate", "-c", "demo", "--resume", "sometimes"])
     assert r.exit_code == 2 and "unexpected extra argument" in r.output
 
 
@@ -247,7 +248,7 @@ def test_the_summary_table_piped_is_as_wide_as_its_content(tmp_path):
     path.write_text(yaml.safe_dump({"run": "piped", "model": "small_cnn", "data": {"dataset": "digits"},
                                     "fleet": [{"profile": "s2fl-high-high", "count": 2}], "rounds": 1,
                                     "strategy": "sfl", "local_iters": 2, "output_dir": str(tmp_path / "out")}))
-    r = CliRunner().invoke(cli.app, ["simulate", "-c", str(path), "--quiet"], terminal_width=80)
+    r = CliRunner().invoke(coord_app, ["simulate", "-c", str(path), "--quiet"], terminal_width=80)
     assert r.exit_code == 0, r.output
     assert "s2fl-high-high" in r.output and "sim-001" in r.output and "…" not in r.output, r.output
     assert f"metrics: {tmp_path / 'out' / 'metrics.jsonl'}" in r.output        # a path on one line

@@ -26,7 +26,7 @@ PIL = pytest.importorskip("PIL.Image")
 
 def _agent(broker: str, tmp_path: Path, name: str, data: Path, model_file: Path, profile: str = "rpi4"):
     log = open(tmp_path / f"agent-{name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "start", "--profile", profile, "--broker", broker,
+    return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", profile, "--broker", broker,
                              "--run", "own", "--agent-id", name, "--data", str(data), "--model-file", str(model_file),
                              "--verbose"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -81,13 +81,13 @@ def test_three_devices_train_on_their_own_folders_and_the_export_reproduces_the_
     coord_log = (tmp_path / "coord.log").read_text()
     assert "standardisation from 3 agent(s)" in coord_log
     # export, then predict from raw pixels of the server's folder
-    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "export", str(tmp_path / "out"), "--onnx",
+    out = subprocess.run([sys.executable, "-m", "cli.coord", "export", str(tmp_path / "out"), "--onnx",
                           str(tmp_path / "m.onnx")], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     files = sorted((tmp_path / "server" / "val").rglob("*.png"))
     np.savez(tmp_path / "val.npz", x=np.stack([np.asarray(PIL.open(f)) for f in files]),
              y=np.array([NAMES.index(f.parent.name) for f in files]))
-    pred = subprocess.run([sys.executable, "-m", "edge_agent.cli", "predict", str(tmp_path / "m.onnx"),
+    pred = subprocess.run([sys.executable, "-m", "cli.agent", "predict", str(tmp_path / "m.onnx"),
                            str(tmp_path / "val.npz"), "--raw", "--labels", str(tmp_path / "val.npz")],
                           capture_output=True, text=True, cwd=REPO)
     assert pred.returncode == 0, pred.stderr

@@ -15,7 +15,9 @@ import pytest
 import torch
 import yaml
 
-from coordinator.api import RunError, run_simulation
+from coordinator.api import RunError
+
+from simulation import run_simulation
 from coordinator.registry import Registry
 from sfl_core.wire import codec as wire
 from sfl_core.config.run import ConfigError, load_run_config, task_from_wire
@@ -225,7 +227,7 @@ def _cli(app, *args: str):
 
 
 def test_check_data_says_what_a_device_holds_and_whether_it_fits(fleet, tmp_path):
-    from edge_agent.cli import app
+    from cli.agent import app
 
     (fleet / "my_models.py").write_text(MODEL_FILE)
     run = write_run(fleet, model="my_models.py:build_net")
@@ -250,7 +252,7 @@ def test_check_data_says_what_a_device_holds_and_whether_it_fits(fleet, tmp_path
 
 
 def test_plan_and_models_work_on_a_task_run_with_a_users_model(fleet):
-    from coordinator.cli import app
+    from cli.coord import app
 
     (fleet / "my_models.py").write_text(MODEL_FILE)
     run = write_run(fleet, model="my_models.py:build_net", strategy="auto")
@@ -262,7 +264,7 @@ def test_plan_and_models_work_on_a_task_run_with_a_users_model(fleet):
 
 
 def test_a_missing_server_validation_folder_is_one_line_and_exit_2(fleet, tmp_path):
-    from coordinator.cli import app
+    from cli.coord import app
 
     run = write_run(fleet, eval={"data": "no-such-folder"}, output_dir=str(tmp_path / "o"))
     res = _cli(app, "simulate", "-c", str(run))
@@ -271,7 +273,7 @@ def test_a_missing_server_validation_folder_is_one_line_and_exit_2(fleet, tmp_pa
 
 
 def test_the_run_description_carries_the_fingerprint_where_code_is_installed_on_each_side(fleet, tmp_path):
-    from coordinator.api import _dataset, run_info_body
+    from coordinator.api import run_dataset, run_info_body
     from sfl_core.config.run import run_config_from_dict
 
     (fleet / "my_models.py").write_text(MODEL_FILE)
@@ -280,7 +282,7 @@ def test_the_run_description_carries_the_fingerprint_where_code_is_installed_on_
                                            fleet=[{"profile": "rpi4"}], data={"dataset": "digits"}))
     bench_zoo = run_config_from_dict({"run": "z", "fleet": ["rpi4"], "model": "small_cnn"})
     for cfg, carried in ((own, True), (bench_user, True), (bench_zoo, False)):
-        body = run_info_body(cfg, _dataset(cfg))
+        body = run_info_body(cfg, run_dataset(cfg))
         assert ("architecture" in body) == carried, cfg.model
-    lines = run_info_body(bench_user, _dataset(bench_user))["architecture"]
+    lines = run_info_body(bench_user, run_dataset(bench_user))["architecture"]
     assert lines == architecture(build_model("build_net", (1, 8, 8), 10))

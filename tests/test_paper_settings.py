@@ -97,7 +97,7 @@ def test_sequential_server_takes_one_step_per_agent_in_turn():
 
 
 def test_lr_decay_reaches_agents_and_server(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     cfg = run_config_from_dict({
         "run": "decay", "model": "small_cnn", "data": {"dataset": "digits"},
         "fleet": [{"profile": "rpi4", "count": 2}], "rounds": 3, "batch_size": 8, "local_iters": 2,
@@ -134,7 +134,7 @@ def _s2fl(tmp_path, **over):
 
 
 def test_s2fl_warm_up_measures_every_device(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     history, engine = run_simulation(_s2fl(tmp_path), device="cpu")
     assert [len(rec["selected"]) for rec in history[1:]] == [6, 6, 6, 2, 2]
     table = engine.method.time_table
@@ -142,7 +142,7 @@ def test_s2fl_warm_up_measures_every_device(tmp_path):
 
 
 def test_planner_estimates_charge_the_measured_wire_bytes(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     _, engine = run_simulation(_s2fl(tmp_path, rounds=3), device="cpu")
     ratios = engine.method.wire_ratio
     assert set(ratios) == {"1/fp32", "2/fp32", "3/fp32"}

@@ -105,7 +105,7 @@ def test_nopeek_lowers_the_distance_correlation_of_what_is_sent(digits):
 
 
 def test_a_simulation_applies_the_runs_defenses_and_records_them(tmp_path):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import run_config_from_dict
 
     cfg = run_config_from_dict({
@@ -149,7 +149,7 @@ def test_agents_defend_themselves_against_a_coordinator_that_knows_nothing(mosqu
 def test_bad_privacy_settings_are_one_line_naming_the_field(tmp_path):
     from typer.testing import CliRunner
 
-    from edge_agent.cli import app
+    from cli.agent import app
     from sfl_core.config.run import ConfigError, run_config_from_dict
 
     with pytest.raises(ConfigError, match="privacy.activation_noise"):
@@ -289,7 +289,7 @@ def test_dp_sgd_agent_sends_noisy_weights_and_reports_its_epsilon(digits):
 def test_a_simulation_with_every_agent_defense_trains_and_records_epsilon(tmp_path):
     """Labels withheld and protected, DP-SGD on the client portion: the run still learns, and
     each round records the defenses (with how many agents) and the largest epsilon, growing."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import run_config_from_dict
 
     privacy = {"withhold_labels": True, "label_protection": "max_norm",
@@ -311,7 +311,7 @@ def test_a_simulation_with_every_agent_defense_trains_and_records_epsilon(tmp_pa
 def test_the_new_defenses_bad_settings_are_one_line_naming_the_field():
     from typer.testing import CliRunner
 
-    from edge_agent.cli import app
+    from cli.agent import app
     from sfl_core.config.run import ConfigError, run_config_from_dict
 
     with pytest.raises(ConfigError, match="privacy.label_protection.*withheld labels"):

@@ -8,8 +8,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.api import run_simulation
-from coordinator.cli import app
+from simulation import run_simulation
+from cli.coord import app
 from sfl_core.config.run import default_profiles_dir, load_run_config
 
 _FIELDS = ("round", "accuracy", "test_loss", "train_loss", "round_time_s", "bytes_up", "bytes_down", "selected",

@@ -57,7 +57,7 @@ def clean_registries():
 
 
 def test_registered_model_and_data_set_train_through_the_engine(tmp_path, clean_registries):
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import load_run_config
 
     register_model("tiny_mlp", tiny_mlp, candidate_splits=[1, 2], norms=False)

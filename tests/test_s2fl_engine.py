@@ -82,7 +82,7 @@ def test_layerwise_average_is_exact_weighted_mean_for_shared_layer():
 @pytest.mark.parametrize("sliding,balance,expect_groups", [(False, False, 1), (False, True, 2), (True, True, 2)])
 def test_s2fl_simulation_ablations(tmp_path, sliding, balance, expect_groups):
     """The +R/+B/+MB switches: split choice and grouping follow the config; training learns."""
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
 
     cfg = run_config_from_dict({
         "run": "s2", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5},

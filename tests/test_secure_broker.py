@@ -182,7 +182,7 @@ def test_run_over_tls_with_per_device_credentials(secure_broker, tmp_path):
                           fleet=[{"profile": "s2fl-high-high", "count": 2}])
     cred = sb["files"].credentials
     clog = open(tmp_path / "coord.log", "w")
-    coord = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--quiet",
+    coord = subprocess.Popen([sys.executable, "-m", "cli.coord", "serve", "--config", str(config), "--quiet",
                               "--verbose", "--broker", url.format(user="coordinator"), "--ca-file", ca,
                               "--password-file", str(cred["coordinator"]), "--server-workers", "2"],
                              stdout=clog, stderr=subprocess.STDOUT, cwd=REPO)
@@ -191,7 +191,7 @@ def test_run_over_tls_with_per_device_credentials(secure_broker, tmp_path):
         alog = open(tmp_path / f"agent-{i}.log", "w")
         # no --agent-id: the agent takes its broker user name, which the ACL keys on
         agents.append(subprocess.Popen(
-            [sys.executable, "-m", "edge_agent.cli", "start", "--profile", "s2fl-high-high", "--broker",
+            [sys.executable, "-m", "cli.agent", "start", "--profile", "s2fl-high-high", "--broker",
              url.format(user=user), "--ca-file", ca, "--password-file", str(cred[user]), "--run", RUN,
              "--index", str(i), "--verbose"], stdout=alog, stderr=subprocess.STDOUT, cwd=REPO))
     assert finish([coord, *agents], timeout=180) == [0, 0, 0], logs(tmp_path)
@@ -207,7 +207,7 @@ def test_run_over_tls_with_per_device_credentials(secure_broker, tmp_path):
 def test_broker_config_cli_is_idempotent(tmp_path):
     """Running it again (e.g. to add a device) keeps every existing password: deployed boards keep working."""
     out = tmp_path / "broker"
-    cmd = [sys.executable, "-m", "coordinator.cli", "broker-config", str(out), "-a", "dev1"]
+    cmd = [sys.executable, "-m", "cli.coord", "broker-config", str(out), "-a", "dev1"]
     subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
     first = (out / "credentials" / "dev1.password").read_text()
     assert (out / "credentials" / "dev1.password").stat().st_mode & 0o077 == 0

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coordinator.server_trainer import LossSpec, ServerTrainer
+from coordinator.server_trainer import ServerTrainer
+from sfl_core.losses import LossSpec
 from sfl_core.model.zoo import build_model
 
 

@@ -107,7 +107,7 @@ def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tm
         assert sorted(r["completed"]) == ["a0", "a1", "a2"]
         for a in r["agents"].values():   # 10 steps of activations, not only the weights
             assert a["bytes_up"] > 10 * 16 * 32 * 4 * 4 * 4 * 0.3 and a["server_s"] > 0
-    from coordinator.api import run_simulation
+    from simulation import run_simulation
     from sfl_core.config.run import load_run_config
     from coordinator import state as ckpt
     cfg = dataclasses.replace(load_run_config(config), output_dir=str(tmp_path / "sim"))
@@ -161,7 +161,7 @@ def _kill_a_worker_then_resume(config, coord, agents, mosquitto, tmp_path, procs
 def test_server_workers_refuse_what_they_cannot_share_before_starting_anything(tmp_path):
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from cli.coord import app
 
     config = write_config(tmp_path, "swr", server_mode="sequential")
     res = CliRunner().invoke(app, ["serve", "-c", str(config), "--broker", "mqtt://127.0.0.1:1",

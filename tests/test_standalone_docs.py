@@ -23,7 +23,7 @@ def _user_facing_files() -> list[Path]:
     files = [REPO / "README.md", REPO / "pyproject.toml"]
     files += sorted((REPO / "docs").glob("*.md"))
     files += sorted((REPO / "profiles").rglob("*.yaml"))
-    for pkg in ("sfl_core", "coordinator", "edge_agent"):
+    for pkg in ("sfl_core", "coordinator", "edge_agent", "simulation", "cli"):
         files += sorted((REPO / pkg).rglob("*.py"))
     files += sorted(p for p in (REPO / "install").rglob("*") if p.is_file())
     return [p for p in files if p.is_file() and "__pycache__" not in p.parts]
@@ -56,7 +56,7 @@ def _rel(p: Path) -> str:
 def test_the_scan_covers_what_users_read():
     names = {_rel(p) for p in FILES}
     assert {"README.md", "docs/methods.md", "docs/protocol.md", "profiles/runs/sim-100.yaml",
-            "coordinator/cli.py", "sfl_core/timing.py", "edge_agent/cli.py", "install/agent.sh"} <= names
+            "cli/coord/plan.py", "sfl_core/timing.py", "cli/agent/run.py", "simulation/run.py", "install/agent.sh"} <= names
     assert any(n.startswith("profiles/devices/") for n in names)
 
 

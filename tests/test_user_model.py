@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from coordinator.api import run_simulation
+from simulation import run_simulation
 from sfl_core.model import zoo as models
 from sfl_core.model.accounting import model_costs
 from sfl_core.config.run import run_config_from_dict

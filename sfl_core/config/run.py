@@ -36,7 +36,7 @@ from sfl_core.config.values import (
     POSITIVE_INTEGER, POSITIVE_NUMBER, UNIT_OPEN, integer_in, nonneg_number, number_in, one_of, optional,
     nonempty_string,
 )
-from sfl_core.method_registry import sections, strategies
+from sfl_core.method_registry import DEFAULT_STRATEGY, sections, strategies
 from sfl_core.data.partition import SCHEMES
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
 from sfl_core.wire.protocol import check_id
@@ -514,7 +514,7 @@ class RunConfig(Section):
     rounds: Annotated[int, POSITIVE_INTEGER] = 5
     per_round: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents selected per round; None = all
     min_agents: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents to wait for before round 1; None = fleet size
-    strategy: Annotated[str, checked(_strategy)] = "auto"
+    strategy: Annotated[str, checked(_strategy)] = DEFAULT_STRATEGY
     server_mode: Annotated[str, checked(one_of(*SERVER_MODES))] = "merged"
     split: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # None = the model's default split point
     profile_splits: Annotated[Optional[dict[str, int]], checked(optional(_split_map))] = None

@@ -24,6 +24,7 @@ from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import DeviceProfile, RunConfig
 from sfl_core.estimates import ClientTimeTable, FleetEstimates
 from sfl_core.fleet import AgentInfo
+from sfl_core.losses import LossSpec
 from sfl_core.model.zoo import SplitModel
 
 
@@ -101,11 +102,25 @@ class Method:
                 f"{cfg.strategy!r} does not keep")
 
     @classmethod
+    def prepare_model(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> None:
+        """Give the run's global model what this method trains beyond the zoo model (a
+        bottleneck at the cut), before any round; called for the base method and every layer
+        the config asks for (:func:`sfl_core.method_registry.prepare_model`)."""
+        return None
+
+    @classmethod
     def preview_variants(cls, base: RunConfig, model: SplitModel,
                          costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
         """``sfl-coord plan``'s comparison: this method's runs of ``base`` (the user's config with
         every method's own switches off), by the name the table shows; none by default."""
         return {}
+
+    @classmethod
+    def plan_notes(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
+                   rows: Sequence[Any]) -> list[tuple[str, str]]:
+        """``sfl-coord plan``'s remarks under the comparison (``rows``: every method's
+        :class:`~sfl_core.methods.preview.MethodPreview`), as (text, style) lines; none by default."""
+        return []
 
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         self.cfg = cfg
@@ -177,6 +192,10 @@ class Method:
     def round_metrics(self) -> dict[str, Any]:
         """Extra keys of the round's metrics record (what the method decided, for the curves)."""
         return {}
+
+    def server_loss(self) -> LossSpec:
+        """How the server scores the rows it trains on: the run's ``loss`` by default."""
+        return LossSpec(self.cfg.loss, self.cfg.calibration_tau)
 
     # ----------------------------------------------------------------- what comes back
     def observe(self, rounds: Sequence[AgentRound]) -> None:
@@ -252,6 +271,9 @@ class Layer(Method):
 
     def round_metrics(self) -> dict[str, Any]:
         return self.inner.round_metrics()
+
+    def server_loss(self) -> LossSpec:
+        return self.inner.server_loss()
 
     def observe(self, rounds: Sequence[AgentRound]) -> None:
         self.inner.observe(rounds)

@@ -44,6 +44,8 @@ class MethodPreview:
     waiting_s: float
     agents: dict[str, Assignment]
     phase: str = ""
+    strategy: str = ""
+    """The ``strategy:`` of the run config this row was planned from."""
 
     def to_json(self) -> dict[str, Any]:
         return {"method": self.method, "round_s": self.round_s, "bytes_per_round": self.bytes_per_round,
@@ -89,5 +91,5 @@ def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
             rows[a] = Assignment(split, codec, batch, width, opt.time(batch), traffic)
         times = [x.time_s for x in rows.values()]
         out.append(MethodPreview(name, timing.round_time(times), sum(x.bytes for x in rows.values()),
-                                 timing.waiting_time(times), rows, plan.phase))
+                                 timing.waiting_time(times), rows, plan.phase, variant.strategy))
     return out

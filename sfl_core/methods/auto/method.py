@@ -47,6 +47,43 @@ log = logging.getLogger(__name__)
 
 class Auto(Method):
     @classmethod
+    def plan_notes(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
+                   rows: Sequence[Any]) -> list[tuple[str, str]]:
+        """The bottleneck widths auto decided for this fleet, and where another method's round is
+        predicted shorter, by how much (and, when that method's edge is a bottleneck, which key
+        gives auto one too)."""
+        from sfl_core.methods.preview import variants
+
+        notes = []
+        mine = next((r for r in rows if r.strategy == "auto"), None)
+        auto_cfg = variants(cfg, model, costs)["auto"]
+        widths = decide_widths(auto_cfg, model, costs)
+        if auto_cfg.auto.widths:      # what auto decided (widths: auto), or the widths listed
+            notes.append((widths.why or f"bottleneck: widths {list(auto_cfg.auto.widths)}", "red"))
+        rival = min((r for r in rows if r is not mine), key=lambda r: r.round_s, default=None)
+        if mine is not None and rival is not None and rival.round_s < mine.round_s:
+            hint = ""
+            if any(x.width for x in rival.agents.values()) and not widths.widths:
+                how = ("list widths in auto.widths, or lower auto.min_bottleneck_values"
+                       if auto_cfg.auto.widths == "auto" else "set auto.widths (auto, or a list)")
+                hint = f" Its bottleneck is one of auto's options: {how} (docs/methods.md §11)."
+            notes.append((f"{rival.method}'s round is predicted {mine.round_s / rival.round_s:.2f}x shorter "
+                          f"than auto's.{hint}", "yellow"))
+        return notes
+
+    @classmethod
+    def prepare_model(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> None:
+        """The bottleneck at the run's split where auto trains widths (:func:`decide_widths`): as
+        wide as the widest, running at the narrowest auto may assign (the engine widens it as
+        agents train wider ones)."""
+        widths = decide_widths(cfg, model, costs).widths
+        if widths:
+            pair = model.add_bottleneck(cfg.split or model.default_split, max(widths))
+            channels = pair.activation_shape[0]
+            pair.infer_width = min((w for w in widths if within_bottleneck(w, channels, cfg.auto.max_bottleneck)),
+                                   default=pair.width)
+
+    @classmethod
     def preview_variants(cls, base: RunConfig, model: SplitModel,
                          costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
         return {"auto": dataclasses.replace(base, strategy="auto")}

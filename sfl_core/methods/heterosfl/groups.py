@@ -17,7 +17,6 @@ import math
 from typing import Mapping, Sequence
 
 
-
 def _check_rate(name: str, r: float) -> None:
     if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or r <= 0:
         raise ValueError(f"{name}: link rate must be a finite positive number of bytes/s, got {r!r}")
@@ -96,42 +95,3 @@ def widths_for_groups(group_rates: Sequence[float], full_width: int, *, min_widt
     return [min(full_width, max(min_width, math.floor(full_width * r / fastest + 1e-9))) for r in group_rates]
 
 
-def under_represented_classes(group_label_counts: Sequence[int], global_label_counts: Sequence[int],
-                              theta: float = 0.1, *, relative: bool = True) -> list[int]:
-    """BDKS's set R of under-represented classes for the wide (high-end) group, ascending.
-
-    The paper (§4.2) defines R as the classes processed by the high-end group "where the
-    number of samples per class is less than θ% of its share in the global dataset"
-    (θ = 10 %), and calls R "a subset of minority classes in high-end group". A *share* is
-    a proportion, so both sides are label proportions:
-
-        R = { c : n_group[c] / N_group  <  θ · n_global[c] / N_global }
-
-    — class ``c`` makes up less of the group's data than a fraction θ of what it makes up of
-    the global data (docs/methods.md §6). This is a statement about the group's label *mix*:
-    it does not change when the group holds more or less of the data overall, which is what
-    over-fitting to the group's mix depends on. The global counts are the whole population's
-    (every agent's data), of which the group is a part. Classes absent globally are never in
-    R (the narrow model knows nothing about them either); the complement J is every other
-    class. A group with no data at all lacks every class present globally.
-
-    ``relative=False`` is the other reading, absolute counts, ``n_group[c] < θ · n_global[c]``
-    (the group holds less than a fraction θ of the class's samples), which makes the bar
-    depend on how much of all data the group holds.
-    """
-    g = [int(x) for x in group_label_counts]
-    a = [int(x) for x in global_label_counts]
-    if len(g) != len(a) or not g:
-        raise ValueError(f"need one group and one global count per class, got {len(g)} and {len(a)}")
-    if any(x < 0 for x in g) or any(x < 0 for x in a):
-        raise ValueError("label counts must be non-negative")
-    if any(x > y for x, y in zip(g, a)):
-        raise ValueError(f"a group cannot hold more samples of a class than the whole data set: {g} vs {a}")
-    if not math.isfinite(theta) or not 0 <= theta <= 1:
-        raise ValueError(f"theta must be in [0, 1], got {theta!r}")
-    if relative:
-        ng, na = sum(g), sum(a)
-        if ng == 0:
-            return [c for c in range(len(a)) if a[c] > 0 and theta > 0]
-        return [c for c in range(len(a)) if a[c] > 0 and g[c] * na < theta * a[c] * ng]
-    return [c for c in range(len(a)) if a[c] > 0 and g[c] < theta * a[c]]

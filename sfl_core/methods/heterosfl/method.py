@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
+from sfl_core.losses import LossSpec
 from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 from sfl_core.methods.base import Layer, RoundPlan
 from sfl_core.methods.heterosfl.config import HeteroConfig
@@ -22,6 +23,20 @@ from sfl_core.model.zoo import SplitModel
 
 
 class HeteroSFL(Layer):
+    @classmethod
+    def prepare_model(cls, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> None:
+        """The bottleneck at the run's split, ``hetero.width`` wide. With fixed per-group widths
+        nobody trains the channels past the widest, so the full model is evaluated without them."""
+        h = HeteroConfig.of(cfg)
+        if h.width is not None:
+            pair = model.add_bottleneck(cfg.split or model.default_split, h.width)
+            pair.infer_width = max(h.widths) if h.widths else h.width
+
+    def server_loss(self) -> LossSpec:
+        """The run's loss, with BDKS's distillation terms where ``hetero.bdks`` asks for them."""
+        h = HeteroConfig.of(self.cfg)
+        return LossSpec(self.cfg.loss, self.cfg.calibration_tau, h.bdks, h.bdks_alpha, h.bdks_theta)
+
     @classmethod
     def preview_variants(cls, base: RunConfig, model: SplitModel,
                          costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:

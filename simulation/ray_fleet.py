@@ -2,7 +2,7 @@
 training runs in parallel on several cores or machines.
 
 Only the transport changes. The engine, the virtual clock and the messages stay those of
-the serial simulation (:mod:`coordinator.inprocess`). Each actor hosts a group of agents
+the serial simulation (:mod:`simulation.inprocess`). Each actor hosts a group of agents
 and trains them one after another; the actors run side by side.
 
 - Messages cross to an actor as the protocol's own encoded bytes, and come back the same
@@ -28,7 +28,7 @@ from sfl_core.config.run import RunConfig
 from sfl_core.data.builtin import Dataset
 from sfl_core.wire.protocol import Message
 
-from coordinator.inprocess import InProcessTransport, SimAgent, answer, fleet_agents
+from simulation.inprocess import InProcessTransport, SimAgent, answer, fleet_agents
 
 log = logging.getLogger("sfl.sim")
 

@@ -1,4 +1,4 @@
-"""``sfl-agent``: run an edge agent against a coordinator, or measure this device."""
+"""``sfl-agent start`` and ``check-data``: join a run, or check this device's data against it first."""
 
 from __future__ import annotations
 
@@ -9,38 +9,10 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
 from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
-from sfl_core.console import say
-from sfl_core.version import version_option   # standard library and typer only, no torch
 
-# torch-using modules (sfl_core.model.zoo, .data, .config via .wire, edge_agent.profiler) are imported
-# inside the commands that need them: `sfl-agent predict` must run on a board without torch
-
-app = typer.Typer(help="Split federated learning edge agent.", no_args_is_help=True, add_completion=False,
-                  rich_markup_mode=None)
-console = Console(stderr=True)
-
-
-def _say(text: str, style: str = "red") -> None:
-    say(console, text, style)
-
-
-@app.callback()
-def _main(version: Optional[bool] = version_option("sfl-agent")) -> None:
-    pass
-
-
-def _use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
-    """``start --config``: the file's settings become defaults that flags override (edge_agent.settings)."""
-    if value is None:
-        return value
-    from edge_agent.settings import use_config_file  # imports sfl_core.config.run (torch): only when used
-
-    # 'data' is a directory and 'profile' a name or a YAML path: relative ones are relative to the file
-    return use_config_file(ctx, param, value, path_options={"data", "trust_file", "model_file"},
-                            maybe_path_options={"profile"})   # coordinator_key: base64 has '/', never resolved
+from cli.agent.app import app, console, tell, use_config_file
 
 
 def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bool, label_protection: Optional[str],
@@ -61,7 +33,7 @@ def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bo
 
 
 @app.command()
-def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager=True, callback=_use_config_file,
+def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager=True, callback=use_config_file,
                                                 help="YAML file of these options (keys: the option names with "
                                                 "underscores, e.g. shard_file); flags given here win over it. "
                                                 "See profiles/agent.example.yaml."),
@@ -128,13 +100,13 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     try:
         prof = load_profile(profile)
     except ConfigError as exc:
-        _say(str(exc))
+        tell(str(exc))
         raise typer.Exit(2)
     try:
         key = parse_public(coordinator_key, "--coordinator-key") if coordinator_key else None
         Trust(key, trust_file)   # an unreadable trust file is a configuration error, found now
     except TrustError as exc:
-        _say(str(exc))
+        tell(str(exc))
         raise typer.Exit(2)
     if slowdown != 1.0 and (not emulate or not slowdown >= 1.0):
         console.print(f"--slowdown {slowdown}: needs --emulate and a factor >= 1", style="red", markup=False)
@@ -147,7 +119,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     try:
         address = address_from_options(broker, ca_file, cert_file, key_file, password_file)
     except ValueError as exc:
-        _say(str(exc))
+        tell(str(exc))
         raise typer.Exit(2)
     try:
         privacy = _privacy(nopeek, activation_noise, withhold_labels, label_protection, dp_sgd)
@@ -173,16 +145,16 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     try:
         code = runner.run()
     except AgentStopped:   # a service manager's stop: a clean exit, not a failure to restart from
-        _say(f"agent {name}: stopped by a signal", style="yellow")
+        tell(f"agent {name}: stopped by a signal", style="yellow")
         code = 0
     except DuplicateAgentError as exc:   # exit 2: a service manager must not restart into the same conflict
-        _say(f"agent {name}: {exc}")
+        tell(f"agent {name}: {exc}")
         raise typer.Exit(2)
     except (DatasetError, ContractError) as exc:   # exit 2: fixed by a person (data, model), not a restart
-        _say(f"agent {name}: {exc}")
+        tell(f"agent {name}: {exc}")
         raise typer.Exit(2)
     except (AgentError, ConnectionError, ValueError) as exc:
-        _say(f"agent {name}: {exc}")
+        tell(f"agent {name}: {exc}")
         raise typer.Exit(1)
     raise typer.Exit(code)
 
@@ -211,7 +183,7 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
 
     logging.getLogger("sfl.agent").setLevel(logging.ERROR)   # the report below says it all, once
     if fmt not in ("text", "json"):
-        _say(f"--format {fmt}: expected text or json")
+        tell(f"--format {fmt}: expected text or json")
         raise typer.Exit(2)
     settings: dict = {}
     if config is not None:
@@ -222,12 +194,12 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
         try:
             settings = load_settings_file(config, specs)
         except ConfigError as exc:
-            _say(str(exc))
+            tell(str(exc))
             raise typer.Exit(2)
     path = data or settings.get("data")
     files = [str(f) for f in model_file] or list(settings.get("model_file") or [])
     if not path:
-        _say("no data: give --data PATH or 'data:' in the --config file")
+        tell("no data: give --data PATH or 'data:' in the --config file")
         raise typer.Exit(2)
     report: dict = {"data": path}
     try:
@@ -263,7 +235,7 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
 
 def _print_check(report: dict) -> None:
     if report.get("error"):
-        _say(f"{report['data']}: does not fit the run: {report['error']}")
+        tell(f"{report['data']}: does not fit the run: {report['error']}")
         return
     if report["fits"] is None:
         console.print(f"{report['data']} ({report['kind']}):", markup=False, highlight=False, soft_wrap=True)
@@ -278,108 +250,3 @@ def _print_check(report: dict) -> None:
         console.print(f"  skipped {f}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     console.print(f"fits the run (model {report['model']['name']}, {report['model']['tensors']} tensors)",
                   style="green", markup=False, highlight=False)
-
-
-@app.command()
-def profile(model: str = typer.Option("small_cnn", help="A zoo model name (`sfl-coord models` lists them)."),
-            input_shape: str = typer.Option("1,28,28", help="Per-sample input shape."),
-            classes: int = typer.Option(10),
-            batch_size: int = typer.Option(16)) -> None:
-    """Time forward+backward of every client portion on this device (what `start` reports at registration)."""
-    from edge_agent.profiler import measure_compute
-    from sfl_core.model.accounting import model_costs
-    from sfl_core.model.zoo import build_model
-
-    shape = tuple(int(v) for v in input_shape.split(","))
-    m = build_model(model, shape, classes)
-    costs = model_costs(model, shape, classes)
-    splits = list(m.split_points)
-    secs = measure_compute(m, splits, {s: costs[s].client_flops for s in splits}, batch_size=batch_size)
-    console.print(f"{model} {shape}: seconds per sample (fwd+bwd of the client portion)")
-    for s in splits:
-        gflops = costs[s].client_flops / secs[s] / 1e9 if secs[s] > 0 else float("inf")
-        console.print(f"  split {s:>2} ({m.block_names[s - 1]:>8}): {secs[s] * 1e3:8.3f} ms/sample  ~{gflops:.2f} GFLOP/s")
-
-
-@app.command()
-def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coord export` (its .json sidecar beside it)."),
-            inputs: Path = typer.Argument(..., help=".npy array (N x input shape, float32, or one sample), "
-                                          "or .npz with key 'x'; preprocessed like the run's training data "
-                                          "(or raw pixels, with --raw). With --raw also a photo, or a folder "
-                                          "of them (a <class>/<image> folder gives the true classes)."),
-            output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the predictions as JSON."),
-            labels_file: Optional[Path] = typer.Option(None, "--labels", help="The inputs' true classes (.npy of "
-                                                       "integers, or .npz with key 'y'): adds a 'true' column "
-                                                       "and the accuracy."),
-            raw: bool = typer.Option(False, "--raw", help="The inputs are raw pixels: scale, resize and "
-                                     "standardise them as the run did (constants from the model's sidecar)."),
-            show: int = typer.Option(20, help="Rows shown in the table (--output gets all of them)."),
-            threads: Optional[int] = typer.Option(None, help="onnxruntime threads; default: all cores.")) -> None:
-    """Classify local inputs with an exported model, with onnxruntime only (no torch needed)."""
-    import json
-
-    import numpy as np
-    from rich.table import Table
-
-    from sfl_core.model.onnx_export import (IMAGE_SUFFIXES, OnnxError, OnnxPredictor, load_inputs, load_labels,
-                                      load_raw_images, preprocess_raw, softmax)
-
-    try:
-        predictor = OnnxPredictor(model, threads=threads)
-        if predictor.meta.get("output", "logits") != "logits":
-            raise OnnxError(f"{model} is a client portion (split {predictor.meta.get('split')}): it outputs "
-                            "activations, not class scores; export the whole model (no --split) to predict")
-        truth = None
-        if raw and (inputs.is_dir() or inputs.suffix.lower() in IMAGE_SUFFIXES):
-            x, truth, _files = load_raw_images(inputs, predictor.meta.get("preprocessing"), predictor.classes)
-        else:
-            x = load_inputs(inputs)
-            if raw:
-                x = preprocess_raw(x, predictor.meta.get("preprocessing"))
-        logits = predictor.run(x)
-        if labels_file is not None:
-            truth = load_labels(labels_file, logits.shape[0], logits.shape[1])
-    except OnnxError as exc:
-        _say(str(exc))
-        raise typer.Exit(2)
-    probs = softmax(logits.astype(np.float64))
-    cls = probs.argmax(axis=1)
-    names = predictor.classes or [str(i) for i in range(probs.shape[1])]
-
-    def name(c: int) -> str:
-        return names[c] if c < len(names) else str(c)
-
-    # "predicted", not "label": the column is the model's answer, never ground truth
-    rows = [{"row": i, "class": int(c), "predicted": name(int(c)), "probability": float(probs[i, c])}
-            for i, c in enumerate(cls)]
-    if truth is not None:
-        for r, t in zip(rows, truth):
-            r["true"] = name(int(t))
-    table = Table(title=f"{predictor.meta.get('model', model.name)}: {len(rows)} row(s) from {inputs}")
-    columns = ("row", "class", "predicted", "probability") + (("true",) if truth is not None else ())
-    for col in columns:
-        table.add_column(col, justify="right")
-    for r in rows[:max(show, 0)]:
-        table.add_row(str(r["row"]), str(r["class"]), r["predicted"], f"{r['probability']:.4f}",
-                      *((r["true"],) if truth is not None else ()))
-    Console().print(table)
-    if len(rows) > show:
-        console.print(f"... {len(rows) - max(show, 0)} more row(s); --output writes them all")
-    counts = np.bincount(cls, minlength=probs.shape[1])
-    console.print("predicted class counts: " + ", ".join(f"{name(i)}: {n}" for i, n in enumerate(counts) if n))
-    accuracy = None
-    if truth is not None:
-        hits = int((cls == truth).sum())
-        accuracy = hits / len(truth) if len(truth) else 0.0
-        against = labels_file if labels_file is not None else f"the class folders of {inputs}"
-        console.print(f"accuracy: {accuracy:.4f} ({hits}/{len(truth)} against {against})")
-    if output is not None:
-        doc = {"model": str(model), "inputs": str(inputs), "model_info": predictor.meta, "predictions": rows}
-        if truth is not None:
-            doc.update(labels=str(labels_file) if labels_file is not None else "class folders", accuracy=accuracy)
-        output.write_text(json.dumps(doc, indent=1) + "\n")
-        console.print(f"wrote {output}")
-
-
-if __name__ == "__main__":
-    app()
