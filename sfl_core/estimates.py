@@ -102,6 +102,18 @@ class AgentState:
                        fixed=self.fixed if fixed is None else smooth(self.fixed, fixed, alpha))
 
 
+def scale_lr(base_lr: float, batch: int, base_batch: int) -> float:
+    """Eq. 15: an agent's learning rate proportional to its batch (linear scaling rule).
+
+    The paper follows [44]: ``eta_i = base_lr * d_i / base_batch``, so an agent taking a
+    bigger batch (a less noisy gradient) takes a proportionally bigger step, and per-sample
+    progress is the same for everyone. ``base_batch`` is the batch ``base_lr`` was tuned for
+    (usually the maximum batch ``D``).
+    """
+    lr = nonneg_float("base_lr", base_lr, positive=True)
+    return lr * positive_int("batch", batch) / positive_int("base_batch", base_batch)
+
+
 # ====================================================================== client time table (S2FL)
 
 

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
+from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 from cli.agent.app import app, console, tell, use_config_file
 

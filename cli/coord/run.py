@@ -15,7 +15,7 @@ import typer
 
 from sfl_core.config.run import RunConfig, default_profiles_dir
 
-from sfl_core.transport.cli_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
+from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 from coordinator import state as ckpt
 from coordinator.console import print_table, summary_table

@@ -31,9 +31,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from sfl_core.methods.mergesfl import control as mergesfl
 from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import RunConfig
+from sfl_core.estimates import scale_lr
+from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, priorities
 from sfl_core.fleet import AgentInfo, fleet_of
 from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
 from sfl_core.timing import Option, price_option
@@ -190,7 +191,7 @@ class Auto(Method):
         plan = plan_round(options, memory, total=total, lo=a.min_batch, hi=self.max_batch, regulate=a.regulate)
         if a.regulate and plan.agents and epsilon is not None:
             counts = {x: agents[x].label_counts for x in plan.agents}
-            target = mergesfl.population_distribution({x: i.label_counts for x, i in agents.items()})
+            target = population_distribution({x: i.label_counts for x, i in agents.items()})
             batches = {x: p.batch for x, p in plan.agents.items()}
             equal = _equal(batches)
             fair = limit_skew(batches, equal, counts, target, epsilon)
@@ -237,7 +238,7 @@ class Auto(Method):
 
     def lr(self, batch: int | None) -> float:
         """MergeSFL's Eq. 15: the learning rate scales with the agent's batch."""
-        return self.cfg.lr if batch is None else mergesfl.scale_lr(self.cfg.lr, batch, self.cfg.batch_size)
+        return self.cfg.lr if batch is None else scale_lr(self.cfg.lr, batch, self.cfg.batch_size)
 
     def aggregation_weight(self, info: AgentInfo, batch_size: int) -> float:
         return float(batch_size)
@@ -392,16 +393,16 @@ def select_by_label_mix(online: Sequence[str], agents: Mapping[str, AgentInfo], 
     fleet (MergeSFL's genetic search is :func:`sfl_core.methods.mergesfl.control.select_workers`)."""
     ids = sorted(online)
     rng = np.random.default_rng(seed)
-    weights = mergesfl.priorities({a: agents[a].rounds for a in ids}, ids)
+    weights = priorities({a: agents[a].rounds for a in ids}, ids)
     keys = rng.random(len(ids)) ** (1.0 / weights)          # Efraimidis-Spirakis: weighted, no replacement
     pool = [ids[i] for i in np.argsort(-keys)[:min(len(ids), k + max(1, k // 2))]]   # largest key first
-    target = mergesfl.population_distribution({a: i.label_counts for a, i in agents.items()})
-    rows = mergesfl.dist_matrix(pool, {a: agents[a].label_counts for a in pool})
+    target = population_distribution({a: i.label_counts for a, i in agents.items()})
+    rows = dist_matrix(pool, {a: agents[a].label_counts for a in pool})
     chosen: list[int] = []
     mix = np.zeros_like(target)
     for n in range(1, min(k, len(pool)) + 1):
         trial = (mix * (n - 1) + rows) / n                   # the mix with each candidate added
-        score = mergesfl.kl_rows(trial, target)
+        score = kl_rows(trial, target)
         score[chosen] = np.inf
         best = int(np.flatnonzero(score <= score.min() + 1e-9)[0])   # pool order: the larger key wins ties
         chosen.append(best)

@@ -56,7 +56,13 @@ from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
-from sfl_core.estimates import AgentState, nonneg_float, positive_int, probability, smooth
+from sfl_core.estimates import AgentState, nonneg_float, positive_int, probability, scale_lr, smooth
+from sfl_core.label_mix import (
+    KL_EPS, batch_vector, dist_matrix, distribution, kl, kl_rows, mixed_distribution, population_distribution,
+    priorities, selected_ids,
+)
+
+_TINY = 1e-15      # KL or score differences below this are float noise, not progress
 
 __all__ = [
     "AgentState", "KL_EPS", "MergePlan", "Selection", "Tuning",
@@ -65,59 +71,8 @@ __all__ = [
     "regulate_batches", "scale_lr", "select_workers", "smooth", "split_transfer", "tune_batches",
 ]
 
-KL_EPS = 1e-12
-"""Floor for ``Phi_0`` entries inside :func:`kl`: a class the target lacks but the mix has
-would make the KL infinite; with the floor it costs ``p_j * ln(p_j / 1e-12)`` (about
-``27.6 * p_j`` nats), large enough that any mix covering the target's support wins."""
 
-_TINY = 1e-15      # KL or score differences below this are float noise, not progress
 _FLOOR_SLACK = 1e-9  # d_l * ratio may land a hair under an integer it equals exactly
-
-
-def _batch_vector(ids: Sequence[str], batches: Mapping[str, int]) -> np.ndarray:
-    missing = [a for a in ids if a not in batches]
-    if missing:
-        raise ValueError(f"no batch size for agents {missing[:5]}")
-    return np.array([positive_int(f"batch of agent {a!r}", batches[a]) for a in ids], dtype=np.int64)
-
-
-def dist_matrix(ids: Sequence[str], label_dists: Mapping[str, Sequence[float]]) -> np.ndarray:
-    """Rows ``V_i`` (normalised, so raw label counts work too) for ``ids``, validated."""
-    missing = [a for a in ids if a not in label_dists]
-    if missing:
-        raise ValueError(f"no label distribution for agents {missing[:5]}")
-    rows = []
-    for a in ids:
-        v = np.asarray(label_dists[a], dtype=np.float64)
-        if v.ndim != 1 or v.size == 0:
-            raise ValueError(f"agent {a!r}: label distribution must be a non-empty 1-D sequence, "
-                             f"got {label_dists[a]!r}")
-        if not np.all(np.isfinite(v)) or (v < 0).any() or v.sum() <= 0:
-            raise ValueError(f"agent {a!r}: label distribution must be finite, non-negative and not all zero")
-        rows.append(v)
-    widths = {r.size for r in rows}
-    if len(widths) > 1:
-        raise ValueError(f"agents report different numbers of classes: {sorted(widths)}")
-    m = np.vstack(rows)
-    return m / m.sum(axis=1, keepdims=True)
-
-
-def _distribution(name: str, p: Sequence[float] | np.ndarray) -> np.ndarray:
-    v = np.asarray(p, dtype=np.float64)
-    if v.ndim != 1 or v.size == 0 or not np.all(np.isfinite(v)) or (v < 0).any() or v.sum() <= 0:
-        raise ValueError(f"{name} must be a non-empty 1-D vector, finite, non-negative, not all zero")
-    return v / v.sum()
-
-
-def _selected_ids(selected: Collection[str]) -> list[str]:
-    if isinstance(selected, str):
-        raise ValueError("selected must be a collection of agent ids, not one string")
-    ids = list(selected)
-    if not ids:
-        raise ValueError("selected is empty: a round needs at least one agent")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"selected lists an agent twice: {ids}")
-    return sorted(ids)
 
 
 def _sample_capacity(bytes_per_sample: float, budget: float) -> int:
@@ -208,18 +163,6 @@ def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_ba
     return out
 
 
-def scale_lr(base_lr: float, batch: int, base_batch: int) -> float:
-    """Eq. 15: an agent's learning rate proportional to its batch (linear scaling rule).
-
-    The paper follows [44]: ``eta_i = base_lr * d_i / base_batch``, so an agent taking a
-    bigger batch (a less noisy gradient) takes a proportionally bigger step, and per-sample
-    progress is the same for everyone. ``base_batch`` is the batch ``base_lr`` was tuned for
-    (usually the maximum batch ``D``).
-    """
-    lr = nonneg_float("base_lr", base_lr, positive=True)
-    return lr * positive_int("batch", batch) / positive_int("base_batch", base_batch)
-
-
 # ====================================================================== 3. bandwidth budget (Eq. 10)
 
 
@@ -272,61 +215,6 @@ def estimate_budget(past_ingress_bytes: Sequence[float], *, window: int = 10, qu
 # ====================================================================== 4. label mixing and KL (Eq. 11-12)
 
 
-def population_distribution(label_counts: Mapping[str, Sequence[float]], *, pooled: bool = True) -> np.ndarray:
-    """``Phi_0``, the target label mix: what an IID batch from the whole population looks like.
-
-    ``pooled=True`` (default) sums the agents' label counts and normalises — the true
-    population distribution when the rows are counts. ``pooled=False`` is the paper's
-    literal ``Phi_0 = 1/N sum_i V_i`` (each row normalised first), which equals the pooled
-    one when every agent holds equally many samples. Rows that are already distributions
-    give the paper's formula either way.
-    """
-    if not label_counts:
-        raise ValueError("population_distribution needs at least one agent")
-    ids = sorted(label_counts)
-    if pooled:
-        raw = dist_matrix(ids, label_counts)  # validates; rows normalised ...
-        sizes = np.array([float(np.sum(np.asarray(label_counts[a], dtype=np.float64))) for a in ids])
-        total = (raw * sizes[:, None]).sum(axis=0)  # ... so undo it to pool the counts
-    else:
-        total = dist_matrix(ids, label_counts).mean(axis=0)
-    return total / total.sum()
-
-
-def mixed_distribution(selected: Collection[str], batches: Mapping[str, int],
-                       label_dists: Mapping[str, Sequence[float]]) -> np.ndarray:
-    """Eq. 11: ``Phi_h = sum_{i in S} d_i V_i / sum_{i in S} d_i``.
-
-    The expected label mix of one merged server batch: agent ``i`` contributes ``d_i``
-    samples drawn from its label distribution ``V_i`` (rows are normalised, so label counts
-    work as well). Raises ``ValueError`` for an empty selection or a missing agent.
-    """
-    ids = _selected_ids(selected)
-    d = _batch_vector(ids, batches).astype(np.float64)
-    return d @ dist_matrix(ids, label_dists) / d.sum()
-
-
-def kl(p: Sequence[float] | np.ndarray, q: Sequence[float] | np.ndarray, eps: float = KL_EPS) -> float:
-    """Eq. 12: ``KL(p || q) = sum_j p_j ln(p_j / q_j)`` in nats.
-
-    Both vectors are normalised first. Terms with ``p_j = 0`` are 0 (the limit of
-    ``x ln x``); ``q_j`` is floored at ``eps`` (:data:`KL_EPS`) so a class the target lacks
-    costs a large finite amount instead of infinity, keeping GA fitnesses comparable.
-    """
-    pp = _distribution("p", p)
-    qq = _distribution("q", q)
-    if pp.shape != qq.shape:
-        raise ValueError(f"p and q must have the same length, got {pp.size} and {qq.size}")
-    return float(kl_rows(pp[None, :], qq, eps)[0])
-
-
-def kl_rows(P: np.ndarray, q: np.ndarray, eps: float = KL_EPS) -> np.ndarray:
-    """KL of each row of ``P`` (rows are distributions) against ``q``; vectorised Eq. 12."""
-    logq = np.log(np.maximum(q, eps))
-    safe = np.where(P > 0, P, 1.0)
-    return np.sum(np.where(P > 0, P * (np.log(safe) - logq), 0.0), axis=-1)
-
-
 # ====================================================================== 5. worker selection: GA (Eq. 10-13)
 
 
@@ -340,22 +228,6 @@ class Selection:
     kl: float
     load_bytes: float
     generations: int
-
-
-def priorities(participation: Mapping[str, int], agents: Sequence[str]) -> np.ndarray:
-    """Eq. 13: ``p_i = sum_j (K_j + 1) / (K_i + 1)`` for ``agents``, in their order.
-
-    ``K_i`` counts the rounds agent ``i`` took part in; agents missing from
-    ``participation`` have never taken part (``K_i = 0``). Rarely chosen agents get a
-    large priority, so every agent's data is seen over time. (The numerator is common to
-    all agents; only the ratio ``1 / (K_i + 1)`` matters for sampling.)
-    """
-    counts = [participation.get(a, 0) for a in agents]
-    for a, x in zip(agents, counts):
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
-            raise ValueError(f"participation of agent {a!r} must be an integer >= 0, got {x!r}")
-    k1 = np.array(counts, dtype=np.float64) + 1.0
-    return k1.sum() / k1
 
 
 def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[str, int], bytes_per_sample: float,
@@ -426,9 +298,9 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
     if not batches:
         raise ValueError("select_workers needs at least one candidate agent")
     ids = sorted(batches)
-    d_all = _batch_vector(ids, batches)
+    d_all = batch_vector(ids, batches)
     V_all = dist_matrix(ids, label_dists)
-    q = population_distribution(label_dists) if target is None else _distribution("target", target)
+    q = population_distribution(label_dists) if target is None else distribution("target", target)
     if q.size != V_all.shape[1]:
         raise ValueError(f"target has {q.size} classes, label distributions have {V_all.shape[1]}")
     prio_all = priorities(participation, ids)
@@ -583,7 +455,7 @@ def tune_batches(selected: Collection[str], batches: Mapping[str, int], label_di
     which keeps ``Phi_h`` up to rounding. ``Phi_0`` defaults to
     :func:`population_distribution` over ``label_dists``.
     """
-    ids = _selected_ids(selected)
+    ids = selected_ids(selected)
     eps = nonneg_float("epsilon", epsilon)
     lo = positive_int("min_batch", min_batch)
     hi = math.inf if max_batch is None else positive_int("max_batch", max_batch)
@@ -595,11 +467,11 @@ def tune_batches(selected: Collection[str], batches: Mapping[str, int], label_di
     missing = [a for a in ids if a not in states]
     if missing:
         raise ValueError(f"no state for agents {missing[:5]}")
-    d0 = _batch_vector(ids, batches)
+    d0 = batch_vector(ids, batches)
     if (d0 < lo).any() or (d0 > hi).any():
         raise ValueError(f"input batches must lie in [{lo}, {max_batch}], got {dict(zip(ids, d0.tolist()))}")
     V = dist_matrix(ids, label_dists)
-    q = population_distribution(label_dists) if target is None else _distribution("target", target)
+    q = population_distribution(label_dists) if target is None else distribution("target", target)
     if q.size != V.shape[1]:
         raise ValueError(f"target has {q.size} classes, label distributions have {V.shape[1]}")
     s = np.array([states[a].per_sample for a in ids])
@@ -654,7 +526,7 @@ def fill_budget(batches: Mapping[str, int], bytes_per_sample: float, budget: flo
     if lo > hi:
         raise ValueError(f"min_batch ({lo}) exceeds max_batch ({max_batch})")
     ids = sorted(batches)
-    d = _batch_vector(ids, batches).astype(np.float64)
+    d = batch_vector(ids, batches).astype(np.float64)
     cap = _sample_capacity(c, b)
     if len(ids) * lo > cap:
         raise ValueError(f"budget {b!r} B cannot carry {len(ids)} agents at batch {lo} ({len(ids) * lo * c!r} B)")
@@ -720,7 +592,7 @@ def plan_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Seque
     if batch_cap is not None and positive_int("batch_cap", batch_cap) < max_batch:
         raise ValueError(f"batch_cap ({batch_cap}) must be >= max_batch ({max_batch}): Eq. 9 already gives D")
     regulated = regulate_batches(states, max_batch, tau=tau, min_batch=min_batch)
-    q = population_distribution(label_dists) if target is None else _distribution("target", target)
+    q = population_distribution(label_dists) if target is None else distribution("target", target)
     sel = select_workers(label_dists, regulated, bytes_per_sample, budget, participation, target=q,
                          seed=seed, **ga)  # type: ignore[arg-type]
     tuned = tune_batches(sel.agents, regulated, label_dists, epsilon, states, target=q, max_batch=batch_cap,

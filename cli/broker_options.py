@@ -13,7 +13,6 @@ from typing import Annotated, Optional
 import typer
 
 from sfl_core.transport.broker_url import BrokerAddress
-
 from sfl_core.transport.mqtt_link import broker_address
 
 __all__ = ["CaFile", "CertFile", "KeyFile", "PasswordFile", "address_from_options"]
