@@ -308,7 +308,7 @@ def dash(v: Any) -> str:
 
 
 def markdown_summary(spec: dict[str, Any], summary: dict[str, Any], caption: str) -> str:
-    """The summary as Markdown tables, one per setting (what the README quotes, regenerated
+    """The summary as Markdown tables, one per setting (what docs/results.md quotes, regenerated
     with every run rather than copied by hand)."""
     bases = spec.get("baselines", [])
     norm = _has_norm_stats(summary)

@@ -1,5 +1,5 @@
 """The server's losses (docs/methods.md §6): logit calibration (FedLC, Zhang et al., 2022, as
-HeteroSFL uses it) and HeteroSFL's BDKS (Chen et al., 2024): its set of under-represented
+HeteroSFL uses it) and HeteroSFL's BDKS (Chen et al., 2025): its set of under-represented
 classes and its two distillation terms. The server trainer combines them (Eq. 8, in
 ``coordinator.server_trainer``) as the run's method asks (:class:`LossSpec`, from
 ``Method.server_loss``).

@@ -21,7 +21,7 @@ METHODS = REPO / "docs" / "methods.md"
 
 def _user_facing_files() -> list[Path]:
     files = [REPO / "README.md", REPO / "pyproject.toml"]
-    files += sorted((REPO / "docs").glob("*.md"))
+    files += sorted((REPO / "docs").rglob("*.md")) + [REPO / "mkdocs.yml"]
     files += sorted((REPO / "profiles").rglob("*.yaml"))
     for pkg in ("sfl_core", "coordinator", "edge_agent", "simulation", "cli"):
         files += sorted((REPO / pkg).rglob("*.py"))

@@ -1,5 +1,5 @@
 """Split federated learning at one fixed cut (SplitFed, Thapa et al., 2022), or at a cut per
-device profile (FedFC, Tsai et al., 2023: ``profile_splits``).
+device profile (FedFC, Chung et al., 2023: ``profile_splits``).
 
 ``server_mode`` says how the server trains on the agents' activations: ``per_agent`` (SplitFed
 v1: one server copy per agent, averaged), ``merged`` (one copy on the concatenated batch, as

@@ -1,4 +1,4 @@
-"""HeteroSFL (Chen et al., 2024): per-group bottleneck widths and codecs by link rate.
+"""HeteroSFL (Chen et al., IEEE IoT Journal 2025; ICLR 2024 submission): per-group bottleneck widths and codecs by link rate.
 
 A layer over any split method: the round's agents are grouped by uplink rate (quantiles or
 ``hetero.thresholds``) and each group gets its bottleneck width (``hetero.widths``, or widths
