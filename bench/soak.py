@@ -41,6 +41,7 @@ from common import base_parser, print_table, write_result
 
 from simulation.clock import VirtualClock
 from coordinator.engine import RoundEngine
+from coordinator.transport import LocalTransport
 from simulation.inprocess import InProcessTransport, build_fleet
 from edge_agent.agent import AgentCore, LocalData
 from sfl_core.wire import protocol
@@ -86,7 +87,7 @@ def summarize(history: list[dict[str, Any]], killed_at: dict[str, list[int]]) ->
 
 # ----------------------------------------------------------------------------- simulation
 
-class ChaosTransport:
+class ChaosTransport(LocalTransport):
     """In-process transport whose agents die and come back, with hostile traffic mixed in."""
 
     def __init__(self, inner: InProcessTransport, fresh_agent, registrations: dict[str, Message], seed: int,

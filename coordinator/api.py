@@ -42,6 +42,7 @@ from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine
 from coordinator.run_lock import RunLock, RunLocked
 from coordinator.server_trainer import pick_device
+from coordinator.transport import LocalTransport
 
 log = logging.getLogger("sfl.coord")
 
@@ -289,7 +290,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
         lock.release()
 
 
-class _Unconnected:
+class _Unconnected(LocalTransport):
     """The engine's transport until the broker is reached: nothing may be sent yet."""
 
     def send(self, agent_id: str, msg: Any) -> int:
@@ -297,9 +298,6 @@ class _Unconnected:
 
     def poll(self, timeout: float) -> None:
         raise RuntimeError("not connected")
-
-    def live_time(self) -> float:
-        return time.monotonic()
 
 
 def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) -> tuple[list[dict], RoundEngine]:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from sfl_core import timing
 
 
 from sfl_core.wire import protocol
@@ -34,14 +32,16 @@ from sfl_core.methods.base import AgentRound, RoundPlan
 from sfl_core.model.fingerprint import architecture, digest, fingerprinted
 from sfl_core.model.zoo import SplitModel, build_model
 from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
-from sfl_core.privacy import privacy_summary
 from sfl_core.wire.protocol import Message
 
 from coordinator import evaluation, state as ckpt
 from coordinator.export import describe_model, restore_widths, run_model
 from coordinator.registry import Registry
 from coordinator.session import Event, FleetSession, RoundAgent
+from coordinator.clock import AgentWork, Clock
+from coordinator.round_record import agent_row, round_record
 from coordinator.server_trainer import ServerTrainer
+from coordinator.transport import Transport
 from coordinator.server_workers import GradReducer, ServerShards, shard_agents
 
 log = logging.getLogger("sfl.coord")
@@ -63,30 +63,6 @@ def _counters(ra: RoundAgent) -> dict[str, Any]:
     """What a server worker counted for one of its agents this round (sent to the leader)."""
     return {"bytes_up": ra.bytes_up, "bytes_down": ra.bytes_down, "messages": ra.messages, "busy_s": ra.busy_s,
             "server_s": ra.server_s, "labels_withheld": ra.labels_withheld}
-
-
-class Transport(Protocol):
-    def send(self, agent_id: str, msg: Message) -> int:
-        """Deliver ``msg`` to one agent; return the bytes it took on the wire."""
-
-    def poll(self, timeout: float) -> Optional[Message]:
-        """Next validated message from any agent, or None after ``timeout`` seconds."""
-
-    # optional: ``live_time() -> float``, a monotonic clock that stands still while the agents
-    # cannot be reached (MQTT: broker down); silence is measured on it. Default: time.monotonic.
-
-
-class Clock(Protocol):
-    virtual: bool
-
-    @property
-    def elapsed(self) -> float: ...
-
-    def restore(self, elapsed_s: float) -> None: ...
-
-    def agent_time(self, **kwargs: Any) -> timing.AgentTime: ...
-
-    def end_round(self, agent_times: list[float], wall_s: float) -> float: ...
 
 
 class RoundEngine:
@@ -113,7 +89,7 @@ class RoundEngine:
         self.out_dir = Path(out_dir)
         self.device = torch.device(device)
         self.on_event = on_event or (lambda _e, _d: None)
-        self._now: Callable[[], float] = getattr(transport, "live_time", time.monotonic)
+        self._now: Callable[[], float] = transport.live_time
         torch.manual_seed(cfg.seed)
         self.model: SplitModel = run_model(cfg, self.input_shape, num_classes).to(self.device)
         task = cfg.task
@@ -155,7 +131,7 @@ class RoundEngine:
         the engine first, so that everything that can refuse a resume is checked before
         anything goes on the wire)."""
         self.transport = transport
-        self._now = getattr(transport, "live_time", time.monotonic)
+        self._now = transport.live_time
         self.registry.now = self._now
         self.session.transport = transport
         self.session._now = self._now
@@ -211,9 +187,7 @@ class RoundEngine:
             raise RoundFailed("normalize: federated, but no registered agent sent its channel statistics")
         norm = ChannelStats.combine(parts.values())
         self._standardise(norm)
-        amend = getattr(self.transport, "amend_run_info", None)   # a deployment: the run description says it too
-        if amend is not None:
-            amend(normalize=norm.to_wire())
+        self.transport.amend_run_info(normalize=norm.to_wire())   # a deployment: the run description says it too
         text = (f"standardisation from {len(parts)} agent(s), {sum(p.count for p in parts.values())} values per "
                 f"channel: mean {[round(m, 4) for m in norm.mean]}, std {[round(v, 4) for v in norm.std]}")
         log.info(text)
@@ -402,14 +376,12 @@ class RoundEngine:
         return self.session.rejected_totals()
 
     def select(self, r: int) -> list[str]:
-        """Uniform random selection, seeded per round so a resumed run selects the same agents."""
+        """The round's uniform sample of the online agents, as the method draws it (its ``select``
+        may then choose otherwise)."""
         online = self.session.online()
         if not online:
             raise RuntimeError("no agent is online")
-        if self.method.selects_everyone(r):
-            return online
-        k = min(self.cfg.per_round or len(online), len(online))
-        return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(online, k))
+        return self.method.uniform_sample(r, online)
 
     # ================================================================ internals
     def _widen_bottlenecks(self, plan: RoundPlan) -> None:
@@ -490,10 +462,33 @@ class RoundEngine:
     # ================================================================ round end
     def _aggregate_and_record(self, r: int, plan: RoundPlan, agents: dict[str, RoundAgent],
                               uploads: dict[str, Message], losses: list[float], wall_s: float) -> dict[str, Any]:
+        """The end of a round: aggregate, evaluate, price each agent's round by the clock, then
+        record and checkpoint it (:mod:`coordinator.round_record`)."""
+        done, fed_losses = self._aggregate(plan, agents, uploads)
+        accuracy, test_loss = self.evaluate()
+        per_agent, times = self._price(r, plan, agents, uploads, done)
+        round_s = self.clock.end_round(list(times.values()), wall_s)
+        train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
+        federated = self._federated_evaluation(r, agents, done)
+        record = round_record(
+            r, accuracy=accuracy, test_loss=test_loss, train_loss=train_loss, round_s=round_s,
+            elapsed_s=self.clock.elapsed, virtual=self.clock.virtual, wall_s=wall_s, times=times,
+            per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
+            federated=federated, method_metrics=self.method.round_metrics())
+        self.history.append(record)
+        self.session.prune()   # silent agents that never trained stay out of the checkpoint
+        ckpt.append_metrics(self.out_dir, record)
+        ckpt.save(self.out_dir, self.model.state_dict(), self._checkpoint_state(r))
+        self.on_event("round_end", record)
+        return record
+
+    def _aggregate(self, plan: RoundPlan, agents: dict[str, RoundAgent],
+                   uploads: dict[str, Message]) -> tuple[list[str], list[float]]:
         """Layer-wise aggregation (S2FL Alg. 2): every layer of the full model is averaged over the
         round's agents, from the agent's client portion if it held the layer, else from the server
-        copy of its group; weight = the agent's data size. With one split and one group this is
-        exactly FedAvg of the client portions plus the trained server portion."""
+        copy of its group; weight = the method's (the agent's data size by default). With one split
+        and one group this is exactly FedAvg of the client portions plus the trained server portion.
+        Returns the agents that completed the round and the losses they reported."""
         clients, servers, weights, fed_losses, done = {}, {}, {}, [], []
         for a, msg in uploads.items():
             split, width = agents[a].assignment.split, agents[a].assignment.width
@@ -517,18 +512,22 @@ class RoundEngine:
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
                                     server_groups=copy_of)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
-        accuracy, test_loss = self.evaluate()
+        return done, fed_losses
+
+    def _price(self, r: int, plan: RoundPlan, agents: dict[str, RoundAgent], uploads: dict[str, Message],
+               done: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+        """Each completed agent's round by the run's clock: its metrics row and its seconds; the
+        registry's totals and the method's estimates learn from them."""
         per_agent, times, observed = {}, {}, []
         for a in done:
             ra, info = agents[a], self.registry.agents[a]
             cost = self.costs[ra.assignment.split]
             samples = ra.assignment.batch_size * ra.assignment.tau
-            parts = self.clock.agent_time(
+            parts = self.clock.agent_time(AgentWork(
                 measured_s=ra.busy_s + ra.server_s, compute_s=ra.compute_s, server_s=ra.server_s,
-                client_flops=cost.client_flops * samples,
-                server_flops=cost.server_flops * samples, bytes_up=ra.bytes_up, bytes_down=ra.bytes_down,
-                profile=info.profile.at_round(r), server_flops_per_s=self.cfg.server_flops,
-                messages=ra.messages)
+                client_flops=cost.client_flops * samples, server_flops=cost.server_flops * samples,
+                bytes_up=ra.bytes_up, bytes_down=ra.bytes_down, messages=ra.messages,
+                profile=info.profile.at_round(r), server_flops_per_s=self.cfg.server_flops))
             t = times[a] = parts.total_s
             act = 0 if ra.assignment.whole_model else math.prod(ra.assignment.activation_shape) * 4
             observed.append(AgentRound(
@@ -540,16 +539,7 @@ class RoundEngine:
             info.bytes_up += ra.bytes_up
             info.bytes_down += ra.bytes_down
             info.compute_s += ra.compute_s
-            # compute_s: as the agent reported it (host time in a simulation); client_s and
-            # transfer_s: by the run's clock (the time model in a simulation)
-            per_agent[a] = {"compute_s": round(ra.compute_s, 4), "time_s": round(t, 4),
-                            "client_s": round(parts.client_compute_s, 4), "transfer_s": round(parts.transfer_s, 4),
-                            "server_s": round(ra.server_s, 4), "bytes_up": ra.bytes_up,
-                            "bytes_down": ra.bytes_down, "split": ra.assignment.split,
-                            "whole_model": ra.assignment.whole_model,
-                            "width": ra.assignment.width, "codec": ra.assignment.codec,
-                            "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
-                            "labels_withheld": ra.labels_withheld}
+            per_agent[a] = agent_row(ra, parts, t)
             if info.privacy:   # what the agent declared it applies; epsilon as it reported it
                 per_agent[a]["privacy"] = info.privacy
             if "epsilon" in uploads[a].body:
@@ -562,36 +552,17 @@ class RoundEngine:
             info.wait_s += slowest - times[a]
         self.method.observe(observed)
         self.method.record(r, times, plan.splits)
-        round_s = self.clock.end_round(list(times.values()), wall_s)
-        train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
-        federated = self._federated_evaluation(r, agents, done)
-        record = {
-            "round": r, "accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
-            "round_time_s": round(round_s, 4), "elapsed_s": round(self.clock.elapsed, 4),
-            "clock": "virtual" if self.clock.virtual else "wall", "wall_s": round(wall_s, 4),
-            "waiting_s": round(timing.waiting_time(times.values()), 4),
-            "bytes_up": sum(p["bytes_up"] for p in per_agent.values()),
-            "bytes_down": sum(p["bytes_down"] for p in per_agent.values()),
-            # selected: who was assigned the round (an agent dropped mid-round stays listed); completed: who counted
-            "selected": sorted(plan.splits), "completed": sorted(done), "groups": plan.groups, "phase": plan.phase,
-            "agents": per_agent, "rejected": self.session.rejected_since_last_round(),
-        }
-        if federated is not None:
-            record["federated"] = federated
-        record.update(self.method.round_metrics())
-        record.update(privacy_summary(per_agent))
-        self.history.append(record)
-        self.session.prune()   # silent agents that never trained stay out of the checkpoint
-        ckpt.append_metrics(self.out_dir, record)
-        ckpt.save(self.out_dir, self.model.state_dict(), {
+        return per_agent, times
+
+    def _checkpoint_state(self, r: int) -> dict[str, Any]:
+        """The run state saved with the model after round ``r`` (what ``--resume`` reads)."""
+        return {
             "round": r, "rounds": self.cfg.rounds, "elapsed_s": self.clock.elapsed, "model": self.cfg.model,
             "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
             **self.method.to_json(),
             "model_info": describe_model(self.model, self._dataset_name(), self.preprocessing),  # lets `sfl-coord export` rebuild it
-            **({"normalize": self.normalization.to_wire()} if self.cfg.task is not None and self.normalization else {})})
-        self.on_event("round_end", record)
-        return record
+            **({"normalize": self.normalization.to_wire()} if self.cfg.task is not None and self.normalization else {})}
 
     def _federated_evaluation(self, r: int, agents: dict[str, RoundAgent], done: list[str]) -> Optional[dict[str, Any]]:
         """Every ``eval.federated_every`` rounds the round's completed agents score the new global

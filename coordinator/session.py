@@ -25,6 +25,7 @@ from sfl_core.config.run import RunConfig
 from sfl_core.wire.protocol import Message
 
 from coordinator.registry import Registry
+from coordinator.transport import Transport
 
 log = logging.getLogger("sfl.coord")
 
@@ -59,7 +60,7 @@ class RoundAgent:
 
 
 class FleetSession:
-    def __init__(self, cfg: RunConfig, transport: Any, registry: Registry, *, virtual: bool,
+    def __init__(self, cfg: RunConfig, transport: Transport, registry: Registry, *, virtual: bool,
                  now: Callable[[], float], on_event: Event, on_drop: Callable[[str], None],
                  follower: bool = False):
         """``transport``: the engine's (send/poll); ``virtual``: a simulation (agents never go
@@ -287,8 +288,8 @@ class FleetSession:
     def rejected_totals(self) -> dict[str, int]:
         """Messages dropped so far, by reason: the transport's (undecodable, spoofed) and ours."""
         totals = dict(self.rejections.counts())
-        transport = getattr(self.transport, "rejections", None)
-        for reason, n in (transport.counts() if transport is not None else {}).items():
+        refused = self.transport.rejections
+        for reason, n in (refused.counts() if refused is not None else {}).items():
             totals[reason] = totals.get(reason, 0) + n
         return totals
 
@@ -320,7 +321,7 @@ class FleetSession:
                                    f"{self.cfg.register_rate_per_s:g} new agents per second", level=logging.INFO)
             return False
         self._tokens -= 1.0
-        probed = getattr(self.transport, "probed", None)
+        probed = self.transport.probed
         if probed is not None and agent not in probed:
             self.rejections.reject("unprobed", f"registration of {agent}: it never measured its link to us")
             self._reply(agent, "reject", {"reason": "register after measuring the link (probe), as "

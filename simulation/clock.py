@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from coordinator.clock import AgentWork
 from sfl_core import timing
-from sfl_core.config.run import DeviceProfile
 
 
 class VirtualClock:
@@ -23,13 +23,13 @@ class VirtualClock:
     def restore(self, elapsed_s: float) -> None:
         self._t = elapsed_s
 
-    def agent_time(self, *, client_flops: float, server_flops: float, bytes_up: float, bytes_down: float,
-                   profile: DeviceProfile, server_flops_per_s: float, messages: int, **_: float) -> timing.AgentTime:
+    def agent_time(self, work: AgentWork) -> timing.AgentTime:
+        p = work.profile
         return timing.agent_round_time(
-            client_flops=client_flops, server_flops=server_flops, bytes_up=bytes_up, bytes_down=bytes_down,
-            client_flops_per_s=profile.compute_flops, server_flops_per_s=server_flops_per_s,
-            uplink_bytes_per_s=profile.link_bytes_per_s, downlink_bytes_per_s=profile.downlink,
-            latency_s=profile.latency_s, messages=messages,
+            client_flops=work.client_flops, server_flops=work.server_flops, bytes_up=work.bytes_up,
+            bytes_down=work.bytes_down, client_flops_per_s=p.compute_flops, server_flops_per_s=work.server_flops_per_s,
+            uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink, latency_s=p.latency_s,
+            messages=work.messages,
         )
 
     def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:

@@ -21,12 +21,13 @@ from sfl_core.data.partition import partition_indices
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.wire.protocol import Message
 
+from coordinator.transport import LocalTransport
 from edge_agent.agent import AgentCore, LocalData
 
 log = logging.getLogger("sfl.sim")
 
 
-class InProcessTransport:
+class InProcessTransport(LocalTransport):
     """The simulation's transport: agents answer synchronously inside :meth:`send`.
 
     Its liveness clock (:meth:`live_time`, what the engine measures silence and resend

@@ -384,12 +384,13 @@ def test_coordinator_killed_mid_round_resumes_with_live_agents(mosquitto, procs,
         # the time table: what the resumed engine starts from is the checkpoint's, entry for entry
         from coordinator.clock import WallClock
         from coordinator.engine import RoundEngine
+        from coordinator.transport import LocalTransport
         from sfl_core.config.run import load_run_config
         from sfl_core.data.builtin import load_dataset
         from sfl_core.estimates import ClientTimeTable
 
         data = load_dataset("digits")
-        engine = RoundEngine(load_run_config(cfg), None, WallClock(), (data.x_test, data.y_test),
+        engine = RoundEngine(load_run_config(cfg), LocalTransport(), WallClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes,
                              out_dir=tmp_path / "at-crash", checkpoint=ckpt.load(tmp_path / "at-crash"))
         table = ClientTimeTable.from_json(snap_state["time_table"])

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.engine import RoundEngine
+from coordinator.transport import LocalTransport
 from simulation.inprocess import build_fleet
 from simulation.clock import VirtualClock
 from coordinator.mqtt_transport import MqttTransport
@@ -234,7 +235,7 @@ def test_agent_core_rejection_leaves_no_trace(digits, kind, rnd, step, shape, dt
 
 # ------------------------------------------------------------------ level 3: a whole run under attack
 
-class HostileTransport:
+class HostileTransport(LocalTransport):
     """The in-process transport with hostile messages interleaved before real ones."""
 
     def __init__(self, inner, seed: int):

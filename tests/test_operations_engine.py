@@ -20,6 +20,7 @@ import pytest
 from coordinator import state as ckpt
 from coordinator.engine import RoundFailed
 from coordinator.session import FleetSession
+from coordinator.transport import LocalTransport
 from coordinator.registry import Registry
 from sfl_core.wire import signing
 from sfl_core.wire import protocol
@@ -173,7 +174,7 @@ def test_a_registration_flood_is_bounded_never_selected_and_pruned(tmp_path):
 def test_a_full_registry_prunes_silent_never_trained_entries_first(tmp_path):
     cfg = _cfg(tmp_path, max_registered=4)
 
-    class T:
+    class T(LocalTransport):
         sent: list = []
 
         def send(self, a, m):
@@ -233,7 +234,7 @@ def test_the_signing_key_is_kept_with_the_run(tmp_path):
 def test_two_agents_with_one_index_are_warned_about(tmp_path, caplog):
     cfg = _cfg(tmp_path)
 
-    class T:
+    class T(LocalTransport):
         def send(self, a, m):
             return 0
     reg = Registry(10)

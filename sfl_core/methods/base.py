@@ -17,6 +17,7 @@ delegates what it does not change, so layers compose with every base.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
@@ -172,10 +173,18 @@ class Method:
         """Round ``r`` trains every online agent, not a sample of ``per_round``."""
         return False
 
+    def uniform_sample(self, r: int, online: Sequence[str]) -> list[str]:
+        """``per_round`` of the ``online`` agents drawn uniformly, seeded per round so a resumed run
+        draws the same; all of them where the method trains everyone this round."""
+        if self.selects_everyone(r):
+            return list(online)
+        k = min(self.cfg.per_round or len(online), len(online))
+        return sorted(random.Random(self.cfg.seed * 100_003 + r).sample(list(online), k))
+
     def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
                default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
         """The round's agents and their batch sizes (empty: the run's ``batch_size``).
-        ``default`` is the engine's uniform sample of ``per_round`` agents."""
+        ``default`` is :meth:`uniform_sample`'s draw."""
         return list(default), {}
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
