@@ -27,15 +27,6 @@ from typing import Any, Callable, Optional, Union
 import torch
 from rich.console import Console
 
-from sfl_core.transport.broker_url import BrokerAddress
-from sfl_core.config.run import RunConfig
-from sfl_core.data.builtin import Dataset, DatasetError, load_dataset
-from sfl_core.model.fingerprint import architecture, fingerprinted
-from sfl_core.model.user_models import user_model_fields
-from sfl_core.model.accounting import model_costs
-from sfl_core.methods import build_method
-from sfl_core.model.zoo import build_model
-
 from coordinator import state as ckpt
 from coordinator.clock import WallClock
 from coordinator.console import RunDisplay
@@ -43,6 +34,14 @@ from coordinator.engine import RoundEngine
 from coordinator.run_lock import RunLock, RunLocked
 from coordinator.server_trainer import pick_device
 from coordinator.transport import LocalTransport
+from sfl_core.config.run import RunConfig
+from sfl_core.data.builtin import Dataset, DatasetError, load_dataset
+from sfl_core.methods import build_method
+from sfl_core.model.accounting import model_costs
+from sfl_core.model.fingerprint import architecture, fingerprinted
+from sfl_core.model.user_models import user_model_fields
+from sfl_core.model.zoo import build_model
+from sfl_core.transport.broker_url import BrokerAddress
 
 log = logging.getLogger("sfl.coord")
 
@@ -199,10 +198,10 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     keep it and wait for the restarted coordinator. ``observers``: event sinks with an
     optional ``attach(engine)`` (metrics exporter, live page).
     """
-    from sfl_core.wire.signing import KEY_FILE, Signer, TrustError
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import DuplicateCoordinatorError, MqttTransport
     from coordinator.server_workers import cannot_share, from_env
+    from sfl_core.wire.signing import KEY_FILE, Signer, TrustError
 
     console = console or Console(stderr=True)
     data = run_dataset(cfg)

@@ -24,8 +24,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from sfl_core.wire import protocol
 from coordinator.server_workers import worker_user
+from sfl_core.wire import protocol
 
 __all__ = ["BrokerFiles", "BrokerTls", "acl_text", "mosquitto_conf", "password_hash", "write_broker_config"]
 

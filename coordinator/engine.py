@@ -18,31 +18,29 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
-
-from sfl_core.wire import protocol
-from sfl_core.wire import codec as wire
-from sfl_core.model.accounting import model_costs, split_note
-from sfl_core.aggregation import layerwise_average
-from sfl_core.wire.assignment import Assignment
-from sfl_core.model.bottleneck import bottleneck_shape, slice_state
-from sfl_core.config.run import RunConfig
-from sfl_core.methods import build_method
-from sfl_core.methods.base import AgentRound, RoundPlan
-from sfl_core.model.fingerprint import architecture, digest, fingerprinted
-from sfl_core.model.zoo import SplitModel, build_model
-from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
-from sfl_core.wire.protocol import Message
-
-from coordinator import evaluation, state as ckpt
+from coordinator import evaluation
+from coordinator import state as ckpt
+from coordinator.clock import AgentWork, Clock
 from coordinator.export import describe_model, restore_widths, run_model
 from coordinator.registry import Registry
-from coordinator.session import Event, FleetSession, RoundAgent
-from coordinator.clock import AgentWork, Clock
 from coordinator.round_record import agent_row, round_record
 from coordinator.server_trainer import ServerTrainer
-from coordinator.transport import Transport
 from coordinator.server_workers import GradReducer, ServerShards, shard_agents
+from coordinator.session import Event, FleetSession, RoundAgent
+from coordinator.transport import Transport
+from sfl_core.aggregation import layerwise_average
+from sfl_core.config.run import RunConfig
+from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
+from sfl_core.methods import build_method
+from sfl_core.methods.base import AgentRound, RoundPlan
+from sfl_core.model.accounting import model_costs, split_note
+from sfl_core.model.bottleneck import bottleneck_shape, slice_state
+from sfl_core.model.fingerprint import architecture, digest, fingerprinted
+from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
+from sfl_core.wire.assignment import Assignment
+from sfl_core.wire.protocol import Message
 
 log = logging.getLogger("sfl.coord")
 

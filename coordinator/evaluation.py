@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional
 
-from sfl_core.wire import codec as wire
-from sfl_core.model.zoo import SplitModel
 from sfl_core.data.preprocessing import Normalization
+from sfl_core.model.zoo import SplitModel
+from sfl_core.wire import codec as wire
 from sfl_core.wire.protocol import Message
 
 __all__ = ["request_body", "summarise"]

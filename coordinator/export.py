@@ -11,13 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from sfl_core.model.accounting import model_costs
+from coordinator import state as ckpt
 from sfl_core.method_registry import prepare_model
-from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.model.accounting import model_costs
 from sfl_core.model.onnx_export import export_onnx
 from sfl_core.model.user_models import describe_source, register_described
-
-from coordinator import state as ckpt
+from sfl_core.model.zoo import SplitModel, build_model
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig

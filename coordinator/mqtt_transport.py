@@ -20,14 +20,13 @@ import time
 import uuid
 from typing import Any, Optional
 
-from sfl_core.wire import protocol
-from sfl_core.wire import codec as wire
-from sfl_core.wire.protocol import COORDINATOR_ID, Message
-from sfl_core.wire.signing import SIGNED_TYPES, Signer
-
 from sfl_core.transport.broker_url import BrokerAddress, parse_broker_url
 from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
+from sfl_core.wire.protocol import COORDINATOR_ID, Message
+from sfl_core.wire.signing import SIGNED_TYPES, Signer
 
 log = logging.getLogger("sfl.coord.mqtt")
 

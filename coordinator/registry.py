@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from sfl_core.wire import codec as wire
 from sfl_core.config.run import ConfigError, profile_from_dict
-from sfl_core.fleet import AgentInfo
 from sfl_core.data.preprocessing import ChannelStats
+from sfl_core.fleet import AgentInfo
 from sfl_core.privacy import AgentPrivacy
+from sfl_core.wire import codec as wire
 from sfl_core.wire.protocol import Message
 
 TOTALS = ("rounds", "bytes_up", "bytes_down", "compute_s", "client_s", "transfer_s", "wait_s")

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from coordinator.session import RoundAgent
 from sfl_core import timing
 from sfl_core.methods.base import RoundPlan
 from sfl_core.privacy import privacy_summary
-
-from coordinator.session import RoundAgent
 
 
 def agent_row(ra: RoundAgent, parts: timing.AgentTime, time_s: float) -> dict[str, Any]:

@@ -18,14 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Optional
 
-from sfl_core.wire import protocol
-from sfl_core.wire import codec as wire
-from sfl_core.wire.assignment import Assignment
-from sfl_core.config.run import RunConfig
-from sfl_core.wire.protocol import Message
-
 from coordinator.registry import Registry
 from coordinator.transport import Transport
+from sfl_core.config.run import RunConfig
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
+from sfl_core.wire.assignment import Assignment
+from sfl_core.wire.protocol import Message
 
 log = logging.getLogger("sfl.coord")
 

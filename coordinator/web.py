@@ -25,10 +25,10 @@ import logging
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qs, urlparse
 

@@ -19,14 +19,21 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from sfl_core.wire import protocol
-from sfl_core.wire import codec as wire
-from sfl_core.model.accounting import model_costs
-from sfl_core.wire.assignment import Assignment
-from sfl_core.model.zoo import SplitModel, build_model
 from sfl_core.data.preprocessing import Normalization
-from sfl_core.privacy import (AgentPrivacy, clip_and_noise, clip_scales, distance_correlation, dp_epsilon, dp_sgd_gradients,
-                              protect_label_grads)
+from sfl_core.model.accounting import model_costs
+from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.privacy import (
+    AgentPrivacy,
+    clip_and_noise,
+    clip_scales,
+    distance_correlation,
+    dp_epsilon,
+    dp_sgd_gradients,
+    protect_label_grads,
+)
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
+from sfl_core.wire.assignment import Assignment
 from sfl_core.wire.protocol import Message
 
 log = logging.getLogger("sfl.agent")

@@ -11,13 +11,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from edge_agent.agent import LocalData
 from sfl_core.config.run import ConfigError, TaskConfig, task_from_wire
 from sfl_core.data.builtin import DatasetError
-from sfl_core.model.fingerprint import digest
 from sfl_core.data.local import MAX_NAMED, DeviceData, load_local
 from sfl_core.data.preprocessing import ChannelStats
-
-from edge_agent.agent import LocalData
+from sfl_core.model.fingerprint import digest
 
 log = logging.getLogger("sfl.agent")
 

@@ -24,26 +24,24 @@ from typing import Optional
 
 import torch
 
-from sfl_core.wire import signing
-from sfl_core.wire import protocol
-from sfl_core.wire import codec as wire
-from sfl_core.model.accounting import model_costs
-from sfl_core.transport.broker_url import BrokerAddress
-from sfl_core.config.run import ConfigError, DeviceProfile
-from sfl_core.data.builtin import load_dataset
-from sfl_core.model.fingerprint import architecture, digest, first_difference
-from sfl_core.model.zoo import build_model
-from sfl_core.data.partition import load_shard_file, shard_for_agent
-from sfl_core.privacy import AgentPrivacy
-from sfl_core.wire.protocol import Message
-from sfl_core.model.user_models import register_layers, resolve_agent_model
-
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
 from edge_agent.own_data import prepare_device, task_of
+from edge_agent.profiler import measure_compute, measure_link
+from sfl_core.config.run import ConfigError, DeviceProfile
+from sfl_core.data.builtin import load_dataset
+from sfl_core.data.partition import load_shard_file, shard_for_agent
+from sfl_core.model.accounting import model_costs
+from sfl_core.model.fingerprint import architecture, digest, first_difference
+from sfl_core.model.user_models import register_layers, resolve_agent_model
+from sfl_core.model.zoo import build_model
+from sfl_core.privacy import AgentPrivacy
+from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
-from edge_agent.profiler import measure_compute, measure_link
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol, signing
+from sfl_core.wire.protocol import Message
 
 log = logging.getLogger("sfl.agent")
 

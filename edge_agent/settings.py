@@ -31,7 +31,17 @@ from typing import Annotated, Any, Collection, Iterable, Mapping, Optional
 
 from pydantic import BaseModel, BeforeValidator, create_model
 
-from sfl_core.config.fields import STRICT, ConfigError, Section, checked, invalid, looks_like_path, number, read_yaml, validate
+from sfl_core.config.fields import (
+    STRICT,
+    ConfigError,
+    Section,
+    checked,
+    invalid,
+    looks_like_path,
+    number,
+    read_yaml,
+    validate,
+)
 
 __all__ = ["OptionSpec", "command_option_specs", "load_settings_file", "settings_from_mapping", "use_config_file"]
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
 from sfl_core.plugins import load_entry_points
 
 if TYPE_CHECKING:
-    from sfl_core.model.accounting import SplitCost
     from sfl_core.config.run import RunConfig
     from sfl_core.config.section import MethodSection
     from sfl_core.methods.base import Layer, Method
+    from sfl_core.model.accounting import SplitCost
     from sfl_core.model.zoo import SplitModel
 
     MethodFactory = Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Method]

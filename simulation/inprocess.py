@@ -13,16 +13,15 @@ from typing import Optional
 
 import torch
 
-from sfl_core.wire import protocol
-from sfl_core.wire import codec as wire
+from coordinator.transport import LocalTransport
+from edge_agent.agent import AgentCore, LocalData
 from sfl_core.config.run import RunConfig, load_profile
 from sfl_core.data.builtin import Dataset, DatasetError
 from sfl_core.data.partition import partition_indices
 from sfl_core.privacy import AgentPrivacy
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
 from sfl_core.wire.protocol import Message
-
-from coordinator.transport import LocalTransport
-from edge_agent.agent import AgentCore, LocalData
 
 log = logging.getLogger("sfl.sim")
 
@@ -107,9 +106,9 @@ class SimAgent:
 
 def own_data_agents(cfg: RunConfig) -> tuple[list[SimAgent], list[Message]]:
     """A task run's simulated devices, each reading its own ``data`` as an agent does."""
+    from edge_agent.own_data import prepare_device
     from sfl_core.model.fingerprint import architecture
     from sfl_core.model.zoo import build_model
-    from edge_agent.own_data import prepare_device
 
     task = cfg.task
     assert task is not None

@@ -27,7 +27,6 @@ from typing import Any, Optional
 from sfl_core.config.run import RunConfig
 from sfl_core.data.builtin import Dataset
 from sfl_core.wire.protocol import Message
-
 from simulation.inprocess import InProcessTransport, SimAgent, answer, fleet_agents
 
 log = logging.getLogger("sfl.sim")

@@ -14,7 +14,13 @@ from typing import Optional
 from rich.console import Console
 
 from coordinator.api import (
-    Resume, RunError, lock_run, output_dir, read_checkpoint, run_dataset, set_aside_earlier_run,
+    Resume,
+    RunError,
+    lock_run,
+    output_dir,
+    read_checkpoint,
+    run_dataset,
+    set_aside_earlier_run,
 )
 from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine

@@ -1,3 +1,4 @@
+# isort: skip_file  (the order of the imports below is the order of the commands in --help)
 """``sfl-agent``: the edge agent's command line (entry point ``cli.agent:app``).
 
 One module per command group; each registers its commands on :data:`app` when imported.

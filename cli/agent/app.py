@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from sfl_core.console import say
-from sfl_core.version import version_option   # standard library and typer only, no torch
+from sfl_core.version import version_option  # standard library and typer only, no torch
 
 # torch-using modules (sfl_core.model.zoo, .data, .config via .wire, edge_agent.profiler) are imported
 # inside the commands that need them: `sfl-agent predict` must run on a board without torch

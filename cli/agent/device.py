@@ -8,7 +8,6 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-
 from cli.agent.app import app, console, tell
 
 
@@ -53,8 +52,16 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
     import numpy as np
     from rich.table import Table
 
-    from sfl_core.model.onnx_export import (IMAGE_SUFFIXES, OnnxError, OnnxPredictor, load_inputs, load_labels,
-                                      load_raw_images, preprocess_raw, softmax)
+    from sfl_core.model.onnx_export import (
+        IMAGE_SUFFIXES,
+        OnnxError,
+        OnnxPredictor,
+        load_inputs,
+        load_labels,
+        load_raw_images,
+        preprocess_raw,
+        softmax,
+    )
 
     try:
         predictor = OnnxPredictor(model, threads=threads)

@@ -10,9 +10,8 @@ from typing import List, Optional
 
 import typer
 
-from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
-
 from cli.agent.app import app, console, tell, use_config_file
+from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 
 def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bool, label_protection: Optional[str],
@@ -84,11 +83,17 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                                 "imported only when the run names it. Repeatable."),
           verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v")) -> None:
     """Join a run: measure, register, train the assigned client portion until the coordinator says stop."""
-    from edge_agent.runner import (AgentError, AgentOptions, AgentRunner, AgentStopped, ContractError,
-                                   DuplicateAgentError)
-    from sfl_core.wire.signing import TrustError, Trust, parse_public
+    from edge_agent.runner import (
+        AgentError,
+        AgentOptions,
+        AgentRunner,
+        AgentStopped,
+        ContractError,
+        DuplicateAgentError,
+    )
     from sfl_core.config.run import ConfigError, load_profile
     from sfl_core.data.builtin import DatasetError
+    from sfl_core.wire.signing import Trust, TrustError, parse_public
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

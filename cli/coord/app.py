@@ -13,15 +13,13 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from sfl_core.model.accounting import model_costs
+from coordinator.export import run_model
 from sfl_core.config.run import ConfigError, RunConfig, default_profiles_dir, load_run_config
+from sfl_core.console import say
 from sfl_core.data.builtin import DatasetError, load_dataset
 from sfl_core.methods import build_method
-from sfl_core.console import say
+from sfl_core.model.accounting import model_costs
 from sfl_core.version import version_option
-
-
-from coordinator.export import run_model
 
 
 class _Commands(TyperGroup):

@@ -10,11 +10,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-
-
+from cli.coord.app import app, console, tell, web_access
 from coordinator import state as ckpt
 from coordinator.console import print_table, status_table
-from cli.coord.app import app, console, tell, web_access
 
 
 @app.command()

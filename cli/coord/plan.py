@@ -9,14 +9,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sfl_core.model.accounting import format_cost_table, model_costs
+from cli.coord.app import app, console, label_counts, load_config, shape_and_classes, tell
 from sfl_core.config.run import ConfigError, default_profiles_dir, list_profiles, load_run_config
 from sfl_core.data.builtin import DatasetError
 from sfl_core.methods import build_method
+from sfl_core.model.accounting import format_cost_table, model_costs
 from sfl_core.model.zoo import build_model, model_names
-
-
-from cli.coord.app import app, console, label_counts, load_config, shape_and_classes, tell
 
 
 @app.command()
@@ -43,8 +41,8 @@ def models(model: Optional[str] = typer.Argument(None, help="A zoo model (see th
 
 def _models_for_run(config: Path) -> None:
     """The run's model, one row per cut with the round it would take on the run's fleet."""
-    from sfl_core.model.accounting import split_note
     from sfl_core.config.run import load_profile
+    from sfl_core.model.accounting import split_note
     from sfl_core.timing import fleet_round_time
 
     try:

@@ -13,19 +13,16 @@ from typing import Optional
 
 import typer
 
-from sfl_core.config.run import RunConfig, default_profiles_dir
-
 from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
-
+from cli.coord.app import DATA_OPTION, app, console, load_config, setup_logging, tell, web_access
 from coordinator import state as ckpt
+from coordinator.api import RunError, output_dir
+from coordinator.api import serve as serve_run
 from coordinator.console import print_table, summary_table
 from coordinator.engine import RoundEngine, RoundFailed
-from coordinator.api import RunError, output_dir
-from simulation import run_simulation
-from coordinator.api import serve as serve_run
 from coordinator.server_workers import cannot_share, launch_workers
-from cli.coord.app import DATA_OPTION, app, console, load_config, setup_logging, tell, web_access
-
+from sfl_core.config.run import RunConfig, default_profiles_dir
+from simulation import run_simulation
 
 DEMO_CONFIG = "runs/demo.yaml"
 

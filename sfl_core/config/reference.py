@@ -83,7 +83,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('server_mode',
      'merged (feature merging: one server forward/backward over the concatenated activations of all agents) | per_agent (SplitFed v1: one server copy per agent, copies averaged) | sequential (SplitFed v2: one server copy updated agent after agent).'),
     ('server_weight',
-     "how a merged server copy counts in the layer-wise average of mixed cuts: members (once per agent it trained for, weighted by their data; measured better) | once (one participant, FedFC's Alg. 3)."),
+     "how a merged server copy counts in the layer-wise average of mixed cuts: members (once per agent it trained for, weighted by their data) | once (one participant, FedFC's Alg. 3)."),
     ('split',
      "split point s (client portion = layers[:s]), >= 1; null = the model's default."),
     ('profile_splits',

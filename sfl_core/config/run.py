@@ -28,19 +28,42 @@ from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from sfl_core.config.fields import (
-    STRICT, YAML_SUFFIXES, ConfigError, Conv, Fail, Section, checked, invalid, looks_like_path, number, read_section, read_yaml,
+    STRICT,
+    YAML_SUFFIXES,
+    ConfigError,
+    Conv,
+    Fail,
+    Section,
+    checked,
+    invalid,
+    looks_like_path,
+    number,
+    read_section,
+    read_yaml,
     validate,
 )
 from sfl_core.config.values import (
-    AT_LEAST_0, BOOLEAN, NONNEG_INTEGER, NONEMPTY_STRING, OPTIONAL_POSITIVE_INTEGER, OPTIONAL_POSITIVE_NUMBER,
-    POSITIVE_INTEGER, POSITIVE_NUMBER, UNIT_OPEN, integer_in, nonneg_number, number_in, one_of, optional,
+    AT_LEAST_0,
+    BOOLEAN,
+    NONEMPTY_STRING,
+    NONNEG_INTEGER,
+    OPTIONAL_POSITIVE_INTEGER,
+    OPTIONAL_POSITIVE_NUMBER,
+    POSITIVE_INTEGER,
+    POSITIVE_NUMBER,
+    UNIT_OPEN,
+    integer_in,
     nonempty_string,
+    nonneg_number,
+    number_in,
+    one_of,
+    optional,
 )
-from sfl_core.method_registry import DEFAULT_STRATEGY, sections, strategies
 from sfl_core.data.partition import SCHEMES
+from sfl_core.method_registry import DEFAULT_STRATEGY, sections, strategies
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
-from sfl_core.wire.protocol import check_id
 from sfl_core.wire.codec import CODECS, TOPK_PATTERN, is_codec
+from sfl_core.wire.protocol import check_id
 
 __all__ = [
     "CODECS",
@@ -121,8 +144,8 @@ def _model(v: Any, fail: Fail) -> str:
     """A zoo model name, a spec string (``vgg16:width=0.25,norm=group``), a mapping
     ``{name: vgg16, width: 0.25, norm: group}``, a user's ``FILE.py:FUNCTION`` or a layer list
     ``{layers: [...]}`` (:mod:`sfl_core.model.user_models`); stored as the canonical spec string."""
-    from sfl_core.model.zoo import ModelSpec   # torch is only needed once a model is named
     from sfl_core.model.user_models import FILE_REF, register_file_model, register_layers
+    from sfl_core.model.zoo import ModelSpec  # torch is only needed once a model is named
 
     if isinstance(v, Mapping) and set(v) == {"layers"}:
         try:

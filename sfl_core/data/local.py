@@ -41,6 +41,7 @@ import torch
 
 from sfl_core.config.run import TaskConfig
 from sfl_core.data.builtin import DatasetError
+
 # one image reader for training and for predict (torch-free there)
 from sfl_core.model.onnx_export import IMAGE_MODES, IMAGE_SUFFIXES, read_image, unreadable_image_errors
 

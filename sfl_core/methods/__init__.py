@@ -19,7 +19,13 @@ The method classes live in their modules (``sfl_core.methods.s2fl.method.S2FL``,
 from __future__ import annotations
 
 from sfl_core.method_registry import (
-    build_method, register_layer, register_method, register_section, strategies, unregister_method, unregister_section,
+    build_method,
+    register_layer,
+    register_method,
+    register_section,
+    strategies,
+    unregister_method,
+    unregister_section,
 )
 
 __all__ = ["build_method", "register_layer", "register_method", "register_section", "strategies",

@@ -21,11 +21,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
-from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import DeviceProfile, RunConfig
 from sfl_core.estimates import ClientTimeTable, FleetEstimates
 from sfl_core.fleet import AgentInfo
 from sfl_core.losses import LossSpec
+from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
 
 

@@ -6,7 +6,6 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from sfl_core.config.run import RunConfig
-
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.model.accounting import SplitCost

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from sfl_core import timing
-from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo
 from sfl_core.method_registry import method_classes
 from sfl_core.methods import build_method
-from sfl_core.timing import price_option, wire_fraction
+from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
+from sfl_core.timing import price_option, wire_fraction
 from sfl_core.wire.codec import nominal_ratio
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfl_core.wire import codec as wire
+
 STRATEGIES = ("sfl", "fedavg")
 MAX_BATCH = 4096
 MAX_TAU = 10_000

@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from sfl_core.wire import codec as wire
+
 SIGNED_TYPES = frozenset({"run_info", "assign", "evaluate", "shutdown"})
 """Coordinator messages that change what an agent does: an agent follows them only when signed."""
 KEY_FILE = "coordinator.key"

@@ -10,7 +10,15 @@ from pydantic.dataclasses import dataclass
 from sfl_core.config.fields import STRICT, Fail, checked, invalid, number
 from sfl_core.config.section import MethodSection
 from sfl_core.config.values import (
-    BATCH, BOOLEAN, OPTIONAL_BATCH, POSITIVE_INTEGER, UNIT_OPEN, codec_list, number_in, one_of, positive_integers,
+    BATCH,
+    BOOLEAN,
+    OPTIONAL_BATCH,
+    POSITIVE_INTEGER,
+    UNIT_OPEN,
+    codec_list,
+    number_in,
+    one_of,
+    positive_integers,
     split_points,
 )
 from sfl_core.wire.codec import CODECS, TOPK_PATTERN
@@ -53,11 +61,11 @@ class AutoConfig(MethodSection):
         ('whole_model',
          'also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut.'),
         ('selection',
-         "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: with epsilon auto it reached the target 1.3-1.6x sooner than the uniform sample in the mixed-fleet, S2FL and MergeSFL p = 10 benches, and 0.91x as soon at MergeSFL p = 2 (docs/methods.md section 11). Where every online agent trains each round the two are the same."),
+         "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: it reached the target sooner than the uniform sample on most of the benches (docs/methods.md section 11 and docs/results.md). Where every online agent trains each round the two are the same."),
         ('codecs',
          'the activation codecs it may choose among (only those within max_compression are used).'),
         ('max_compression',
-         'the strongest codec compression allowed, >= 1: fp16/bf16 = 2, int8 = 4, topk<P> = 67/P. Default 2 (fp16 measured at about 4e-4 relative error; int8 cost accuracy on the MergeSFL bench).'),
+         'the strongest codec compression allowed, >= 1: fp16/bf16 = 2, int8 = 4, topk<P> = 67/P. Default 2: fp16 errs little, int8 cost accuracy on a bench (docs/results.md).'),
         ('widths',
          "bottleneck widths (channels, HeteroSFL's encoder/decoder pair at the run's split, the widest its full width) it may give an agent cut at that split, within max_bottleneck; cuts then stop at that split (no later cut, no whole model), and an agent with time to spare sends the widest width that keeps the round's time. auto (the default) = decided once from the run's fleet: the full width and each quarter of it down to 1 channel that sends at least min_bottleneck_values values per sample, where they make the fleet's predicted round at the run's batch size at least 2.5x shorter (links that slow), else none (the run's notes and sfl-coord plan say which and why); a list = these widths; null = no bottleneck (docs/methods.md section 11)."),
         ('max_bottleneck',

@@ -31,16 +31,15 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import RunConfig
 from sfl_core.estimates import scale_lr
-from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, priorities
 from sfl_core.fleet import AgentInfo, fleet_of
+from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, priorities
 from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
-from sfl_core.timing import Option, price_option
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
-from sfl_core.model.zoo import SplitModel
-from sfl_core.model.zoo import candidate_splits
+from sfl_core.model.accounting import SplitCost
+from sfl_core.model.zoo import SplitModel, candidate_splits
+from sfl_core.timing import Option, price_option
 from sfl_core.wire.codec import nominal_ratio
 
 log = logging.getLogger(__name__)
@@ -310,13 +309,11 @@ WIDTHS_PAY = 2.5
 """``auto.widths: auto`` (the default) switches the bottleneck on where it makes the fleet's
 predicted round at the run's batch size (every agent on its fastest option) at least this many
 times shorter. At equal batches, because batch regulation can hide a slow link only by moving
-samples off it, which the label-mix bound (``auto.epsilon``) limits. On the bench fleets:
-HeteroSFL's 16:1 links 3.2x (it switches on; the target came 1.5x sooner than IdBL 64x, 2.0x
-sooner than without widths, 3.4 points lower at the end, within the seeds' spread, 4 seeds);
-its 4:1 links 1.8x, S2FL's and MergeSFL's fleets 2.0x, the mixed and FedFC fleets 1.0x (off).
-How much a bottleneck slows learning is the model's and the data's, which the time model cannot
-see; the ladder's floor of values per sample (``auto.min_bottleneck_values``) keeps out the
-widths that stalled learning (docs/methods.md §11)."""
+samples off it, which the label-mix bound (``auto.epsilon``) limits. The threshold sits between
+the fleets where the bottleneck paid on the benches and those where it did not (the figures are
+in docs/results.md). How much a bottleneck slows learning is the model's and the data's, which
+the time model cannot see; the ladder's floor of values per sample (``auto.min_bottleneck_values``)
+keeps out the widths that stalled learning (docs/methods.md §11)."""
 
 
 @dataclass(frozen=True)

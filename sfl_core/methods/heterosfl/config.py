@@ -11,7 +11,13 @@ from pydantic.dataclasses import dataclass
 from sfl_core.config.fields import STRICT, Fail, checked, invalid, number
 from sfl_core.config.section import MethodSection
 from sfl_core.config.values import (
-    AT_LEAST_0, BOOLEAN, FRACTION, OPTIONAL_POSITIVE_INTEGER, codec_list, integer_in, positive_integers,
+    AT_LEAST_0,
+    BOOLEAN,
+    FRACTION,
+    OPTIONAL_POSITIVE_INTEGER,
+    codec_list,
+    integer_in,
+    positive_integers,
 )
 
 if TYPE_CHECKING:

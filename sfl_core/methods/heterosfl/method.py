@@ -15,9 +15,9 @@ from typing import Mapping, Sequence
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.losses import LossSpec
-from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 from sfl_core.methods.base import Layer, RoundPlan
 from sfl_core.methods.heterosfl.config import HeteroConfig
+from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
 

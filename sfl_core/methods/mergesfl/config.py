@@ -11,8 +11,18 @@ from pydantic.dataclasses import dataclass
 from sfl_core.config.fields import STRICT, checked, invalid
 from sfl_core.config.section import MethodSection
 from sfl_core.config.values import (
-    AT_LEAST_0, BATCH, BOOLEAN, FRACTION, OPTIONAL_BATCH, OPTIONAL_POSITIVE_INTEGER, OPTIONAL_POSITIVE_NUMBER,
-    POSITIVE_INTEGER, UNIT_OPEN, integer_in, number_in, optional,
+    AT_LEAST_0,
+    BATCH,
+    BOOLEAN,
+    FRACTION,
+    OPTIONAL_BATCH,
+    OPTIONAL_POSITIVE_INTEGER,
+    OPTIONAL_POSITIVE_NUMBER,
+    POSITIVE_INTEGER,
+    UNIT_OPEN,
+    integer_in,
+    number_in,
+    optional,
 )
 
 if TYPE_CHECKING:

@@ -58,8 +58,16 @@ import numpy as np
 
 from sfl_core.estimates import AgentState, nonneg_float, positive_int, probability, scale_lr, smooth
 from sfl_core.label_mix import (
-    KL_EPS, batch_vector, dist_matrix, distribution, kl, kl_rows, mixed_distribution, population_distribution,
-    priorities, selected_ids,
+    KL_EPS,
+    batch_vector,
+    dist_matrix,
+    distribution,
+    kl,
+    kl_rows,
+    mixed_distribution,
+    population_distribution,
+    priorities,
+    selected_ids,
 )
 
 _TINY = 1e-15      # KL or score differences below this are float noise, not progress
@@ -275,10 +283,9 @@ def select_workers(label_dists: Mapping[str, Sequence[float]], batches: Mapping[
       least ``min_agents`` where the budget lets that many fit (smaller sets rank below
       every set that meets the bound, the closest to it first).
 
-    Population 60 x 100 generations is at most 6,000 evaluations, each O(N * classes).
-    With the defaults the GA alone (``exact_max_agents=0``) found the exact optimum of
-    about 99 % of random 4-10-agent instances, and took about 0.1 s for 100 agents and
-    0.5 s for 1,000 (10 or 100 classes) on one core of a busy host.
+    Population 60 x 100 generations is at most 6,000 evaluations, each O(N * classes)
+    (``tests/test_mergesfl.py`` compares the GA alone, ``exact_max_agents=0``, with the exact
+    optimum on small instances).
     Deterministic for a given input and ``seed``. Raises ``ValueError`` when no candidate
     fits the budget on its own, or for bad parameters.
     """

@@ -17,15 +17,14 @@ import logging
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from sfl_core.methods.mergesfl import control as mergesfl
-from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import DeviceProfile, RunConfig
-from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.estimates import AgentState
+from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.methods.base import AgentRound, Layer, Method
+from sfl_core.methods.mergesfl import control as mergesfl
 from sfl_core.methods.mergesfl.config import MergeSflConfig
+from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
-
 
 log = logging.getLogger("sfl.method.mergesfl")
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Optional, Sequence
 
-from sfl_core.model.accounting import SplitCost
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
+from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.methods.s2fl.config import S2flConfig
 from sfl_core.methods.s2fl.grouping import group_by_balance
-from sfl_core.methods.base import Method, RoundPlan
-from sfl_core.model.zoo import SplitModel
-from sfl_core.model.zoo import candidate_splits
 from sfl_core.methods.s2fl.sliding_split import median_rule, warmup_split
+from sfl_core.model.accounting import SplitCost
+from sfl_core.model.zoo import SplitModel, candidate_splits
 from sfl_core.timing import estimate_round_time
 
 
