@@ -39,7 +39,7 @@ from sfl_core.model.fingerprint import architecture, digest, fingerprinted
 from sfl_core.model.zoo import SplitModel, build_model
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
-from sfl_core.wire.assignment import Assignment
+from sfl_core.wire.assignment import SPLIT_TRAINING, WHOLE_MODEL, Assignment
 from sfl_core.wire.protocol import Message
 
 log = logging.getLogger("sfl.coord")
@@ -406,8 +406,7 @@ class RoundEngine:
         shape = (self.num_classes,) if whole else cost.activation_shape
         if width:
             shape = bottleneck_shape(shape, width)
-        strategy = "fedavg" if whole else "sfl"  # what the agent does
-        return Assignment(model=self.cfg.model, strategy=strategy, split=split, width=width,
+        return Assignment(model=self.cfg.model, mode=WHOLE_MODEL if whole else SPLIT_TRAINING, split=split, width=width,
                           batch_size=batch or self.cfg.batch_size,
                           lr=self.method.lr(batch) * lr_scale,
                           momentum=self.cfg.momentum,

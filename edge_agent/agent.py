@@ -158,7 +158,7 @@ class AgentCore:
         self._standardise(msg.body.get("normalize"))
         model = self._model(a.model, a.split, a.width)
         model.check_split(a.split)
-        if a.strategy == "fedavg" and a.split != model.num_blocks:
+        if a.whole_model and a.split != model.num_blocks:
             raise wire.WireError("assign.split: fedavg needs the whole model on the agent")
         client = model.client(a.split)
         state = wire.decode_state(msg.body["weights"], {k: v.cpu() for k, v in model.client_state(a.split).items()})
@@ -168,7 +168,7 @@ class AgentCore:
         self._opt = torch.optim.SGD(client.parameters(), lr=a.lr, momentum=a.momentum)
         self._flops_per_sample = model_costs(a.model, self.input_shape, self.data.num_classes)[a.split].client_flops
         self.round, self.step, self._compute_s, self._assign_seq = msg.round, -1, 0.0, msg.seq
-        if a.strategy == "fedavg":
+        if a.whole_model:
             return self._remember([self._train_locally()])
         return self._remember([self._forward_next()])
 

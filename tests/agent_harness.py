@@ -44,7 +44,7 @@ class Coordinator:
 
     def assign(self, rnd: int, *, tau: int = 4, batch: int = 16, strategy: str = "sfl",
                codec: str = "fp32", lr: float = 0.05, momentum: float = 0.0) -> Message:
-        a = Assignment(model=MODEL, strategy=strategy, split=self.split, width=0, batch_size=batch, lr=lr,
+        a = Assignment(model=MODEL, mode=strategy, split=self.split, width=0, batch_size=batch, lr=lr,
                        momentum=momentum, tau=tau, codec=codec, zstd_level=1, activation_shape=ACT_SHAPE[self.split])
         self.trainer.begin_round([[AGENT]], {AGENT: self.split})
         body = a.to_body(wire.encode_state(self.model.client_state(self.split)))

@@ -192,7 +192,7 @@ def _assigned_agent(digits) -> tuple[AgentCore, Message]:
     model = build_model("small_cnn", digits.input_shape, digits.num_classes)
     core = AgentCore("a0", RUN, LocalData(digits.x_train[:64], digits.y_train[:64], digits.num_classes),
                      digits.input_shape, seed=0)
-    a = Assignment(model="small_cnn", strategy="sfl", split=2, width=0, batch_size=8, lr=0.05, momentum=0.0,
+    a = Assignment(model="small_cnn", mode="sfl", split=2, width=0, batch_size=8, lr=0.05, momentum=0.0,
                    tau=3, codec="fp32", zstd_level=1, activation_shape=(32, 4, 4))
     assign = Message("assign", RUN, "coordinator", a.to_body(wire.encode_state(model.client_state(2))),
                      round=1, seq=100)

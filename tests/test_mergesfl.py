@@ -10,7 +10,7 @@ import pytest
 
 from mergesfl_oracles import added_wait, waiting_time, within_budget
 from sfl_core.methods.mergesfl.control import (
-    KL_EPS, AgentState, estimate_budget, fill_budget, kl, mixed_distribution, plan_round,
+    KL_EPS, AgentState, estimate_budget, fill_budget, kl, mixed_distribution, plan_merge_round,
     population_distribution, priorities, regulate_batches, scale_lr, select_workers, smooth, tune_batches,
 )
 
@@ -408,15 +408,15 @@ def test_fill_budget_is_proportional():
 def test_plan_round_respects_budget_and_reports_consistently():
     dists, states, _, part = _instance(40, 21)
     budget = 400 * C
-    plan = plan_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget, epsilon=0.01, seed=1)
+    plan = plan_merge_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget, epsilon=0.01, seed=1)
     assert plan.agents == plan.selection.agents and set(plan.batches) == set(plan.agents)
     assert within_budget(plan.agents, plan.batches, C, budget) and plan.load_bytes <= budget
     assert sum(plan.batches.values()) == 400  # filled
     assert plan.kl == pytest.approx(kl(mixed_distribution(plan.agents, plan.batches, dists),
                                        population_distribution(dists)))
-    assert plan == plan_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget,
+    assert plan == plan_merge_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget,
                               epsilon=0.01, seed=1)
-    capped = plan_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget, batch_cap=64)
+    capped = plan_merge_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget, batch_cap=64)
     assert max(capped.batches.values()) <= 64 and capped.load_bytes <= budget
     with pytest.raises(ValueError, match="batch_cap"):
-        plan_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget, batch_cap=32)
+        plan_merge_round(states, dists, part, max_batch=64, bytes_per_sample=C, budget=budget, batch_cap=32)

@@ -27,7 +27,7 @@ from sfl_core.wire.codec import nominal_ratio
 
 
 @dataclass(frozen=True)
-class Assignment:
+class PlannedAgent:
     split: int
     codec: str
     batch: int
@@ -42,7 +42,7 @@ class MethodPreview:
     round_s: float
     bytes_per_round: float
     waiting_s: float
-    agents: dict[str, Assignment]
+    agents: dict[str, PlannedAgent]
     phase: str = ""
     strategy: str = ""
     """The ``strategy:`` of the run config this row was planned from."""
@@ -88,7 +88,7 @@ def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
             opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width)
             ratio = wire_fraction(nominal_ratio(codec), width, channels)
             traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
-            rows[a] = Assignment(split, codec, batch, width, opt.time(batch), traffic)
+            rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)
         times = [x.time_s for x in rows.values()]
         out.append(MethodPreview(name, timing.round_time(times), sum(x.bytes for x in rows.values()),
                                  timing.waiting_time(times), rows, plan.phase, variant.strategy))

@@ -1,0 +1,1 @@
+"""What crosses the wire: the tensor codec and envelope, protocol messages, assignments, signatures."""

@@ -7,7 +7,13 @@ from typing import Any
 
 from sfl_core.wire import codec as wire
 
-STRATEGIES = ("sfl", "fedavg")
+SPLIT_TRAINING = "sfl"
+"""The agent trains its client portion step by step with the server (activations up, gradients down)."""
+WHOLE_MODEL = "fedavg"
+"""The agent trains the whole model locally and sends only its weights."""
+MODES = (SPLIT_TRAINING, WHOLE_MODEL)
+"""What an agent may be asked to do in a round: the assignment's ``strategy`` on the wire (the
+field keeps that name for compatibility; it is the agent's mode, not the run's method)."""
 MAX_BATCH = 4096
 MAX_TAU = 10_000
 
@@ -18,7 +24,8 @@ class Assignment:
     agent (FedAvg); ``width == 0`` means no bottleneck layer."""
 
     model: str
-    strategy: str
+    mode: str
+    """:data:`SPLIT_TRAINING` or :data:`WHOLE_MODEL` (``strategy`` on the wire)."""
     split: int
     width: int
     batch_size: int
@@ -32,10 +39,10 @@ class Assignment:
     @property
     def whole_model(self) -> bool:
         """The agent trains the whole model locally and sends only its weights (no per-step exchange)."""
-        return self.strategy == "fedavg"
+        return self.mode == WHOLE_MODEL
 
     def to_body(self, weights: dict[str, Any]) -> dict[str, Any]:
-        return {"model": self.model, "strategy": self.strategy, "split": self.split, "width": self.width,
+        return {"model": self.model, "strategy": self.mode, "split": self.split, "width": self.width,
                 "batch_size": self.batch_size, "lr": float(self.lr), "momentum": float(self.momentum),
                 "tau": self.tau, "codec": self.codec, "zstd_level": self.zstd_level,
                 "activation_shape": list(self.activation_shape), "weights": weights}
@@ -45,8 +52,8 @@ class Assignment:
         """Range-check every field; the schema check in :mod:`sfl_core.wire.protocol` did the types."""
         def bad(field: str, why: str) -> wire.WireError:
             return wire.WireError(f"assign.{field}: {why}")
-        if body["strategy"] not in STRATEGIES:
-            raise bad("strategy", f"{body['strategy']!r} not one of {STRATEGIES}")
+        if body["strategy"] not in MODES:
+            raise bad("strategy", f"{body['strategy']!r} not one of {MODES}")
         if not wire.is_codec(body["codec"]):
             raise bad("codec", f"{body['codec']!r} not one of {wire.CODECS} or {wire.TOPK_PATTERN}")
         if not 1 <= body["batch_size"] <= MAX_BATCH:
@@ -66,7 +73,7 @@ class Assignment:
         shape = body["activation_shape"]
         if len(shape) > 6 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
             raise bad("activation_shape", f"bad shape {shape}")
-        return cls(model=body["model"], strategy=body["strategy"], split=body["split"], width=body["width"],
+        return cls(model=body["model"], mode=body["strategy"], split=body["split"], width=body["width"],
                    batch_size=body["batch_size"], lr=float(body["lr"]), momentum=float(body["momentum"]),
                    tau=body["tau"], codec=body["codec"], zstd_level=body["zstd_level"],
                    activation_shape=tuple(shape))

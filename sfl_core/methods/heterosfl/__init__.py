@@ -1,0 +1,1 @@
+"""HeteroSFL: its layer, its config section (``hetero:``) and its link-rate groups."""

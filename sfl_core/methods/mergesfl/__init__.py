@@ -1,0 +1,1 @@
+"""MergeSFL: its layer, its config section (``mergesfl:``) and its control algorithms."""

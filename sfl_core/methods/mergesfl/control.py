@@ -23,7 +23,7 @@ module trades the two off before each round:
    while adding the least waiting time, :func:`tune_batches`; then scale all batches
    proportionally to use the budget, :func:`fill_budget`.
 
-:func:`plan_round` chains 2-5 (Alg. 1 lines 1-7).
+:func:`plan_merge_round` chains 2-5 (Alg. 1 lines 1-7).
 
 Where the paper is ambiguous (each is repeated where it matters):
 
@@ -75,7 +75,7 @@ _TINY = 1e-15      # KL or score differences below this are float noise, not pro
 __all__ = [
     "AgentState", "KL_EPS", "MergePlan", "Selection", "Tuning",
     "estimate_budget", "fill_budget", "fixed_transfer_time", "kl",
-    "mixed_distribution", "observed_ingress", "plan_round", "population_distribution", "priorities",
+    "mixed_distribution", "observed_ingress", "plan_merge_round", "population_distribution", "priorities",
     "regulate_batches", "scale_lr", "select_workers", "smooth", "split_transfer", "tune_batches",
 ]
 
@@ -581,7 +581,7 @@ class MergePlan:
     selection: Selection
 
 
-def plan_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Sequence[float]],
+def plan_merge_round(states: Mapping[str, AgentState], label_dists: Mapping[str, Sequence[float]],
                participation: Mapping[str, int], *, max_batch: int, bytes_per_sample: float, budget: float,
                epsilon: float = 0.01, batch_cap: int | None = None, target: Sequence[float] | None = None,
                seed: int = 0, tau: int = 1, min_batch: int = 1, **ga: object) -> MergePlan:

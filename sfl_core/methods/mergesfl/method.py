@@ -1,4 +1,4 @@
-"""MergeSFL (Liao et al., 2024): KL-divergence selection and batch-size regulation, as a layer over any split method.
+"""MergeSFL (Liao et al., 2023): KL-divergence selection and batch-size regulation, as a layer over any split method.
 
 Feature merging is the server trainer's merged step (``server_mode: merged``); this module
 holds the other two mechanisms (paper Alg. 1; docs/methods.md §7).
@@ -115,7 +115,7 @@ class MergeControl:
         if self.m.select:
             states = {a: self.state(a, agents[a]) for a in candidates}
             budget = self.budget(len(candidates))
-            plan = mergesfl.plan_round(
+            plan = mergesfl.plan_merge_round(
                 states, {a: agents[a].label_counts for a in candidates}, {a: agents[a].rounds for a in candidates},
                 max_batch=self.max_batch, bytes_per_sample=self.cost.activation_bytes, budget=budget,
                 epsilon=self.m.epsilon, batch_cap=self.max_batch, seed=self.cfg.seed * 100_003 + r,
