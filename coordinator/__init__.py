@@ -1,1 +1,1 @@
-"""coordinator."""
+"""The coordinator daemon (`sfl-coord serve`): round engine, fleet session, server trainer, state, transports."""

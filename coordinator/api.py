@@ -1,4 +1,4 @@
-"""The programmatic API: run a simulation or serve a deployment from Python.
+"""The programmatic API of a deployment: serve a run from Python, and set a run up (data, lock, checkpoint).
 
     from sfl_core.config.run import load_run_config
     from coordinator.api import serve

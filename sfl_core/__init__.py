@@ -1,1 +1,1 @@
-"""sfl_core."""
+"""What the coordinator and the agents share: configs, models, data, the wire, the time model, the methods."""
