@@ -114,23 +114,22 @@ def register_layer(layer: "type[Layer]") -> None:
 def prepare_model(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, SplitCost]") -> "SplitModel":
     """The run's global model as its method trains it: the base method's and each wanted
     layer's :meth:`~sfl_core.methods.base.Method.prepare_model` applied to ``model``."""
-    strategies()
-    for ref in (_BASES[cfg.strategy], *_LAYERS):
-        method = _resolve(ref)
-        if ref is not _BASES[cfg.strategy] and not method.wanted(cfg):
-            continue
+    for method in (base_method(cfg.strategy), *_wanted_layers(cfg)):
         getattr(method, "prepare_model", lambda *_: None)(cfg, model, costs)
     return model
+
+
+def _wanted_layers(cfg: "RunConfig") -> list[Any]:
+    """The registered layers ``cfg`` asks for, innermost first."""
+    return [layer for layer in map(_resolve, _LAYERS) if layer.wanted(cfg)]
 
 
 def build_method(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, SplitCost]") -> "Method":
     """The run's method: its strategy's base, wrapped in every layer its config asks for."""
     if cfg.strategy not in strategies():
         raise ValueError(f"strategy {cfg.strategy!r}: no such method; known: {sorted(_BASES)}")
-    base = _resolve(_BASES[cfg.strategy])
+    base = base_method(cfg.strategy)
     method = base.for_run(cfg, model, costs) if hasattr(base, "for_run") else base(cfg, model, costs)
-    for ref in _LAYERS:
-        layer = _resolve(ref)
-        if layer.wanted(cfg):
-            method = layer(method)
+    for layer in _wanted_layers(cfg):
+        method = layer(method)
     return method

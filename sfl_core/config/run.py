@@ -773,7 +773,7 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         if f.name == "task":
             value = value.to_wire() if value is not None else None
         elif f.name == "sections":
-            out.update({key: section.describe() for key, section in value.items()})
+            out.update({key: {g.name: _plain(getattr(s, g.name)) for g in fields(s)} for key, s in value.items()})
             continue
         elif f.name in ("data", "eval", "privacy"):
             value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}

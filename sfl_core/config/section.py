@@ -13,8 +13,7 @@ own arguments, as each strategy of Flower does in its constructor.
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from sfl_core.config.fields import Section
 
@@ -49,8 +48,3 @@ class MethodSection(Section):
         """This section with the method's own switches off (the common ground ``sfl-coord plan``
         compares the methods from)."""
         return self
-
-    def describe(self) -> dict[str, Any]:
-        """The section as plain YAML values (the inverse of reading it)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
