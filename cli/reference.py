@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import click
 import typer
 
 from cli.agent import app as agent_app
@@ -28,14 +27,14 @@ def _cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|").replace("<", "&lt;")
 
 
-def _default(p: click.Parameter) -> str:
+def _default(p: Any) -> str:
     d = p.default
     if p.required or d is None or d is False or d == () or callable(d):
         return ""
     return f"`{d}`"
 
 
-def _command(prog: str, name: str, cmd: click.Command) -> list[str]:
+def _command(prog: str, name: str, cmd: Any) -> list[str]:
     out = [f"### `{prog} {name}`", "", (cmd.help or "").strip(), ""]
     args = [p for p in cmd.params if p.param_type_name == "argument"]
     opts = [p for p in cmd.params if p.param_type_name == "option" and not getattr(p, "hidden", False)]
@@ -58,7 +57,7 @@ def render() -> str:
     for prog, app in (("sfl-coord", coord_app), ("sfl-agent", agent_app)):
         group = typer.main.get_command(app)
         lines += [f"## `{prog}`", "", (group.help or "").strip(), ""]
-        ctx = click.Context(group, info_name=prog)
+        ctx = typer.Context(group, info_name=prog)
         for name in group.list_commands(ctx):
             lines += _command(prog, name, group.get_command(ctx, name))
     return "\n".join(lines).rstrip() + "\n"

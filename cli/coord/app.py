@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
@@ -26,7 +25,7 @@ class _Commands(TyperGroup):
     """``--resume`` alone means resume, ``--resume auto`` resume-or-start: click has no option
     that takes a value only sometimes, so the one token is rewritten before parsing."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         out: list[str] = []
         for i, a in enumerate(args):
             if a == "--resume":
