@@ -10,29 +10,30 @@ replays and resends are the fleet session's (:mod:`coordinator.session`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
-from coordinator import evaluation
+from coordinator import evaluation, shard_round
 from coordinator import state as ckpt
-from coordinator.clock import AgentWork, Clock
+from coordinator.clock import Clock
 from coordinator.export import describe_model, restore_widths, run_model
+from coordinator.pricing import price_round
 from coordinator.registry import Registry
-from coordinator.round_record import agent_row, round_record
+from coordinator.round_record import round_record
 from coordinator.server_trainer import ServerTrainer
-from coordinator.server_workers import GradReducer, ServerShards, shard_agents
+from coordinator.server_workers import GradReducer, ServerShards
 from coordinator.session import Event, FleetSession, RoundAgent
 from coordinator.transport import Transport
+from coordinator.uploads import decode_activations, decode_logit_gradients
+from coordinator.validation import ValidationSet
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
 from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
 from sfl_core.methods import build_method
-from sfl_core.methods.base import AgentRound, RoundPlan
+from sfl_core.methods.base import RoundPlan
 from sfl_core.model.accounting import model_costs, split_note
 from sfl_core.model.bottleneck import bottleneck_shape, slice_state
 from sfl_core.model.fingerprint import architecture, digest, fingerprinted
@@ -57,12 +58,6 @@ class RoundFailed(RuntimeError):
     checkpointed (a restart with ``--resume`` continues)."""
 
 
-def _counters(ra: RoundAgent) -> dict[str, Any]:
-    """What a server worker counted for one of its agents this round (sent to the leader)."""
-    return {"bytes_up": ra.bytes_up, "bytes_down": ra.bytes_down, "messages": ra.messages, "busy_s": ra.busy_s,
-            "server_s": ra.server_s, "labels_withheld": ra.labels_withheld}
-
-
 class RoundEngine:
     def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
@@ -79,9 +74,7 @@ class RoundEngine:
         self.cfg = cfg
         self.transport = transport
         self.clock = clock
-        self.x_test, self.y_test = test_set
-        if cfg.eval_samples is not None:
-            self.x_test, self.y_test = self.x_test[:cfg.eval_samples], self.y_test[:cfg.eval_samples]
+        self.validation = ValidationSet(*test_set, limit=cfg.eval_samples)
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
         self.out_dir = Path(out_dir)
@@ -96,9 +89,6 @@ class RoundEngine:
                                  else None,
                                  architecture=digest(architecture(build_model(cfg.model, self.input_shape, num_classes)))
                                  if fingerprinted(cfg) else None)
-        self.normalization: Optional[Normalization] = None
-        """A task run's standardisation constants (None until known); a built-in data set comes standardised."""
-        self._x_scaled = self.x_test   # a task run's validation inputs before standardisation
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
@@ -117,7 +107,7 @@ class RoundEngine:
             self._standardise(Normalization((0.0,) * task.input_shape[0], (1.0,) * task.input_shape[0]))
         if checkpoint is not None:
             self._resume(*checkpoint)
-        if task is not None and not len(self.y_test):
+        if task is not None and not len(self.validation):
             note = ("no validation data on the server (eval.data): the global model's accuracy is measured "
                     + (f"only on the devices' held-out splits, every {cfg.eval.federated_every} round(s)"
                        if cfg.eval.federated_every else "nowhere in this run (no eval.federated_every either)"))
@@ -161,6 +151,11 @@ class RoundEngine:
             self.shards.close()
         return self.history
 
+    @property
+    def normalization(self) -> Optional[Normalization]:
+        """A task run's standardisation constants (None until known); a built-in data set comes standardised."""
+        return self.validation.normalization
+
     def known_normalization(self) -> Optional[dict[str, list[float]]]:
         """The constants as the run description carries them, if known before the fleet registers."""
         return self.normalization.to_wire() if self.normalization is not None and self.cfg.task is not None else None
@@ -170,8 +165,7 @@ class RoundEngine:
         records them (what ``sfl-agent predict --raw`` applies)."""
         task = self.cfg.task
         assert task is not None
-        self.normalization = norm
-        self.x_test = norm.apply(self._x_scaled) if len(self._x_scaled) else self._x_scaled
+        self.validation.standardise(norm)
         self.preprocessing = preprocessing_record(task.scale, norm, task.resize,
                                                   None if task.resize else task.input_shape, task.classes)
 
@@ -196,7 +190,15 @@ class RoundEngine:
         round, until the leader says the run is over."""
         assert self.shards is not None and not self.shards.leader
         while (doc := self.shards.broadcast()) is not None:
-            self._shard_round(doc)
+            r = doc["round"]
+            plan, agents = shard_round.follow(self.shards, self.transport, self.model, doc, self._now)
+            mine = list(agents)
+            self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
+                                    lr=doc["lr"], population_counts=doc["population"])
+            losses = self._train_steps(r, agents, mine)
+            log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r,
+                     ", ".join(mine) or "-", f"{losses[-1]:.4f}" if losses else "-")
+            self.shards.gather({a: shard_round.counters(ra) for a, ra in agents.items()})
         self.shards.close()
 
     def run_counted_round(self, r: int) -> dict[str, Any]:
@@ -246,7 +248,8 @@ class RoundEngine:
         population = {a: i.label_counts for a, i in self.registry.agents.items()}
         # agents holding the whole model train locally and only send weights (FedAvg, or auto's choice)
         split_agents = [a for a, ra in agents.items() if not ra.assignment.whole_model]
-        mine = self._start_shards(r, plan, agents, split_agents, label_counts, population, decay) \
+        mine = shard_round.lead(self.shards, self.transport, self.model, r, plan, agents, split_agents,
+                                label_counts=label_counts, population=population, lr=self.cfg.lr * decay) \
             if self.shards is not None else split_agents
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
                                 lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population)
@@ -264,7 +267,7 @@ class RoundEngine:
         losses = self._train_steps(r, agents, mine) if split_agents or self.shards is not None else []
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
         if self.shards is not None:
-            self._merge_shard_counters(agents, mine)
+            shard_round.merge_counters(self.shards, self.transport, agents, mine)
         return self._aggregate_and_record(r, plan, agents, uploads, losses, time.monotonic() - wall0)
 
     def _train_steps(self, r: int, agents: dict[str, RoundAgent], mine: list[str]) -> list[float]:
@@ -300,70 +303,6 @@ class RoundEngine:
                                                      g_body, round=r, step=k, seq=protocol.next_seq()))
             self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         return losses
-
-    # ================================================================ server workers
-    def _start_shards(self, r: int, plan: RoundPlan, agents: dict[str, RoundAgent], split_agents: list[str],
-                      label_counts: dict, population: dict, decay: float) -> list[str]:
-        """The leader shares out the round's split agents, hands the workers the plan and the
-        model, and waits until each has subscribed to its agents; returns the leader's own shard."""
-        assert self.shards is not None
-        if plan.sequential:
-            raise RuntimeError("server workers cannot share a sequential server (server_mode: sequential): "
-                               "it trains on one agent after another")
-        owners = shard_agents(split_agents, self.shards.world)
-        self.transport.not_mine = frozenset(a for a, rank in owners.items() if rank != 0)
-        self.shards.broadcast({
-            "round": r, "owners": owners, "lr": self.cfg.lr * decay,
-            "assignments": {a: agents[a].assignment.to_body({}) for a in split_agents},
-            "groups": plan.groups, "splits": plan.splits, "widths": plan.widths,
-            "infer_widths": {k: pair.infer_width for k, pair in self.model.bottlenecks.items()},
-            "label_counts": label_counts, "population": population})
-        self.shards.broadcast_model(self.model)
-        self.shards.barrier()
-        log.info("round %d: server workers' agents: %s", r, "; ".join(
-            f"{rank}: {', '.join(a for a, o in owners.items() if o == rank) or '-'}" for rank in range(self.shards.world)))
-        return [a for a in split_agents if owners[a] == 0]
-
-    def _shard_round(self, doc: dict[str, Any]) -> None:
-        """A server worker's round: the leader's plan and model, then this rank's agents' steps."""
-        assert self.shards is not None
-        r = doc["round"]
-        self.shards.broadcast_model(self.model)
-        plan = RoundPlan(splits={a: int(s) for a, s in doc["splits"].items()}, groups=doc["groups"],
-                         widths={a: int(w) for a, w in doc["widths"].items()})
-        for key, width in doc["infer_widths"].items():   # the leader's, resumed or widened
-            self.model.bottlenecks[key].infer_width = int(width)
-        mine = [a for a, rank in doc["owners"].items() if rank == self.shards.rank]
-        self.transport.follow(set(mine))
-        self.shards.barrier()
-        now = self._now()
-        agents = {a: RoundAgent(a, Assignment.from_body(doc["assignments"][a]), last_heard=now, last_sent_at=now)
-                  for a in mine}
-        self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
-                                lr=doc["lr"], population_counts=doc["population"])
-        losses = self._train_steps(r, agents, mine)
-        log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r, ", ".join(mine) or "-",
-                 f"{losses[-1]:.4f}" if losses else "-")
-        self.shards.gather({a: _counters(ra) for a, ra in agents.items()})
-
-    def _merge_shard_counters(self, agents: dict[str, RoundAgent], mine: list[str]) -> None:
-        """Add what the other server workers counted for their agents (bytes, messages, times)
-        to what the leader counted itself (the assignment and the weights)."""
-        assert self.shards is not None
-        self.transport.not_mine = frozenset()
-        for counters in self.shards.gather({a: _counters(agents[a]) for a in mine if a in agents})[1:]:
-            for a, c in counters.items():
-                ra = agents.get(a)
-                if ra is None:
-                    continue
-                ra.bytes_up += c["bytes_up"]
-                ra.bytes_down += c["bytes_down"]
-                ra.messages += c["messages"]
-                ra.server_s += c["server_s"]
-                # the leader timed only the weights upload, from the assignment on: the steps are the worker's
-                ra.busy_s = c["busy_s"]
-                if c["labels_withheld"]:
-                    ra.labels_withheld = True
 
     def shutdown_agents(self, reason: str) -> None:
         """Tell every known agent to stop (the run finished)."""
@@ -414,21 +353,12 @@ class RoundEngine:
                           activation_shape=tuple(shape))
 
     def _batch(self, ra: RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """Validate activations against the assignment before they touch the server model."""
-        b = ra.assignment.batch_size
+        """The activations and labels of ``msg``, validated (None, rejected, if invalid)."""
         try:
-            x = wire.decode_tensor(msg.body["x"], shape=(b, *ra.assignment.activation_shape),
-                                   dtypes=("float32", "float16"))
-            # y null: the agent withholds its labels and scores its own logits (MergeSFL)
-            y = None if msg.body["y"] is None else wire.decode_tensor(msg.body["y"], shape=(b,), dtypes=("int64",))
-            if not torch.isfinite(x).all():
-                raise wire.WireError("activations contain NaN or Inf")
-            if y is not None and (y.min() < 0 or y.max() >= self.num_classes):
-                raise wire.WireError(f"labels outside 0..{self.num_classes - 1}")
+            return decode_activations(msg.body, ra.assignment, self.num_classes)
         except wire.WireError as exc:
             self.session.rejections.reject("invalid", f"activations from {ra.info_id}: {exc}")
             return None
-        return x, y
 
     def _exchange_logits(self, agents: dict[str, RoundAgent], logits: dict[str, torch.Tensor], r: int,
                          k: int) -> dict[str, tuple[torch.Tensor, float]]:
@@ -445,10 +375,7 @@ class RoundEngine:
             if a not in agents:          # dropped while we waited: out of the round
                 continue
             try:
-                g = wire.decode_tensor(replies[a].body["g"], shape=tuple(logits[a].shape), dtypes=("float32", "float16"))
-                loss = float(replies[a].body["loss"])
-                if not torch.isfinite(g).all() or loss != loss or abs(loss) == float("inf"):
-                    raise wire.WireError("logit gradients or loss not finite")
+                g, loss = decode_logit_gradients(replies[a].body, tuple(logits[a].shape))
             except wire.WireError as exc:
                 self.session.rejections.reject("invalid", f"logit gradients from {a}: {exc}")
                 self.session.drop(agents, a, "sent invalid logit gradients")
@@ -463,7 +390,10 @@ class RoundEngine:
         record and checkpoint it (:mod:`coordinator.round_record`)."""
         done, fed_losses = self._aggregate(plan, agents, uploads)
         accuracy, test_loss = self.evaluate()
-        per_agent, times = self._price(r, plan, agents, uploads, done)
+        per_agent, times, observed = price_round(r, self.clock, self.costs, self.registry.agents, agents, uploads,
+                                                 done, server_flops=self.cfg.server_flops)
+        self.method.observe(observed)
+        self.method.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
         federated = self._federated_evaluation(r, agents, done)
@@ -511,46 +441,6 @@ class RoundEngine:
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         return done, fed_losses
 
-    def _price(self, r: int, plan: RoundPlan, agents: dict[str, RoundAgent], uploads: dict[str, Message],
-               done: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
-        """Each completed agent's round by the run's clock: its metrics row and its seconds; the
-        registry's totals and the method's estimates learn from them."""
-        per_agent, times, observed = {}, {}, []
-        for a in done:
-            ra, info = agents[a], self.registry.agents[a]
-            cost = self.costs[ra.assignment.split]
-            samples = ra.assignment.batch_size * ra.assignment.tau
-            parts = self.clock.agent_time(AgentWork(
-                measured_s=ra.busy_s + ra.server_s, compute_s=ra.compute_s, server_s=ra.server_s,
-                client_flops=cost.client_flops * samples, server_flops=cost.server_flops * samples,
-                bytes_up=ra.bytes_up, bytes_down=ra.bytes_down, messages=ra.messages,
-                profile=info.profile.at_round(r), server_flops_per_s=self.cfg.server_flops))
-            t = times[a] = parts.total_s
-            act = 0 if ra.assignment.whole_model else math.prod(ra.assignment.activation_shape) * 4
-            observed.append(AgentRound(
-                a, info, ra.assignment.split, ra.assignment.codec, samples, compute_s=parts.client_compute_s,
-                transfer_s=parts.transfer_s, profile=info.profile.at_round(r),
-                weights_bytes=uploads[a].wire_bytes, messages=ra.messages, wire_bytes=ra.bytes_up + ra.bytes_down,
-                fp32_bytes=2 * cost.client_param_bytes + 2 * samples * act))
-            info.rounds += 1
-            info.bytes_up += ra.bytes_up
-            info.bytes_down += ra.bytes_down
-            info.compute_s += ra.compute_s
-            per_agent[a] = agent_row(ra, parts, t)
-            if info.privacy:   # what the agent declared it applies; epsilon as it reported it
-                per_agent[a]["privacy"] = info.privacy
-            if "epsilon" in uploads[a].body:
-                info.epsilon = per_agent[a]["epsilon"] = float(uploads[a].body["epsilon"])
-        slowest = max(times.values(), default=0.0)
-        for a in done:
-            info, row = self.registry.agents[a], per_agent[a]
-            info.client_s += row["client_s"]
-            info.transfer_s += row["transfer_s"]
-            info.wait_s += slowest - times[a]
-        self.method.observe(observed)
-        self.method.record(r, times, plan.splits)
-        return per_agent, times
-
     def _checkpoint_state(self, r: int) -> dict[str, Any]:
         """The run state saved with the model after round ``r`` (what ``--resume`` reads)."""
         return {
@@ -591,40 +481,17 @@ class RoundEngine:
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
 
-    @torch.no_grad()
-    def evaluate(self, batch_size: int = 1024) -> tuple[Optional[float], Optional[float]]:
-        """Accuracy and mean loss of the full global model on the held-out test set (None, None
-        without one: a task run whose server holds no validation data)."""
-        if not len(self.y_test):
-            return None, None
-        self.model.eval()
-        correct, total_loss = 0, 0.0
-        for i in range(0, len(self.y_test), batch_size):
-            x = self.x_test[i:i + batch_size].to(self.device)
-            y = self.y_test[i:i + batch_size].to(self.device)
-            logits = self.model(x)
-            total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-        self.model.train()
-        n = max(len(self.y_test), 1)
-        return correct / n, total_loss / n
+    def evaluate(self) -> tuple[Optional[float], Optional[float]]:
+        """Accuracy and mean loss of the full global model on the server's validation set (None,
+        None without one: a task run whose server holds no validation data)."""
+        return self.validation.evaluate(self.model, self.device)
 
     def _resume(self, model_state: dict[str, torch.Tensor], st: dict[str, Any]) -> None:
         """Continue after the checkpoint's round. Everything is checked before anything on disk
         changes: a checkpoint that does not fit this run is a CheckpointError naming the file."""
         path = self.out_dir / ckpt.MODEL_FILE
         ckpt.check_fits(path, st, model=self.cfg.model, run_id=self.cfg.run_id, rounds=self.cfg.rounds)
-        expected = self.model.state_dict()
-        missing = [k for k in expected if k not in model_state]
-        extra = [k for k in model_state if k not in expected]
-        shaped = [f"{k} {tuple(model_state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-                  if k in model_state and tuple(model_state[k].shape) != tuple(v.shape)]
-        for what, keys in (("lacks the tensor(s)", missing), ("has tensor(s) this model does not have", extra),
-                           ("has tensor(s) of another shape", shaped)):
-            if keys:
-                more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-                raise ckpt.CheckpointError(f"{path}: does not fit this run's model {self.cfg.model!r}: it {what} "
-                                           f"{', '.join(keys[:3])}{more}")
+        ckpt.check_tensors(path, model_state, self.model.state_dict(), model=self.cfg.model)
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))

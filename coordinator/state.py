@@ -172,6 +172,22 @@ def check_fits(path: Path, st: dict[str, Any], *, model: str, run_id: str, round
                               f"{rounds} rounds (raise --rounds to train further)")
 
 
+def check_tensors(path: Path, got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *,
+                  model: str) -> None:
+    """CheckpointError unless the checkpoint's tensors ``got`` have exactly the names and shapes
+    of the run's model ``expected`` (the first three of each kind of mismatch are named)."""
+    missing = [k for k in expected if k not in got]
+    extra = [k for k in got if k not in expected]
+    shaped = [f"{k} {tuple(got[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+              if k in got and tuple(got[k].shape) != tuple(v.shape)]
+    for what, keys in (("lacks the tensor(s)", missing), ("has tensor(s) this model does not have", extra),
+                       ("has tensor(s) of another shape", shaped)):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise CheckpointError(f"{path}: does not fit this run's model {model!r}: it {what} "
+                                  f"{', '.join(keys[:3])}{more}")
+
+
 def load_state(out_dir: Path) -> dict[str, Any]:
     """The run state alone (``sfl-coord status``), from the checkpoint itself."""
     return load(out_dir)[1]

@@ -59,13 +59,13 @@ def test_a_fleet_trains_on_its_own_folders_with_constants_from_all_devices(fleet
     # federated standardisation: exactly the statistics of the union of the devices' training images
     task = cfg.task
     union = torch.cat([load_local(fleet / d, task).train.x for d in ("pi-1", "pi-2", "pi-3")])
-    assert engine.normalization.mean[0] == pytest.approx(float(union.double().mean()), rel=1e-9)
-    assert engine.normalization.std[0] == pytest.approx(float(union.double().std()), rel=1e-9)
+    assert engine.validation.normalization.mean[0] == pytest.approx(float(union.double().mean()), rel=1e-9)
+    assert engine.validation.normalization.std[0] == pytest.approx(float(union.double().std()), rel=1e-9)
     # labels by name: the device without 'three' registered a zero count there, 'four' stays index 4
     counts = {a.agent_id: a.label_counts for a in engine.registry.agents.values()}
     assert counts["sim-001"][3] == 0 and counts["sim-001"][4] > 0 and sum(counts["sim-002"]) == 320   # 400 images, 80 held out, the broken file skipped
     # the server scores on its own validation folder, the devices on their held-out splits
-    assert len(engine.y_test) == 300 and history[-1]["accuracy"] > history[0]["accuracy"] + 0.3
+    assert len(engine.validation.y) == 300 and history[-1]["accuracy"] > history[0]["accuracy"] + 0.3
     fed = history[-1]["federated"]
     assert set(fed["agents"]) == {"sim-002"} and fed["count"] == 80     # only pi-3 holds a val/ split
     assert fed["accuracy"] == fed["agents"]["sim-002"]["accuracy"]
@@ -75,8 +75,8 @@ def test_a_fleet_trains_on_its_own_folders_with_constants_from_all_devices(fleet
     # the exported record is what training used
     st = json.loads((tmp_path / "out" / "state.json").read_text())
     pre = st["model_info"]["preprocessing"]
-    assert pre["mean"] == list(engine.normalization.mean) and pre["classes"] == NAMES
-    assert st["normalize"] == engine.normalization.to_wire()
+    assert pre["mean"] == list(engine.validation.normalization.mean) and pre["classes"] == NAMES
+    assert st["normalize"] == engine.validation.normalization.to_wire()
 
 
 def test_a_resumed_run_keeps_the_constants_of_round_1(fleet, tmp_path):
@@ -102,8 +102,8 @@ def test_given_constants_are_used_as_given(fleet, tmp_path):
                                     task={"classes": NAMES, "input_shape": [1, 8, 8],
                                           "normalize": {"mean": [0.5], "std": [0.25]}}))
     _, engine = run_simulation(cfg)
-    assert engine.normalization.mean == (0.5,) and engine.normalization.std == (0.25,)
-    assert float(engine.x_test.min()) == pytest.approx(-2.0)     # (0 - 0.5) / 0.25
+    assert engine.validation.normalization.mean == (0.5,) and engine.validation.normalization.std == (0.25,)
+    assert float(engine.validation.x.min()) == pytest.approx(-2.0)     # (0 - 0.5) / 0.25
 
 
 def test_a_device_whose_data_does_not_fit_stops_the_simulation_with_one_line(fleet, tmp_path):
