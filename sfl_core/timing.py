@@ -55,12 +55,19 @@ def agent_round_time(
     ``bytes_up``/``bytes_down`` are the real encoded bytes (weights, activations, gradients),
     so codec choices show up in the virtual clock; ``messages`` one-way latencies are added.
     """
-    transfer = bytes_up / uplink_bytes_per_s + bytes_down / downlink_bytes_per_s + messages * latency_s
     return AgentTime(
         client_compute_s=client_flops / client_flops_per_s,
-        transfer_s=transfer,
+        transfer_s=transfer_time(bytes_up, bytes_down, uplink_bytes_per_s, downlink_bytes_per_s,
+                                 latency_s=latency_s, messages=messages),
         server_compute_s=server_flops / server_flops_per_s if server_flops else 0.0,
     )
+
+
+def transfer_time(bytes_up: float, bytes_down: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float, *,
+                  latency_s: float = 0.0, messages: int = 0) -> float:
+    """The link part of :func:`agent_round_time`: ``up/R_up + down/R_down + messages·latency``
+    (what MergeSFL's batch-independent and per-sample link estimates are made of too)."""
+    return bytes_up / uplink_bytes_per_s + bytes_down / downlink_bytes_per_s + messages * latency_s
 
 
 def round_time(times: Iterable[float]) -> float:

@@ -88,7 +88,7 @@ def load_config(config: Path, rounds: Optional[int], output: Optional[Path], dat
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(data)))
     if cfg.task is None:
         try:    # read the data set now, so a wrong path names where it came from (cached for the run)
-            ds = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
+            load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.image_size)
         except DatasetError as exc:
             field = "data.image_size" if str(exc).startswith("image_size") else "data.root"
             where = "--data" if data is not None and field == "data.root" else f"{config}: field '{field}'"

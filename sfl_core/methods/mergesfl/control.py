@@ -69,6 +69,7 @@ from sfl_core.label_mix import (
     priorities,
     selected_ids,
 )
+from sfl_core.timing import transfer_time
 
 _TINY = 1e-15      # KL or score differences below this are float noise, not progress
 
@@ -123,7 +124,7 @@ def fixed_transfer_time(weights_bytes: float, uplink_bytes_per_s: float, downlin
     down = nonneg_float("downlink_bytes_per_s", downlink_bytes_per_s, positive=True)
     if isinstance(messages, bool) or not isinstance(messages, (int, np.integer)) or messages < 0:
         raise ValueError(f"messages must be an integer >= 0, got {messages!r}")
-    return w / up + w / down + int(messages) * nonneg_float("latency_s", latency_s)
+    return transfer_time(w, w, up, down, messages=int(messages), latency_s=nonneg_float("latency_s", latency_s))
 
 
 # ====================================================================== 2. batch regulation (Eq. 7-9, 15, 17)

@@ -25,6 +25,7 @@ from sfl_core.methods.mergesfl import control as mergesfl
 from sfl_core.methods.mergesfl.config import MergeSflConfig
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
+from sfl_core.timing import transfer_time
 
 log = logging.getLogger("sfl.method.mergesfl")
 
@@ -100,7 +101,7 @@ class MergeControl:
         mu = float(per_sample) if isinstance(per_sample, (int, float)) and per_sample > 0 else \
             self.cost.client_flops / info.profile.compute_flops
         down = info.profile.downlink
-        beta = self.cost.activation_bytes / uplink_rate(info) + self.cost.activation_bytes / down
+        beta = transfer_time(self.cost.activation_bytes, self.cost.activation_bytes, uplink_rate(info), down)
         # assignment, tau activations, tau gradients, weights: 2 tau + 2 messages
         fixed = mergesfl.fixed_transfer_time(self.cost.client_param_bytes, uplink_rate(info), down,
                                              messages=2 * self.cfg.local_iters + 2,
