@@ -1,4 +1,4 @@
-"""HeteroSFL comparison in the virtual-clock simulation (docs/methods.md §6; HeteroSFL paper, Table 1).
+"""HeteroSFL comparison in the virtual-clock simulation (docs/methods/heterosfl.md; HeteroSFL paper, Table 1).
 
     python bench/heterosfl.py --jobs 2                 # full: 4 settings x 14 methods x 2 seeds (~1 h, 2 cores)
     python bench/heterosfl.py --quick                  # smoke test (numbers not meaningful)
@@ -22,7 +22,7 @@ same time, as in the paper):
 
 All but SFL use the logit-calibrated loss, as in the paper. Everything runs through the
 product's engine (``simulation.run_simulation``): real training on real data, virtual
-time from the time model (docs/methods.md §3) with each agent's profile and its real encoded bytes (zstd included).
+time from the time model (docs/methods/time-model.md) with each agent's profile and its real encoded bytes (zstd included).
 Reported: final accuracy (mean of the last 3 evaluated rounds; mean ± std over seeds),
 total virtual training time for the same number of rounds and its reduction against SFL,
 and the wire bytes per sample of every (width, codec) used, measured on real activations

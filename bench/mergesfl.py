@@ -1,4 +1,4 @@
-"""MergeSFL and FedFC in the virtual-clock simulation (docs/methods.md §7-8; MergeSFL and FedFC papers).
+"""MergeSFL and FedFC in the virtual-clock simulation (docs/methods/mergesfl.md and fedfc.md; MergeSFL and FedFC papers).
 
     python bench/mergesfl.py --jobs 2                  # full (~20 min on 2 cores)
     python bench/mergesfl.py --quick                   # smoke test (numbers not meaningful)
@@ -15,7 +15,7 @@ paper's non-IID level p = 10). Methods:
 - ``MergeSFL``: merging + regulation + KL worker selection under the ingress budget.
 
 FedFC part: ``vgg_mini`` (the deepest zoo model that fits this bench on 2 CPU cores; four
-cut layers), class-imbalance shards (docs/methods.md §4), one merged server pass; a single split (3)
+cut layers), class-imbalance shards (docs/methods/data-heterogeneity.md), one merged server pass; a single split (3)
 against mixed cut layers by device (the slowest cut after conv1, then conv2, the default
 conv3, the fastest after conv4).
 

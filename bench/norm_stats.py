@@ -12,7 +12,7 @@ the same test slice the run used:
 
 The recomputation is a diagnostic, not something a deployment can do as is: the coordinator
 holds no training images. A large gap says the run's accuracy is limited by normalisation,
-not by what the method learned (docs/methods.md, "Which normalisation").
+not by what the method learned (docs/methods/round.md, "Which normalisation").
 """
 
 from __future__ import annotations

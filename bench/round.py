@@ -1,5 +1,5 @@
 """Whole-round benchmark: real processes over Mosquitto vs the time model's time for the same fleet
-(docs/methods.md §3).
+(docs/methods/time-model.md).
 
 Command (full run, ~2-3 minutes on 2 CPU cores)::
 
@@ -20,7 +20,7 @@ Measured: each round's ``round_time_s`` from the run's ``metrics.jsonl`` (wall c
 assignment sent -> last weights received; aggregation and test evaluation come after and
 are not in it).
 
-Physical reference ("bound"): the time model (docs/methods.md §3) / S2FL Eq. 1 for the same fleet, per agent
+Physical reference ("bound"): the time model (docs/methods/time-model.md) / S2FL Eq. 1 for the same fleet, per agent
 ``timing.agent_round_time`` with
 
 - client FLOPs = ``model_costs(...)[split].client_flops * batch * tau`` at the profile's FLOP/s,

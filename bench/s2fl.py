@@ -1,4 +1,4 @@
-"""S2FL comparison in the virtual-clock simulation (docs/methods.md §5; S2FL paper, Yan et al. 2023).
+"""S2FL comparison in the virtual-clock simulation (docs/methods/s2fl.md; S2FL paper, Yan et al. 2023).
 
     python bench/s2fl.py --device auto                 # full: 3 settings x 5 methods x 2 seeds
     python bench/s2fl.py --quick                       # smoke test (numbers not meaningful)
@@ -16,7 +16,7 @@ and IID. Methods:
 - ``S2FL+MB``: both.
 
 Everything runs through the product's engine (``simulation.run_simulation``): real
-training on real data, virtual time from the time model (docs/methods.md §3) with each agent's profile and its real
+training on real data, virtual time from the time model (docs/methods/time-model.md) with each agent's profile and its real
 encoded bytes. Reported per method and setting: final accuracy (mean of the last 3
 evaluated rounds, mean +- std over seeds), virtual time to a target accuracy that every
 method reaches (the smallest over methods of their best seed-mean accuracy, times 0.95),

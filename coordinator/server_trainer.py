@@ -14,7 +14,7 @@ the block where its client portion ended; autograd hands each member the gradien
 own rows. That gradient is scaled by ``N / b_i`` so it is the gradient of the member's own
 mean loss, which keeps a client learning rate meaning the same whatever the group size.
 
-HeteroSFL (docs/methods.md §6) adds to that: a bottlenecked member's rows pass the first ``width``
+HeteroSFL (docs/methods/heterosfl.md) adds to that: a bottlenecked member's rows pass the first ``width``
 input channels of the group's decoder before they join (rows that joined earlier pass the
 whole pair, encode and decode, as in the full model's forward); the loss may be logit-calibrated
 per member (each row scored against its own agent's label counts); and with BDKS every
@@ -143,7 +143,7 @@ class ServerTrainer:
              ) -> tuple[dict[str, torch.Tensor], float]:
         """One local iteration for the agents in ``batches``; returns their gradients and the mean loss.
 
-        An agent that withholds its labels (MergeSFL, docs/methods.md §2) sends ``None`` as its labels:
+        An agent that withholds its labels (MergeSFL, docs/methods/round.md) sends ``None`` as its labels:
         ``exchange`` then gets the logits of its rows and must return, per agent, the gradient
         of the agent's own mean loss w.r.t. those logits and the loss value (the agent computes
         both with the labels it kept). An agent missing from the reply contributes no gradient.

@@ -15,7 +15,7 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
     Keys need not be identical across states: a layer is averaged over exactly its holders,
     which is what layer-wise aggregation over mixed split points needs. A holder may also
     hold only a *prefix* of a tensor (the first ``n`` channels along some dims: a narrow
-    HeteroSFL bottleneck, HetBL Eq. 4-5, docs/methods.md §6): each element is then averaged over the holders
+    HeteroSFL bottleneck, HetBL Eq. 4-5, docs/methods/heterosfl.md): each element is then averaged over the holders
     that cover it. Elements no holder covers take their value from ``defaults`` (an error
     without one). Integer buffers (BatchNorm's ``num_batches_tracked``) are counters, not
     parameters: the weighted mean is rounded back to an integer.

@@ -67,7 +67,7 @@ def smooth(prev: float | None, measured: float, alpha: float = 0.8) -> float:
 
 @dataclass(frozen=True)
 class AgentState:
-    """An agent's smoothed times (docs/methods.md §7, Table I of the paper).
+    """An agent's smoothed times (docs/methods/mergesfl.md, Table I of the paper).
 
     ``mu``: compute seconds per sample (client-portion forward + backward);
     ``beta``: transfer seconds per sample (activations up + gradients down) — only what

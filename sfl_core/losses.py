@@ -1,4 +1,4 @@
-"""The server's losses (docs/methods.md §6): logit calibration (FedLC, Zhang et al., 2022, as
+"""The server's losses (docs/methods/heterosfl.md): logit calibration (FedLC, Zhang et al., 2022, as
 HeteroSFL uses it) and HeteroSFL's BDKS (Chen et al., 2025): its set of under-represented
 classes and its two distillation terms. The server trainer combines them (Eq. 8, in
 ``coordinator.server_trainer``) as the run's method asks (:class:`LossSpec`, from
@@ -160,7 +160,7 @@ def under_represented_classes(group_label_counts: Sequence[int], global_label_co
         R = { c : n_group[c] / N_group  <  θ · n_global[c] / N_global }
 
     — class ``c`` makes up less of the group's data than a fraction θ of what it makes up of
-    the global data (docs/methods.md §6). This is a statement about the group's label *mix*:
+    the global data (docs/methods/heterosfl.md). This is a statement about the group's label *mix*:
     it does not change when the group holds more or less of the data overall, which is what
     over-fitting to the group's mix depends on. The global counts are the whole population's
     (every agent's data), of which the group is a part. Classes absent globally are never in

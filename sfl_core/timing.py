@@ -1,4 +1,4 @@
-"""The time model (docs/methods.md §3): what one agent's round costs, for every part that asks.
+"""The time model (docs/methods/time-model.md): what one agent's round costs, for every part that asks.
 
 One function prices a round (:func:`agent_round_time`, S2FL's Eq. 1 with the transfer split by
 direction); the virtual clock charges it, and every planner predicts with it: the joint
@@ -88,7 +88,7 @@ def estimate_round_time(cost: "SplitCost", *, samples: int, compute_flops: float
                         downlink_bytes_per_s: float, server_flops_per_s: float, latency_s: float = 0.0,
                         messages: int = 0, bytes_per_activation: Optional[float] = None,
                         measured_compute_s_per_sample: Optional[float] = None, wire_ratio: float = 1.0) -> float:
-    """S2FL Eq. 1 (docs/methods.md §3) for an (agent, split) never measured, via :func:`agent_round_time`.
+    """S2FL Eq. 1 (docs/methods/time-model.md) for an (agent, split) never measured, via :func:`agent_round_time`.
 
     ``T = (2|Wc| + 2·p·q) / R + F_c / Comp_c + F_s / Comp_s`` with the transfer split by
     direction: weights down and up (``client_param_bytes`` each way), activations up and

@@ -9,7 +9,7 @@ from sfl_core import timing
 
 
 class VirtualClock:
-    """Times follow the time model (docs/methods.md §3) from the agent's profile, its FLOPs and its real encoded bytes."""
+    """Times follow the time model (docs/methods/time-model.md) from the agent's profile, its FLOPs and its real encoded bytes."""
 
     virtual = True
 

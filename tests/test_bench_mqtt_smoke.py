@@ -5,7 +5,7 @@ test starts through ``bench/brokers.py``, and checks that the JSON it writes has
 and the internal consistency the report relies on. The numbers themselves are not
 asserted (performance is measured in bench/, not in timed tests) except for physics a
 working product cannot violate: an emulated round cannot beat the time model's time
-(docs/methods.md §3) of the profiles it emulates, and a chunked message must really be chunked.
+(docs/methods/time-model.md) of the profiles it emulates, and a chunked message must really be chunked.
 """
 
 from __future__ import annotations

@@ -48,6 +48,17 @@ def test_the_cli_reference_is_current():
 def test_the_readme_is_a_short_door():
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 150
-    for page in ("tutorial-demo.md", "tutorial-own-data.md", "deploy.md", "cli.md", "config.md", "methods.md",
+    for page in ("tutorial-demo.md", "tutorial-own-data.md", "deploy.md", "cli.md", "config.md", "methods/index.md",
                  "results.md", "how-to/own-method.md"):
         assert f"docs/{page}" in text, page
+
+
+def test_the_results_page_names_each_results_command_and_commit():
+    """docs/results.md ends with a table generated from bench/results/*.json: each file's command
+    and commit. A result committed without refreshing it fails here."""
+    r = subprocess.run([sys.executable, "bench/provenance.py", "--check"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    page = (REPO / "docs" / "results.md").read_text()
+    for path in sorted((REPO / "bench" / "results").glob("*.json")):
+        assert f"`{path.name}`" in page

@@ -1,4 +1,4 @@
-"""FedFC mixed cut layers (docs/methods.md §8): agents on different splits by device profile, one merged
+"""FedFC mixed cut layers (docs/methods/fedfc.md): agents on different splits by device profile, one merged
 server pass, per-layer averaging over every holder."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_profile_splits_validated(tmp_path):
 
 
 def test_joined_forward_equals_each_agents_rows_run_separately():
-    """FedFC's one-pass join (docs/methods.md §8): three agents cut after blocks 1, 2 and 3. The server update
+    """FedFC's one-pass join (docs/methods/fedfc.md): three agents cut after blocks 1, 2 and 3. The server update
     and each agent's gradient equal those of running every agent's rows through the model on
     its own and combining the per-agent mean losses with weights b_i / N."""
     import copy

@@ -133,7 +133,7 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
 
 
 def test_simulation_virtual_clock(tmp_path):
-    """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (docs/methods.md §3)."""
+    """`sfl-coord simulate`: the same engine in-process; virtual times follow the profiles (docs/methods/time-model.md)."""
     from simulation import run_simulation
     from sfl_core.config.run import load_run_config
 

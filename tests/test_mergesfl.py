@@ -1,4 +1,4 @@
-"""MergeSFL control algorithms (docs/methods.md §7, Eq. 5-14, 17): by hand, against brute force, budget, speed, errors."""
+"""MergeSFL control algorithms (docs/methods/mergesfl.md, Eq. 5-14, 17): by hand, against brute force, budget, speed, errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The server's loss options (docs/methods.md §6): logit calibration per member and BDKS for wide members."""
+"""The server's loss options (docs/methods/heterosfl.md): logit calibration per member and BDKS for wide members."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Every file the package ships or a user reads (README, docs, shipped profiles and
 the sources of the three packages, the install scripts) must not refer to the project's
 internal brief ("SPEC"), to the development workspace (``../shared``, ``seeds/``, paper
 "seed" numbers) or to tracker items ("issue 3"). The mechanisms are explained in
-``docs/methods.md``, which must exist, cite the four papers by title, and whose section
-links and "docs/methods.md §N" references must resolve.
+``docs/methods/``, one page per method or topic, which must cite the four papers by title
+(each method's own page its paper), and every reference to a page there must resolve.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = REPO / "docs" / "methods.md"
+METHODS = REPO / "docs" / "methods"
+PAGE_OF = {"S2FL": "s2fl.md", "HeteroSFL": "heterosfl.md", "MergeSFL": "mergesfl.md", "FedFC": "fedfc.md"}
 
 
 def _user_facing_files() -> list[Path]:
@@ -55,7 +56,7 @@ def _rel(p: Path) -> str:
 
 def test_the_scan_covers_what_users_read():
     names = {_rel(p) for p in FILES}
-    assert {"README.md", "docs/methods.md", "docs/protocol.md", "profiles/runs/sim-100.yaml",
+    assert {"README.md", "docs/methods/index.md", "docs/methods/auto.md", "docs/protocol.md", "profiles/runs/sim-100.yaml",
             "cli/coord/plan.py", "sfl_core/timing.py", "cli/agent/run.py", "simulation/run.py", "install/agent.sh"} <= names
     assert any(n.startswith("profiles/devices/") for n in names)
 
@@ -69,7 +70,7 @@ def test_no_reference_to_documents_users_do_not_have(path: Path):
             m = pattern.search(line)
             if m:
                 hits.append(f"{_rel(path)}:{lineno}: {what}: {m.group(0)!r} in {line.strip()[:100]!r}")
-    assert not hits, "point at docs/methods.md or cite the paper instead:\n" + "\n".join(hits)
+    assert not hits, "point at docs/methods/ or cite the paper instead:\n" + "\n".join(hits)
 
 
 def test_patterns_flag_the_old_references_and_spare_legitimate_words():
@@ -78,7 +79,7 @@ def test_patterns_flag_the_old_references_and_spare_legitimate_words():
            "Issue #12"]
     good = ["_RUN_SPEC: dict", "_PROFILE_SPEC", "SPECS = {", "NVIDIA Jetson Nano spec (472 GFLOPS)",
             "seed: 0", "same seeds, same code", "Python issues several numbers", "--seeds 2",
-            "shared by the profiler", "docs/methods.md §3"]
+            "shared by the profiler", "docs/methods/time-model.md"]
     for s in bad:
         assert any(p.search(s) for _, p in FORBIDDEN), s
     for s in good:
@@ -92,39 +93,42 @@ def _slug(heading: str) -> str:
     return s.replace(" ", "-")
 
 
-def _methods_text() -> str:
-    assert METHODS.is_file(), "docs/methods.md must explain every mechanism the product implements"
-    return METHODS.read_text(encoding="utf-8")
+def _page(name: str) -> str:
+    path = METHODS / name
+    assert path.is_file(), f"docs/methods/{name} must explain the mechanisms the product implements"
+    return path.read_text(encoding="utf-8")
 
 
-def test_methods_cites_the_four_papers_by_title():
-    flat = " ".join(_methods_text().split())   # titles may wrap across lines
-    missing = [name for name, title in TITLES.items() if title.lower() not in flat.lower()]
-    assert not missing, f"docs/methods.md must cite these papers by title: {missing}"
-    refs = flat.lower().split("## references", 1)
-    assert len(refs) == 2, "docs/methods.md needs a References section"
+def _flat(text: str) -> str:
+    return " ".join(text.split()).lower()   # titles may wrap across lines
+
+
+def test_methods_cite_the_four_papers_by_title():
+    refs = _flat(_page("index.md")).split("## references", 1)
+    assert len(refs) == 2, "docs/methods/index.md needs a References section"
     for name, title in TITLES.items():
-        assert title.lower() in refs[1], f"{name} is cited outside the References section only"
+        assert title.lower() in refs[1], f"docs/methods/index.md: {name} is missing from the References"
+        assert title.lower() in _flat(_page(PAGE_OF[name])), f"docs/methods/{PAGE_OF[name]} must cite {name} by title"
     for year in ("2023", "2022", "2017"):
         assert year in refs[1]
 
 
-def test_links_and_section_references_into_methods_resolve():
-    text = _methods_text()
-    headings = [m.group(1) for m in re.finditer(r"^#{1,6} (.+)$", text, re.MULTILINE)]
-    anchors = {_slug(h) for h in headings}
-    numbers = {m.group(1) for h in headings if (m := re.match(r"(\d+)\.", h))}
+def test_references_to_the_methods_pages_resolve():
+    pages = {p.name: {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", p.read_text(encoding="utf-8"),
+                                                             re.MULTILINE)}
+             for p in METHODS.glob("*.md")}
     bad = []
     for path in FILES:
         body = path.read_text(encoding="utf-8", errors="replace")
-        for m in re.finditer(r"methods\.md#([\w\-]+)", body):
-            if m.group(1) not in anchors:
-                bad.append(f"{_rel(path)}: no section #{m.group(1)} in docs/methods.md")
-        if path == METHODS:
-            for m in re.finditer(r"\]\(#([\w\-]+)\)", body):
-                if m.group(1) not in anchors:
-                    bad.append(f"docs/methods.md: no section #{m.group(1)}")
-        for m in re.finditer(r"methods\.md(?: section | §)(\d+)", body):
-            if m.group(1) not in numbers:
-                bad.append(f"{_rel(path)}: docs/methods.md has no section {m.group(1)}")
+        if re.search(r"\bmethods\.md\b", body):
+            bad.append(f"{_rel(path)}: refers to docs/methods.md, which is now the folder docs/methods/")
+        targets = [m.groups() for m in re.finditer(r"\bmethods/([\w\-]+\.md)(?:#([\w\-]+))?", body)]
+        if path.parent == METHODS:   # links between the pages themselves
+            targets += [m.groups() for m in re.finditer(r"\]\(([\w\-]+\.md)(?:#([\w\-]+))?\)", body)]
+            targets += [(path.name, m.group(1)) for m in re.finditer(r"\]\(#([\w\-]+)\)", body)]
+        for page, anchor in targets:
+            if page not in pages:
+                bad.append(f"{_rel(path)}: no page docs/methods/{page}")
+            elif anchor and anchor not in pages[page]:
+                bad.append(f"{_rel(path)}: no section #{anchor} in docs/methods/{page}")
     assert not bad, "\n".join(bad)

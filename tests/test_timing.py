@@ -1,4 +1,4 @@
-"""The timing model (docs/methods.md §3), computed by hand, and Assignment range checks."""
+"""The timing model (docs/methods/time-model.md), computed by hand, and Assignment range checks."""
 
 from __future__ import annotations
 

@@ -193,7 +193,7 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
                                                        "(default: one per CPU of the Ray cluster)."),
              quiet: bool = typer.Option(False, "--quiet", "-q"),
              verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
-    """Simulate the fleet with a virtual clock (times from the device profiles; docs/methods.md §3):
+    """Simulate the fleet with a virtual clock (times from the device profiles; docs/methods/time-model.md):
     agents in this process, or in Ray actors with --ray."""
     setup_logging(verbose)
     if ray_workers is not None and not (ray or ray_address):

@@ -94,7 +94,7 @@ SERVER_MODES = ("merged", "per_agent", "sequential")
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1 (a server
 copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent)."""
 PARTITIONS = SCHEMES
-"""How the training set is split over agents (docs/methods.md §4)."""
+"""How the training set is split over agents (docs/methods/data-heterogeneity.md)."""
 MAX_CAPACITY_CHANGES = 1000
 """Most entries of a profile's ``capacity`` schedule (a received profile is bounded too)."""
 
@@ -210,7 +210,7 @@ def capacity_scales(capacity: Sequence[Sequence[float]], r: int) -> tuple[float,
 
 @dataclass(frozen=True, config=STRICT)
 class DeviceProfile(Section):
-    """What the timing model (docs/methods.md §3) needs to know about one kind of device: read from
+    """What the timing model (docs/methods/time-model.md) needs to know about one kind of device: read from
     a profile file, and the same type once an agent has registered it with the coordinator."""
 
     REQUIRED: ClassVar[Mapping[str, str]] = {"compute_flops": "a positive number",
@@ -564,7 +564,7 @@ class RunConfig(Section):
     """New agent ids accepted per second (burst: the fleet size)."""
     output_dir: Annotated[Optional[str], checked(optional(nonempty_string))] = None  # None -> runs/<run_id>
     eval_samples: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # evaluate on the first N test samples; None = all
-    loss: Annotated[str, checked(one_of(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods.md §6)
+    loss: Annotated[str, checked(one_of(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods/heterosfl.md)
     calibration_tau: Annotated[float, AT_LEAST_0] = 1.0    # calibration strength tau of the calibrated loss
     sections: Mapping[str, Any] = field(default_factory=lambda: {k: s() for k, s in sections().items()})
     """Each method's own section by YAML key (``s2fl:``, ``hetero:``, ...: the classes registered in

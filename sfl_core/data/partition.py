@@ -1,4 +1,4 @@
-"""Splitting a training set's indices across agents to emulate data heterogeneity (docs/methods.md §4).
+"""Splitting a training set's indices across agents to emulate data heterogeneity (docs/methods/data-heterogeneity.md).
 
 Pure, seeded numpy: every agent can compute its own shard from ``(labels, seed, scheme)``
 without talking to anyone, and the coordinator computes the same shards to know each agent's

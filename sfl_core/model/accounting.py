@@ -1,6 +1,6 @@
 """Per-split cost accounting: what a split point costs the agent, the server and the link.
 
-These numbers feed the timing model (docs/methods.md §3, S2FL Eq. 1):
+These numbers feed the timing model (docs/methods/time-model.md, S2FL Eq. 1):
 ``T = (2|Wc| + 2·p·q) / R + F_c / Comp_c + F_s / Comp_s`` — ``|Wc|`` is
 :attr:`SplitCost.client_param_bytes`, ``q`` is :attr:`SplitCost.activation_bytes`,
 ``F_c`` / ``F_s`` are :attr:`SplitCost.client_flops` / :attr:`SplitCost.server_flops`

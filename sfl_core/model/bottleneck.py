@@ -1,4 +1,4 @@
-"""HeteroSFL bottleneck layers (docs/methods.md §6): an encoder at the end of the client portion that
+"""HeteroSFL bottleneck layers (docs/methods/heterosfl.md): an encoder at the end of the client portion that
 narrows the activations from ``p̄`` to ``p`` channels, and the mirrored decoder at the start
 of the server portion, trained end to end.
 

@@ -50,24 +50,24 @@ def _codec_tuple(v: Any, fail: Fail) -> tuple[str, ...]:
 
 @dataclass(frozen=True, config=STRICT)
 class AutoConfig(MethodSection):
-    """``strategy: auto`` (docs/methods.md §11): split, codec and batch per agent, planned jointly each round."""
+    """``strategy: auto`` (docs/methods/auto.md): split, codec and batch per agent, planned jointly each round."""
 
     KEY: ClassVar[str] = 'auto'
     DOCS: ClassVar[tuple[tuple[str, str], ...]] = (
         ('',
-         'the joint planner, used when strategy is auto (docs/methods.md section 11): each round, per agent, the split, codec (bottleneck width) and batch that make the slowest agent finish first while the merged batch keeps its size'),
+         'the joint planner, used when strategy is auto (docs/methods/auto.md): each round, per agent, the split, codec (bottleneck width) and batch that make the slowest agent finish first while the merged batch keeps its size'),
         ('candidates',
          "the cuts it chooses among (strictly increasing); null = the model's candidate splits."),
         ('whole_model',
          'also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut.'),
         ('selection',
-         "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: it reached the target sooner than the uniform sample on most of the benches (docs/methods.md section 11 and docs/results.md). Where every online agent trains each round the two are the same."),
+         "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: it reached the target sooner than the uniform sample on most of the benches (docs/methods/auto.md and docs/results.md). Where every online agent trains each round the two are the same."),
         ('codecs',
          'the activation codecs it may choose among (only those within max_compression are used).'),
         ('max_compression',
          'the strongest codec compression allowed, >= 1: fp16/bf16 = 2, int8 = 4, topk<P> = 67/P. Default 2: fp16 errs little, int8 cost accuracy on a bench (docs/results.md).'),
         ('widths',
-         "bottleneck widths (channels, HeteroSFL's encoder/decoder pair at the run's split, the widest its full width) it may give an agent cut at that split, within max_bottleneck; cuts then stop at that split (no later cut, no whole model), and an agent with time to spare sends the widest width that keeps the round's time. auto (the default) = decided once from the run's fleet: the full width and each quarter of it down to 1 channel that sends at least min_bottleneck_values values per sample, where they make the fleet's predicted round at the run's batch size at least 2.5x shorter (links that slow), else none (the run's notes and sfl-coord plan say which and why); a list = these widths; null = no bottleneck (docs/methods.md section 11)."),
+         "bottleneck widths (channels, HeteroSFL's encoder/decoder pair at the run's split, the widest its full width) it may give an agent cut at that split, within max_bottleneck; cuts then stop at that split (no later cut, no whole model), and an agent with time to spare sends the widest width that keeps the round's time. auto (the default) = decided once from the run's fleet: the full width and each quarter of it down to 1 channel that sends at least min_bottleneck_values values per sample, where they make the fleet's predicted round at the run's batch size at least 2.5x shorter (links that slow), else none (the run's notes and sfl-coord plan say which and why); a list = these widths; null = no bottleneck (docs/methods/auto.md)."),
         ('max_bottleneck',
          'the strongest bottleneck compression allowed (the cut\'s channels over the width sent), >= 1.'),
         ('min_bottleneck_values',

@@ -8,7 +8,7 @@ slowest agent finishes first while the round keeps its merged batch.
 
 The problem. Agent ``i`` with option ``o`` and batch ``b`` takes
 ``t_i(o, b) = fixed_i(o) + per_sample_i(o) · b`` seconds (the time model of
-docs/methods.md §3: compute, transfer and latency; the virtual clock charges the same) and
+docs/methods/time-model.md: compute, transfer and latency; the virtual clock charges the same) and
 needs ``mem_i(o, b) = mem_fixed(o) + mem_per_sample(o) · b`` bytes. Choose ``(o_i, b_i)``
 for every selected agent to minimise the round time ``max_i t_i`` subject to
 ``sum_i b_i = B`` (the merged batch the server trains on keeps its size),

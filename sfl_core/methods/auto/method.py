@@ -3,7 +3,7 @@
 The base method that chooses for the user. Each round it builds, for every selected agent,
 the options the run allows (each candidate split × each codec within ``auto.max_compression``,
 and with bottleneck widths each width at the run's split within ``auto.max_bottleneck``),
-prices them with the time model (docs/methods.md §3, the function the virtual clock charges)
+prices them with the time model (docs/methods/time-model.md, the function the virtual clock charges)
 from the agent's profile, its registration measurements and what its past rounds showed,
 and lets :func:`sfl_core.methods.auto.joint_plan.plan_round` pick the assignment whose slowest agent
 finishes first while the merged batch keeps its size. Agents whose memory cannot hold any
@@ -66,7 +66,7 @@ class Auto(Method):
             if any(x.width for x in rival.agents.values()) and not widths.widths:
                 how = ("list widths in auto.widths, or lower auto.min_bottleneck_values"
                        if auto_cfg.auto.widths == "auto" else "set auto.widths (auto, or a list)")
-                hint = f" Its bottleneck is one of auto's options: {how} (docs/methods.md §11)."
+                hint = f" Its bottleneck is one of auto's options: {how} (docs/methods/auto.md)."
             notes.append((f"{rival.method}'s round is predicted {mine.round_s / rival.round_s:.2f}x shorter "
                           f"than auto's.{hint}", "yellow"))
         return notes
@@ -313,7 +313,7 @@ samples off it, which the label-mix bound (``auto.epsilon``) limits. The thresho
 the fleets where the bottleneck paid on the benches and those where it did not (the figures are
 in docs/results.md). How much a bottleneck slows learning is the model's and the data's, which
 the time model cannot see; the ladder's floor of values per sample (``auto.min_bottleneck_values``)
-keeps out the widths that stalled learning (docs/methods.md §11)."""
+keeps out the widths that stalled learning (docs/methods/auto.md)."""
 
 
 @dataclass(frozen=True)

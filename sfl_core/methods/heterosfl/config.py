@@ -35,14 +35,14 @@ def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
 
 @dataclass(frozen=True, config=STRICT)
 class HeteroConfig(MethodSection):
-    """HeteroSFL (docs/methods.md §6): agents grouped by link rate; each group gets a bottleneck width (and
+    """HeteroSFL (docs/methods/heterosfl.md): agents grouped by link rate; each group gets a bottleneck width (and
     optionally its own codec) so the groups' per-step transfer times come out close (the slow
     group compresses most)."""
 
     KEY: ClassVar[str] = 'hetero'
     DOCS: ClassVar[tuple[tuple[str, str], ...]] = (
         ('',
-         'HeteroSFL (docs/methods.md section 6): agents grouped by link rate, each group with its own bottleneck width and/or codec'),
+         'HeteroSFL (docs/methods/heterosfl.md): agents grouped by link rate, each group with its own bottleneck width and/or codec'),
         ('width',
          'full (widest) bottleneck width P in channels; null = no bottleneck. Needs one fixed split (strategy sfl); under strategy auto use auto.widths.'),
         ('groups',

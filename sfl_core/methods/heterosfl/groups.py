@@ -1,4 +1,4 @@
-"""HeteroSFL (docs/methods.md §6; HeteroSFL paper, Chen et al.): grouping by link rate,
+"""HeteroSFL (docs/methods/heterosfl.md; HeteroSFL paper, Chen et al.): grouping by link rate,
 per-group bottleneck widths and the under-represented class set of BDKS. Pure functions, no I/O. (HetBL aggregation is the
 prefix-aware average of :mod:`sfl_core.aggregation`; the losses are in :mod:`sfl_core.losses`.)
 

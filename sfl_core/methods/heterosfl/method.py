@@ -3,7 +3,7 @@
 A layer over any split method: the round's agents are grouped by uplink rate (quantiles or
 ``hetero.thresholds``) and each group gets its bottleneck width (``hetero.widths``, or widths
 proportional to the groups' rates) and/or wire codec (``hetero.codecs``). HetBL aggregation,
-logit calibration and BDKS act in the server trainer and the aggregation (docs/methods.md §6).
+logit calibration and BDKS act in the server trainer and the aggregation (docs/methods/heterosfl.md).
 """
 
 from __future__ import annotations

@@ -31,13 +31,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, config=STRICT)
 class MergeSflConfig(MethodSection):
-    """MergeSFL control (docs/methods.md §7): batch-size regulation and KL worker selection under an
+    """MergeSFL control (docs/methods/mergesfl.md): batch-size regulation and KL worker selection under an
     ingress budget, on top of feature merging (``server_mode: merged``)."""
 
     KEY: ClassVar[str] = 'mergesfl'
     DOCS: ClassVar[tuple[tuple[str, str], ...]] = (
         ('',
-         'MergeSFL control (docs/methods.md section 7), on top of feature merging'),
+         'MergeSFL control (docs/methods/mergesfl.md), on top of feature merging'),
         ('regulate',
          'batch-size regulation (Eq. 9): the fastest agent gets max_batch, the others d_i = floor(D (mu_l+beta_l)/(mu_i+beta_i)) so all take equally long; lr scales with the batch; aggregation weighted by batch size (Eq. 17).'),
         ('max_batch',

@@ -1,4 +1,4 @@
-"""MergeSFL control module (MergeSFL paper, Liao et al. 2023, §IV-A, Alg. 1; docs/methods.md §7):
+"""MergeSFL control module (MergeSFL paper, Liao et al. 2023, §IV-A, Alg. 1; docs/methods/mergesfl.md):
 pure functions, no I/O, no torch.
 
 Why: MergeSFL merges the features of several agents into one server batch per step. Two
@@ -29,7 +29,7 @@ Where the paper is ambiguous (each is repeated where it matters):
 
 * Eq. 9 prints ``d_i = d_l * floor((mu_l+beta_l)/(mu_i+beta_i))``; with ``l`` the fastest
   agent the ratio is <= 1, so that floor is 0 for everyone slower — a typesetting slip.
-  We floor the product (docs/methods.md §7) and keep every batch >= 1.
+  We floor the product (docs/methods/mergesfl.md) and keep every batch >= 1.
 * Eq. 7 ``t_i = tau * d_i * (mu_i + beta_i)`` has no term for what a round costs whatever
   the batch (the client portion's weights travel down and up once per round). Folding that
   into ``beta`` makes a small batch look slow per sample, which shrinks its batch further:
@@ -145,7 +145,7 @@ def regulate_batches(states: Mapping[str, AgentState], max_batch: int, *, min_ba
     ``d_i = floor(d_l * (mu_l+beta_l) / (mu_i+beta_i))`` whatever ``tau``.
 
     The paper prints the floor around the ratio alone, which is 0 for every slower agent;
-    we floor the product (docs/methods.md §7). Raises ``ValueError`` for no agents, a non-positive
+    we floor the product (docs/methods/mergesfl.md). Raises ``ValueError`` for no agents, a non-positive
     ``mu + beta`` (a free agent would get an infinite batch) or bad batch bounds.
     """
     d_max = positive_int("max_batch", max_batch)

@@ -1,7 +1,7 @@
 """MergeSFL (Liao et al., 2023): KL-divergence selection and batch-size regulation, as a layer over any split method.
 
 Feature merging is the server trainer's merged step (``server_mode: merged``); this module
-holds the other two mechanisms (paper Alg. 1; docs/methods.md §7).
+holds the other two mechanisms (paper Alg. 1; docs/methods/mergesfl.md).
 
 The algorithms are pure functions in :mod:`sfl_core.methods.mergesfl.control`; this class holds what they
 need between rounds — each agent's smoothed compute and transfer seconds per sample (μ, β)

@@ -13,13 +13,13 @@ from sfl_core.config.values import BOOLEAN, POSITIVE_INTEGER, split_points
 
 @dataclass(frozen=True, config=STRICT)
 class S2flConfig(MethodSection):
-    """S2FL switches (docs/methods.md §5). The paper's ablations: +R = both off (SplitFed v1 at the
+    """S2FL switches (docs/methods/s2fl.md). The paper's ablations: +R = both off (SplitFed v1 at the
     largest candidate split), +B = balance only, +M = sliding only, +MB = both."""
 
     KEY: ClassVar[str] = 's2fl'
     DOCS: ClassVar[tuple[tuple[str, str], ...]] = (
         ('',
-         'S2FL switches, used when strategy is s2fl (docs/methods.md section 5)'),
+         'S2FL switches, used when strategy is s2fl (docs/methods/s2fl.md)'),
         ('sliding',
          'per-agent split from the client time table (warm-up: rounds 1..K use candidate k for everybody; then the median rule).'),
         ('balance',

@@ -1,4 +1,4 @@
-"""S2FL data-balance grouping (docs/methods.md §5; S2FL paper, Yan et al. 2023, Eq. 2): pure functions.
+"""S2FL data-balance grouping (docs/methods/s2fl.md; S2FL paper, Yan et al. 2023, Eq. 2): pure functions.
 
 Why: under label skew every agent's batches are lopsided. S2FL trains one server copy per
 *group* of agents, on the union of the group's activations, so if the group's summed label

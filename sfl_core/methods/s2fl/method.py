@@ -82,7 +82,7 @@ class S2FL(Method):
         return RoundPlan(splits, groups, phase)
 
     def fill_estimates(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> None:
-        """Time-model estimates (docs/methods.md §3) for (agent, split) pairs never measured, from profile and measurements."""
+        """Time-model estimates (docs/methods/time-model.md) for (agent, split) pairs never measured, from profile and measurements."""
         samples = self.cfg.batch_size * self.cfg.local_iters
         for a in selected:
             info = agents[a]

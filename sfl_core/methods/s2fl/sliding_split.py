@@ -1,4 +1,4 @@
-"""S2FL adaptive sliding split (docs/methods.md §5; S2FL paper, Yan et al. 2023): candidate splits,
+"""S2FL adaptive sliding split (docs/methods/s2fl.md; S2FL paper, Yan et al. 2023): candidate splits,
 client time table, median rule.
 
 Why: with one split for everybody, fast agents wait for slow ones. S2FL keeps K candidate
