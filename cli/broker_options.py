@@ -8,9 +8,10 @@ their translation into a :class:`~sfl_core.transport.broker_url.BrokerAddress` l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Optional
 
 import typer
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.transport.mqtt_link import broker_address

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+from sfl_core.extras import import_optional
+
 __all__ = ["EmbeddedBroker"]
 
 
@@ -150,12 +152,8 @@ class EmbeddedBroker:
         with self._lock:
             if self._thread is not None:
                 raise RuntimeError("EmbeddedBroker already started")
-            try:
-                import amqtt.broker  # noqa: F401  (fail early with a clear message)
-            except ImportError as exc:
-                raise RuntimeError(
-                    f"embedded MQTT broker needs the 'amqtt' package ({exc}); "
-                    "pip install amqtt, or pass --broker mqtt://host:1883") from exc
+            # fail early with one line (or pass --broker mqtt://host:1883 to use another broker)
+            import_optional("amqtt.broker", "the embedded MQTT broker (no --broker given)", RuntimeError)
             _quiet_amqtt_logging()
             self._ready.clear()
             self._error = None

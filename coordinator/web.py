@@ -27,13 +27,13 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qs, urlparse
 
 from coordinator import state as ckpt
 from coordinator.run_lock import holder
+from sfl_core.extras import import_optional
 
 log = logging.getLogger("sfl.coord.web")
 
@@ -164,7 +164,9 @@ class MetricsExporter(_Served):
     """The run's Prometheus metrics, updated from engine events (names in docs/operations.md)."""
 
     def __init__(self, run_id: str, rounds: int):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        prometheus = import_optional("prometheus_client", "--metrics", WebError)
+        CollectorRegistry, Counter, Gauge, Histogram = (prometheus.CollectorRegistry, prometheus.Counter,
+                                                        prometheus.Gauge, prometheus.Histogram)
 
         self.registry = CollectorRegistry()
         r = self.registry
@@ -205,7 +207,7 @@ class MetricsExporter(_Served):
         self._step_at = time.monotonic()
 
     def serve(self, host: str, port: int, access: WebAccess = WebAccess()) -> "MetricsExporter":
-        from prometheus_client import generate_latest
+        from prometheus_client import generate_latest  # imported once the exporter exists
 
         self._server = _Server(host, port, {"/metrics": lambda q: (200, CONTENT_TYPE_PROM,
                                                                    generate_latest(self.registry))},
@@ -282,7 +284,7 @@ def start_metrics(address: str, cfg: Any, access: WebAccess = WebAccess()) -> Me
 # ================================================================ the live fleet page
 
 def _static(name: str) -> bytes:
-    return resources.files("coordinator").joinpath("static", name).read_bytes()
+    return (Path(__file__).parent / "static" / name).read_bytes()
 
 
 class FleetPage(_Served):

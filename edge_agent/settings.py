@@ -27,9 +27,10 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Collection, Iterable, Mapping, Optional
+from typing import Any, Collection, Iterable, Mapping, Optional
 
 from pydantic import BaseModel, BeforeValidator, create_model
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.config.fields import (
     STRICT,

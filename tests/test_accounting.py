@@ -99,3 +99,26 @@ def test_format_cost_table() -> None:
     assert "(whole model)" in lines[-1] and "conv2" in lines[3]
     assert "32x4x4" in table  # activation after conv2+pool at split 2
     assert "cut after" not in format_cost_table(costs)
+
+
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
+def test_the_torch_2_0_flop_counter_counts_what_pytorchs_does(name, shape):
+    """On torch 2.0 (no FlopCounterMode) agents count FLOPs with sfl_core.model.flops: block by
+    block, forward and backward, it must give PyTorch's own count, or an agent on an old board
+    would price splits differently from its coordinator."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sfl_core.model.flops import FlopCounter
+
+    model = build_model(name, shape, 10).train()
+    x = torch.randn(4, *shape, generator=torch.Generator().manual_seed(0))
+    for i, block in enumerate(model.blocks):
+        counts = []
+        for counter in (FlopCounterMode(display=False), FlopCounter()):
+            inp = x.detach().requires_grad_(i > 0)
+            with counter:
+                out = block(inp)
+                out.backward(torch.ones_like(out))
+            counts.append(counter.get_total_flops())
+        assert counts[0] == counts[1] and (counts[0] > 0 or i > 0), (name, i, counts)
+        x = out.detach()

@@ -18,14 +18,15 @@ Nothing here touches the network; loading a run file reads only YAML files.
 from __future__ import annotations
 
 import difflib
-import importlib.resources
+import importlib.util
 import os
 from dataclasses import asdict, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Mapping, Optional, Sequence, Union
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.config.fields import (
     STRICT,
@@ -659,11 +660,10 @@ def _profiles_dir_and_origin() -> tuple[Path, str]:
         return Path(env), "SFL_PROFILES_DIR"
     if _CHECKOUT_PROFILES.is_dir() and (_CHECKOUT_PROFILES.parent / "pyproject.toml").is_file():
         return _CHECKOUT_PROFILES, "source checkout"   # the folder users edit wins over any installed copy
-    try:
-        packaged = importlib.resources.files(_PROFILES_PACKAGE)
-    except ModuleNotFoundError:
+    spec = importlib.util.find_spec(_PROFILES_PACKAGE)   # not importlib.resources.files: Python 3.8 lacks it
+    if spec is None or spec.origin is None:
         return _CHECKOUT_PROFILES, "not found"
-    return Path(str(packaged)), f"installed package {_PROFILES_PACKAGE}"
+    return Path(spec.origin).parent, f"installed package {_PROFILES_PACKAGE}"
 
 
 def default_profiles_dir() -> Path:
@@ -671,7 +671,7 @@ def default_profiles_dir() -> Path:
 
     ``SFL_PROFILES_DIR`` if set (the install scripts' systemd units set it); else the
     checkout's ``profiles/`` when running from a source tree (editable installs too); else the
-    copy shipped inside the installed package (``sfl_profiles``, via ``importlib.resources``).
+    copy shipped inside the installed package (``sfl_profiles``, found by ``importlib.util.find_spec``).
     """
     return _profiles_dir_and_origin()[0]
 

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from sfl_core.extras import import_optional
 from sfl_core.plugins import load_entry_points
 
 __all__ = ["DATASET_NAMES", "Dataset", "DatasetError", "load_dataset", "clear_cache", "dataset_names",
@@ -314,8 +315,9 @@ def _normalise(x_train: np.ndarray, x_test: np.ndarray, scale: float
 
 
 def _read_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    datasets = import_optional("sklearn.datasets", "the digits data set", DatasetError)
+    load_digits = datasets.load_digits
+    train_test_split = import_optional("sklearn.model_selection", "the digits data set", DatasetError).train_test_split
 
     bunch = load_digits()
     x = bunch.images.astype(np.uint8).reshape(-1, 1, 8, 8)  # integer pixel values 0..16

@@ -6,7 +6,8 @@ These numbers feed the timing model (docs/methods/time-model.md, S2FL Eq. 1):
 ``F_c`` / ``F_s`` are :attr:`SplitCost.client_flops` / :attr:`SplitCost.server_flops`
 (per sample; multiply by the batch size).
 
-FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode`, which counts only
+FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode` (on torch 2.0, which lacks
+it, from :mod:`sfl_core.model.flops` with the same rules), which counts only
 matmul / convolution-like ops (2 FLOPs per multiply-accumulate, forward and backward).
 Elementwise ops (ReLU, BatchNorm, pooling, bias adds, residual adds, the loss) are NOT
 counted; they are memory-bound and small next to the convolutions, and a hand-written
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from sfl_core.model import flops
 from sfl_core.model.zoo import SplitModel, build_model
 
 __all__ = ["SplitCost", "block_flops", "split_costs", "model_costs", "format_cost_table"]
@@ -54,7 +55,7 @@ class _BlockProfile:
 
 
 def _profile_blocks(model: SplitModel) -> list[_BlockProfile]:
-    """Run each block on its own, forward then backward, under ``FlopCounterMode``.
+    """Run each block on its own, forward then backward, under a FLOP counter (:mod:`.flops`).
 
     Each block gets a fresh leaf input, so ``backward`` stops at the block boundary and
     block ``i``'s backward FLOPs are attributed to block ``i``. Block 0's input does not
@@ -71,7 +72,7 @@ def _profile_blocks(model: SplitModel) -> list[_BlockProfile]:
     profiles: list[_BlockProfile] = []
     for i, block in enumerate(work.blocks):
         inp = x.detach().requires_grad_(i > 0)
-        counter = FlopCounterMode(display=False)
+        counter = flops.counter()
         with counter:
             out = block(inp)
             out.backward(torch.ones_like(out))

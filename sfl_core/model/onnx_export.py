@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from sfl_core.extras import import_optional
+
 if TYPE_CHECKING:  # type hints only: importing torch here would defeat the torch-free predict path
     from torch import nn
 
@@ -100,8 +102,7 @@ def export_onnx(module: "nn.Module", path: str | Path, *, input_shape: Sequence[
     finally:
         for m, training in modes:
             m.training = training
-    import onnx
-
+    onnx = import_optional("onnx", "export to ONNX", OnnxError)
     onnx.checker.check_model(str(tmp))
     os.replace(tmp, path)  # never leave a half-written model where a device would pick it up
     names = [str(c) for c in class_names] if class_names is not None else [str(i) for i in range(int(num_classes))]
@@ -319,7 +320,7 @@ class OnnxPredictor:
     """
 
     def __init__(self, path: str | Path, *, threads: int | None = None) -> None:
-        import onnxruntime as ort
+        ort = import_optional("onnxruntime", "running an exported model", OnnxError)
 
         self.path = Path(path)
         if not self.path.is_file():

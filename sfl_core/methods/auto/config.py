@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from pydantic import model_validator
 from pydantic.dataclasses import dataclass
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.config.fields import STRICT, Fail, checked, invalid, number
 from sfl_core.config.section import MethodSection

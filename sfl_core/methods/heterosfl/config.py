@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from pydantic import model_validator
 from pydantic.dataclasses import dataclass
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.config.fields import STRICT, Fail, checked, invalid, number
 from sfl_core.config.section import MethodSection

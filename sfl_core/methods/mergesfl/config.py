@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from pydantic import model_validator
 from pydantic.dataclasses import dataclass
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.config.fields import STRICT, checked, invalid
 from sfl_core.config.section import MethodSection

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Optional
+from typing import ClassVar, Optional
 
 from pydantic.dataclasses import dataclass
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.config.fields import STRICT, checked
 from sfl_core.config.section import MethodSection
