@@ -25,7 +25,7 @@ sub-bottlenecks, so the wide and narrow paths teach each other (:func:`_bdks_ter
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +36,9 @@ from sfl_core.model.zoo import SplitModel
 if TYPE_CHECKING:
     from coordinator.server_workers import GradReducer
 
-Batch = tuple[torch.Tensor, torch.Tensor | None]
+Batch = Tuple[torch.Tensor, Optional[torch.Tensor]]   # typing.Tuple: a runtime alias, Python 3.8
 """An agent's activations and labels (``None``: the agent withheld them)."""
-Exchange = Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, float]]]
+Exchange = Callable[[Dict[str, torch.Tensor]], Dict[str, Tuple[torch.Tensor, float]]]
 """Sends withheld-label agents their rows' logits; returns each one's logit gradient and loss."""
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Collection, Dict, Optional
 
 from coordinator.registry import Registry
 from coordinator.transport import Transport
@@ -35,7 +35,7 @@ MAX_RESENDS = 3
 REGISTER_AGAIN = "not registered (forgotten while silent): register again"
 """The ``reject`` reason that asks an agent to register again (docs/protocol.md)."""
 
-Event = Callable[[str, dict[str, Any]], None]
+Event = Callable[[str, Dict[str, Any]], None]
 
 
 @dataclass

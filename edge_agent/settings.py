@@ -27,7 +27,7 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterable, Mapping, Optional
+from typing import Any, Collection, Iterable, List, Mapping, Optional
 
 from pydantic import BaseModel, BeforeValidator, create_model
 from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
@@ -117,7 +117,7 @@ def _settings_model(options: Mapping[str, OptionSpec]) -> type[BaseModel]:
             if not isinstance(v, list):
                 raise invalid("", f"expected a list of values (kind {kind}), got {v!r}")
             return v
-        return Annotated[list[one(kind)], BeforeValidator(require_list)]  # type: ignore[misc]
+        return Annotated[List[one(kind)], BeforeValidator(require_list)]  # type: ignore[misc]
 
     fields: dict[str, Any] = {key: (Optional[a_list(spec.kind) if spec.multiple else one(spec.kind)], None)
                               for key, spec in options.items()}

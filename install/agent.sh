@@ -13,7 +13,7 @@
 # developer.download.nvidia.com/compute/redist/jp/...) and pass it with --torch-wheel;
 # it is installed with --no-deps so pip does not replace it. Or, on an image whose system
 # Python already has NVIDIA's torch, use --system-site-packages --skip-torch. Without
-# either, `pip install "torch>=2.1,<3"` is used (CPU build on most boards; fine for
+# either, `pip install "torch>=2.0,<3"` is used (CPU build on most boards; fine for
 # Raspberry Pi and x86 laptops).
 set -euo pipefail
 
@@ -33,7 +33,7 @@ does not exist) and the unit sfl-agent.service.
 
 Agent options:
   --torch-wheel PATH      local torch wheel installed with --no-deps (Jetson: NVIDIA's JetPack
-                          wheel). Without it: pip install "torch>=2.1,<3"
+                          wheel). Without it: pip install "torch>=2.0,<3"
   --set KEY=VALUE         a setting for the new agent.yaml, e.g. --set profile=jetson-nano
                           --set broker=mqtts://board7@broker:8883 --set index=7 (keys: the
                           options of 'sfl-agent start'; see profiles/agent.example.yaml)
@@ -77,7 +77,7 @@ elif [[ -n "$TORCH_WHEEL" ]]; then
     pip_install filelock typing-extensions sympy networkx jinja2 fsspec
 else
     note "installing torch"
-    pip_install "torch>=2.1,<3"
+    pip_install "torch>=2.0,<3"
 fi
 
 if [[ -n "$TORCH_WHEEL" ]]; then

@@ -88,15 +88,15 @@ if [[ "$SKIP_TORCH" == 1 ]]; then
 elif [[ "$OFFLINE" == 1 ]]; then
     # no index to ask: torch must be importable already or be a wheel in --find-links
     note "installing torch (offline)"
-    pip_install "torch>=2.1,<3"
+    pip_install "torch>=2.0,<3"
 else
     # CUDA torch first, from PyTorch's index: a plain `pip install torch` may pick a
     # build for a different CUDA version (or CPU-only) than this server's driver needs.
     note "installing torch ($CUDA) from https://download.pytorch.org/whl/$CUDA"
-    pip_install "torch>=2.1,<3" --index-url "https://download.pytorch.org/whl/$CUDA"
+    pip_install "torch>=2.0,<3" --index-url "https://download.pytorch.org/whl/$CUDA"
 fi
 
-install_package
+PACKAGE_EXTRAS="[coordinator]" install_package   # the coordinator's own packages (ONNX, metrics, broker)
 install_profiles
 
 if [[ "$WITH_MOSQUITTO" == 1 ]]; then

@@ -154,7 +154,7 @@ PY
 
 # The package from SRC_DIR, re-installed on every run. Built from a clean copy so that
 # the checkout gets no build/ or *.egg-info and may be read-only.
-install_package() {  # install_package [--no-deps]
+install_package() {  # install_package [--no-deps]; PACKAGE_EXTRAS="[coordinator]" adds extras
     local stage
     stage="$(mktemp -d)"
     # shellcheck disable=SC2064  # expand now: the trap must remove this very directory
@@ -165,7 +165,7 @@ install_package() {  # install_package [--no-deps]
     local flags=()
     [[ "$OFFLINE" == 1 ]] && flags+=(--no-build-isolation)
     note "installing sfl-edge from $SRC_DIR"
-    pip_install "${flags[@]}" "$@" "$stage"
+    pip_install "${flags[@]}" "$@" "${stage}${PACKAGE_EXTRAS:-}"
     rm -rf "$stage"
     trap - EXIT
 }

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
-Counts = Sequence[int] | Sequence[float] | torch.Tensor
+Counts = Union[Sequence[int], Sequence[float], torch.Tensor]   # typing.Union: a runtime alias, Python 3.8
 
 
 @dataclass(frozen=True)

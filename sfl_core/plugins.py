@@ -9,9 +9,18 @@ use it.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable, Container
 
 _loaded: set[str] = set()
+
+
+def _entry_points(group: str) -> list:
+    """The installed entry points of ``group`` (``entry_points(group=...)`` needs Python 3.10)."""
+    from importlib.metadata import entry_points
+    if sys.version_info >= (3, 10):
+        return list(entry_points(group=group))
+    return list(entry_points().get(group, []))
 
 
 def load_entry_points(group: str, register: Callable[[str, Any], None], known: Container[str], what: str) -> None:
@@ -20,8 +29,7 @@ def load_entry_points(group: str, register: Callable[[str, Any], None], known: C
     if group in _loaded:
         return
     _loaded.add(group)
-    from importlib.metadata import entry_points
-    for ep in entry_points(group=group):
+    for ep in _entry_points(group):
         if ep.name in known:
             continue
         try:

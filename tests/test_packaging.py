@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -221,3 +222,20 @@ def test_profiles_dir_override_still_wins(installed: Installed, tmp_path: Path):
                       env={**_clean_env(), "SFL_PROFILES_DIR": str(tmp_path), "COLUMNS": "200"})
     out = p.stdout + p.stderr
     assert "SFL_PROFILES_DIR" in out and "my-board" in out and "jetson-nano" not in out
+
+
+def test_an_agent_installs_lean(installed: Installed):
+    """`pip install sfl-edge` on a board pulls only what an agent uses, from Python 3.8 on: the
+    coordinator's packages (embedded broker, ONNX, metrics, the demo's scikit-learn) are extras."""
+    meta = zipfile.ZipFile(installed.wheel).read(
+        next(n for n in zipfile.ZipFile(installed.wheel).namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Requires-Python: >=3.8" in meta
+    base = [line.split(":", 1)[1].strip() for line in meta.splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    names = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in base}
+    assert names == {"torch", "paho-mqtt", "msgpack", "zstandard", "typer", "rich", "numpy", "pyyaml", "pydantic",
+                     "typing-extensions", "eval-type-backport", "cryptography", "pillow"}, names
+    assert any(d.startswith("torch") and ">=2.0" in d for d in base)
+    coordinator = {re.split(r"[<>=!;\[ ]", line.split(":", 1)[1].strip(), maxsplit=1)[0].lower()
+                   for line in meta.splitlines() if line.startswith("Requires-Dist:") and "extra == \"coordinator\"" in line}
+    assert {"onnx", "onnxruntime", "amqtt", "prometheus-client", "scikit-learn"} <= coordinator
