@@ -8,13 +8,13 @@
 # again re-installs the package and changes nothing else. Only pip (and, for
 # --systemd, useradd/systemctl) are used; nothing else is downloaded.
 #
-# Torch on Jetson: PyPI has no CUDA wheels for Jetson (aarch64 + JetPack). Download the
-# wheel matching your JetPack from NVIDIA ("PyTorch for Jetson",
-# developer.download.nvidia.com/compute/redist/jp/...) and pass it with --torch-wheel;
-# it is installed with --no-deps so pip does not replace it. Or, on an image whose system
-# Python already has NVIDIA's torch, use --system-site-packages --skip-torch. Without
-# either, `pip install "torch>=2.0,<3"` is used (CPU build on most boards; fine for
-# Raspberry Pi and x86 laptops).
+# The board decides the torch (install/board.sh): on a Jetson it reads /etc/nv_tegra_release,
+# says which JetPack it found, and uses the system Python's NVIDIA torch if it has one
+# (--system-site-packages, automatically); otherwise it names NVIDIA's wheel directory for
+# that JetPack, to pass with --torch-wheel (installed with --no-deps, so pip keeps it).
+# PyPI has no CUDA wheels for Jetson: --torch-from-pypi installs a CPU-only agent there.
+# On a Raspberry Pi (64-bit OS) or an x86 machine, `pip install "torch>=2.0,<3"` is used.
+# --detect only says what it found and what it would do.
 set -euo pipefail
 
 # shellcheck source=install/lib.sh
@@ -22,18 +22,24 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 UNIT=sfl-agent.service
 TORCH_WHEEL=""
+TORCH_FROM_PYPI=0
+DETECT=0
 SETTINGS=()
 
 usage() {
     cat <<USAGE
-Usage: sudo $0 [--torch-wheel PATH.whl] [--set KEY=VALUE]... [common options]
+Usage: sudo $0 [--torch-wheel PATH.whl | --torch-from-pypi] [--set KEY=VALUE]... [--detect] [common options]
 
 Installs the sfl-edge agent into PREFIX/venv, writes PREFIX/etc/agent.yaml (only if it
 does not exist) and the unit sfl-agent.service.
 
 Agent options:
   --torch-wheel PATH      local torch wheel installed with --no-deps (Jetson: NVIDIA's JetPack
-                          wheel). Without it: pip install "torch>=2.0,<3"
+                          wheel). Without it: the system's NVIDIA torch on a Jetson, else
+                          pip install "torch>=2.0,<3"
+  --torch-from-pypi       on a Jetson, install PyPI's torch anyway (CPU-only there)
+  --detect                say which board, JetPack, Python and CUDA were found and which torch
+                          would be used, then stop (changes nothing)
   --set KEY=VALUE         a setting for the new agent.yaml, e.g. --set profile=jetson-nano
                           --set broker=mqtts://board7@broker:8883 --set index=7 (keys: the
                           options of 'sfl-agent start'; see profiles/agent.example.yaml)
@@ -51,6 +57,8 @@ while [[ $# -gt 0 ]]; do
     if [[ $COMMON_SHIFT -gt 0 ]]; then shift "$COMMON_SHIFT"; continue; fi
     case "$1" in
         --torch-wheel) need_value --torch-wheel "$@"; TORCH_WHEEL="$2"; shift 2 ;;
+        --torch-from-pypi) TORCH_FROM_PYPI=1; shift ;;
+        --detect) DETECT=1; shift ;;
         --set) need_value --set "$@"; [[ "$2" == *=* ]] || usage_error "--set needs KEY=VALUE, got '$2'"
                SETTINGS+=("$2"); shift 2 ;;
         -h|--help) usage; exit 0 ;;
@@ -62,6 +70,43 @@ if [[ -n "$TORCH_WHEEL" ]]; then
     [[ -f "$TORCH_WHEEL" ]] || die "torch wheel not found: $TORCH_WHEEL"
     TORCH_WHEEL="$(cd "$(dirname "$TORCH_WHEEL")" && pwd -P)/$(basename "$TORCH_WHEEL")"
     [[ "$SKIP_TORCH" == 0 ]] || usage_error "--torch-wheel and --skip-torch exclude each other"
+fi
+
+# shellcheck source=install/board.sh
+source "$(dirname "${BASH_SOURCE[0]}")/board.sh"
+detect_board
+note "found $(board_summary)"
+CUDA="$(cuda_version)"
+[[ -n "$CUDA" ]] && note "CUDA toolkit $CUDA"
+command -v "$PYTHON" >/dev/null 2>&1 || die "interpreter not found: $PYTHON (use --python)"
+PY_VERSION="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+note "Python $PY_VERSION ($PYTHON)"
+if [[ "$BOARD" == jetson && -n "$JETPACK_PYTHON" && "$PY_VERSION" != "$JETPACK_PYTHON" && -z "$TORCH_WHEEL" ]]; then
+    warn "NVIDIA's torch wheels for JetPack $JETPACK are built for Python $JETPACK_PYTHON, not $PY_VERSION"
+fi
+if [[ -n "$TORCH_WHEEL" || "$SKIP_TORCH" == 1 ]]; then
+    TORCH_SOURCE=board
+elif [[ "$TORCH_FROM_PYPI" == 1 || "$BOARD" != jetson ]]; then
+    TORCH_SOURCE=pypi
+elif SYSTEM_TORCH="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null)"; then
+    note "using the system's torch $SYSTEM_TORCH (NVIDIA's build): --system-site-packages --skip-torch"
+    SYSTEM_SITE=1
+    SKIP_TORCH=1
+    TORCH_SOURCE=board
+else
+    TORCH_SOURCE=none
+fi
+REFUSAL="$(board_refusal "$PY_VERSION" "$TORCH_SOURCE")"
+if [[ -n "$REFUSAL" ]]; then
+    echo "error: $REFUSAL" >&2
+    exit 2   # a configuration error: a service manager must not retry it
+fi
+if [[ "$DETECT" == 1 ]]; then
+    case "$TORCH_SOURCE" in
+        board) note "torch: ${TORCH_WHEEL:-the one already importable (--skip-torch)}" ;;
+        pypi) note "torch: pip install \"torch>=2.0,<3\" from PyPI${CUDA:+ (CPU-only on this board)}" ;;
+    esac
+    exit 0
 fi
 setup_layout sfl-agent
 CONFIG="$ETC/agent.yaml"

@@ -76,8 +76,8 @@ setup_layout() {  # setup_layout SERVICE_NAME
     [[ "$SERVICE_USER" =~ ^[a-z_][a-z0-9_-]*$ ]] || usage_error "--user must be a user name like 'sfl', got '$SERVICE_USER'"
     [[ -z "$FIND_LINKS" || -d "$FIND_LINKS" ]] || die "--find-links: no such directory: $FIND_LINKS"
     command -v "$PYTHON" >/dev/null 2>&1 || die "interpreter not found: $PYTHON (use --python)"
-    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-        || die "$PYTHON is Python $("$PYTHON" -c 'import platform; print(platform.python_version())'); sfl-edge needs >= 3.10 (use --python)"
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 8))' \
+        || die "$PYTHON is Python $("$PYTHON" -c 'import platform; print(platform.python_version())'); sfl-edge needs >= 3.8 (use --python)"
     [[ "$PREFIX" == /* ]] || PREFIX="$PWD/$PREFIX"
     # The prefix ends up in unit lines, where '%' starts a specifier, '$' an environment
     # variable and blanks separate arguments: refuse them rather than half-escape them.
