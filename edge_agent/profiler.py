@@ -1,4 +1,5 @@
-"""Measure the device: seconds per sample for each candidate split, and the link to the coordinator.
+"""Measure the device: seconds per sample for each candidate split, its memory, and the link to
+the coordinator (or, for a profile written before any run, through the broker alone).
 
 Link figures come from acknowledged round trips (probe -> probe_ack through the broker),
 never from a publish call returning: paho returns before the bytes have left the device.
@@ -6,6 +7,8 @@ never from a publish call returning: paho returns before the bytes have left the
 
 from __future__ import annotations
 
+import os
+import queue
 import statistics
 import time
 from typing import Callable, Optional, Sequence
@@ -56,3 +59,52 @@ def measure_link(probe: Callable[[int, int], float], *, big: int = 128 * 1024, s
     down = statistics.median(probe(small, big) for _ in range(max(1, repeats - 1)))
     floor = 1e-4  # guard against a round trip not slower than the empty one
     return {"rtt_s": rtt, "up_bytes_per_s": big / max(up - rtt, floor), "down_bytes_per_s": big / max(down - rtt, floor)}
+
+
+def measure_broker_echo(send: Callable[[bytes], None], echoes: "queue.Queue[bytes]", *, big: int = 128 * 1024,
+                        small: int = 64, repeats: int = 3, timeout: float = 30.0) -> dict[str, float]:
+    """The link through a broker alone, with no coordinator to answer: each probe is published to
+    a topic this client subscribes to, so it goes up to the broker and comes back down.
+
+    Only the sum of both directions is seen, so the rates reported assume a symmetric link:
+    ``rate = big / ((t(big) - t(small)) / 2)``; ``rtt_s`` is the median small echo. Behind an
+    asymmetric link (most cellular and ADSL ones) the uplink is overstated: measure against the
+    coordinator instead (``sfl-agent start`` does at registration)."""
+    def probe(size: int) -> float:
+        token = os.urandom(8)
+        t0 = time.perf_counter()
+        send(token + bytes(size))
+        deadline = t0 + timeout
+        while True:
+            try:
+                got = echoes.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                raise TimeoutError(f"no echo from the broker within {timeout:.0f} s") from None
+            if got[:8] == token:
+                return time.perf_counter() - t0
+
+    rtt = statistics.median(probe(small) for _ in range(repeats))
+    both = statistics.median(probe(big) for _ in range(max(1, repeats - 1)))
+    rate = big / max((both - rtt) / 2, 1e-4)
+    return {"rtt_s": rtt, "up_bytes_per_s": rate, "down_bytes_per_s": rate}
+
+
+def physical_memory() -> Optional[int]:
+    """Bytes of RAM on this machine (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def own_rss() -> Optional[int]:
+    """This process's resident memory in bytes (Linux; None elsewhere): after importing torch and
+    building a model, what the agent holds before any training state."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -9,27 +9,118 @@ import typer
 from rich.console import Console
 
 from cli.agent.app import app, console, tell
+from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 
 @app.command()
 def profile(model: str = typer.Option("small_cnn", help="A zoo model name (`sfl-coord models` lists them)."),
             input_shape: str = typer.Option("1,28,28", help="Per-sample input shape."),
             classes: int = typer.Option(10),
-            batch_size: int = typer.Option(16)) -> None:
-    """Time forward+backward of every client portion on this device (what `start` reports at registration)."""
+            batch_size: int = typer.Option(16),
+            detect: bool = typer.Option(False, "--detect", help="Write a device profile of this device: the "
+                                        "FLOP/s of training the model's client portions, the memory and the "
+                                        "link (through --broker, or --link-mbps); YAML to --output or stdout."),
+            output: Optional[Path] = typer.Option(None, "--output", "-o", help="--detect: the profile file to write."),
+            name: Optional[str] = typer.Option(None, help="--detect: the profile's name (default: the file's stem, "
+                                               "else this host's name)."),
+            broker: Optional[str] = typer.Option(None, help="--detect: measure the link through this broker "
+                                                 "(probes echoed by the broker to this client; a symmetric link is "
+                                                 "assumed)."),
+            link_mbps: Optional[float] = typer.Option(None, help="--detect: the uplink in Mb/s, instead of "
+                                                      "measuring it through --broker."),
+            topic: Optional[str] = typer.Option(None, help="--detect: the topic echoed through the broker "
+                                                "(default sfl/profile/<random>); it must be one this client may "
+                                                "publish and subscribe to."),
+            ca_file: CaFile = None, cert_file: CertFile = None, key_file: KeyFile = None,
+            password_file: PasswordFile = None) -> None:
+    """Time forward+backward of every client portion on this device (what `start` reports at
+    registration); with --detect, write it all as a device profile a run can use."""
     from edge_agent.profiler import measure_compute
     from sfl_core.model.accounting import model_costs
     from sfl_core.model.zoo import build_model
 
-    shape = tuple(int(v) for v in input_shape.split(","))
-    m = build_model(model, shape, classes)
+    if detect and broker is None and link_mbps is None:
+        tell("--detect needs the link: --broker URL to measure it, or --link-mbps N")
+        raise typer.Exit(2)
+    if link_mbps is not None and not link_mbps > 0:
+        tell(f"--link-mbps must be a positive number, got {link_mbps}")
+        raise typer.Exit(2)
+    try:
+        shape = tuple(int(v) for v in input_shape.split(","))
+        m = build_model(model, shape, classes)
+    except (ValueError, KeyError) as exc:
+        tell(f"--model {model} --input-shape {input_shape}: {exc}")
+        raise typer.Exit(2)
     costs = model_costs(model, shape, classes)
     splits = list(m.split_points)
     secs = measure_compute(m, splits, {s: costs[s].client_flops for s in splits}, batch_size=batch_size)
-    console.print(f"{model} {shape}: seconds per sample (fwd+bwd of the client portion)")
-    for s in splits:
-        gflops = costs[s].client_flops / secs[s] / 1e9 if secs[s] > 0 else float("inf")
-        console.print(f"  split {s:>2} ({m.block_names[s - 1]:>8}): {secs[s] * 1e3:8.3f} ms/sample  ~{gflops:.2f} GFLOP/s")
+    if not detect:
+        console.print(f"{model} {shape}: seconds per sample (fwd+bwd of the client portion)")
+        for s in splits:
+            gflops = costs[s].client_flops / secs[s] / 1e9 if secs[s] > 0 else float("inf")
+            console.print(f"  split {s:>2} ({m.block_names[s - 1]:>8}): {secs[s] * 1e3:8.3f} ms/sample  "
+                          f"~{gflops:.2f} GFLOP/s")
+        return
+    _write_detected_profile(model, shape, batch_size, secs, {s: costs[s].client_flops for s in splits}, output=output,
+                            name=name, broker=broker, link_mbps=link_mbps, topic=topic,
+                            tls=(ca_file, cert_file, key_file, password_file))
+
+
+def _write_detected_profile(model: str, shape: tuple, batch_size: int, secs: dict, flops: dict, *,
+                            output: Optional[Path], name: Optional[str], broker: Optional[str],
+                            link_mbps: Optional[float], topic: Optional[str], tls: tuple) -> None:
+    import os
+    import platform
+    import queue
+
+    import torch
+
+    from edge_agent.device_profile import Measured, profile_text
+    from edge_agent.profiler import measure_broker_echo, own_rss, physical_memory
+    from sfl_core.config.run import ConfigError
+    from sfl_core.transport.mqtt_link import MqttLink
+
+    link, how = None, f"{link_mbps} Mb/s as given (--link-mbps)"
+    if broker is not None and link_mbps is None:
+        try:
+            address = address_from_options(broker, *tls)
+        except ValueError as exc:
+            tell(f"--broker: {exc}")
+            raise typer.Exit(2)
+        echoes: "queue.Queue[bytes]" = queue.Queue()
+        topic = topic or f"sfl/profile/{os.urandom(4).hex()}"
+        mqtt = MqttLink(address, f"sfl-profile-{os.urandom(4).hex()}", lambda _t, payload: echoes.put(payload),
+                        subscriptions=[topic])
+        try:
+            mqtt.connect(timeout=15)
+            link = measure_broker_echo(lambda b: mqtt.publish(topic, b, qos=0), echoes)
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            tell(f"--broker {address.url()}: {exc}")
+            raise typer.Exit(1)
+        finally:
+            mqtt.close()
+        how = f"echoed through {address.url()} (symmetric link assumed)"
+    ram, runtime = physical_memory(), own_rss()
+    # memory_bytes is what training may use: the board's RAM less what the agent's runtime holds
+    measured = Measured(model, shape, batch_size, secs, flops, ram - runtime if ram and runtime else ram, link, how,
+                        ram_bytes=ram, runtime_bytes=runtime)
+    name = name or (output.stem if output is not None else platform.node() or "my-board")
+    try:
+        text = profile_text(name, measured, link_bytes_per_s=link_mbps * 1e6 / 8 if link_mbps else None,
+                            torch_version=torch.__version__)
+    except ConfigError as exc:
+        tell(f"the measured profile is not valid: {exc}")
+        raise typer.Exit(1)
+    if output is None:
+        print(text, end="")
+        return
+    try:
+        output.write_text(text)
+    except OSError as exc:
+        tell(f"{output}: cannot write: {exc.strerror or exc}")
+        raise typer.Exit(2)
+    console.print(f"wrote {output}: use it with `sfl-agent start --profile {output}` and in a run config's fleet "
+                  f"(profile: {output.resolve()})")
 
 
 @app.command()
