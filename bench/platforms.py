@@ -119,28 +119,40 @@ def emulated_python(root: Path) -> list[str]:
 
 def install_for_target(python: list[str], site: Path, wheel: Path, torch_version: str, index: str) -> None:
     """The wheel, its dependencies, the demo's extra and the test tools into ``site``, resolved by
-    the target's own pip (what ``pip install sfl-edge`` on the board resolves), wheels only."""
-    shutil.rmtree(site, ignore_errors=True)
-    sh([*python, "-m", "pip", "install", "-q", "--no-cache-dir", "--index-url", index, "--only-binary=:all:",
-        "--target", site, f"{wheel}[demo]", f"torch=={torch_version}", "numpy<2",
-        "pytest>=7", "pytest-timeout>=2", "hypothesis>=6"], env=PIP_ISOLATED, timeout=7200)
+    the target's own pip (what ``pip install sfl-edge`` on the board resolves), wheels only. A
+    site that has them already from an earlier run gets only the new wheel (emulated pip is slow)."""
+    wanted = f"{wheel.name} torch=={torch_version}"
+    stamp = site / ".sfl-platforms"
+    pip = [*python, "-m", "pip", "install", "-q", "--no-cache-dir", "--index-url", index, "--only-binary=:all:",
+           "--target", site]
+    if stamp.exists() and stamp.read_text().split()[1:] == wanted.split()[1:]:
+        sh([*pip, "--no-deps", "--upgrade", wheel], env=PIP_ISOLATED, timeout=7200)
+    else:
+        shutil.rmtree(site, ignore_errors=True)
+        sh([*pip, f"{wheel}[demo]", f"torch=={torch_version}", "numpy<2", "pytest>=7", "pytest-timeout>=2",
+            "hypothesis>=6"], env=PIP_ISOLATED, timeout=7200)
+    stamp.write_text(wanted)
 
 
 # ------------------------------------------------------------------ host interpreter
 
-def host_venv(work: Path, python: str, wheel: Path, torch_version: str, index: str) -> list[str]:
-    """A fresh virtual environment of ``python`` with torch ``torch_version``, the wheel (demo
-    extra) and the test tools."""
+def host_env(work: Path, python: str, wheel: Path, torch_version: str, index: str, in_place: bool) -> list[str]:
+    """``python`` in a fresh virtual environment (or its own, ``in_place``) with torch
+    ``torch_version``, this wheel (demo extra) and the test tools."""
     version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    venv = work / f"venv-py{version}"
-    if not (venv / "bin" / "python").exists():
-        sh([python, "-m", "venv", venv])
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--index-url", index]
+    if in_place:
+        interpreter = python
+    else:
+        venv = work / f"venv-py{version}"
+        if not (venv / "bin" / "python").exists():
+            sh([python, "-m", "venv", venv])
+        interpreter = str(venv / "bin" / "python")
+    pip = [interpreter, "-m", "pip", "install", "-q", "--index-url", index]
     sh([*pip, f"torch=={torch_version}", "numpy<2"], env=PIP_ISOLATED)
     sh([*pip, "--force-reinstall", "--no-deps", wheel], env=PIP_ISOLATED)
     sh([*pip, f"{wheel}[demo]", "pytest>=7", "pytest-timeout>=2", "hypothesis>=6"], env=PIP_ISOLATED)
-    return [str(venv / "bin" / "python")]
+    return [interpreter]
 
 
 # ------------------------------------------------------------------ the run, and its reference
@@ -185,6 +197,16 @@ def one_run(name: str, agent_python: list[str], env: dict[str, str], work: Path,
             "compute_s_per_step": round(sum(steps) / len(steps), 4), "wall_s": round(time.monotonic() - t0, 1)}
 
 
+def detected_profile(python: list[str], env: dict[str, str], work: Path, broker: MosquittoBroker) -> dict[str, Any]:
+    """``sfl-agent profile --detect`` on the platform: the profile it writes, as read back."""
+    out = work / "detected.yaml"
+    subprocess.run([*python, "-m", "cli.agent", "profile", "--detect", "--model", "small_cnn", "--input-shape",
+                    "1,8,8", "--broker", broker.url, "--output", str(out)], cwd=work, env={**os.environ, **env},
+                   capture_output=True, text=True, timeout=1800, check=True)
+    from sfl_core.config.run import load_profile
+    return load_profile(str(out)).to_dict()
+
+
 def agent_facts(python: list[str], env: dict[str, str], work: Path) -> dict[str, str]:
     code = ("import json, platform, sys, torch, numpy, pydantic, typer; print(json.dumps({'python': platform.python_version(),"
             " 'machine': platform.machine(), 'torch': torch.__version__, 'numpy': numpy.__version__,"
@@ -223,6 +245,8 @@ def main() -> None:
                     help="largest accepted difference of accuracy per round from the host agent's")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "sfl-platforms")
     ap.add_argument("--no-tests", action="store_true", help="skip the agent test subset")
+    ap.add_argument("--in-place", action="store_true",
+                    help="host: install into --python's own environment instead of a fresh one")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = ap.parse_args()
     if find_mosquitto() is None:
@@ -241,20 +265,21 @@ def main() -> None:
     else:
         if not args.python:
             raise SystemExit("host needs --python PATH")
-        python = host_venv(args.work, args.python, wheel, args.torch, args.index)
+        python = host_env(args.work, args.python, wheel, args.torch, args.index, args.in_place)
         env = {"PYTHONPATH": ""}
         label, tests, installed = f"x86_64, {args.python}", AGENT_TESTS, None
     facts = agent_facts(python, env, args.work)
     with MosquittoBroker() as broker:
         platform_run = one_run("platform", python, env, args.work, args.rounds, args.seed, broker)
         reference = one_run("reference", [sys.executable], {}, args.work, args.rounds, args.seed, broker)
+        profile = detected_profile(python, env, args.work, broker)
     diff = max(abs(a - b) for a, b in zip(platform_run["accuracy"], reference["accuracy"]))
     tests_result = None if args.no_tests else run_tests(python, env, tests, args.work)
     entry = {"platform": label, "agent": facts, "wheel": wheel.name, "installed_bytes": installed,
              "run": platform_run, "reference": {**reference, "python": sys.version.split()[0],
                                                 "torch": common.torch.__version__},
              "max_accuracy_difference": diff, "tolerance": args.tolerance, "same_accuracy": diff <= args.tolerance,
-             "tests": tests_result,
+             "tests": tests_result, "detected_profile": profile,
              "note": "emulated: per-step times measure qemu, not a board" if args.target == "arm64" else ""}
     path = args.out / "platforms.json"
     previous = json.loads(path.read_text()) if path.exists() else {}

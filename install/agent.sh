@@ -127,7 +127,7 @@ fi
 
 if [[ -n "$TORCH_WHEEL" ]]; then
     # NVIDIA's wheels carry versions like 2.1.0a0+nv23.06 that do not satisfy
-    # "torch>=2.1", so a normal install would replace them with a PyPI build.
+    # "torch>=2.0", so a normal install would replace them with a PyPI build.
     # Install the package without deps, then its other dependencies explicitly.
     install_package --no-deps
     mapfile -t DEPS < <("$VENV/bin/python" - "$SRC_DIR/pyproject.toml" <<'PY'

@@ -36,7 +36,7 @@ __all__ = ["OPSET", "INPUT_NAME", "OUTPUT_NAME", "OnnxError", "sidecar_path", "e
 
 OPSET = 17
 """Opset 17: supported by every onnxruntime this package accepts (>= 1.16) and by the
-TorchScript exporter of every torch in ``>=2.1,<3``; the zoo needs nothing newer."""
+TorchScript exporter of every torch in ``>=2.0,<3``; the zoo needs nothing newer."""
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 SIDECAR_FORMAT = "sfl-edge-onnx/1"
