@@ -62,7 +62,8 @@ class _DropAmqttNoise(logging.Filter):
         if ("No data to decode MQTT packet fixed header" in msg
                 or "Can't read first packet as CONNECT" in msg
                 or "messages not broadcasted" in msg   # at shutdown: to clients already gone; nothing to act on
-                or "Received PUBACK for unknown pending message" in msg):
+                or "Received PUBACK for unknown pending message" in msg
+                or "Broker instance can't be started" in msg or "Broker startup failed" in msg):   # start() says it in one line
             return False
         if "Task failed and will be skipped" in msg and record.exc_info:
             exc = record.exc_info[1]
@@ -83,6 +84,15 @@ def _quiet_amqtt_logging() -> None:
         lg = logging.getLogger(name)
         if _NOISE_FILTER not in lg.filters:
             lg.addFilter(_NOISE_FILTER)
+
+
+class BrokerUnavailable(RuntimeError):
+    """The embedded broker cannot run here (its package is missing, or needs a newer Python): a
+    configuration error; ``--broker URL`` uses another broker."""
+
+
+class BrokerStartError(RuntimeError):
+    """The embedded broker did not start (its port in use, ...)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -147,13 +157,14 @@ class EmbeddedBroker:
     def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
         """Start the broker; return once it accepts TCP connections.
 
-        Raises RuntimeError with the reason (port in use, amqtt missing, ...).
+        Raises :class:`BrokerUnavailable` (amqtt missing or this Python too old for it) or
+        :class:`BrokerStartError` (port in use, ...), with the reason.
         """
         with self._lock:
             if self._thread is not None:
                 raise RuntimeError("EmbeddedBroker already started")
             # fail early with one line (or pass --broker mqtt://host:1883 to use another broker)
-            import_optional("amqtt.broker", "the embedded MQTT broker (no --broker given)", RuntimeError)
+            import_optional("amqtt.broker", "the embedded MQTT broker (no --broker given)", BrokerUnavailable)
             _quiet_amqtt_logging()
             self._ready.clear()
             self._error = None
@@ -165,7 +176,7 @@ class EmbeddedBroker:
             reason = (f"{type(self._error).__name__}: {self._error}" if self._error is not None
                       else f"not listening after {timeout:.1f} s")
             self.stop()
-            raise RuntimeError(
+            raise BrokerStartError(
                 f"embedded MQTT broker failed to start on {self.host}:{self._requested_port}: {reason}")
         # The listener is bound; confirm a real TCP connect works before returning.
         last: OSError | None = None
@@ -177,7 +188,7 @@ class EmbeddedBroker:
                 last = exc
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError(
+        raise BrokerStartError(
             f"embedded MQTT broker on {self.host}:{self._port} does not accept connections: {last}")
 
     def stop(self) -> None:

@@ -345,3 +345,37 @@ def test_embedded_broker_port_in_use_raises() -> None:
         with pytest.raises(RuntimeError, match=str(port)):
             b.start(timeout=5)
         b.stop()
+
+
+def test_serve_with_its_port_taken_says_one_line(tmp_path) -> None:
+    """`sfl-coord serve --listen` on a port another process holds: one line naming the port
+    (amqtt's own traceback filtered out), exit 1 (the port may free itself: a restart may work)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "cli.coord", "serve", "--config", str(repo / "profiles" / "runs" /
+                            "demo.yaml"), "--listen", f"127.0.0.1:{port}", "--output", str(tmp_path / "out")],
+                           cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"embedded MQTT broker failed to start on 127.0.0.1:{port}" in lines[0], p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_a_missing_optional_package_is_one_line_naming_its_extra(monkeypatch) -> None:
+    from coordinator.broker import BrokerUnavailable
+    from sfl_core import extras
+    monkeypatch.setitem(sys.modules, "amqtt", None)       # import amqtt raises ImportError
+    monkeypatch.delitem(sys.modules, "amqtt.broker", raising=False)
+    with pytest.raises(BrokerUnavailable, match=r"the embedded MQTT broker needs the package amqtt .*"
+                                                r"pip install 'sfl-edge\[coordinator\]'"):
+        extras.import_optional("amqtt.broker", "the embedded MQTT broker", BrokerUnavailable)
+    monkeypatch.setattr(extras.sys, "version_info", (3, 9, 2))
+    with pytest.raises(BrokerUnavailable, match=r"needs the package amqtt, which needs Python 3.10 or newer "
+                                                r"\(this is 3.9\)"):
+        extras.import_optional("amqtt.broker", "the embedded MQTT broker", BrokerUnavailable)

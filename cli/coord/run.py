@@ -18,6 +18,7 @@ from cli.coord.app import DATA_OPTION, app, console, load_config, setup_logging,
 from coordinator import state as ckpt
 from coordinator.api import RunError, output_dir
 from coordinator.api import serve as serve_run
+from coordinator.broker import BrokerStartError, BrokerUnavailable
 from coordinator.console import print_table, summary_table
 from coordinator.engine import RoundEngine, RoundFailed
 from coordinator.server_workers import cannot_share, launch_workers
@@ -84,6 +85,12 @@ def _run_daemon(cfg: RunConfig, fn) -> tuple[list[dict], RoundEngine]:
     except RunError as exc:
         tell(str(exc))
         raise typer.Exit(2)
+    except BrokerUnavailable as exc:   # a configuration error: --broker URL is the way out
+        tell(f"{exc}; or give --broker mqtt://host:1883")
+        raise typer.Exit(2)
+    except BrokerStartError as exc:   # e.g. its port still held by a process on its way out
+        tell(str(exc))
+        raise typer.Exit(1)
     except ckpt.CheckpointError as exc:
         tell(f"cannot resume: {exc}")
         raise typer.Exit(2)
