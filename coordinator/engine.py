@@ -38,6 +38,7 @@ from sfl_core.model.accounting import model_costs, split_note
 from sfl_core.model.bottleneck import bottleneck_shape, slice_state
 from sfl_core.model.fingerprint import architecture, digest, fingerprinted
 from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.server_opt import ServerOptimizer, from_config, split_state
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import SPLIT_TRAINING, WHOLE_MODEL, Assignment
@@ -93,6 +94,9 @@ class RoundEngine:
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
         self.method = build_method(cfg, self.model, self.costs)
+        so = cfg.server_opt
+        self.server_opt: Optional[ServerOptimizer] = from_config(so.kind, so.lr, so.beta1, so.beta2, so.tau)
+        self._round_start: dict[str, torch.Tensor] = {}
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
                                     loss=self.method.server_loss(),
                                     reducer=GradReducer(shards) if shards is not None else None)
@@ -212,6 +216,7 @@ class RoundEngine:
         for attempt in range(1, ROUND_ATTEMPTS + 1):
             snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             widths = {k: pair.infer_width for k, pair in self.model.bottlenecks.items()}
+            self._round_start = snapshot   # the server optimiser steps from here
             try:
                 return self.run_round(r)
             except RoundVoid as void:
@@ -405,7 +410,9 @@ class RoundEngine:
         self.history.append(record)
         self.session.prune()   # silent agents that never trained stay out of the checkpoint
         ckpt.append_metrics(self.out_dir, record)
-        ckpt.save(self.out_dir, self.model.state_dict(), self._checkpoint_state(r))
+        ckpt.save(self.out_dir, {**self.model.state_dict(),
+                                 **(self.server_opt.state_tensors() if self.server_opt is not None else {})},
+                  self._checkpoint_state(r))
         self.on_event("round_end", record)
         return record
 
@@ -438,6 +445,10 @@ class RoundEngine:
             copy_of = {a: i for i, g in enumerate(plan.groups) for a in g} if plan.server_once else None
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
                                     server_groups=copy_of)
+            if self.server_opt is not None:   # the client portions' parameters step; buffers stay averaged
+                params = {name for name, _ in self.model.named_parameters()}
+                held = sorted({k for state in clients.values() for k in state} & params)
+                avg = self.server_opt.step(self._round_start, avg, held)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         return done, fed_losses
 
@@ -491,11 +502,14 @@ class RoundEngine:
         changes: a checkpoint that does not fit this run is a CheckpointError naming the file."""
         path = self.out_dir / ckpt.MODEL_FILE
         ckpt.check_fits(path, st, model=self.cfg.model, run_id=self.cfg.run_id, rounds=self.cfg.rounds)
+        model_state, optimiser_state = split_state(model_state)
         ckpt.check_tensors(path, model_state, self.model.state_dict(), model=self.cfg.model)
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))
             self.method.load_json(st)
+            if self.server_opt is not None:   # a checkpoint from before it was switched on: it starts afresh
+                self.server_opt.load_state_tensors(optimiser_state)
             restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
             if self.cfg.task is not None and st.get("normalize") is not None:
                 self._standardise(Normalization.from_wire(st["normalize"], self.cfg.task.input_shape[0],

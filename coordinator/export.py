@@ -17,6 +17,7 @@ from sfl_core.model.accounting import model_costs
 from sfl_core.model.onnx_export import export_onnx
 from sfl_core.model.user_models import describe_source, register_described
 from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.server_opt import split_state
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
@@ -87,6 +88,7 @@ def load_global_model(run_dir: Path, config: Optional[Path] = None) -> tuple[Spl
         raise ExportError(f"no run directory {run_dir}")
     try:
         weights, st = ckpt.load(run_dir)
+        weights, _optimiser = split_state(weights)   # the server optimiser's state is not the model's
     except ckpt.CheckpointError as exc:   # missing, torn, corrupted, foreign: one line naming the file
         raise ExportError(str(exc)) from None
     info = st.get("model_info")

@@ -124,6 +124,18 @@ FIELDS: tuple[tuple[str, str], ...] = (
      "server-side training loss: ce (cross-entropy) | calibrated (FedLC logit calibration, Zhang et al. 2022: logit z_c - tau * n_c^(-1/4) with n_c the row's agent's count of class c; counters label skew)."),
     ('calibration_tau',
      'calibration strength tau >= 0 (0 = plain cross-entropy).'),
+    ('server_opt',
+     "how the round's aggregated client portion becomes the new global one (docs/methods/server-optimisers.md): the server optimiser steps along the difference between the aggregate and the round's starting model; nothing more crosses the wire."),
+    ('server_opt.kind',
+     'none (plain aggregation) | momentum (FedAvgM, Hsu et al. 2019) | adam (FedAdam, Reddi et al. 2021) | yogi (FedYogi, Reddi et al. 2021).'),
+    ('server_opt.lr',
+     'server learning rate eta > 0; momentum with lr 1 and beta1 0 is plain aggregation; adam and yogi want about 0.01-0.1.'),
+    ('server_opt.beta1',
+     'momentum beta1 in [0, 1) (FedAvgM\'s beta; adam\'s and yogi\'s first moment).'),
+    ('server_opt.beta2',
+     'second-moment decay beta2 in [0, 1) (adam, yogi).'),
+    ('server_opt.tau',
+     'adaptivity tau > 0 (adam, yogi): the floor of the denominator; the second moment starts at tau^2.'),
     ('privacy',
      "what the agents keep back and the defenses they apply to what they send (docs/methods/privacy.md). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise, --withhold-labels, --label-protection, --dp-sgd) and declares them when it registers. Each round's metrics record them."),
     ('privacy.nopeek',
@@ -142,7 +154,7 @@ section. Each method documents its own section (``DOCS`` of its config class).""
 SECTIONS_BEFORE = "privacy"
 """The methods' sections are listed just before this core key."""
 
-_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "privacy")
+_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "server_opt", "privacy")
 """Sections (a method's section is one too), and the required keys: no default shown."""
 _RULE = "# " + "=" * 76 + " run config"
 _END = "# " + "=" * 86
@@ -153,7 +165,7 @@ def accepted_keys() -> set[str]:
     to_yaml = {attr: key for key, attr in config.RunConfig.YAML_KEYS.items()}
     keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig) if f.name != "sections"}
     parts = {"data": config.DataConfig, "task": config.TaskConfig, "eval": config.EvalConfig,
-             **sections(), "privacy": config.PrivacyConfig}
+             "server_opt": config.ServerOptConfig, **sections(), "privacy": config.PrivacyConfig}
     for section, cls in parts.items():
         keys |= {section} | {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
     return keys

@@ -92,6 +92,7 @@ LOSSES = ("ce", "calibrated")
 """The server's loss: cross-entropy, or logit calibration (FedLC, as HeteroSFL uses it).
 Strategies are the methods' names (:func:`sfl_core.methods.strategies`)."""
 SERVER_MODES = ("merged", "per_agent", "sequential")
+SERVER_OPTIMISERS = ("none", "momentum", "adam", "yogi")   # sfl_core.server_opt.KINDS
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1 (a server
 copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent)."""
 PARTITIONS = SCHEMES
@@ -455,6 +456,18 @@ def task_from_wire(d: Any, source: str = "run_info.task") -> TaskConfig:
 
 
 @dataclass(frozen=True, config=STRICT)
+class ServerOptConfig(Section):
+    """How the aggregated client portion becomes the new global one (docs/methods/server-optimisers.md):
+    plain aggregation, or a server optimiser stepping along the aggregate's difference."""
+
+    kind: Annotated[str, checked(one_of(*SERVER_OPTIMISERS))] = "none"
+    lr: Annotated[float, POSITIVE_NUMBER] = 1.0
+    beta1: Annotated[float, UNIT_OPEN] = 0.9
+    beta2: Annotated[float, UNIT_OPEN] = 0.99
+    tau: Annotated[float, POSITIVE_NUMBER] = 1e-3
+
+
+@dataclass(frozen=True, config=STRICT)
 class EvalConfig(Section):
     """Where the global model is scored (docs/data.md): the server's own validation data, and
     the devices' held-out splits (federated evaluation)."""
@@ -534,6 +547,7 @@ class RunConfig(Section):
     """Devices train on their own data (sfl-agent start --data PATH) under this contract; None: the
     built-in data set of ``data``, partitioned over the agents (simulations and benchmarks)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     fleet: tuple[FleetEntry, ...] = ()
     rounds: Annotated[int, POSITIVE_INTEGER] = 5
     per_round: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents selected per round; None = all
@@ -775,7 +789,7 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         elif f.name == "sections":
             out.update({key: {g.name: _plain(getattr(s, g.name)) for g in fields(s)} for key, s in value.items()})
             continue
-        elif f.name in ("data", "eval", "privacy"):
+        elif f.name in ("data", "eval", "server_opt", "privacy"):
             value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":
             value = [{"profile": e.profile, "count": e.count, **({"data": e.data} if e.data else {})} for e in value]
