@@ -63,6 +63,7 @@ from sfl_core.config.values import (
 from sfl_core.data.partition import SCHEMES
 from sfl_core.method_registry import DEFAULT_STRATEGY, sections, strategies
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
+from sfl_core.server_opt import KINDS as SERVER_OPTIMISER_KINDS
 from sfl_core.wire.codec import CODECS, TOPK_PATTERN, is_codec
 from sfl_core.wire.protocol import check_id
 
@@ -92,7 +93,6 @@ LOSSES = ("ce", "calibrated")
 """The server's loss: cross-entropy, or logit calibration (FedLC, as HeteroSFL uses it).
 Strategies are the methods' names (:func:`sfl_core.methods.strategies`)."""
 SERVER_MODES = ("merged", "per_agent", "sequential")
-SERVER_OPTIMISERS = ("none", "momentum", "adam", "yogi")   # sfl_core.server_opt.KINDS
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1 (a server
 copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent)."""
 PARTITIONS = SCHEMES
@@ -460,7 +460,7 @@ class ServerOptConfig(Section):
     """How the aggregated client portion becomes the new global one (docs/methods/server-optimisers.md):
     plain aggregation, or a server optimiser stepping along the aggregate's difference."""
 
-    kind: Annotated[str, checked(one_of(*SERVER_OPTIMISERS))] = "none"
+    kind: Annotated[str, checked(one_of(*SERVER_OPTIMISER_KINDS))] = "none"
     lr: Annotated[float, POSITIVE_NUMBER] = 1.0
     beta1: Annotated[float, UNIT_OPEN] = 0.9
     beta2: Annotated[float, UNIT_OPEN] = 0.99
