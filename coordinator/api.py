@@ -172,6 +172,10 @@ def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dic
             "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},
             "num_agents": cfg.num_agents}
     body.update(user_model_fields(cfg.model))
+    if cfg.norm_stats.mode == "federated":   # an agent that cannot run statistics passes does not join
+        body["norm_stats"] = {"every": cfg.norm_stats.every}
+    if cfg.drift.kind != "none":   # likewise: an agent that ignores the correction would drift unnoticed
+        body["drift"] = {"kind": cfg.drift.kind}
     if fingerprinted(cfg):
         body["architecture"] = architecture(build_model(cfg.model, data.input_shape, data.num_classes))
     if cfg.task is not None:

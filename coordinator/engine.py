@@ -16,11 +16,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from coordinator import evaluation, shard_round
+from coordinator import evaluation, norm_pass, shard_round
 from coordinator import state as ckpt
 from coordinator.clock import Clock
 from coordinator.export import describe_model, restore_widths, run_model
-from coordinator.pricing import price_round
+from coordinator.pricing import price_norm_pass, price_round
 from coordinator.registry import Registry
 from coordinator.round_record import round_record
 from coordinator.server_trainer import ServerTrainer
@@ -29,9 +29,11 @@ from coordinator.session import Event, FleetSession, RoundAgent
 from coordinator.transport import Transport
 from coordinator.uploads import decode_activations, decode_logit_gradients
 from coordinator.validation import ValidationSet
+from sfl_core import norm_stats
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
 from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
+from sfl_core.drift import ControlVariates
 from sfl_core.methods import build_method
 from sfl_core.methods.base import RoundPlan
 from sfl_core.model.accounting import model_costs, split_note
@@ -97,6 +99,8 @@ class RoundEngine:
         so = cfg.server_opt
         self.server_opt: Optional[ServerOptimizer] = from_config(so.kind, so.lr, so.beta1, so.beta2, so.tau)
         self._round_start: dict[str, torch.Tensor] = {}
+        self.variates: Optional[ControlVariates] = ControlVariates() if cfg.drift.kind == "scaffold" else None
+        self._pass_stats: dict[str, torch.Tensor] = {}   # norm_stats: federated: the last pass's statistics
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
                                     loss=self.method.server_loss(),
                                     reducer=GradReducer(shards) if shards is not None else None)
@@ -266,6 +270,7 @@ class RoundEngine:
             body = ra.assignment.to_body(bodies[key])
             if self.cfg.task is not None and self.normalization is not None:
                 body["normalize"] = self.normalization.to_wire()
+            body.update(self._drift_fields(a, *key))
             self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
                                           seq=protocol.next_seq()))
         # server workers step together even in a round without split agents (each step is a collective)
@@ -338,6 +343,21 @@ class RoundEngine:
             if pair is not None and w > pair.infer_width:
                 pair.infer_width = w
 
+    @property
+    def _parameter_names(self) -> set[str]:
+        return {name for name, _ in self.model.named_parameters()}
+
+    def _drift_fields(self, agent: str, split: int, width: int) -> dict[str, Any]:
+        """What an assignment adds for drift correction (:mod:`sfl_core.drift`): FedProx's μ, or
+        SCAFFOLD's ``c − cᵢ`` for the parameters of the agent's client portion."""
+        drift = self.cfg.drift
+        if drift.kind == "fedprox":
+            return {"prox_mu": drift.mu}
+        if drift.kind == "scaffold":
+            held = {k: v for k, v in self._client_state(split, width).items() if k in self._parameter_names}
+            return {"correction": wire.encode_state(self.variates.correction(agent, held), self.cfg.zstd_level)}
+        return {}
+
     def _client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
         state = self.model.client_state(split)
@@ -394,24 +414,34 @@ class RoundEngine:
         """The end of a round: aggregate, evaluate, price each agent's round by the clock, then
         record and checkpoint it (:mod:`coordinator.round_record`)."""
         done, fed_losses = self._aggregate(plan, agents, uploads)
+        pass_agents, pass_wall_s = self._norm_stats_pass(r, agents, done)
         accuracy, test_loss = self.evaluate()
         per_agent, times, observed = price_round(r, self.clock, self.costs, self.registry.agents, agents, uploads,
                                                  done, server_flops=self.cfg.server_flops)
         self.method.observe(observed)
         self.method.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
+        norm_pass = None
+        if pass_agents is not None:   # a second phase: it starts once the slowest agent's weights are in
+            norm_pass = price_norm_pass(r, self.clock, self.costs, self.registry.agents, pass_agents,
+                                        samples=self.cfg.norm_stats.batches * self.cfg.batch_size,
+                                        server_flops=self.cfg.server_flops)
+            norm_pass["time_s"] = self.clock.end_round(norm_pass.pop("times").values(), pass_wall_s)
+            round_s += norm_pass["time_s"]
+            wall_s += pass_wall_s
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
         federated = self._federated_evaluation(r, agents, done)
         record = round_record(
             r, accuracy=accuracy, test_loss=test_loss, train_loss=train_loss, round_s=round_s,
             elapsed_s=self.clock.elapsed, virtual=self.clock.virtual, wall_s=wall_s, times=times,
             per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
-            federated=federated, method_metrics=self.method.round_metrics())
+            federated=federated, method_metrics=self.method.round_metrics(), norm_pass=norm_pass)
         self.history.append(record)
         self.session.prune()   # silent agents that never trained stay out of the checkpoint
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, {**self.model.state_dict(),
-                                 **(self.server_opt.state_tensors() if self.server_opt is not None else {})},
+                                 **(self.server_opt.state_tensors() if self.server_opt is not None else {}),
+                                 **(self.variates.state_tensors() if self.variates is not None else {})},
                   self._checkpoint_state(r))
         self.on_event("round_end", record)
         return record
@@ -441,16 +471,79 @@ class RoundEngine:
         need = self._needed(len(plan.splits))
         if len(done) < need:
             raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")
+        if self.variates is not None and clients:
+            self.variates.update(self._round_start, {a: {k: v for k, v in st.items() if k in self._parameter_names}
+                                                     for a, st in clients.items()},
+                                 {a: (agents[a].assignment.lr, agents[a].assignment.tau, agents[a].assignment.momentum)
+                                  for a in clients},
+                                 fleet_size=len(self.registry.agents), full=self.model.state_dict())
         if clients:
             copy_of = {a: i for i, g in enumerate(plan.groups) for a in g} if plan.server_once else None
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
                                     server_groups=copy_of)
             if self.server_opt is not None:   # the client portions' parameters step; buffers stay averaged
-                params = {name for name, _ in self.model.named_parameters()}
-                held = sorted({k for state in clients.values() for k in state} & params)
+                held = sorted({k for state in clients.values() for k in state} & self._parameter_names)
                 avg = self.server_opt.step(self._round_start, avg, held)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         return done, fed_losses
+
+    def _norm_stats_pass(self, r: int, agents: dict[str, RoundAgent], done: list[str]
+                         ) -> tuple[Optional[dict[str, RoundAgent]], float]:
+        """``norm_stats: federated``: after aggregation, the asked agents run local batches through
+        the new global client portion and report their BatchNorm layers' input moments and the
+        activations; the server adds its portion's moments and the global statistics are set
+        (:mod:`sfl_core.norm_stats`). Returns the pass's own book-keeping per agent (bytes,
+        response times: a phase of its own for the clock) and its wall seconds; (None, 0) in a
+        round without a pass. An agent that does not answer is dropped as in any step; without
+        any valid answer the averaged statistics stay."""
+        ns = self.cfg.norm_stats
+        if ns.mode != "federated" or not norm_stats.batch_norm_layers(self.model):
+            return None, 0.0
+        if r % ns.every:   # between passes, the last pass's statistics describe the model better than averages
+            if self._pass_stats:
+                self.model.load_state_dict(self._pass_stats, strict=False)
+            return None, 0.0
+        t0 = time.monotonic()
+        asked = [a for a in done if a in agents][:ns.agents or None]
+        now = self._now()
+        step = self.cfg.local_iters + 1   # after federated evaluation's step
+        pass_agents = {a: RoundAgent(a, agents[a].assignment, last_heard=now, last_sent_at=now) for a in asked}
+        bodies: dict[tuple[int, int], dict] = {}
+        for a, ra in pass_agents.items():
+            key = (ra.assignment.split, ra.assignment.width)
+            if key not in bodies:
+                bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
+            body = norm_pass.request_body(self.cfg.model, *key, bodies[key], batches=ns.batches,
+                                          batch_size=self.cfg.batch_size, codec=ra.assignment.codec,
+                                          zstd_level=self.cfg.zstd_level,
+                                          activation_shape=ra.assignment.activation_shape)
+            if self.cfg.task is not None and self.normalization is not None:
+                body["normalize"] = self.normalization.to_wire()
+            self.session.send(ra, Message("norm_pass", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
+                                          step=step, seq=protocol.next_seq()))
+        replies = self.session.collect(pass_agents, "norm_sums", r, step, only=asked)
+        parts = []
+        samples = ns.batches * self.cfg.batch_size
+        for a, msg in replies.items():
+            split = pass_agents[a].assignment.split
+            try:
+                moments, x = norm_pass.check_reply(msg.body, self.model, split, samples,
+                                                   pass_agents[a].assignment.activation_shape)
+            except wire.WireError as exc:
+                self.session.rejections.reject("invalid", f"normalisation statistics from {a}: {exc}")
+                continue
+            parts.append(moments)
+            if x is not None:
+                t1 = time.monotonic()
+                parts.append(norm_pass.server_moments(self.model, split, x, self.cfg.batch_size))
+                pass_agents[a].server_s = time.monotonic() - t1
+        if parts:
+            layers = norm_stats.apply(self.model, norm_stats.combine(parts))
+            self._pass_stats = norm_stats.running_stats(self.model)
+            log.info("round %d: BatchNorm statistics of %d layer(s) from %d agent(s)", r, len(layers), len(replies))
+        else:
+            log.warning("round %d: no agent returned valid normalisation statistics; the averaged ones stay", r)
+        return {a: pass_agents[a] for a in replies}, time.monotonic() - t0
 
     def _checkpoint_state(self, r: int) -> dict[str, Any]:
         """The run state saved with the model after round ``r`` (what ``--resume`` reads)."""
@@ -510,6 +603,8 @@ class RoundEngine:
             self.method.load_json(st)
             if self.server_opt is not None:   # a checkpoint from before it was switched on: it starts afresh
                 self.server_opt.load_state_tensors(optimiser_state)
+            if self.variates is not None:     # likewise
+                self.variates.load_state_tensors(optimiser_state)
             restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
             if self.cfg.task is not None and st.get("normalize") is not None:
                 self._standardise(Normalization.from_wire(st["normalize"], self.cfg.task.input_shape[0],
@@ -518,6 +613,8 @@ class RoundEngine:
         except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise ckpt.CheckpointError(f"{path}: does not fit this run's model {self.cfg.model!r} ({first})") from None
+        if self.cfg.norm_stats.mode == "federated" and st["round"] >= self.cfg.norm_stats.every:
+            self._pass_stats = norm_stats.running_stats(self.model)   # what the rounds between passes keep
         history = ckpt.read_metrics(self.out_dir)   # a corrupted metrics file stops us here, untouched
         self.clock.restore(elapsed)
         self.start_round = st["round"] + 1

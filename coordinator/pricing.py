@@ -17,7 +17,7 @@ from sfl_core.methods.base import AgentRound
 from sfl_core.model.accounting import SplitCost
 from sfl_core.wire.protocol import Message
 
-__all__ = ["price_round"]
+__all__ = ["price_round", "price_norm_pass"]
 
 
 def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Mapping[str, AgentInfo],
@@ -58,3 +58,26 @@ def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Map
         info.transfer_s += row["transfer_s"]
         info.wait_s += slowest - times[a]
     return per_agent, times, observed
+
+
+def price_norm_pass(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Mapping[str, AgentInfo],
+                    agents: Mapping[str, RoundAgent], *, samples: int, server_flops: float) -> dict[str, Any]:
+    """Price round ``r``'s statistics pass (``norm_stats: federated``) for the agents that answered:
+    its download and upload, ``samples`` forward passes on the agent and on the server (a third
+    of a training step's FLOPs each). Returns the pass's ``times`` per agent (a phase of the
+    round of its own), its agents, bytes and slowest agent's parts. Adds to each agent's totals."""
+    times, bytes_up, bytes_down = {}, 0, 0
+    for a, ra in agents.items():
+        info, cost = infos[a], costs[ra.assignment.split]
+        parts = clock.agent_time(AgentWork(
+            measured_s=ra.busy_s + ra.server_s, compute_s=ra.compute_s, server_s=ra.server_s,
+            client_flops=cost.client_flops * samples / 3, server_flops=cost.server_flops * samples / 3,
+            bytes_up=ra.bytes_up, bytes_down=ra.bytes_down, messages=ra.messages,
+            profile=info.profile.at_round(r), server_flops_per_s=server_flops))
+        times[a] = parts.total_s
+        bytes_up += ra.bytes_up
+        bytes_down += ra.bytes_down
+        info.bytes_up += ra.bytes_up
+        info.bytes_down += ra.bytes_down
+        info.compute_s += ra.compute_s
+    return {"agents": sorted(agents), "bytes_up": bytes_up, "bytes_down": bytes_down, "times": times}

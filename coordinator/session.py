@@ -183,7 +183,7 @@ class FleetSession:
                 if msg.type == "weights" and kind != "weights" and msg.sender in agents \
                         and msg.sender not in expected:
                     self._early_weights(msg, agents[msg.sender], r)
-                elif msg.type in ("activations", "logit_grads", "weights", "evaluation"):
+                elif msg.type in ("activations", "logit_grads", "weights", "evaluation", "norm_sums"):
                     self._training_message(msg, agents, kind, r, k, got)
                 elif msg.type == "heartbeat" and ra is not None and msg.sender in expected and msg.sender not in got:
                     self._maybe_resend(agents, ra, msg)

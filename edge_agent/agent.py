@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from sfl_core import norm_stats
 from sfl_core.data.preprocessing import Normalization
 from sfl_core.model.accounting import model_costs
 from sfl_core.model.zoo import SplitModel, build_model
@@ -102,6 +103,8 @@ class AgentCore:
         self._scaled = data.x if standardise else None
         self._scaled_held_out = held_out.x if standardise and held_out is not None else None
         self._evaluated: tuple[int, int] = (-1, -1)       # (round, seq) of the last evaluate answered
+        self._norm_passed: tuple[int, int] = (-1, -1)     # (round, seq) of the last norm_pass answered
+        self._norm_sampler = BatchSampler(len(data), seed + 104729)   # leaves the training batches as they are
         self.normalization: Optional[Normalization] = None
         self.input_shape = tuple(input_shape)
         self._sampler = BatchSampler(len(data), seed)
@@ -113,6 +116,8 @@ class AgentCore:
         self._assign: Optional[Assignment] = None
         self._client: Optional[torch.nn.Module] = None
         self._opt: Optional[torch.optim.Optimizer] = None
+        self._drift: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # drift correction's gradient terms
+        self._prox_mu = 0.0
         self._out: Optional[torch.Tensor] = None
         self.privacy = privacy
         self._leak: Optional[torch.Tensor] = None        # NoPeek's weighted distance correlation, this step
@@ -141,6 +146,8 @@ class AgentCore:
             return self._on_logits(msg)
         if msg.type == "evaluate":
             return self._on_evaluate(msg)
+        if msg.type == "norm_pass":
+            return self._on_norm_pass(msg)
         log.debug("agent %s ignores %s", self.agent_id, msg.type)
         return []
 
@@ -166,11 +173,45 @@ class AgentCore:
         self._assign, self._client = a, client
         self._client.train()
         self._opt = torch.optim.SGD(client.parameters(), lr=a.lr, momentum=a.momentum)
+        self._drift = self._drift_terms(msg.body, model, a.split)
         self._flops_per_sample = model_costs(a.model, self.input_shape, self.data.num_classes)[a.split].client_flops
         self.round, self.step, self._compute_s, self._assign_seq = msg.round, -1, 0.0, msg.seq
         if a.whole_model:
             return self._remember([self._train_locally()])
         return self._remember([self._forward_next()])
+
+    def _drift_terms(self, body: dict, model: SplitModel, split: int) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """What each local step adds to the client portion's gradients (:mod:`sfl_core.drift`):
+        FedProx's ``μ (w − x)`` needs ``x``, the weights just received (kept as a term
+        ``−μ x`` plus ``μ w`` at step time); SCAFFOLD's ``c − cᵢ`` arrives whole."""
+        keys = set(model.client_keys(split))
+        params = {n: p for n, p in model.named_parameters() if n in keys}
+        terms: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._prox_mu = 0.0
+        if "prox_mu" in body:
+            mu = body["prox_mu"]
+            if not 0 <= mu <= 100:   # also rejects NaN
+                raise wire.WireError(f"assign.prox_mu: {mu} outside [0, 100]")
+            self._prox_mu = float(mu)
+            terms += [(p, -self._prox_mu * p.detach().clone()) for p in params.values()]
+        if "correction" in body:
+            ref = {n: p.detach().cpu() for n, p in params.items()}
+            c = wire.decode_state(body["correction"], ref)
+            terms += [(params[n], c[n].to(self.device)) for n in params]
+        return terms
+
+    def _correct_drift(self) -> None:
+        """Add the drift terms of :meth:`_drift_terms` to the gradients about to be stepped."""
+        if not self._drift:
+            return
+        with torch.no_grad():
+            for p, extra in self._drift:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.add_(extra)
+            if self._prox_mu:
+                for p in {id(p): p for p, _ in self._drift}.values():
+                    p.grad.add_(p, alpha=self._prox_mu)
 
     def _standardise(self, constants: Optional[dict]) -> None:
         """Standardise our inputs with the run's constants (once; again only if they change)."""
@@ -242,6 +283,7 @@ class AgentCore:
             torch.autograd.backward([self._out, self._leak], [g, None])
         else:
             self._out.backward(g)
+        self._correct_drift()
         self._opt.step()
         self._out, self._leak, self._x = None, None, None
         self._charge(self._flops_per_sample * g.shape[0] * 2 / 3, time.perf_counter() - t0)
@@ -316,6 +358,7 @@ class AgentCore:
             else:
                 loss = F.cross_entropy(self._client(x), y)
                 loss.backward()
+            self._correct_drift()
             self._opt.step()
             self._charge(self._flops_per_sample * len(idx), time.perf_counter() - t0)
             total += loss.item()
@@ -381,6 +424,47 @@ class AgentCore:
         reply = Message("evaluation", self.run_id, self.agent_id, round=msg.round, step=msg.step,
                         seq=protocol.next_seq(), body={"loss": loss / max(count, 1), "correct": correct,
                                                        "count": count, "compute_s": time.perf_counter() - t0})
+        return self._remember([reply])
+
+    # ------------------------------------------------------------------ federated normalisation statistics
+    def _on_norm_pass(self, msg: Message) -> list[Message]:
+        """``norm_stats: federated``: run local batches through the new global client portion
+        without training and report its BatchNorm layers' input moments and the activations
+        (:mod:`sfl_core.norm_stats`). No label leaves; activation noise applies as in training."""
+        if (msg.round, msg.seq) == self._norm_passed or msg.round < self._norm_passed[0]:
+            return self._resend()
+        b = msg.body
+        self._standardise(b.get("normalize"))
+        for key, hi in (("batches", 64), ("batch_size", 4096), ("split", 10_000), ("width", 1 << 20)):
+            if not 0 <= b[key] <= hi or (key in ("batches", "batch_size") and b[key] < 1):
+                raise wire.WireError(f"norm_pass.{key}: {b[key]} is out of range")
+        wire.check_codec(b["codec"])
+        model = self._model(b["model"], b["split"], b["width"])
+        model.check_split(b["split"])
+        whole = b["split"] == model.num_blocks
+        state = wire.decode_state(b["weights"], {k: v.cpu() for k, v in model.client_state(b["split"]).items()})
+        model.load_state_dict(state, strict=False)
+        t0 = time.perf_counter()
+        xs = [self.data.x[self._norm_sampler.next(b["batch_size"])] for _ in range(b["batches"])]
+        moments, outs = norm_stats.collect(model, model.client(b["split"]), xs)
+        seconds = time.perf_counter() - t0
+        samples = b["batches"] * b["batch_size"]
+        flops = model_costs(b["model"], self.input_shape, self.data.num_classes)[b["split"]].client_flops * samples / 3
+        compute_s = self._compute_hook(flops, seconds) if self._compute_hook is not None else seconds
+        x = None
+        if not whole:
+            out = torch.cat(outs)
+            if tuple(out.shape[1:]) != tuple(b["activation_shape"]):
+                raise wire.WireError(f"norm_pass.activation_shape {b['activation_shape']} does not match this "
+                                     f"model's client output {tuple(out.shape[1:])}")
+            if self.privacy.activation_noise is not None:
+                out = clip_and_noise(out, self.privacy.activation_noise, self._noise_gen)
+            x = wire.encode_tensor(out, b["codec"], b["zstd_level"])
+        tensors, counts = norm_stats.to_wire_state(moments)
+        self._norm_passed = (msg.round, msg.seq)
+        reply = Message("norm_sums", self.run_id, self.agent_id, round=msg.round, step=msg.step,
+                        seq=protocol.next_seq(), body={"moments": wire.encode_state(tensors, b["zstd_level"]),
+                                                       "counts": counts, "x": x, "compute_s": compute_s})
         return self._remember([reply])
 
     def _model(self, name: str, split: int, width: int) -> SplitModel:

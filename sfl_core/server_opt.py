@@ -100,9 +100,10 @@ class ServerOptimizer:
 
 
 def split_state(tensors: Mapping[str, torch.Tensor]) -> "tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]":
-    """A checkpoint's tensors as (the model's, the server optimiser's)."""
-    model = {k: t for k, t in tensors.items() if not k.startswith(STATE_PREFIX)}
-    return model, {k: t for k, t in tensors.items() if k.startswith(STATE_PREFIX)}
+    """A checkpoint's tensors as (the model's, the coordinator's own state: this optimiser's and
+    SCAFFOLD's control variates, every name starting with ``@``, which no module name can)."""
+    model = {k: t for k, t in tensors.items() if not k.startswith("@")}
+    return model, {k: t for k, t in tensors.items() if k.startswith("@")}
 
 
 def from_config(kind: str, lr: float, beta1: float, beta2: float, tau: float) -> Optional[ServerOptimizer]:

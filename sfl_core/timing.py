@@ -232,6 +232,23 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
         mem_per_sample=2 * cost.client_activation_bytes, width=width)
 
 
+def price_norm_pass(cfg: "RunConfig", cost: "SplitCost", info: "AgentInfo", *, ratio: float) -> tuple[float, float]:
+    """One agent's statistics pass (``norm_stats: federated``) by the time model: its client
+    portion down, ``batches × batch_size`` forward passes (a third of a training step's FLOPs)
+    on the agent and on the server, those activations up (``ratio``: their bytes on the wire
+    over fp32). The seconds and bytes (what the virtual clock charges for the pass, as a
+    phase after the round's slowest agent)."""
+    samples = cfg.norm_stats.batches * cfg.batch_size
+    seconds = compute_s_per_sample(info, cost.split)
+    speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
+    up = samples * cost.activation_bytes * ratio
+    t = agent_round_time(client_flops=cost.client_flops * samples / 3, server_flops=cost.server_flops * samples / 3,
+                         bytes_up=up, bytes_down=cost.client_param_bytes, client_flops_per_s=speed,
+                         server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
+                         downlink_bytes_per_s=downlink_rate(info), latency_s=info.profile.latency_s, messages=2)
+    return t.total_s, up + cost.client_param_bytes
+
+
 def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:
     """Activation bytes on the wire over fp32: the codec's ratio, times ``width / channels`` where a
     bottleneck of ``width`` channels (0: none) crosses instead of the cut's ``channels``."""

@@ -136,6 +136,22 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'second-moment decay beta2 in [0, 1) (adam, yogi).'),
     ('server_opt.tau',
      'adaptivity tau > 0 (adam, yogi): the floor of the denominator; the second moment starts at tau^2.'),
+    ('norm_stats',
+     "where the global model's BatchNorm statistics come from (docs/methods/norm-stats.md); 'norm_stats: federated' is short for {mode: federated}."),
+    ('norm_stats.mode',
+     'averaged (with the weights, as FedAvg does) | federated (after aggregation the devices run local batches through the new client portion without training and report each BatchNorm layer\'s input moments and the activations; the coordinator adds its server portion\'s and sets the global statistics; costs a download, forward passes and an upload per asked device, charged by the time model).'),
+    ('norm_stats.every',
+     'a statistics pass every k rounds; the rounds between keep the last pass\'s statistics (federated).'),
+    ('norm_stats.agents',
+     "how many of the round's completed agents run the pass; 0 = all of them (federated)."),
+    ('norm_stats.batches',
+     'local batches of batch_size each asked agent runs, 1-64 (federated).'),
+    ('drift',
+     "drift correction for the client portions (docs/methods/drift.md); 'drift: scaffold' is short for {kind: scaffold}."),
+    ('drift.kind',
+     'none | fedprox (Li et al. 2020: each local step adds mu (w - x) to the gradient, x the received client portion) | scaffold (Karimireddy et al. 2020: each local step adds c - c_i; the coordinator keeps every c_i and sends c - c_i with the assignment, one more client portion down per round).'),
+    ('drift.mu',
+     "FedProx's mu >= 0."),
     ('privacy',
      "what the agents keep back and the defenses they apply to what they send (docs/methods/privacy.md). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise, --withhold-labels, --label-protection, --dp-sgd) and declares them when it registers. Each round's metrics record them."),
     ('privacy.nopeek',
@@ -154,7 +170,8 @@ section. Each method documents its own section (``DOCS`` of its config class).""
 SECTIONS_BEFORE = "privacy"
 """The methods' sections are listed just before this core key."""
 
-_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "server_opt", "privacy")
+_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "server_opt", "norm_stats",
+               "drift", "privacy")
 """Sections (a method's section is one too), and the required keys: no default shown."""
 _RULE = "# " + "=" * 76 + " run config"
 _END = "# " + "=" * 86
@@ -165,7 +182,9 @@ def accepted_keys() -> set[str]:
     to_yaml = {attr: key for key, attr in config.RunConfig.YAML_KEYS.items()}
     keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig) if f.name != "sections"}
     parts = {"data": config.DataConfig, "task": config.TaskConfig, "eval": config.EvalConfig,
-             "server_opt": config.ServerOptConfig, **sections(), "privacy": config.PrivacyConfig}
+             "server_opt": config.ServerOptConfig, "norm_stats": config.NormStatsConfig,
+             "drift": config.DriftConfig, **sections(),
+             "privacy": config.PrivacyConfig}
     for section, cls in parts.items():
         keys |= {section} | {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
     return keys

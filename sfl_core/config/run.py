@@ -63,6 +63,7 @@ from sfl_core.config.values import (
 from sfl_core.data.partition import SCHEMES
 from sfl_core.method_registry import DEFAULT_STRATEGY, sections, strategies
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
+from sfl_core.drift import KINDS as DRIFT_KINDS
 from sfl_core.server_opt import KINDS as SERVER_OPTIMISER_KINDS
 from sfl_core.wire.codec import CODECS, TOPK_PATTERN, is_codec
 from sfl_core.wire.protocol import check_id
@@ -468,6 +469,41 @@ class ServerOptConfig(Section):
 
 
 @dataclass(frozen=True, config=STRICT)
+class NormStatsConfig(Section):
+    """Where the global model's BatchNorm statistics come from (docs/methods/norm-stats.md):
+    averaged with the weights, or recomputed by the devices after aggregation (``federated``).
+    ``norm_stats: federated`` is short for ``{mode: federated}``."""
+
+    mode: Annotated[str, checked(one_of("averaged", "federated"))] = "averaged"
+    every: Annotated[int, POSITIVE_INTEGER] = 1
+    """A statistics pass every k rounds (the rounds between keep the last pass's statistics)."""
+    agents: Annotated[int, NONNEG_INTEGER] = 0
+    """How many of the round's completed agents run the pass (0: all of them)."""
+    batches: Annotated[int, checked(integer_in(1, 64, "an integer from 1 to 64"))] = 5
+    """Local batches (of ``batch_size``) each asked agent runs through the new client portion."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"mode": data} if isinstance(data, str) else data
+
+
+@dataclass(frozen=True, config=STRICT)
+class DriftConfig(Section):
+    """Drift correction for the client portions (docs/methods/drift.md): FedProx's proximal term
+    or SCAFFOLD's control variates. ``drift: scaffold`` is short for ``{kind: scaffold}``."""
+
+    kind: Annotated[str, checked(one_of(*DRIFT_KINDS))] = "none"
+    mu: Annotated[float, checked(nonneg_number)] = 0.01
+    """FedProx's μ: each local step adds μ (w − x) to the gradient."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
+
+
+@dataclass(frozen=True, config=STRICT)
 class EvalConfig(Section):
     """Where the global model is scored (docs/data.md): the server's own validation data, and
     the devices' held-out splits (federated evaluation)."""
@@ -548,6 +584,8 @@ class RunConfig(Section):
     built-in data set of ``data``, partitioned over the agents (simulations and benchmarks)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
+    norm_stats: NormStatsConfig = field(default_factory=NormStatsConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)
     fleet: tuple[FleetEntry, ...] = ()
     rounds: Annotated[int, POSITIVE_INTEGER] = 5
     per_round: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents selected per round; None = all
@@ -637,6 +675,9 @@ class RunConfig(Section):
         if self.eval.data is not None and self.task is None:
             raise invalid("eval.data", "a validation set of your own needs a 'task' section (its class names "
                                        "map folders and labels to indices)")
+        if self.norm_stats.mode == "federated" and self.privacy.dp_sgd is not None:
+            raise invalid("norm_stats.mode", "federated statistics are not covered by DP-SGD's accounting: "
+                                             "use 'averaged' with privacy.dp_sgd")
         n = self.num_agents
         if n and self.min_agents is not None and self.min_agents > n:
             raise invalid("min_agents", f"expected at most the fleet size {n}, got {self.min_agents!r}")
@@ -789,7 +830,7 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         elif f.name == "sections":
             out.update({key: {g.name: _plain(getattr(s, g.name)) for g in fields(s)} for key, s in value.items()})
             continue
-        elif f.name in ("data", "eval", "server_opt", "privacy"):
+        elif f.name in ("data", "eval", "server_opt", "norm_stats", "drift", "privacy"):
             value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":
             value = [{"profile": e.profile, "count": e.count, **({"data": e.data} if e.data else {})} for e in value]

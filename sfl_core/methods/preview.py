@@ -46,10 +46,12 @@ class MethodPreview:
     phase: str = ""
     strategy: str = ""
     """The ``strategy:`` of the run config this row was planned from."""
+    norm_pass_s: float = 0.0
+    """Of ``round_s``, the statistics pass (``norm_stats: federated``), spread over its ``every`` rounds."""
 
     def to_json(self) -> dict[str, Any]:
         return {"method": self.method, "round_s": self.round_s, "bytes_per_round": self.bytes_per_round,
-                "waiting_s": self.waiting_s, "phase": self.phase,
+                "waiting_s": self.waiting_s, "phase": self.phase, "norm_pass_s": self.norm_pass_s,
                 "agents": {a: dataclasses.asdict(x) for a, x in self.agents.items()}}
 
 
@@ -90,6 +92,23 @@ def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
             traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
             rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)
         times = [x.time_s for x in rows.values()]
-        out.append(MethodPreview(name, timing.round_time(times), sum(x.bytes for x in rows.values()),
-                                 timing.waiting_time(times), rows, plan.phase, variant.strategy))
+        pass_s, pass_bytes = _norm_pass(variant, costs, agents, rows)
+        out.append(MethodPreview(name, timing.round_time(times) + pass_s, sum(x.bytes for x in rows.values()) + pass_bytes,
+                                 timing.waiting_time(times), rows, plan.phase, variant.strategy, pass_s))
     return out
+
+
+def _norm_pass(cfg: RunConfig, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
+               rows: Mapping[str, PlannedAgent]) -> tuple[float, float]:
+    """The statistics pass a round adds (its slowest asked agent; bytes of all), per round: a
+    pass every ``every`` rounds costs ``1/every`` of it. (0, 0) without ``norm_stats: federated``."""
+    ns = cfg.norm_stats
+    if ns.mode != "federated":
+        return 0.0, 0.0
+    asked = sorted(rows)[:ns.agents or None]
+    priced = [timing.price_norm_pass(cfg, costs[rows[a].split], agents[a],
+                                     ratio=wire_fraction(nominal_ratio(rows[a].codec), rows[a].width,
+                                                         costs[rows[a].split].activation_shape[0]
+                                                         if costs[rows[a].split].activation_shape else 1))
+              for a in asked]
+    return (max((t for t, _ in priced), default=0.0) / ns.every, sum(b for _, b in priced) / ns.every)

@@ -79,6 +79,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "weights": {"weights": dict, "num_samples": int, "compute_s": _NUM, "loss": _NUM},
     "heartbeat": {"state": str},
     "evaluation": {"loss": _NUM, "correct": int, "count": int, "compute_s": _NUM},
+    # norm_stats: federated: per BatchNorm layer <layer>.mean/<layer>.m2 tensors and counts, and the
+    # activations of the same passes (null where the agent holds the whole model)
+    "norm_sums": {"moments": dict, "counts": dict, "x": (dict, type(None)), "compute_s": _NUM},
     "status": {"online": bool, "instance": str},   # instance: which process of that agent id
     # coordinator -> agent
     "accepted": {"message": str},
@@ -92,6 +95,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "shutdown": {"reason": str},
     # federated evaluation (eval.federated_every): the global model, scored on the agent's held-out split
     "evaluate": {"model": str, "weights": dict, "bottlenecks": list},
+    # norm_stats: federated (sfl_core.norm_stats): the new global client portion, run without training
+    "norm_pass": {"model": str, "split": int, "width": int, "weights": dict, "batches": int, "batch_size": int,
+                  "codec": str, "zstd_level": int, "activation_shape": list},
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
                  "splits": list, "partition": dict, "num_agents": int,
                  "coordinator": dict,   # {"key": Ed25519 public key (32 bytes), "instance": str}
@@ -106,21 +112,26 @@ OPTIONAL: dict[str, dict[str, Any]] = {
                  "architecture": str},  # the agent's model fingerprint (sfl_core.model.fingerprint)
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
     "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
-               "normalize": dict},      # a task run's standardisation constants {mean, std}
+               "normalize": dict,       # a task run's standardisation constants {mean, std}
+               "prox_mu": _NUM,         # drift: fedprox (sfl_core.drift)
+               "correction": dict},     # drift: scaffold: c - c_i for the client portion's parameters
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
+    "norm_pass": {"sig": bytes, "normalize": dict},
     "coordinator_status": {"pid": int, "host": str, "out_dir": str},   # for the operator's one line
     # a run on the devices' own data: its task contract (sfl_core.config.run.TaskConfig.to_wire), the
     # constants when already known, and the model's fingerprint (sfl_core.model.fingerprint)
     "run_info": {"task": dict, "normalize": dict, "architecture": list,
+                 "norm_stats": dict,   # {"every": k}: this run asks for statistics passes (norm_pass)
+                 "drift": dict,        # {"kind": fedprox|scaffold}: assignments carry prox_mu or correction
                  # a user's model (sfl_core.model.user_models): a file each side installs (named, never sent),
                  # or a declarative layer list (data, validated by the agent)
                  "model_file": str, "model_function": str, "model_layers": list},
 }
-AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "evaluation", "heartbeat",
-                         "status"})
-COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "evaluate", "shutdown",
-                         "run_info"})
+AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "evaluation", "norm_sums",
+                         "heartbeat", "status"})
+COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "evaluate", "norm_pass",
+                         "shutdown", "run_info"})
 PEER_TYPES = frozenset({"coordinator_status"})
 """Between coordinators of one run (the liveness claim); agents never read it."""
 COORDINATOR_ID = "coordinator"

@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from sfl_core.wire import codec as wire
 
-SIGNED_TYPES = frozenset({"run_info", "assign", "evaluate", "shutdown"})
+SIGNED_TYPES = frozenset({"run_info", "assign", "evaluate", "norm_pass", "shutdown"})
 """Coordinator messages that change what an agent does: an agent follows them only when signed."""
 KEY_FILE = "coordinator.key"
 PUBLIC_FILE = "coordinator.pub"

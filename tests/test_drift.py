@@ -1,0 +1,163 @@
+"""Drift correction (``drift:``): FedProx's proximal term and SCAFFOLD's control variates.
+
+Momentum's effective steps against torch's SGD; the control variates by hand; a real agent's
+local steps against a hand-written loop with each correction; through the engine, SCAFFOLD's
+extra bytes counted and its state checkpointed and continued on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coordinator import state as ckpt
+from edge_agent.agent import AgentCore, BatchSampler, LocalData
+from sfl_core.config.fields import ConfigError
+from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
+from sfl_core.drift import STATE_PREFIX, ControlVariates, effective_steps
+from sfl_core.model.zoo import build_model
+from sfl_core.server_opt import split_state
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
+from sfl_core.wire.assignment import WHOLE_MODEL, Assignment
+from sfl_core.wire.protocol import Message
+from simulation import run_simulation
+
+SHAPE = (1, 8, 8)
+MODEL = "small_cnn"
+
+
+@pytest.mark.parametrize("m", [0.0, 0.5, 0.9])
+def test_effective_steps_is_how_far_momentum_sgd_moves_for_a_constant_gradient(m):
+    w = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=m)
+    for _ in range(7):
+        opt.zero_grad()
+        w.grad = torch.ones(1)
+        opt.step()
+    assert -w.item() == pytest.approx(0.1 * effective_steps(7, m), rel=1e-6)
+
+
+def test_the_control_variates_by_hand():
+    """Two devices of a fleet of 4, one parameter each; then the first again."""
+    cv = ControlVariates()
+    full = {"w": torch.zeros(2)}
+    x = {"w": torch.tensor([1.0, 2.0])}
+    ys = {"a": {"w": torch.tensor([0.5, 1.0])}, "b": {"w": torch.tensor([1.5, 2.0])}}
+    cv.update(x, ys, {"a": (0.1, 5, 0.0), "b": (0.1, 5, 0.0)}, fleet_size=4, full=full)
+    ga, gb = (x["w"] - ys["a"]["w"]) / 0.5, (x["w"] - ys["b"]["w"]) / 0.5   # (x − y)/(Kη), c = cᵢ = 0 before
+    assert torch.allclose(cv.ci["a"]["w"], ga) and torch.allclose(cv.ci["b"]["w"], gb)
+    assert torch.allclose(cv.c["w"], (ga + gb) / 4)
+    assert torch.allclose(cv.correction("a", {"w": torch.zeros(2)})["w"], cv.c["w"] - ga)
+    c_before = cv.c["w"].clone()
+    y2 = {"a": {"w": torch.tensor([0.0, 0.0])}}
+    cv.update(x, y2, {"a": (0.1, 5, 0.0)}, fleet_size=4, full=full)
+    ga2 = ga - c_before + (x["w"] - y2["a"]["w"]) / 0.5
+    assert torch.allclose(cv.ci["a"]["w"], ga2)
+    assert torch.allclose(cv.c["w"], c_before + (ga2 - ga) / 4)
+    # a narrower device holds the leading rows: its updates land there
+    cv2 = ControlVariates()
+    cv2.update({"e": torch.ones(4, 2)}, {"n": {"e": torch.zeros(2, 2)}}, {"n": (1.0, 1, 0.0)}, fleet_size=1,
+               full={"e": torch.zeros(4, 2)})
+    assert torch.equal(cv2.c["e"], torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]))
+    assert set(cv.state_tensors()) == {f"{STATE_PREFIX}c/w", f"{STATE_PREFIX}i/a/w", f"{STATE_PREFIX}i/b/w"}
+    again = ControlVariates()
+    again.load_state_tensors(cv.state_tensors())
+    assert torch.equal(again.c["w"], cv.c["w"]) and torch.equal(again.ci["b"]["w"], cv.ci["b"]["w"])
+
+
+def _agent_and_data(seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    data = LocalData(torch.randn(40, *SHAPE, generator=g), torch.randint(0, 4, (40,), generator=g), 10)
+    return AgentCore("dev", "r", data, SHAPE, seed=seed), data
+
+
+@pytest.mark.parametrize("kind", ["fedprox", "scaffold"])
+def test_a_devices_local_steps_are_the_corrected_sgd_steps(kind):
+    torch.manual_seed(0)
+    model = build_model(MODEL, SHAPE, 10)
+    split = model.num_blocks
+    x0 = {k: v.clone() for k, v in model.state_dict().items()}
+    tau, lr, mom, batch, mu = 4, 0.05, 0.5, 8, 0.3
+    a = Assignment(model=MODEL, mode=WHOLE_MODEL, split=split, width=0, batch_size=batch, lr=lr, momentum=mom,
+                   tau=tau, codec="fp32", zstd_level=1, activation_shape=(10,))
+    body = a.to_body(wire.encode_state(model.client_state(split), 1))
+    g = torch.Generator().manual_seed(9)
+    corr = {n: torch.randn(p.shape, generator=g) * 0.1 for n, p in model.named_parameters()}
+    if kind == "fedprox":
+        body["prox_mu"] = mu
+    else:
+        body["correction"] = wire.encode_state(corr, 1)
+    agent, data = _agent_and_data()
+    [reply] = agent.handle(Message("assign", "r", protocol.COORDINATOR_ID, body, round=1, seq=1))
+    got = wire.decode_state(reply.body["weights"], model.client_state(split))
+
+    ref = build_model(MODEL, SHAPE, 10)
+    ref.load_state_dict(x0)
+    ref.train()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=mom)
+    sampler = BatchSampler(len(data), 5)
+    for _ in range(tau):
+        idx = sampler.next(batch)
+        opt.zero_grad()
+        F.cross_entropy(ref(data.x[idx]), data.y[idx]).backward()
+        for n, p in ref.named_parameters():
+            p.grad += mu * (p.detach() - x0[n]) if kind == "fedprox" else corr[n]
+        opt.step()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, atol=1e-6), k
+
+
+def test_a_bad_correction_or_mu_is_refused():
+    torch.manual_seed(0)
+    model = build_model(MODEL, SHAPE, 10)
+    split = model.num_blocks
+    a = Assignment(model=MODEL, mode=WHOLE_MODEL, split=split, width=0, batch_size=4, lr=0.05, momentum=0.0,
+                   tau=1, codec="fp32", zstd_level=1, activation_shape=(10,))
+    body = a.to_body(wire.encode_state(model.client_state(split), 1))
+    agent, _ = _agent_and_data()
+    with pytest.raises(wire.WireError, match="prox_mu"):
+        agent.handle(Message("assign", "r", protocol.COORDINATOR_ID, {**body, "prox_mu": float("nan")}, round=1, seq=1))
+    bad = {n: torch.zeros(3) for n, _ in model.named_parameters()}
+    with pytest.raises(wire.WireError):
+        agent.handle(Message("assign", "r", protocol.COORDINATOR_ID,
+                             {**body, "correction": wire.encode_state(bad, 1)}, round=1, seq=2))
+
+
+def test_the_config_takes_one_word():
+    base = {"run": "r", "model": "small_cnn", "fleet": [{"profile": "rpi4", "count": 2}]}
+    assert run_config_from_dict({**base, "drift": "scaffold"}).drift.kind == "scaffold"
+    assert run_config_from_dict({**base, "drift": {"kind": "fedprox", "mu": 0.1}}).drift.mu == 0.1
+    with pytest.raises(ConfigError, match="drift.kind"):
+        run_config_from_dict({**base, "drift": "feddyn"})
+    with pytest.raises(ConfigError, match="drift.mu"):
+        run_config_from_dict({**base, "drift": {"kind": "fedprox", "mu": -1}})
+
+
+def _run(tmp_path, kind: str, rounds: int = 2, name: str = "", **kw):
+    cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
+    cfg = dataclasses.replace(cfg, rounds=rounds, strategy="sfl", split=2, local_iters=4,
+                              output_dir=str(tmp_path / (name or kind)), drift=dataclasses.replace(cfg.drift, kind=kind))
+    return run_simulation(cfg, device="cpu", **kw)
+
+
+def test_scaffold_through_the_engine_costs_one_client_portion_down_and_resumes(tmp_path):
+    plain, _ = _run(tmp_path, "none")
+    scaffold, engine = _run(tmp_path, "scaffold")
+    client_bytes = sum(v.numel() * 4 for k, v in engine.model.client_state(2).items() if k in engine._parameter_names)
+    for a, b in zip(plain[2:], scaffold[2:]):   # round 1's c − cᵢ is all zeros: zstd sends next to nothing
+        extra = b["bytes_down"] - a["bytes_down"]
+        n = len(b["completed"])
+        assert 0.9 * n * client_bytes < extra < 1.2 * n * client_bytes + 2000   # zstd, msgpack framing
+        assert b["bytes_up"] == pytest.approx(a["bytes_up"], rel=0.02)
+    assert scaffold[2]["train_loss"] != plain[2]["train_loss"]
+    tensors, _ = ckpt.load(tmp_path / "scaffold")
+    model_state, own = split_state(tensors)
+    assert any(k.startswith(f"{STATE_PREFIX}c/") for k in own) and not any(k.startswith("@") for k in model_state)
+    _, resumed = _run(tmp_path, "scaffold", resume=True)   # nothing left to train: the state as loaded
+    assert set(resumed.variates.c) == set(engine.variates.c) and set(resumed.variates.ci) == set(engine.variates.ci)
+    for k, v in engine.variates.c.items():
+        assert torch.equal(resumed.variates.c[k], v), k
