@@ -37,10 +37,11 @@ from sfl_core.drift import ControlVariates
 from sfl_core.methods import build_method
 from sfl_core.methods.base import RoundPlan
 from sfl_core.model.accounting import model_costs, split_note
-from sfl_core.model.bottleneck import bottleneck_shape, slice_state
+from sfl_core.model.bottleneck import bottleneck_shape, covered_width, slice_state
 from sfl_core.model.fingerprint import architecture, digest, fingerprinted
 from sfl_core.model.zoo import SplitModel, build_model
 from sfl_core.server_opt import ServerOptimizer, from_config, split_state
+from sfl_core.timing import norm_pass_agents
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import SPLIT_TRAINING, WHOLE_MODEL, Assignment
@@ -101,6 +102,7 @@ class RoundEngine:
         self._round_start: dict[str, torch.Tensor] = {}
         self.variates: Optional[ControlVariates] = ControlVariates() if cfg.drift.kind == "scaffold" else None
         self._pass_stats: dict[str, torch.Tensor] = {}   # norm_stats: federated: the last pass's statistics
+        self._latest_width: dict[str, int] = {}          # "split/agent" -> the agent's latest bottleneck width there
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
                                     loss=self.method.server_loss(),
                                     reducer=GradReducer(shards) if shards is not None else None)
@@ -332,16 +334,24 @@ class RoundEngine:
 
     # ================================================================ internals
     def _widen_bottlenecks(self, plan: RoundPlan) -> None:
-        """The full model runs a bottleneck at the widest width any agent has trained there, so
-        evaluation, export and the rows of agents cut before the pair never use channels that
-        nobody trained (auto may give every agent a narrow width; HeteroSFL starts at its widest).
+        """The width the full model runs each bottleneck at (evaluation, export, and the rows of
+        agents cut before the pair): the widest whose channels were trained on every class
+        (:func:`sfl_core.model.bottleneck.covered_width`, from each agent's latest width there).
+        Channels nobody trained are never used (auto may give every agent a narrow width;
+        HeteroSFL starts at its widest), nor channels only a group blind to some classes trained.
         Rows cut before the pair pass it at that width too, so every row reaches the server's
         later layers through the same channels (tried: giving them the full width stalled
         training in the test fleet, the later layers then see two different distributions)."""
         for a, w in plan.widths.items():
-            pair = self.model.bottleneck(plan.splits[a]) if w else None
-            if pair is not None and w > pair.infer_width:
-                pair.infer_width = w
+            if w and self.model.bottleneck(plan.splits[a]) is not None:
+                self._latest_width[f"{plan.splits[a]}/{a}"] = w
+        population = [sum(c) for c in zip(*(i.label_counts for i in self.registry.agents.values() if i.label_counts))]
+        for s, pair in self.model.bottlenecks.items():
+            latest = {k.split("/", 1)[1]: w for k, w in self._latest_width.items() if k.split("/", 1)[0] == s}
+            if latest:
+                counts = {a: self.registry.agents[a].label_counts if a in self.registry.agents else []
+                          for a in latest}
+                pair.infer_width = min(pair.width, covered_width(latest, counts, population))
 
     @property
     def _parameter_names(self) -> set[str]:
@@ -504,7 +514,9 @@ class RoundEngine:
                 self.model.load_state_dict(self._pass_stats, strict=False)
             return None, 0.0
         t0 = time.monotonic()
-        asked = [a for a in done if a in agents][:ns.agents or None]
+        asked = norm_pass_agents(self.cfg, self.costs, self.registry.agents,
+                                 {a: (agents[a].assignment.split, agents[a].assignment.codec, agents[a].assignment.width)
+                                  for a in done if a in agents})
         now = self._now()
         step = self.cfg.local_iters + 1   # after federated evaluation's step
         pass_agents = {a: RoundAgent(a, agents[a].assignment, last_heard=now, last_sent_at=now) for a in asked}
@@ -552,6 +564,7 @@ class RoundEngine:
             "run": self.cfg.run_id,
             "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
             **self.method.to_json(),
+            **({"latest_widths": dict(self._latest_width)} if self._latest_width else {}),
             "model_info": describe_model(self.model, self._dataset_name(), self.preprocessing),  # lets `sfl-coord export` rebuild it
             **({"normalize": self.normalization.to_wire()} if self.cfg.task is not None and self.normalization else {})}
 
@@ -606,6 +619,7 @@ class RoundEngine:
             if self.variates is not None:     # likewise
                 self.variates.load_state_tensors(optimiser_state)
             restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
+            self._latest_width = {str(k): int(v) for k, v in (st.get("latest_widths") or {}).items()}
             if self.cfg.task is not None and st.get("normalize") is not None:
                 self._standardise(Normalization.from_wire(st["normalize"], self.cfg.task.input_shape[0],
                                                           "checkpoint normalize"))

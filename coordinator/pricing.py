@@ -81,3 +81,4 @@ def price_norm_pass(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos:
         info.bytes_down += ra.bytes_down
         info.compute_s += ra.compute_s
     return {"agents": sorted(agents), "bytes_up": bytes_up, "bytes_down": bytes_down, "times": times}
+

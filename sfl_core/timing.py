@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
+from sfl_core.wire.codec import nominal_ratio
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
@@ -232,7 +233,7 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
         mem_per_sample=2 * cost.client_activation_bytes, width=width)
 
 
-def price_norm_pass(cfg: "RunConfig", cost: "SplitCost", info: "AgentInfo", *, ratio: float) -> tuple[float, float]:
+def predict_norm_pass(cfg: "RunConfig", cost: "SplitCost", info: "AgentInfo", *, ratio: float) -> tuple[float, float]:
     """One agent's statistics pass (``norm_stats: federated``) by the time model: its client
     portion down, ``batches × batch_size`` forward passes (a third of a training step's FLOPs)
     on the agent and on the server, those activations up (``ratio``: their bytes on the wire
@@ -247,6 +248,25 @@ def price_norm_pass(cfg: "RunConfig", cost: "SplitCost", info: "AgentInfo", *, r
                          server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
                          downlink_bytes_per_s=downlink_rate(info), latency_s=info.profile.latency_s, messages=2)
     return t.total_s, up + cost.client_param_bytes
+
+
+def norm_pass_agents(cfg: "RunConfig", costs: "Mapping[int, SplitCost]", infos: "Mapping[str, AgentInfo]",
+                     plans: "Mapping[str, tuple[int, str, int]]") -> list[str]:
+    """Who runs a round's statistics pass: every agent of ``plans`` (agent -> its split, codec
+    and bottleneck width this round, in round order), or the ``norm_stats.agents`` whose pass
+    :func:`predict_norm_pass` prices shortest: a pass lasts as long as its slowest agent."""
+    ids = list(plans)
+    k = cfg.norm_stats.agents
+    if not k or k >= len(ids):
+        return ids
+
+    def seconds(a: str) -> float:
+        split, codec, width = plans[a]
+        cost = costs[split]
+        channels = cost.activation_shape[0] if cost.activation_shape else 1
+        return predict_norm_pass(cfg, cost, infos[a], ratio=wire_fraction(nominal_ratio(codec), width, channels))[0]
+    chosen = set(sorted(ids, key=seconds)[:k])
+    return [a for a in ids if a in chosen]
 
 
 def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:

@@ -94,3 +94,16 @@ def test_a_bottleneck_is_a_layer_of_every_portion_that_spans_it():
         assert client | server == set(model.state_dict()) and not client & server
         pair_keys = {k for k in model.state_dict() if k.startswith("bottlenecks.2.")}
         assert pair_keys <= (server if s < 2 else client if s > 2 else client | server)
+
+
+def test_the_model_runs_the_widest_width_trained_on_every_class():
+    """Two groups: the wide one (width 16) never sees class 2, so its channels must not be
+    evaluated; once a wide agent holds class 2 too (a little is enough), they are."""
+    from sfl_core.model.bottleneck import covered_width
+
+    counts = {"n1": [10, 10, 10], "n2": [0, 0, 50], "w1": [40, 40, 0]}
+    assert covered_width({"n1": 1, "n2": 1, "w1": 16}, counts, [50, 50, 60]) == 1
+    counts["w1"] = [40, 40, 1]
+    assert covered_width({"n1": 1, "n2": 1, "w1": 16}, counts, [50, 50, 61]) == 16
+    assert covered_width({"a": 4, "b": 8}, {"a": [], "b": []}, [5, 5]) == 8   # unknown counts: the widest
+    assert covered_width({"a": 4, "b": 8}, {"a": [1, 1], "b": [2, 0]}, [3, 1]) == 4

@@ -143,7 +143,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('norm_stats.every',
      'a statistics pass every k rounds; the rounds between keep the last pass\'s statistics (federated).'),
     ('norm_stats.agents',
-     "how many of the round's completed agents run the pass; 0 = all of them (federated)."),
+     "how many of the round's completed agents run the pass, those whose pass the time model prices shortest; 0 = all of them (federated)."),
     ('norm_stats.batches',
      'local batches of batch_size each asked agent runs, 1-64 (federated).'),
     ('drift',

@@ -478,8 +478,9 @@ class NormStatsConfig(Section):
     every: Annotated[int, POSITIVE_INTEGER] = 1
     """A statistics pass every k rounds (the rounds between keep the last pass's statistics)."""
     agents: Annotated[int, NONNEG_INTEGER] = 0
-    """How many of the round's completed agents run the pass (0: all of them)."""
-    batches: Annotated[int, checked(integer_in(1, 64, "an integer from 1 to 64"))] = 5
+    """How many of the round's completed agents run the pass, those whose pass the time model
+    prices shortest (0: all of them)."""
+    batches: Annotated[int, checked(integer_in(1, 64, "an integer from 1 to 64"))] = 1
     """Local batches (of ``batch_size``) each asked agent runs through the new client portion."""
 
     @model_validator(mode="before")

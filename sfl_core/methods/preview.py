@@ -105,10 +105,11 @@ def _norm_pass(cfg: RunConfig, costs: Mapping[int, SplitCost], agents: Mapping[s
     ns = cfg.norm_stats
     if ns.mode != "federated":
         return 0.0, 0.0
-    asked = sorted(rows)[:ns.agents or None]
-    priced = [timing.price_norm_pass(cfg, costs[rows[a].split], agents[a],
-                                     ratio=wire_fraction(nominal_ratio(rows[a].codec), rows[a].width,
-                                                         costs[rows[a].split].activation_shape[0]
-                                                         if costs[rows[a].split].activation_shape else 1))
-              for a in asked]
+    asked = timing.norm_pass_agents(cfg, costs, agents, {a: (x.split, x.codec, x.width) for a, x in rows.items()})
+    priced = []
+    for a in asked:
+        x, cost = rows[a], costs[rows[a].split]
+        channels = cost.activation_shape[0] if cost.activation_shape else 1
+        priced.append(timing.predict_norm_pass(cfg, cost, agents[a],
+                                               ratio=wire_fraction(nominal_ratio(x.codec), x.width, channels)))
     return (max((t for t, _ in priced), default=0.0) / ns.every, sum(b for _, b in priced) / ns.every)

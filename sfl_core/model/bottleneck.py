@@ -13,7 +13,7 @@ Shapes: image activations ``(C, H, W)`` use 1x1 ``Conv2d``; sequences ``(C, L)``
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -111,6 +111,35 @@ class Decoder(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self._pair[0].decode(z)
+
+
+def covered_width(latest: Mapping[str, int], label_counts: Mapping[str, Sequence[int]],
+                  population: Sequence[int]) -> int:
+    """The width the global model should run a bottleneck at: the widest ``w`` whose channels
+    were trained on every class, that is, whose trainers (the agents whose latest width is at
+    least ``w``) together hold every class the fleet holds; the narrowest width in use when
+    none does.
+
+    Why: channels ``w_N..w`` are trained only by the agents of width ≥ ``w``. When label skew
+    follows the link groups, the wide group may never see some classes, and a model evaluated
+    through its channels misclassifies them wholesale, however well the narrow channels,
+    trained by everyone, know them. (Only absent classes count: a class the wide group holds
+    little of still shapes its channels, and evaluating narrower costs accuracy where it does.)
+    ``latest``: each agent's latest width (> 0); ``population``: the fleet's label counts. An
+    agent whose label counts are unknown (empty) counts as holding every class."""
+    widths = sorted(set(latest.values()), reverse=True)
+    if not widths:
+        raise ValueError("covered_width: no agent has trained at a width")
+    present = [c for c, n in enumerate(population) if n > 0]
+    for w in widths:
+        seen: set[int] = set()
+        for a, aw in latest.items():
+            counts = label_counts.get(a) or []
+            if aw >= w:
+                seen |= set(present) if not counts else {c for c, n in enumerate(counts) if n > 0}
+        if all(c in seen for c in present):
+            return w
+    return widths[-1]
 
 
 def slice_state(state: dict[str, torch.Tensor], prefix: str, width: int) -> dict[str, torch.Tensor]:
