@@ -54,12 +54,13 @@ class Moments:
         return self.m2 / max(self.count - 1, 1)
 
     def merge(self, other: "Moments") -> "Moments":
-        """Chan et al.'s pairwise update, in float64."""
+        """Chan et al.'s pairwise update, in float64 on the CPU (a device's part and the server's,
+        computed on a GPU, meet there)."""
         n = self.count + other.count
-        a, b = self.mean.double(), other.mean.double()
+        a, b = self.mean.double().cpu(), other.mean.double().cpu()
         delta = b - a
         mean = a + delta * (other.count / n)
-        m2 = self.m2.double() + other.m2.double() + delta * delta * (self.count * other.count / n)
+        m2 = self.m2.double().cpu() + other.m2.double().cpu() + delta * delta * (self.count * other.count / n)
         return Moments(n, mean, m2)
 
 
@@ -86,7 +87,7 @@ def collect(model: nn.Module, portion: nn.Module, batches: Iterable[torch.Tensor
             n = x.numel() // x.shape[1]
             mean = x.mean(dims)
             shape = [1, -1] + [1] * (x.dim() - 2)
-            part = Moments(n, mean, ((x - mean.view(shape)) ** 2).sum(dims))
+            part = Moments(n, mean.cpu(), ((x - mean.view(shape)) ** 2).sum(dims).cpu())   # parts meet on the CPU
             found[name] = found[name].merge(part) if name in found else part
         return hook
 
