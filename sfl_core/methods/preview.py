@@ -67,36 +67,52 @@ def variants(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) 
     return out
 
 
+DRAWS = 8
+"""Rounds each method's row is averaged over: a method that samples ``per_round`` agents
+uniformly is priced over several of its own draws, not over one arbitrary subset."""
+
+
 def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
             agents: Mapping[str, AgentInfo]) -> list[MethodPreview]:
-    """Every method's first planned round on ``agents`` (after S2FL's warm-up: its steady state)."""
+    """Every method's planned rounds on ``agents`` (after S2FL's warm-up: its steady state),
+    each drawn as the engine draws it (the method's ``uniform_sample``, then its ``select``
+    and ``plan``) and priced by the time model; a row is the mean over :data:`DRAWS` rounds
+    and its agents are the first round's."""
     ids = sorted(agents)
-    k = cfg.per_round or len(ids)
-    default = ids[:k]
     out = []
     for name, variant in variants(cfg, model, costs).items():
         method = build_method(variant, model, costs)
-        r = len(method.candidates) + 1
-        selected, batches = method.select(r, ids, agents, default)
-        plan = method.plan(r, selected, agents)
-        rows = {}
-        for a in selected:
-            split = plan.splits[a]
-            cost = costs[split]
-            codec = plan.codecs.get(a, variant.codec)
-            width = plan.widths.get(a, 0)
-            channels = cost.activation_shape[0] if cost.activation_shape else 1
-            batch = batches.get(a) or variant.batch_size
-            opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width)
-            ratio = wire_fraction(nominal_ratio(codec), width, channels)
-            traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
-            rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)
-        times = [x.time_s for x in rows.values()]
-        pass_s, pass_bytes = _norm_pass(variant, costs, agents, rows)
-        out.append(MethodPreview(name, timing.round_time(times) + pass_s, sum(x.bytes for x in rows.values()) + pass_bytes,
-                                 timing.waiting_time(times), rows, plan.phase, variant.strategy, pass_s))
+        first = len(method.candidates) + 1
+        rounds = [_planned_round(variant, method, costs, agents, ids, r) for r in range(first, first + DRAWS)]
+        n = len(rounds)
+        out.append(MethodPreview(name, sum(x[0] for x in rounds) / n, sum(x[1] for x in rounds) / n,
+                                 sum(x[2] for x in rounds) / n, rounds[0][3], rounds[0][4], variant.strategy,
+                                 sum(x[5] for x in rounds) / n))
     return out
 
+
+def _planned_round(variant: RunConfig, method: Any, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
+                   ids: list[str], r: int) -> tuple[float, float, float, dict[str, PlannedAgent], str, float]:
+    """Round ``r`` of ``method`` as the engine would plan it: (round s, bytes, waiting s, agents,
+    phase, of which the statistics pass's s)."""
+    selected, batches = method.select(r, ids, agents, method.uniform_sample(r, ids))
+    plan = method.plan(r, selected, agents)
+    rows = {}
+    for a in selected:
+        split = plan.splits[a]
+        cost = costs[split]
+        codec = plan.codecs.get(a, variant.codec)
+        width = plan.widths.get(a, 0)
+        channels = cost.activation_shape[0] if cost.activation_shape else 1
+        batch = batches.get(a) or variant.batch_size
+        opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width)
+        ratio = wire_fraction(nominal_ratio(codec), width, channels)
+        traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
+        rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)
+    times = [x.time_s for x in rows.values()]
+    pass_s, pass_bytes = _norm_pass(variant, costs, agents, rows)
+    return (timing.round_time(times) + pass_s, sum(x.bytes for x in rows.values()) + pass_bytes,
+            timing.waiting_time(times), rows, plan.phase, pass_s)
 
 def _norm_pass(cfg: RunConfig, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
                rows: Mapping[str, PlannedAgent]) -> tuple[float, float]:
