@@ -161,3 +161,21 @@ def test_scaffold_through_the_engine_costs_one_client_portion_down_and_resumes(t
     assert set(resumed.variates.c) == set(engine.variates.c) and set(resumed.variates.ci) == set(engine.variates.ci)
     for k, v in engine.variates.c.items():
         assert torch.equal(resumed.variates.c[k], v), k
+
+
+def test_fedprox_through_the_engine_at_mu_0_is_plain_training_and_pulls_towards_x_above(tmp_path):
+    def engine(name: str, kind: str, mu: float = 0.01):
+        cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
+        cfg = dataclasses.replace(cfg, rounds=1, strategy="sfl", split=2, local_iters=4,
+                                  output_dir=str(tmp_path / name),
+                                  drift=dataclasses.replace(cfg.drift, kind=kind, mu=mu))
+        return run_simulation(cfg, device="cpu")[1]
+
+    plain, zero, strong = engine("plain", "none"), engine("mu0", "fedprox", 0.0), engine("mu5", "fedprox", 5.0)
+    for k, v in plain.model.state_dict().items():
+        assert torch.equal(zero.model.state_dict()[k], v), k
+    client = [k for k in plain.model.client_keys(2) if k in plain._parameter_names]
+
+    def moved(e) -> float:   # how far the round took the client portion from where it began
+        return sum(float(((e.model.state_dict()[k] - e._round_start[k]) ** 2).sum()) for k in client)
+    assert moved(strong) < 0.8 * moved(plain)
