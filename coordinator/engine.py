@@ -431,13 +431,13 @@ class RoundEngine:
         self.method.observe(observed)
         self.method.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
-        norm_pass = None
+        pass_record = None
         if pass_agents is not None:   # a second phase: it starts once the slowest agent's weights are in
-            norm_pass = price_norm_pass(r, self.clock, self.costs, self.registry.agents, pass_agents,
-                                        samples=self.cfg.norm_stats.batches * self.cfg.batch_size,
-                                        server_flops=self.cfg.server_flops)
-            norm_pass["time_s"] = self.clock.end_round(norm_pass.pop("times").values(), pass_wall_s)
-            round_s += norm_pass["time_s"]
+            pass_record = price_norm_pass(r, self.clock, self.costs, self.registry.agents, pass_agents,
+                                          samples=self.cfg.norm_stats.batches * self.cfg.batch_size,
+                                          server_flops=self.cfg.server_flops)
+            pass_record["time_s"] = self.clock.end_round(pass_record.pop("times").values(), pass_wall_s)
+            round_s += pass_record["time_s"]
             wall_s += pass_wall_s
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
         federated = self._federated_evaluation(r, agents, done)
@@ -445,7 +445,7 @@ class RoundEngine:
             r, accuracy=accuracy, test_loss=test_loss, train_loss=train_loss, round_s=round_s,
             elapsed_s=self.clock.elapsed, virtual=self.clock.virtual, wall_s=wall_s, times=times,
             per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
-            federated=federated, method_metrics=self.method.round_metrics(), norm_pass=norm_pass)
+            federated=federated, method_metrics=self.method.round_metrics(), norm_pass=pass_record)
         self.history.append(record)
         self.session.prune()   # silent agents that never trained stay out of the checkpoint
         ckpt.append_metrics(self.out_dir, record)
