@@ -362,6 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--from-runs", action="store_true",
                    help="instead of running, rebuild the report from the run directories under --work "
                         "(finished seeds of an interrupted bench)")
+    p.add_argument("--ran-on", default=None,
+                   help="with --from-runs: where the runs were made, when elsewhere (recorded in the result)")
     args = p.parse_args(argv)
     spec = yaml.safe_load((CONFIG_DIR / f"{args.paper}.yaml").read_text())
     settings = args.settings or list(spec["settings"])
@@ -420,13 +422,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "scale": {"full": args.full, "model": base["model"] if args.full else replica_model,
                          "factors": factors},
                "published": spec.get("published", {}), "departures": spec.get("departures", []),
-               "config": common.config_record(args), "spec": spec, "summary": summary, "curves": curves}
+               "config": common.config_record(args), "spec": spec, "summary": summary, "curves": curves,
+               **({"ran_on": args.ran_on} if args.ran_on else {})}
     name = f"paper-{args.paper}" + ("-full" if args.full else "") + ("-quick" if args.quick else "") + \
         (f"-{args.tag}" if args.tag else "")
     from coordinator.server_trainer import pick_device
     path = common.write_result(args.out, name, payload, pick_device(args.device))
     common.plot_accuracy_vs_time(curves, args.out / f"{name}.png", by_round=True)
-    (args.out / f"{name}.md").write_text(markdown_summary(spec, summary, caption.split("; wall")[0]))
+    (args.out / f"{name}.md").write_text(markdown_summary(spec, summary, caption.split("; wall")[0]
+                                                          + (f"; runs made on {args.ran_on}" if args.ran_on else "")))
     print(f"wrote {path}")
     return payload
 
