@@ -359,7 +359,10 @@ def run_level(url: str, broker_pid: int, args: Any, agents: int, registered: int
         metrics = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]
         times = [t for out in outs for t in json.loads(out.read_text())["times"]]
-    return summarise(args, agents, registered, metrics, times, sampler)
+    result = summarise(args, agents, registered, metrics, times, sampler)
+    if args.py_spy:
+        result["stages_pct"] = profile_stages(Path(f"{args.py_spy}-{agents}.txt"))
+    return result
 
 
 def summarise(args: Any, agents: int, registered: int, metrics: list[dict], times: list,
@@ -395,6 +398,101 @@ def step_latencies(times: list) -> list[float]:
     """Activations sent -> gradients received, per agent and step."""
     sent = {(a, r, k): t for a, r, k, kind, t, _ in times if kind == "act"}
     return [t - sent[(a, r, k)] for a, r, k, kind, t, _ in times if kind == "grad" and (a, r, k) in sent]
+
+
+# =========================================================================== where the CPU goes
+
+STAGES = ("receive", "parse/validate", "decode", "server step", "encode", "publish", "aggregate", "evaluate",
+          "engine other")
+"""The per-stage breakdown of a ``--py-spy`` profile, in the order a step's work flows."""
+
+
+def _stage(frames: list[str]) -> Optional[str]:
+    """The stage one sampled stack belongs to; None for what is not a round's work (start-up,
+    imports, the heartbeat and info timers)."""
+    def has(name: str) -> bool:
+        return any(name in f for f in frames)
+    if has("Client._loop"):                        # paho's network thread
+        if has("MqttTransport._on_message") or has("MqttLink._handle_message"):
+            return "parse/validate"
+        return "publish" if has("loop_write") else "receive"
+    if not has("RoundEngine.run"):
+        return None
+    for name, stage in (("RoundEngine._batch", "decode"), ("ServerTrainer.step", "server step"),
+                        ("encode_tensor", "encode"), ("send_many", "publish"), ("FleetSession.send", "publish"),
+                        ("RoundEngine.evaluate", "evaluate"), ("_aggregate_and_record", "aggregate")):
+        if has(name):
+            return stage
+    return "engine other"
+
+
+def profile_stages(path: Path) -> dict[str, float]:
+    """Shares (%) of the coordinator's round-work samples per stage, from py-spy's raw
+    (collapsed) output: ``thread;frame;...;frame count`` per line."""
+    counts = dict.fromkeys(STAGES, 0)
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        stage = _stage(stack.split(";"))
+        if stage is not None:
+            counts[stage] += int(n)
+    total = sum(counts.values()) or 1
+    return {k: 100 * v / total for k, v in counts.items()}
+
+
+def floor(args: Any, agents: int = 100) -> dict[str, float]:
+    """The coordinator's unavoidable work per agent-step, in this process with no broker: decoding
+    and validating one real activations message (envelope, schema, tensor, labels), the server
+    portion's forward/backward/update on the merged batch of ``agents`` such messages (per
+    agent), and encoding one gradients message. Milliseconds of one thread each."""
+    from coordinator.uploads import decode_activations
+
+    torch.set_num_threads(1)
+    payload = Payload({"dataset": args.dataset_name, "root": args.dataset_root, "model": args.model,
+                       "split": args.split, "batch_size": args.batch, "zstd_level": 3})
+    act = Message("activations", RUN, "a0", {"x": payload.x(args.codec), "y": payload.y, "compute_s": 0.0},
+                  round=1, step=0, seq=1).encode()
+    shape = tuple(payload.out.shape[1:])
+
+    class _Assigned:      # what decode_activations reads of an assignment
+        batch_size, activation_shape = args.batch, shape
+
+    def decode() -> torch.Tensor:
+        msg = protocol.decode(act, run=RUN, allowed=protocol.AGENT_TYPES)
+        return decode_activations(msg.body, _Assigned, payload.num_classes)[0]
+
+    data = load_dataset(args.dataset_name, args.dataset_root)
+    model = build_model(args.model, data.input_shape, data.num_classes)
+    server = model.server(args.split)
+    opt = torch.optim.SGD(server.parameters(), lr=0.01)
+    x = decode().repeat(agents, *([1] * len(shape))).requires_grad_()
+    y = torch.zeros(agents * args.batch, dtype=torch.int64)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(server(x), y)
+        loss.backward()
+        opt.step()
+        return x.grad
+
+    grad = step()[:args.batch]
+
+    def encode() -> bytes:
+        body = {"g": wire.encode_tensor(grad, args.codec, 3)}
+        return Message("gradients", RUN, protocol.COORDINATOR_ID, body, round=1, step=0, seq=1).encode()
+
+    def per_call_ms(fn, n: int) -> float:
+        fn()
+        t0 = time.process_time()
+        for _ in range(n):
+            fn()
+        return 1e3 * (time.process_time() - t0) / n
+
+    out = {"decode_ms": per_call_ms(decode, 400), "server_step_ms": per_call_ms(step, 10) / agents,
+           "encode_ms": per_call_ms(encode, 400)}
+    out["total_ms"] = sum(out.values())
+    return out
 
 
 # =========================================================================== main
@@ -452,7 +550,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         ["agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
          "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
-    doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results}
+    print("the floor: the same work in one thread with no broker ...", flush=True)
+    bound = floor(args)
+    common.print_table(
+        "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step)",
+        ["decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core"],
+        [[bound["decode_ms"], bound["server_step_ms"], bound["encode_ms"], bound["total_ms"],
+          1e3 / bound["total_ms"]]])
+    profiled = [r for r in results if "stages_pct" in r]
+    if profiled:
+        common.print_table(
+            "where the coordinator's round-work CPU goes (py-spy samples, % per stage)", ["agents", *STAGES],
+            [[r["agents"], *(r["stages_pct"][k] for k in STAGES)] for r in profiled])
+    doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results,
+           "floor": bound}
     name = "coordinator_load" + (f"_workers{args.server_workers}" if args.server_workers > 1 else "")
     path = common.write_result(args.out, name, doc)
     print(f"wrote {path}")

@@ -29,7 +29,7 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 from sfl_core.config.run import default_profiles_dir, load_run_config  # noqa: E402
 
-HOST_TIME_KEYS = frozenset({"wall_s", "compute_s", "server_s"})
+HOST_TIME_KEYS = frozenset({"wall_s", "eval_s", "compute_s", "server_s"})
 """Fields that measure the host running the simulation, not the simulated fleet."""
 
 

@@ -28,7 +28,7 @@ from coordinator.server_workers import GradReducer, ServerShards
 from coordinator.session import Event, FleetSession, RoundAgent
 from coordinator.transport import Transport
 from coordinator.uploads import decode_activations, decode_logit_gradients
-from coordinator.validation import ValidationSet
+from coordinator.validation import ValidationSet, evaluation_batch
 from sfl_core import norm_stats
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
@@ -94,12 +94,14 @@ class RoundEngine:
                                  architecture=digest(architecture(build_model(cfg.model, self.input_shape, num_classes)))
                                  if fingerprinted(cfg) else None)
         self.costs = model_costs(cfg.model, self.input_shape, num_classes)
+        self._eval_batch = evaluation_batch(max(c.activation_bytes for c in self.costs.values()), self.device)
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
         self.method = build_method(cfg, self.model, self.costs)
         so = cfg.server_opt
         self.server_opt: Optional[ServerOptimizer] = from_config(so.kind, so.lr, so.beta1, so.beta2, so.tau)
         self._round_start: dict[str, torch.Tensor] = {}
+        self._round_wall0 = time.monotonic()   # when the current round began, on this host
         self.variates: Optional[ControlVariates] = ControlVariates() if cfg.drift.kind == "scaffold" else None
         self._pass_stats: dict[str, torch.Tensor] = {}   # norm_stats: federated: the last pass's statistics
         self._latest_width: dict[str, int] = {}          # "split/agent" -> the agent's latest bottleneck width there
@@ -245,7 +247,7 @@ class RoundEngine:
     def run_round(self, r: int) -> dict[str, Any]:
         if not self.session.online():
             self.session.wait_for_any_agent(r)
-        wall0 = time.monotonic()
+        wall0 = self._round_wall0 = time.monotonic()
         selected, batches = self.method.select(r, self.session.online(), self.registry.agents, self.select(r))
         plan = self.method.plan(r, selected, self.registry.agents)
         self._widen_bottlenecks(plan)
@@ -306,13 +308,15 @@ class RoundEngine:
             dt = time.monotonic() - t0
             if self.server.last_rows:
                 losses.append(loss)
+            replies = []
             for a, g in grads.items():
                 if a not in agents:   # dropped while the server step waited for its logit gradients
                     continue
                 agents[a].server_s += dt
                 g_body = {"g": wire.encode_tensor(g, agents[a].assignment.codec, self.cfg.zstd_level)}
-                self.session.send(agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                                     g_body, round=r, step=k, seq=protocol.next_seq()))
+                replies.append((agents[a], Message("gradients", self.cfg.run_id, protocol.COORDINATOR_ID,
+                                                   g_body, round=r, step=k, seq=protocol.next_seq())))
+            self.session.send_many(replies)
             self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         return losses
 
@@ -422,10 +426,14 @@ class RoundEngine:
     def _aggregate_and_record(self, r: int, plan: RoundPlan, agents: dict[str, RoundAgent],
                               uploads: dict[str, Message], losses: list[float], wall_s: float) -> dict[str, Any]:
         """The end of a round: aggregate, evaluate, price each agent's round by the clock, then
-        record and checkpoint it (:mod:`coordinator.round_record`)."""
+        record and checkpoint it (:mod:`coordinator.round_record`). ``wall_s``: the training phase's
+        wall seconds (what a wall clock charges); the record's ``wall_s`` is the whole round on this
+        host, aggregation and evaluation included, and ``eval_s`` the evaluation's part."""
         done, fed_losses = self._aggregate(plan, agents, uploads)
         pass_agents, pass_wall_s = self._norm_stats_pass(r, agents, done)
-        accuracy, test_loss = self.evaluate()
+        eval0 = time.monotonic()
+        accuracy, test_loss = self.evaluate() if self._evaluates(r) else (None, None)
+        eval_s = time.monotonic() - eval0
         per_agent, times, observed = price_round(r, self.clock, self.costs, self.registry.agents, agents, uploads,
                                                  done, server_flops=self.cfg.server_flops)
         self.method.observe(observed)
@@ -438,12 +446,12 @@ class RoundEngine:
                                           server_flops=self.cfg.server_flops)
             pass_record["time_s"] = self.clock.end_round(pass_record.pop("times").values(), pass_wall_s)
             round_s += pass_record["time_s"]
-            wall_s += pass_wall_s
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
         federated = self._federated_evaluation(r, agents, done)
         record = round_record(
             r, accuracy=accuracy, test_loss=test_loss, train_loss=train_loss, round_s=round_s,
-            elapsed_s=self.clock.elapsed, virtual=self.clock.virtual, wall_s=wall_s, times=times,
+            elapsed_s=self.clock.elapsed, virtual=self.clock.virtual,
+            wall_s=time.monotonic() - self._round_wall0, eval_s=eval_s, times=times,
             per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
             federated=federated, method_metrics=self.method.round_metrics(), norm_pass=pass_record)
         self.history.append(record)
@@ -590,18 +598,24 @@ class RoundEngine:
 
     def _record_initial(self) -> None:
         """Round 0: the untrained model's accuracy, so curves start at time zero."""
+        eval0 = time.monotonic()
         accuracy, test_loss = self.evaluate()
+        eval_s = time.monotonic() - eval0
         record = {"round": 0, "accuracy": accuracy, "test_loss": test_loss, "train_loss": None,
                   "round_time_s": 0.0, "elapsed_s": 0.0, "clock": "virtual" if self.clock.virtual else "wall",
-                  "wall_s": 0.0, "waiting_s": 0.0, "bytes_up": 0, "bytes_down": 0, "selected": [],
+                  "wall_s": round(eval_s, 4), "eval_s": round(eval_s, 4), "waiting_s": 0.0, "bytes_up": 0, "bytes_down": 0, "selected": [],
                   "completed": [], "groups": [], "phase": "initial", "agents": {}}
         self.history.append(record)
         ckpt.append_metrics(self.out_dir, record)
 
+    def _evaluates(self, r: int) -> bool:
+        """Round ``r`` is scored on the server's validation set: every ``eval_every`` rounds and the last."""
+        return r % self.cfg.eval_every == 0 or r >= self.cfg.rounds
+
     def evaluate(self) -> tuple[Optional[float], Optional[float]]:
         """Accuracy and mean loss of the full global model on the server's validation set (None,
         None without one: a task run whose server holds no validation data)."""
-        return self.validation.evaluate(self.model, self.device)
+        return self.validation.evaluate(self.model, self.device, self._eval_batch)
 
     def _resume(self, model_state: dict[str, torch.Tensor], st: dict[str, Any]) -> None:
         """Continue after the checkpoint's round. Everything is checked before anything on disk

@@ -188,14 +188,29 @@ class MqttTransport:
         """Publish and wait for the broker's acknowledgement (``publish_timeout_s`` at most).
         While the broker is unreachable nothing waits: paho queues the message and sends it
         after the reconnect, and the round engine keeps answering whoever it can reach."""
-        if msg.type in SIGNED_TYPES:
-            self.signer.sign(msg)
-        payload = msg.encode()
-        topic = protocol.down_topic(self.run_id, agent_id)
-        for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12], self.chunk_bytes):
-            if not self.link.publish(topic, piece, timeout=self.publish_timeout_s, wait_offline=False):
-                log.info("%s to %s queued until the broker is reachable again", msg.type, agent_id)
-        return len(payload)
+        return self.send_many([(agent_id, msg)])[0]
+
+    def send_many(self, messages: list[tuple[str, Message]]) -> list[int]:
+        """:meth:`send` for several messages: all published, then their acknowledgements
+        awaited together (``publish_timeout_s`` for the lot)."""
+        pieces: list[tuple[str, bytes]] = []
+        owner: list[int] = []      # pieces[i] belongs to messages[owner[i]]
+        sizes = []
+        for i, (agent_id, msg) in enumerate(messages):
+            if msg.type in SIGNED_TYPES:
+                self.signer.sign(msg)
+            payload = msg.encode()
+            sizes.append(len(payload))
+            topic = protocol.down_topic(self.run_id, agent_id)
+            chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
+            for piece in wire.split_chunks(payload, chunk_id, self.chunk_bytes):
+                pieces.append((topic, piece))
+                owner.append(i)
+        acked = self.link.publish_many(pieces, timeout=self.publish_timeout_s, wait_offline=False)
+        late = sorted({owner[j] for j, ok in enumerate(acked) if not ok})
+        for i in late:
+            log.info("%s to %s queued until the broker is reachable again", messages[i][1].type, messages[i][0])
+        return sizes
 
     def poll(self, timeout: float) -> Optional[Message]:
         try:

@@ -56,7 +56,7 @@ def check_reply(body: dict[str, Any], model: SplitModel, split: int, samples: in
     if not whole:
         x = wire.decode_tensor(body["x"], shape=(samples, *activation_shape), dtypes=("float32", "float16"),
                                as_float32=True)
-        if not torch.isfinite(x).all():
+        if not wire.all_finite(x):
             raise wire.WireError("norm_sums.x contains NaN or Inf")
     return norm_stats.from_wire_state(tensors, counts), x
 

@@ -29,7 +29,8 @@ def agent_row(ra: RoundAgent, parts: timing.AgentTime, time_s: float) -> dict[st
 
 
 def round_record(r: int, *, accuracy: Optional[float], test_loss: Optional[float], train_loss: Optional[float],
-                 round_s: float, elapsed_s: float, virtual: bool, wall_s: float, times: Mapping[str, float],
+                 round_s: float, elapsed_s: float, virtual: bool, wall_s: float, eval_s: float,
+                 times: Mapping[str, float],
                  per_agent: dict[str, dict[str, Any]], plan: RoundPlan, done: list[str],
                  rejected: dict[str, int], federated: Optional[dict[str, Any]],
                  method_metrics: dict[str, Any], norm_pass: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def round_record(r: int, *, accuracy: Optional[float], test_loss: Optional[float
     record = {
         "round": r, "accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
         "round_time_s": round(round_s, 4), "elapsed_s": round(elapsed_s, 4),
-        "clock": "virtual" if virtual else "wall", "wall_s": round(wall_s, 4),
+        "clock": "virtual" if virtual else "wall", "wall_s": round(wall_s, 4), "eval_s": round(eval_s, 4),
         "waiting_s": round(timing.waiting_time(times.values()), 4),
         "bytes_up": sum(p["bytes_up"] for p in per_agent.values()),
         "bytes_down": sum(p["bytes_down"] for p in per_agent.values()),

@@ -146,10 +146,16 @@ class FleetSession:
 
 
     def send(self, ra: RoundAgent, msg: Message) -> None:
-        n = self.transport.send(ra.info_id, msg)
-        ra.bytes_down += n
-        ra.messages += 1
-        ra.last_sent, ra.last_sent_at = msg, self._now()
+        self.send_many([(ra, msg)])
+
+    def send_many(self, messages: list[tuple[RoundAgent, Message]]) -> None:
+        """Send each (agent, message) pair; the transport may publish them as one burst."""
+        sizes = self.transport.send_many([(ra.info_id, msg) for ra, msg in messages])
+        now = self._now()
+        for (ra, msg), n in zip(messages, sizes):
+            ra.bytes_down += n
+            ra.messages += 1
+            ra.last_sent, ra.last_sent_at = msg, now
 
     def collect(self, agents: dict[str, RoundAgent], kind: str, r: int, k: int,
                 only: Collection[str] | None = None) -> dict[str, Message]:

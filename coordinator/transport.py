@@ -27,6 +27,10 @@ class Transport(Protocol):
     def send(self, agent_id: str, msg: Message) -> int:
         """Deliver ``msg`` to one agent; return the bytes it took on the wire."""
 
+    def send_many(self, messages: list[tuple[str, Message]]) -> list[int]:
+        """:meth:`send` for several (agent, message) pairs at once (a step's gradients): a
+        transport may hand them all to the network before waiting for any acknowledgement."""
+
     def poll(self, timeout: float) -> Optional[Message]:
         """Next validated message from any agent, or None after ``timeout`` seconds."""
 
@@ -51,6 +55,9 @@ class LocalTransport:
 
     def live_time(self) -> float:
         return time.monotonic()
+
+    def send_many(self, messages: list[tuple[str, Message]]) -> list[int]:
+        return [self.send(agent, msg) for agent, msg in messages]   # type: ignore[attr-defined]
 
     def follow(self, agents: set[str]) -> None:
         return None

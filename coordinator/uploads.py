@@ -25,7 +25,7 @@ def decode_activations(body: dict[str, Any], assignment: Assignment,
     b = assignment.batch_size
     x = wire.decode_tensor(body["x"], shape=(b, *assignment.activation_shape), dtypes=("float32", "float16"))
     y = None if body["y"] is None else wire.decode_tensor(body["y"], shape=(b,), dtypes=("int64",))
-    if not torch.isfinite(x).all():
+    if not wire.all_finite(x):
         raise wire.WireError("activations contain NaN or Inf")
     if y is not None and (y.min() < 0 or y.max() >= num_classes):
         raise wire.WireError(f"labels outside 0..{num_classes - 1}")
@@ -37,6 +37,6 @@ def decode_logit_gradients(body: dict[str, Any], shape: tuple[int, ...]) -> tupl
     and that loss (finite)."""
     g = wire.decode_tensor(body["g"], shape=shape, dtypes=("float32", "float16"))
     loss = float(body["loss"])
-    if not torch.isfinite(g).all() or not math.isfinite(loss):
+    if not wire.all_finite(g) or not math.isfinite(loss):
         raise wire.WireError("logit gradients or loss not finite")
     return g, loss

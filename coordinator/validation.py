@@ -17,7 +17,21 @@ import torch.nn.functional as F
 
 from sfl_core.data.preprocessing import Normalization
 
-__all__ = ["ValidationSet"]
+__all__ = ["ValidationSet", "evaluation_batch"]
+
+CPU_EVAL_BYTES = 8 * 2**20
+"""Largest block output of one evaluation batch on a CPU: past the caches, a bigger batch is slower."""
+
+
+def evaluation_batch(block_output_bytes: int, device: torch.device) -> int:
+    """Samples per evaluation batch. On a CPU, the largest power of two whose widest block output
+    (``block_output_bytes`` per sample) stays within :data:`CPU_EVAL_BYTES` (32 to 1024): a batch
+    whose activations spill out of the caches runs slower per sample, not faster. An accelerator
+    takes 1024."""
+    if device.type != "cpu":
+        return 1024
+    fit = CPU_EVAL_BYTES // max(block_output_bytes, 1)
+    return max(32, min(1024, 1 << max(fit, 1).bit_length() - 1))
 
 
 class ValidationSet:
@@ -34,6 +48,7 @@ class ValidationSet:
             x, y = x[:limit], y[:limit]
         self.x, self.y = x, y
         self._unscaled = x
+        self._device_copy: Optional[tuple[str, torch.Tensor, torch.Tensor]] = None
         self.normalization: Optional[Normalization] = None
         """The constants :attr:`x` is standardised with, once adopted (None before)."""
 
@@ -44,22 +59,32 @@ class ValidationSet:
         """Scale the unscaled inputs with ``norm`` (again from the unscaled ones if called twice)."""
         self.normalization = norm
         self.x = norm.apply(self._unscaled) if len(self._unscaled) else self._unscaled
+        self._device_copy = None
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def evaluate(self, model: torch.nn.Module, device: torch.device,
                  batch_size: int = 1024) -> tuple[Optional[float], Optional[float]]:
         """Accuracy and mean cross-entropy of ``model`` (the full global model) on this set;
-        (None, None) when the set is empty. The model is left in training mode."""
+        (None, None) when the set is empty. The model is left in training mode.
+
+        The set is moved to ``device`` once and kept there (a GPU server scores it every round)."""
         if not len(self.y):
             return None, None
+        x, y = self._on(device)
         model.eval()
         correct, total_loss = 0, 0.0
-        for i in range(0, len(self.y), batch_size):
-            x = self.x[i:i + batch_size].to(device)
-            y = self.y[i:i + batch_size].to(device)
-            logits = model(x)
-            total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-        model.train()
-        n = max(len(self.y), 1)
+        try:
+            for i in range(0, len(y), batch_size):
+                logits = model(x[i:i + batch_size])
+                total_loss += float(F.cross_entropy(logits, y[i:i + batch_size], reduction="sum"))
+                correct += int((logits.argmax(1) == y[i:i + batch_size]).sum())
+        finally:
+            model.train()
+        n = max(len(y), 1)
         return correct / n, total_loss / n
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if self._device_copy is None or self._device_copy[0] != key:
+            self._device_copy = (key, self.x.to(device), self.y.to(device))
+        return self._device_copy[1], self._device_copy[2]

@@ -272,7 +272,7 @@ class AgentCore:
         if msg.step > self.step:
             raise wire.WireError(f"gradients for step {msg.step}, expected {self.step}")
         g = wire.decode_tensor(msg.body["g"], shape=tuple(self._out.shape), dtypes=("float32", "float16")).to(self.device)
-        if not torch.isfinite(g).all():
+        if not wire.all_finite(g):
             raise wire.WireError("gradients contain NaN or Inf")
         t0 = time.perf_counter()
         assert self._opt is not None
@@ -304,7 +304,7 @@ class AgentCore:
             raise wire.WireError(f"logits for step {msg.step}, expected {self.step}")
         z = wire.decode_tensor(msg.body["z"], shape=(len(self._y), self.data.num_classes),
                                dtypes=("float32", "float16")).to(self.device)
-        if not torch.isfinite(z).all():
+        if not wire.all_finite(z):
             raise wire.WireError("logits contain NaN or Inf")
         z.requires_grad_(True)
         loss = F.cross_entropy(z, self._y)

@@ -40,6 +40,15 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
         if default is not None:
             full = tuple(max(a, b) for a, b in zip(full, default.shape))
         acc = torch.zeros(full, dtype=torch.float64)
+        if all(tuple(t.shape) == full for t, _ in holders):   # every holder covers every element
+            total = 0.0
+            for t, w in _shared_once(holders):
+                acc += t.detach().to(torch.float64).cpu() * w
+            for _, w in holders:
+                total += w
+            avg = acc / total
+            out[key] = avg.round().to(ref.dtype) if not ref.is_floating_point() else avg.to(ref.dtype)
+            continue
         wsum = torch.zeros(full, dtype=torch.float64)
         for t, w in holders:
             region = tuple(slice(0, n) for n in t.shape)
@@ -53,6 +62,20 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
         avg = acc / wsum
         out[key] = avg.round().to(ref.dtype) if not ref.is_floating_point() else avg.to(ref.dtype)
     return out
+
+
+def _shared_once(holders: list[tuple[torch.Tensor, float]]) -> list[tuple[torch.Tensor, float]]:
+    """Holders that are views of the same memory (the one server copy every agent of a merged
+    group trained with) counted once, with their weights summed: the same average, without
+    reading one tensor once per agent."""
+    merged: dict[tuple, list] = {}
+    for t, w in holders:
+        key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key in merged:
+            merged[key][1] += w
+        else:
+            merged[key] = [t, w]
+    return [(t, w) for t, w in merged.values()]
 
 
 def layerwise_average(client_states: Mapping[str, Mapping[str, torch.Tensor]],

@@ -120,6 +120,8 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'where metrics and checkpoints go; null = runs/<run>.'),
     ('eval_samples',
      'evaluate on the first N samples of the test set (faster rounds in big simulations); null = the whole test set.'),
+    ('eval_every',
+     "score the global model on the server's validation set every k rounds and after the last (the rounds between record accuracy null); each round's metrics give the seconds it took (eval_s)."),
     ('loss',
      "server-side training loss: ce (cross-entropy) | calibrated (FedLC logit calibration, Zhang et al. 2022: logit z_c - tau * n_c^(-1/4) with n_c the row's agent's count of class c; counters label skew)."),
     ('calibration_tau',

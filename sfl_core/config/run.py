@@ -618,6 +618,10 @@ class RunConfig(Section):
     """New agent ids accepted per second (burst: the fleet size)."""
     output_dir: Annotated[Optional[str], checked(optional(nonempty_string))] = None  # None -> runs/<run_id>
     eval_samples: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # evaluate on the first N test samples; None = all
+    eval_every: Annotated[int, POSITIVE_INTEGER] = 1
+    """Score the global model on the server's validation set every this many rounds (and after
+    the last); the rounds between record no accuracy. Evaluation is often most of a small
+    simulation's time: each round's metrics say how much (``eval_s``)."""
     loss: Annotated[str, checked(one_of(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods/heterosfl.md)
     calibration_tau: Annotated[float, AT_LEAST_0] = 1.0    # calibration strength tau of the calibrated loss
     sections: Mapping[str, Any] = field(default_factory=lambda: {k: s() for k, s in sections().items()})

@@ -219,28 +219,46 @@ class MqttLink:
         delivered later (QoS 1 is at-least-once, so receivers must tolerate duplicates
         anyway). Never raises on a transient drop.
         """
+        return self.publish_many([(topic, payload)], qos, retain, timeout, wait_offline)[0]
+
+    def publish_many(self, messages: list[tuple[str, bytes]], qos: int = 1, retain: bool = False,
+                     timeout: float | None = 30.0, wait_offline: bool = True) -> list[bool]:
+        """:meth:`publish` for several messages, acknowledged together: all are handed to paho
+        first and the acknowledgements awaited after, so a round's gradients go out in one
+        burst instead of one broker round trip each (``timeout`` covers them all). One bool
+        per message, in order."""
         if self._closed:
             raise RuntimeError("MqttLink is closed")
-        if isinstance(payload, memoryview):
-            payload = payload.tobytes()
-        info = self._client.publish(topic, payload, qos=qos, retain=retain)
-        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:  # cannot happen with an unlimited queue
-            log.error("MQTT publish to %s refused: outgoing queue full", topic)
-            return False
-        if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
-            log.warning("MQTT publish to %s failed: %s", topic, mqtt.error_string(info.rc))
-            return False
-        if threading.get_ident() == self._paho_thread_id:
-            return True  # waiting here would block the thread that receives the PUBACK
-        if qos == 0:
-            return True
-        if self._wait_published(info, timeout, wait_offline):
-            return True
-        if not wait_offline and not self._ready.is_set():
-            return False    # queued; paho sends it after the reconnect
-        log.warning("MQTT publish to %s (%d bytes) not acknowledged within %.1f s (connected=%s)",
-                    topic, len(payload), timeout or 0.0, self.connected)
-        return False
+        infos: list[mqtt.MQTTMessageInfo | None] = []
+        for topic, payload in messages:
+            if isinstance(payload, memoryview):
+                payload = payload.tobytes()
+            info = self._client.publish(topic, payload, qos=qos, retain=retain)
+            if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:  # cannot happen with an unlimited queue
+                log.error("MQTT publish to %s refused: outgoing queue full", topic)
+                info = None
+            elif info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+                log.warning("MQTT publish to %s failed: %s", topic, mqtt.error_string(info.rc))
+                info = None
+            infos.append(info)
+        if threading.get_ident() == self._paho_thread_id or qos == 0:
+            # on paho's thread, waiting would block the thread that receives the PUBACK
+            return [info is not None for info in infos]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = []
+        for (topic, payload), info in zip(messages, infos):
+            if info is None:
+                done.append(False)
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._wait_published(info, left, wait_offline):
+                done.append(True)
+                continue
+            done.append(False)
+            if wait_offline or self._ready.is_set():    # else: queued; paho sends it after the reconnect
+                log.warning("MQTT publish to %s (%d bytes) not acknowledged within %.1f s (connected=%s)",
+                            topic, len(payload), timeout or 0.0, self.connected)
+        return done
 
     def close(self) -> None:
         """Disconnect cleanly (DISCONNECT sent, so the broker does NOT publish the will) and

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -67,6 +68,41 @@ class WireError(ValueError):
 
 
 # --------------------------------------------------------------------------- tensors
+
+_zstd = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """One compressor per thread and level: a zstd context is not thread-safe, and building one
+    per message (its tables and buffers) costs as much as compressing a small tensor."""
+    cache = _zstd.__dict__.setdefault("compressors", {})
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_zstd, "decompressor", None)
+    if d is None:
+        d = _zstd.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no element of ``t`` is NaN or ±Inf.
+
+    Why a sum first: NaN and ±Inf propagate through a sum, so a finite sum proves every
+    element finite, and summing is a fraction of the cost of ``torch.isfinite(t).all()``
+    (which builds a mask) on a CPU. Only a sum that overflowed from finite but huge values
+    takes the exact, slower test.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if math.isfinite(float(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
 
 
 def is_codec(name: str) -> bool:
@@ -137,12 +173,13 @@ def encode_tensor(t: torch.Tensor, codec: str = "fp32", zstd_level: int = 3) -> 
         raise ValueError(f"dtype {t.dtype} cannot be sent; allowed: {sorted(_DTYPES)}")
     t = t.cpu().contiguous()
     arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
-    return _plain_map(name, list(t.shape), arr.astype(_DTYPES[name][0], copy=False).tobytes(), zstd_level)
+    return _plain_map(name, list(t.shape), arr.astype(_DTYPES[name][0], copy=False), zstd_level)
 
 
-def _plain_map(name: str, dims: list[int], raw: bytes, zstd_level: int) -> dict[str, Any]:
+def _plain_map(name: str, dims: list[int], raw: np.ndarray, zstd_level: int) -> dict[str, Any]:
+    """``raw``: the little-endian values, contiguous; compressed straight from their buffer."""
     z = zstd_level > 0
-    data = zstandard.ZstdCompressor(level=zstd_level).compress(raw) if z else raw
+    data = _compressor(zstd_level).compress(raw) if z else raw.tobytes()
     return {"dtype": name, "shape": dims, "z": z, "data": data}
 
 
@@ -166,7 +203,7 @@ def _encode_int8(t: torch.Tensor, zstd_level: int) -> dict[str, Any]:
     bshape = [1, c] + [1] * (len(dims) - 2) if len(dims) >= 2 else [1] * len(dims)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(bshape)
     q = torch.round(moved / safe).clamp_(-127, 127).to(torch.int8)
-    out = _plain_map("int8", dims, q.numpy().tobytes(), zstd_level)
+    out = _plain_map("int8", dims, q.numpy(), zstd_level)
     out["codec"] = "int8"
     out["scale"] = encode_tensor(scale, "fp32", zstd_level)
     return out
@@ -187,7 +224,7 @@ def _encode_topk(t: torch.Tensor, percent: int, zstd_level: int) -> dict[str, An
         vals = torch.gather(flat, 1, idx)
     else:
         idx, vals = torch.zeros(s, k, dtype=torch.int64), torch.zeros(s, k)
-    out = _plain_map("float16", dims, vals.to(torch.float16).numpy().astype("<f2", copy=False).tobytes(), zstd_level)
+    out = _plain_map("float16", dims, np.ascontiguousarray(vals.to(torch.float16).numpy().astype("<f2", copy=False)), zstd_level)
     out["codec"] = "topk"
     out["p"] = percent
     out["idx"] = encode_tensor(idx.to(torch.int32), "fp32", zstd_level)
@@ -298,7 +335,7 @@ def _decode_int8(obj: Mapping[str, Any], dims: list[int], max_bytes: int) -> tor
         scale = _decode_plain(obj["scale"], (c,), ("float32",), max_bytes, True, False)
     except WireError as exc:
         raise WireError(f"tensor: int8 scale: {exc} (one scale per channel, {c} expected)") from None
-    if not torch.isfinite(scale).all() or (scale < 0).any():
+    if not all_finite(scale) or (scale < 0).any():
         raise WireError("tensor: int8 scales must be finite and >= 0")
     raw = _raw_bytes(obj, math.prod(dims), "tensor: int8 data")
     q = np.frombuffer(raw, dtype=np.int8)
@@ -351,7 +388,7 @@ def _decompress(data: bytes, nbytes: int) -> bytes:
         # max_output_size=0 would mean "unbounded"; an empty tensor needs no data anyway
         raise WireError("tensor: zstd frame without content size for an empty tensor")
     try:
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=nbytes)
+        return _decompressor().decompress(data, max_output_size=nbytes)
     except zstandard.ZstdError as exc:
         raise WireError(f"tensor: zstd data is corrupt or larger than its shape: {exc}") from None
 
@@ -373,7 +410,7 @@ def decode_state(obj: Any, reference: Mapping[str, torch.Tensor]) -> dict[str, t
     for key, ref in reference.items():
         allowed = ("float32", "float16") if ref.is_floating_point() else ("int64", "int32")
         t = decode_tensor(obj[key], shape=tuple(ref.shape), dtypes=allowed, float_codecs=False)
-        if not torch.isfinite(t.float()).all():
+        if not all_finite(t):
             raise WireError(f"weights: {key} contains NaN or Inf")
         out[key] = t.to(ref.dtype)
     return out
