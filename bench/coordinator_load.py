@@ -4,7 +4,8 @@ Command (full run, ~10 minutes on 2 CPU cores)::
 
     python bench/coordinator_load.py                          # 10 50 100 200 500 agents per round
     python bench/coordinator_load.py --agents 10 100 --rounds 4
-    python bench/coordinator_load.py --registered 1000 --agents 10   # a large idle fleet, few selected
+    python bench/coordinator_load.py --registered 2000 --agents 10 --rounds 20   # a large idle fleet, few selected
+    python bench/coordinator_load.py --registered 10000 --agents 10 --rounds 20 --agents-per-connection 50
     python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
 
 Writes ``bench/results/coordinator_load.json``.
@@ -43,6 +44,7 @@ the cores, generators included).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -55,10 +57,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import common  # noqa: F401  (puts the repository on sys.path)
+import msgpack
 import torch
 import yaml
 from brokers import MosquittoBroker, find_mosquitto, MOSQUITTO_MISSING
 
+from sfl_core import liveness
 from sfl_core.wire import protocol
 from sfl_core.wire import codec as wire
 from sfl_core.config.run import load_profile
@@ -70,6 +74,9 @@ from sfl_core.transport.mqtt_link import MqttLink
 RUN = "load"
 PROFILE = "jetson-nano"
 TICK_S = 0.2
+CONNECTIONS_PER_PROC = 300
+"""MQTT connections per generator process at most: paho waits on its sockets with select(), which
+takes no descriptor above 1023, and each connection holds three (its socket and paho's wake-up pair)."""
 
 
 # =========================================================================== the load agents
@@ -78,12 +85,12 @@ TICK_S = 0.2
 class LoadAgent:
     """One protocol-speaking agent without a trainer.
 
-    Runs on its MQTT client's network thread: every reply is published from the callback (the
-    link does not wait for PUBACKs there), so a generator process needs no thread per agent
-    beyond paho's own.
+    Runs on its connection's network thread (:class:`AgentGroup`): every reply is published from
+    the callback (the link does not wait for PUBACKs there), so a generator process needs no
+    thread per agent beyond paho's own.
     """
 
-    def __init__(self, agent_id: str, index: int, url: str, payload: "Payload", times: list):
+    def __init__(self, agent_id: str, index: int, payload: "Payload", times: list, legacy: bool = False):
         self.id = agent_id
         self.index = index
         self.payload = payload
@@ -94,18 +101,19 @@ class LoadAgent:
         self.done = threading.Event()
         self.registered = threading.Event()
         self.instance = uuid.uuid4().hex[:12]
-        status = protocol.status_topic(RUN, agent_id)
-        will = Message("status", RUN, agent_id, {"online": False, "instance": self.instance}).encode()
-        self.link = MqttLink(url, f"load-{agent_id}-{self.instance[:6]}", self._on_message,
-                             subscriptions=[protocol.down_topic(RUN, agent_id), protocol.info_topic(RUN)],
-                             will=(status, will, True))
+        self.legacy = legacy                      # beat every 2 s whatever the run says (older agents)
+        self.idle_s = liveness.BUSY_HEARTBEAT_S    # until the run description says otherwise
+        self.last_beat = time.monotonic()
+        self.last_work = float("-inf")
+        self.beats: list[float] = []
+        self.link: Optional[MqttLink] = None    # its group's connection (AgentGroup)
 
-    def start(self) -> None:
-        self.link.connect(timeout=60)
+    def announce(self) -> None:
         self.link.publish(protocol.status_topic(RUN, self.id),
                           self._msg("status", {"online": True, "instance": self.instance}).encode(), retain=True)
 
     def heartbeat(self) -> None:
+        self.beats.append(time.monotonic())
         self.link.publish(protocol.up_topic(RUN, self.id), self._msg("heartbeat", {"state": "idle"}).encode(),
                           timeout=None, qos=0)
 
@@ -130,6 +138,10 @@ class LoadAgent:
             return
         msg = protocol.decode(whole, run=RUN, allowed=protocol.COORD_TYPES)
         now = time.monotonic()
+        if msg.type == "run_info" and not self.legacy:
+            self.idle_s = liveness.agreed_idle_s(msg.body.get("heartbeat_idle_s"), liveness.BUSY_HEARTBEAT_S)
+        elif msg.type in liveness.WORK_TYPES:
+            self.last_work = now
         if msg.type == "run_info" and not self.registered.is_set():
             # a link probe first, as every agent does (the coordinator registers no id that never probed)
             self._send(self._msg("probe", {"nonce": self.index, "pad": b"", "reply_bytes": 0}))
@@ -162,28 +174,73 @@ class LoadAgent:
         self._note(rnd, self.step, "act", t, self._send(self._msg("activations", body, rnd, self.step)))
 
 
-class Payload:
-    """What every agent of a generator sends: one real batch through the real client portion."""
+class AgentGroup:
+    """Agents sharing one MQTT connection (``--agents-per-connection``; one each by default, as
+    devices connect). Sharing lets one machine host a fleet of 10,000: the coordinator sees the
+    same messages on the same topics, only the broker holds fewer connections (and only the
+    group's first agent has a last will)."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, url: str, agents: list[LoadAgent]):
+        self.agents = agents
+        self.by_topic = {protocol.down_topic(RUN, a.id): a for a in agents}
+        first = agents[0]
+        will = Message("status", RUN, first.id, {"online": False, "instance": first.instance}).encode()
+        self.link = MqttLink(url, f"load-{first.id}-{first.instance[:6]}", self._on_message,
+                             subscriptions=[*self.by_topic, protocol.info_topic(RUN)],
+                             will=(protocol.status_topic(RUN, first.id), will, True))
+        for a in agents:
+            a.link = self.link
+
+    def start(self) -> None:
+        self.link.connect(timeout=60)
+        for a in self.agents:
+            a.announce()
+
+    def _on_message(self, topic: str, data: bytes) -> None:
+        if topic == protocol.info_topic(RUN):
+            for a in self.agents:
+                a._on_message(topic, data)
+        elif topic in self.by_topic:
+            self.by_topic[topic]._on_message(topic, data)
+
+
+class Payload:
+    """What every agent sends: one real batch through the real client portion, encoded once.
+
+    Built in the bench's own process (:meth:`build`) and handed to the generators as a file, so
+    a generator needs neither the data set nor the model: with hundreds of agents per process
+    and dozens of processes for a large idle fleet, the machine's memory goes to the agents."""
+
+    def __init__(self, doc: dict):
+        self.doc = doc
+        self.y = doc["y"]
+        self.num_classes = doc["num_classes"]
+        self.num_samples = doc["num_samples"]
+        self.profile = doc["profile"]
+        self.split = doc["split"]
+
+    @classmethod
+    def build(cls, spec: dict) -> "Payload":
         data = load_dataset(spec["dataset"], spec["root"])
         torch.manual_seed(0)
         model = build_model(spec["model"], data.input_shape, data.num_classes)
         xb, yb = data.x_train[:spec["batch_size"]], data.y_train[:spec["batch_size"]]
         with torch.no_grad():
-            self.out = model.client(spec["split"])(xb)
-        self.y = wire.encode_tensor(yb.to(torch.int64), "fp32", spec["zstd_level"])
-        self.zstd = spec["zstd_level"]
-        self.num_classes = data.num_classes
-        self.num_samples = 600
-        self.profile = protocol.profile_body(load_profile(PROFILE))
-        self.split = spec["split"]
-        self._x: dict[str, dict] = {}
+            out = model.client(spec["split"])(xb)
+        return cls({"x": {c: wire.encode_tensor(out, c, spec["zstd_level"]) for c in spec["codecs"]},
+                    "y": wire.encode_tensor(yb.to(torch.int64), "fp32", spec["zstd_level"]),
+                    "num_classes": data.num_classes, "num_samples": 600,
+                    "profile": protocol.profile_body(load_profile(PROFILE)), "split": spec["split"]})
+
+    def save(self, path: Path) -> None:
+        path.write_bytes(msgpack.packb(self.doc, use_bin_type=True))
+
+    @classmethod
+    def load(cls, path: str) -> "Payload":
+        return cls(msgpack.unpackb(Path(path).read_bytes(), raw=False))
 
     def x(self, codec: str) -> dict:
-        if codec not in self._x:
-            self._x[codec] = wire.encode_tensor(self.out, codec, self.zstd)
-        return self._x[codec]
+        return self.doc["x"][codec]
 
     def register_body(self, index: int) -> dict:
         counts = [self.num_samples // self.num_classes] * self.num_classes
@@ -195,29 +252,36 @@ class Payload:
 
 
 def worker(spec_file: str) -> int:
-    """A generator process: connect its agents, serve until the run's shutdown, write the timings."""
+    """A generator process: connect its agents, serve until the run's shutdown, write the timings.
+    Its agents heartbeat as real ones do (:func:`sfl_core.liveness.due`): every 2 s in a round,
+    at the run's idle interval otherwise."""
     spec = json.loads(Path(spec_file).read_text())
-    torch.set_num_threads(1)
-    payload = Payload(spec)
+    payload = Payload.load(spec["payload"])
     times: list = []
-    agents = [LoadAgent(a, i, spec["url"], payload, times) for a, i in spec["agents"]]
-    for a in agents:
-        a.start()
+    agents = [LoadAgent(a, i, payload, times, spec["legacy"]) for a, i in spec["agents"]]
+    per = spec["per_connection"]
+    groups = [AgentGroup(spec["url"], agents[i:i + per]) for i in range(0, len(agents), per)]
+    for g in groups:
+        g.start()
     stop = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(2.0):
+        while not stop.wait(liveness.BUSY_HEARTBEAT_S):
+            now = time.monotonic()
             for a in agents:
-                a.heartbeat()
+                if liveness.due(now, a.last_beat, a.last_work, False, liveness.BUSY_HEARTBEAT_S, a.idle_s):
+                    a.last_beat = now
+                    a.heartbeat()
 
     threading.Thread(target=beat, daemon=True).start()
     deadline = time.monotonic() + spec["timeout_s"]
     for a in agents:
         a.done.wait(max(0.1, deadline - time.monotonic()))
     stop.set()
-    for a in agents:
-        a.link.close()
-    Path(spec["out"]).write_text(json.dumps({"times": times, "done": sum(a.done.is_set() for a in agents)}))
+    for g in groups:
+        g.link.close()
+    Path(spec["out"]).write_text(json.dumps({"times": times, "done": sum(a.done.is_set() for a in agents),
+                                             "beats": [t for a in agents for t in a.beats]}))
     return 0
 
 
@@ -304,7 +368,7 @@ def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
         "fleet": [{"profile": PROFILE, "count": registered}], "per_round": agents, "rounds": args.rounds,
         "strategy": "sfl", "split": args.split, "server_mode": "merged", "batch_size": args.batch,
         "local_iters": args.tau, "codec": args.codec, "zstd_level": 3, "lr": 0.01,
-        "eval_samples": 256, "step_timeout_s": 300, "register_timeout_s": 600,
+        "eval_samples": 256, "step_timeout_s": 300, "register_timeout_s": 900, "register_rate_per_s": 1000,
         "output_dir": str(tmp / "out"),
     }
     path = tmp / "load.yaml"
@@ -312,7 +376,7 @@ def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
     return path
 
 
-def run_level(url: str, broker_pid: int, args: Any, agents: int, registered: int) -> dict[str, Any]:
+def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: int, registered: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sfl-bench-load-") as tmp_s:
         tmp = Path(tmp_s)
         config = write_config(tmp, args, agents, registered)
@@ -326,12 +390,15 @@ def run_level(url: str, broker_pid: int, args: Any, agents: int, registered: int
                                  env={**os.environ, "OMP_NUM_THREADS": str(args.coord_threads)})
         ids = [(f"a{i}", i) for i in range(registered)]
         procs, outs = [], []
-        n_procs = min(args.procs, registered)
+        connections = math.ceil(registered / args.agents_per_connection)
+        n_procs = min(max(args.procs, math.ceil(connections / CONNECTIONS_PER_PROC)), registered)
+        payload_file = tmp / "payload.msgpack"
+        payload.save(payload_file)
         for p in range(n_procs):
             out = tmp / f"gen{p}.json"
             spec = {"url": url, "agents": ids[p::n_procs], "out": str(out), "timeout_s": args.timeout,
-                    "model": args.model, "dataset": args.dataset_name, "root": args.dataset_root,
-                    "split": args.split, "batch_size": args.batch, "zstd_level": 3}
+                    "payload": str(payload_file), "legacy": args.legacy_heartbeats,
+                    "per_connection": args.agents_per_connection}
             spec_file = tmp / f"gen{p}.spec.json"
             spec_file.write_text(json.dumps(spec))
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec_file)],
@@ -358,8 +425,13 @@ def run_level(url: str, broker_pid: int, args: Any, agents: int, registered: int
                                f"{(tmp / 'coord.log').read_text(errors='replace')[-3000:]}")
         metrics = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]
-        times = [t for out in outs for t in json.loads(out.read_text())["times"]]
+        gens = [json.loads(out.read_text()) for out in outs]
+        times = [t for g in gens for t in g["times"]]
+        beats = [t for g in gens for t in g["beats"]]
     result = summarise(args, agents, registered, metrics, times, sampler)
+    result["generators"] = n_procs
+    t0, t1 = result.pop("window")
+    result["heartbeats_per_s"] = sum(1 for t in beats if t0 <= t <= t1) / (t1 - t0)
     if args.py_spy:
         result["stages_pct"] = profile_stages(Path(f"{args.py_spy}-{agents}.txt"))
     return result
@@ -385,6 +457,7 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
     server_s = sum(max(a["server_s"] for a in m["agents"].values()) for m in rounds)
     return {
         "agents": agents, "registered": registered, "rounds_measured": len(rounds), "window_s": round(window, 3),
+        "window": (t0, t1),
         "steps_per_s": steps / window, "agent_steps_per_s": steps * agents / window,
         "act_mb_per_s": act_bytes / 1e6 / window, "act_kb_per_message": act_bytes / 1e3 / (steps * agents),
         "step_ms_p50": 1e3 * q[49], "step_ms_p90": 1e3 * q[89], "step_ms_p99": 1e3 * q[98],
@@ -441,7 +514,7 @@ def profile_stages(path: Path) -> dict[str, float]:
     return {k: 100 * v / total for k, v in counts.items()}
 
 
-def floor(args: Any, agents: int = 100) -> dict[str, float]:
+def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
     """The coordinator's unavoidable work per agent-step, in this process with no broker: decoding
     and validating one real activations message (envelope, schema, tensor, labels), the server
     portion's forward/backward/update on the merged batch of ``agents`` such messages (per
@@ -449,11 +522,9 @@ def floor(args: Any, agents: int = 100) -> dict[str, float]:
     from coordinator.uploads import decode_activations
 
     torch.set_num_threads(1)
-    payload = Payload({"dataset": args.dataset_name, "root": args.dataset_root, "model": args.model,
-                       "split": args.split, "batch_size": args.batch, "zstd_level": 3})
     act = Message("activations", RUN, "a0", {"x": payload.x(args.codec), "y": payload.y, "compute_s": 0.0},
                   round=1, step=0, seq=1).encode()
-    shape = tuple(payload.out.shape[1:])
+    shape = tuple(payload.x(args.codec)["shape"][1:])
 
     class _Assigned:      # what decode_activations reads of an assignment
         batch_size, activation_shape = args.batch, shape
@@ -495,6 +566,58 @@ def floor(args: Any, agents: int = 100) -> dict[str, float]:
     return out
 
 
+def heartbeat_cost(url: str, beats: int = 4000) -> float:
+    """Coordinator CPU microseconds per heartbeat, measured end to end in this process: a real
+    ``MqttTransport`` receives ``beats`` heartbeats that another process publishes over the broker
+    (QoS 1, as agents send them), and a real fleet session takes each as the engine does (replay
+    check, liveness). This process's CPU time covers every thread: paho's reading and
+    acknowledging, parsing and validating, and the session's book-keeping."""
+    from coordinator.mqtt_transport import MqttTransport
+    from coordinator.registry import Registry
+    from coordinator.session import FleetSession
+    from sfl_core.config.run import run_config_from_dict
+
+    run = "beats"
+    cfg = run_config_from_dict({"run": run, "model": "small_cnn", "data": {"dataset": "digits"},
+                                "fleet": [{"profile": PROFILE, "count": 10_000}]})
+    transport = MqttTransport(url, run).start()
+    session = FleetSession(cfg, transport, Registry(10), virtual=False, now=time.monotonic,
+                           on_event=lambda *a: None, on_drop=lambda a: None)
+    sender = subprocess.Popen([sys.executable, __file__, "--beats", url, run, str(beats)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        got, t0 = 0, None
+        deadline = time.monotonic() + 120
+        while got < beats and time.monotonic() < deadline:
+            msg = session._receive(0.5)      # noqa: SLF001  (the engine's own intake)
+            if msg is None:
+                continue
+            if t0 is None:
+                t0 = time.process_time()
+                continue                      # measured from the first beat on
+            session.dispatch(msg, None)
+            got += 1
+        cpu = time.process_time() - (t0 or time.process_time())
+    finally:
+        sender.wait(timeout=60)
+        transport.close()
+    if got < beats - 1:
+        raise RuntimeError(f"heartbeat cost: only {got} of {beats} heartbeats arrived")
+    return 1e6 * cpu / max(got, 1)
+
+
+def send_beats(url: str, run: str, count: int) -> int:
+    """``--beats``: publish ``count`` heartbeats from 50 agent ids, as fast as the broker takes them."""
+    link = MqttLink(url, f"beats-{uuid.uuid4().hex[:6]}", lambda t, p: None)
+    link.connect(timeout=30)
+    for i in range(count):
+        agent = f"b{i % 50}"
+        msg = Message("heartbeat", run, agent, {"state": "idle"}, seq=protocol.next_seq())
+        link.publish(protocol.up_topic(run, agent), msg.encode(), timeout=30)
+    link.close()
+    return 0
+
+
 # =========================================================================== main
 
 
@@ -518,6 +641,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="profile the coordinator with py-spy (pip install py-spy): writes PREFIX-<agents>.txt, "
                         "collapsed stacks per thread (its CPU figures then include py-spy's own)")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per level (default 900)")
+    p.add_argument("--agents-per-connection", type=int, default=1,
+                   help="agents sharing one MQTT connection (default 1, as devices connect; e.g. 50 to host "
+                        "--registered 10000 on one machine)")
+    p.add_argument("--legacy-heartbeats", action="store_true",
+                   help="agents heartbeat every 2 s whatever the run announces, as agents before the idle "
+                        "interval did (the reference for --registered)")
     args = p.parse_args(argv)
     if args.quick:
         args.agents, args.rounds, args.tau, args.procs = args.agents or [4], 2, 2, 2
@@ -529,42 +658,60 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     given = Path(args.data).expanduser()
     args.dataset_root = str(given.resolve()) if given.exists() else None
 
+    payload = Payload.build({"dataset": args.dataset_name, "root": args.dataset_root, "model": args.model,
+                                  "split": args.split, "batch_size": args.batch, "zstd_level": 3,
+                                  "codecs": [args.codec]})
     results = []
     with MosquittoBroker() as broker:
         for n in levels:
             registered = max(n, args.registered or n)
             print(f"{n} agents per round ({registered} registered) ...", flush=True)
-            res = run_level(broker.url, broker.pid, args, n, registered)
+            res = run_level(broker.url, broker.pid, args, payload, n, registered)
             results.append(res)
             print(f"  {res['steps_per_s']:.2f} steps/s, coordinator CPU {res['coord_cpu_pct']:.0f} %", flush=True)
         version = broker.version()
+        print("the coordinator's cost of one heartbeat ...", flush=True)
+        beat_us = heartbeat_cost(broker.url, 400 if args.quick else 4000)
     cores = os.cpu_count()
     rows = [[r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
              r["coord_cpu_ms_per_agent_step"], r["coord_rss_mb"], r["broker_cpu_pct"], r["gen_cpu_pct"],
-             r["server_step_pct"]] for r in results]
+             r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
         f"shared by all processes",
         ["agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
-         "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %"],
+         "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %",
+         "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     print("the floor: the same work in one thread with no broker ...", flush=True)
-    bound = floor(args)
+    bound = floor(args, payload)
     common.print_table(
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step)",
         ["decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core"],
         [[bound["decode_ms"], bound["server_step_ms"], bound["encode_ms"], bound["total_ms"],
           1e3 / bound["total_ms"]]])
+    fleets = (10, 2_000, 10_000)
+    liveness_rows = [[n, liveness.idle_heartbeat_s(n), n / liveness.idle_heartbeat_s(n),
+                      n / liveness.idle_heartbeat_s(n) * beat_us / 1e4, n / liveness.BUSY_HEARTBEAT_S * beat_us / 1e4]
+                     for n in fleets]
+    common.print_table(
+        f"liveness: an idle fleet's heartbeats and their coordinator CPU ({beat_us:.0f} µs per heartbeat, measured)",
+        ["registered", "idle interval s", "heartbeats/s", "coordinator CPU % of a core",
+         "before (every 2 s), CPU %"], liveness_rows)
     profiled = [r for r in results if "stages_pct" in r]
     if profiled:
         common.print_table(
             "where the coordinator's round-work CPU goes (py-spy samples, % per stage)", ["agents", *STAGES],
             [[r["agents"], *(r["stages_pct"][k] for k in STAGES)] for r in profiled])
     doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results,
-           "floor": bound}
-    name = "coordinator_load" + (f"_workers{args.server_workers}" if args.server_workers > 1 else "")
+           "floor": bound, "heartbeat_us": beat_us,
+           "liveness": [dict(zip(("registered", "idle_interval_s", "heartbeats_per_s", "coord_cpu_pct",
+                                  "coord_cpu_pct_every_2s"), row)) for row in liveness_rows]}
+    name = ("coordinator_load" + (f"_workers{args.server_workers}" if args.server_workers > 1 else "")
+            + (f"_registered{args.registered}" if args.registered else "")
+            + ("_legacy" if args.legacy_heartbeats else ""))
     path = common.write_result(args.out, name, doc)
     print(f"wrote {path}")
     return doc
@@ -573,4 +720,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         sys.exit(worker(sys.argv[2]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--beats":
+        sys.exit(send_beats(sys.argv[2], sys.argv[3], int(sys.argv[4])))
     main()

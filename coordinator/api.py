@@ -34,6 +34,7 @@ from coordinator.engine import RoundEngine
 from coordinator.run_lock import RunLock, RunLocked
 from coordinator.server_trainer import pick_device
 from coordinator.transport import LocalTransport
+from sfl_core import liveness
 from sfl_core.config.run import RunConfig
 from sfl_core.data.builtin import Dataset, DatasetError, load_dataset
 from sfl_core.methods import build_method
@@ -171,6 +172,10 @@ def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dic
             "input_shape": list(data.input_shape), "num_classes": data.num_classes, "splits": splits,
             "partition": {"scheme": cfg.data.partition, "alpha": cfg.data.alpha, "seed": cfg.data.seed},
             "num_agents": cfg.num_agents}
+    if liveness.idle_heartbeat_s(cfg.num_agents) > liveness.BUSY_HEARTBEAT_S:
+        # a fleet past 100 agents: idle agents beat less often (agents of earlier releases, which
+        # do not know the field, refuse the description; smaller fleets keep it as it was)
+        body["heartbeat_idle_s"] = liveness.idle_heartbeat_s(cfg.num_agents)
     body.update(user_model_fields(cfg.model))
     if cfg.norm_stats.mode == "federated":   # an agent that cannot run statistics passes does not join
         body["norm_stats"] = {"every": cfg.norm_stats.every}

@@ -346,6 +346,8 @@ class RoundEngine:
         Rows cut before the pair pass it at that width too, so every row reaches the server's
         later layers through the same channels (tried: giving them the full width stalled
         training in the test fleet, the later layers then see two different distributions)."""
+        if not self.model.bottlenecks:
+            return
         for a, w in plan.widths.items():
             if w and self.model.bottleneck(plan.splits[a]) is not None:
                 self._latest_width[f"{plan.splits[a]}/{a}"] = w

@@ -16,6 +16,9 @@ TOTALS = ("rounds", "bytes_up", "bytes_down", "compute_s", "client_s", "transfer
 """An agent's running totals: kept across re-registration and restored from checkpoints."""
 
 
+_SAVED_FIELDS = tuple(k for k in AgentInfo.__dataclass_fields__ if k not in ("last_seen", "instance", "privacy", "epsilon"))
+
+
 class Registry:
     """``now`` is the liveness clock: the coordinator passes one that stands still while its
     broker is unreachable, so an outage does not make every agent look silent."""
@@ -29,6 +32,7 @@ class Registry:
         self.now = now
         self.channels = channels
         self.architecture = architecture
+        self._profile_dicts: dict[str, tuple[Any, dict[str, Any]]] = {}   # agent -> (profile, its dict)
         self.agents: dict[str, AgentInfo] = {}
         self.channel_stats: dict[str, ChannelStats] = {}
         """Registered agents' input statistics (``normalize: federated``), until the constants are set."""
@@ -102,10 +106,17 @@ class Registry:
                 if a.online and (stale_after_s is None or now - a.last_seen <= stale_after_s)]
 
     def to_json(self) -> dict[str, Any]:
-        return {a: {**{k: getattr(i, k) for k in AgentInfo.__dataclass_fields__
-                       if k not in ("last_seen", "instance", "privacy", "epsilon")},
-                    "profile": i.profile.to_dict()}
-                for a, i in self.agents.items()}
+        """The registry as the checkpoint keeps it (written every round: each agent's profile is
+        converted once, not once per round)."""
+        out, cache = {}, {}
+        for a, i in self.agents.items():
+            cached = self._profile_dicts.get(a)
+            if cached is None or cached[0] is not i.profile:
+                cached = (i.profile, i.profile.to_dict())
+            cache[a] = cached
+            out[a] = {**{k: getattr(i, k) for k in _SAVED_FIELDS}, "profile": cached[1]}
+        self._profile_dicts = cache
+        return out
 
     def load_totals(self, data: dict[str, Any]) -> None:
         """After --resume, agents re-register; their running totals come from the checkpoint."""

@@ -20,6 +20,7 @@ from typing import Any, Callable, Collection, Dict, Optional
 
 from coordinator.registry import Registry
 from coordinator.transport import Transport
+from sfl_core import liveness
 from sfl_core.config.run import RunConfig
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
@@ -82,6 +83,8 @@ class FleetSession:
         self.rejections = protocol.Rejections(log)
         self._rejected_before: dict[str, int] = {}
         self._pruned: dict[str, None] = {}
+        self._by_index: dict[int, set[str]] = {}   # index -> agent ids that registered with it (twins)
+        self._shown: tuple[float, int] = (float("-inf"), 0)   # (when, online count) for the events
         """Agents pruned from the registry (oldest first, bounded)."""
         self._gone: set[str] = set()
         """Registered agents whose own process said offline (its heartbeats do not revive it)."""
@@ -124,10 +127,9 @@ class FleetSession:
 
 
     def online(self) -> list[str]:
-        # a deployed agent silent for step_timeout_s (no heartbeat either) counts as gone even before its
+        # a deployed agent silent past its heartbeats (sfl_core.liveness) counts as gone even before its
         # last will arrives; simulated agents never vanish and send no heartbeats
-        stale = None if self.virtual else self.cfg.step_timeout_s
-        live = self.registry.online(stale_after_s=stale)
+        live = self.registry.online(stale_after_s=self._stale_after_s())
         n = self.cfg.num_agents
         if n and len(live) > n:
             # more agents online than the fleet has devices (strangers, or a flood of fakes): the
@@ -135,6 +137,21 @@ class FleetSession:
             order = {a: i for i, a in enumerate(self.registry.agents)}
             live = sorted(live, key=lambda i: (-i.rounds, order[i.agent_id]))[:n]
         return sorted(a.agent_id for a in live)
+
+    def _online_count(self) -> int:
+        """Online agents, for the operator's events: counted at most once a second (a fleet of
+        thousands registering would otherwise be counted once per registration)."""
+        now = time.monotonic()
+        if now - self._shown[0] >= 1.0:
+            self._shown = (now, len(self.registry.online()))
+        return self._shown[1]
+
+    def _stale_after_s(self) -> Optional[float]:
+        """Silence after which a registered agent is no longer online: idle agents beat at the
+        interval the run description announces (:func:`sfl_core.liveness.idle_heartbeat_s`)."""
+        if self.virtual:
+            return None
+        return liveness.stale_after_s(self.cfg.step_timeout_s, liveness.idle_heartbeat_s(self.cfg.num_agents))
 
     def shutdown_agents(self, reason: str) -> None:
         for a in list(self.registry.agents):
@@ -347,8 +364,7 @@ class FleetSession:
         """Forget agents that never trained a round and are not online (or silent past the step
         timeout): they hold no totals worth keeping, and a flood of fakes would otherwise stay
         in the registry and every checkpoint."""
-        stale = None if self.virtual else self.cfg.step_timeout_s
-        live = {a.agent_id for a in self.registry.online(stale_after_s=stale)}
+        live = {a.agent_id for a in self.registry.online(stale_after_s=self._stale_after_s())}
         gone = [a for a, i in self.registry.agents.items() if i.rounds == 0 and a not in live]
         for a in gone:
             del self.registry.agents[a]
@@ -390,8 +406,11 @@ class FleetSession:
                 # present on the broker: its retained online status (with its last will) was seen,
                 # before or after this registration; an id that only sends 'register' is not
                 info.online = msg.sender in self._present or (old is not None and old.online)
-            twin = next((a for a, i in self.registry.agents.items()
-                         if a != msg.sender and i.registered and i.index == info.index), None)
+            holders = self._by_index.setdefault(info.index, set())
+            twin = next((a for a in sorted(holders) if a != msg.sender and a in self.registry.agents
+                         and self.registry.agents[a].registered and self.registry.agents[a].index == info.index),
+                        None)
+            holders.add(msg.sender)
             if twin is not None and not self.virtual and self.cfg.task is None:   # own data: no shards
                 log.warning("agent %s registered with --index %d, which agent %s also uses: both train on the "
                             "same shard of a partitioned data set", msg.sender, info.index, twin)
@@ -406,7 +425,7 @@ class FleetSession:
             elif ra is not None:
                 self.drop(agents, msg.sender, "re-registered mid-round (restarted)")
             self._reply(msg.sender, "accepted", {"message": f"registered as agent {info.index}"})
-            self.on_event("registered", {"agent": msg.sender, "online": len(self.registry.online())})
+            self.on_event("registered", {"agent": msg.sender, "online": self._online_count()})
         elif msg.type == "status":
             if msg.body["online"]:
                 protocol.remember(self._present, msg.sender, msg.body["instance"])

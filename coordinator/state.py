@@ -54,11 +54,12 @@ class CheckpointWriteError(OSError):
 def save(out_dir: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
     """Replace the checkpoint atomically, then refresh the readable ``state.json`` copy."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, "state": json.dumps(state),
+    text = json.dumps(state)   # once, and compact: an indented dump takes json's pure-Python encoder,
+    buf = io.BytesIO()         # most of a round's book-keeping with thousands of registered agents
+    torch.save({"format": FORMAT, "state": text,
                 "model": {k: v.detach().cpu() for k, v in model_state.items()}}, buf)
     _write_atomic(out_dir / MODEL_FILE, buf.getvalue())
-    _write_atomic(out_dir / STATE_FILE, json.dumps(state, indent=1).encode())
+    _write_atomic(out_dir / STATE_FILE, text.encode() + b"\n")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -28,6 +28,7 @@ from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
 from edge_agent.own_data import prepare_device, task_of
 from edge_agent.profiler import measure_compute, measure_link
+from sfl_core import liveness
 from sfl_core.config.run import ConfigError, DeviceProfile
 from sfl_core.data.builtin import load_dataset
 from sfl_core.data.partition import load_shard_file, shard_for_agent
@@ -122,6 +123,7 @@ class AgentRunner:
         self._stop = threading.Event()
         self.core: Optional[AgentCore] = None
         self._busy = False
+        self._last_work = float("-inf")   # when a coordinator message for us last arrived (liveness.due)
         self.bytes_up = 0
         self.bytes_down = 0
         self.rejections = protocol.Rejections(log)
@@ -464,6 +466,8 @@ class AgentRunner:
         elif msg.type == "probe_ack":
             self._probe_acks.put(msg)
         else:
+            if msg.type in liveness.WORK_TYPES:
+                self._last_work = time.monotonic()
             self._inbox.put(msg)
 
     def _trusted(self, msg: Message, topic: str) -> bool:
@@ -527,7 +531,16 @@ class AgentRunner:
         self.link.publish(self._status_topic, self._status(True).encode(), retain=True, timeout=10)
 
     def _heartbeat(self) -> None:
+        """Every ``heartbeat_s`` while in a round, else at the run's idle interval (:mod:`sfl_core.liveness`)."""
+        last_beat = time.monotonic()
         while not self._stop.wait(self.o.heartbeat_s):
+            info = self._run_info
+            idle_s = liveness.agreed_idle_s(info.body.get("heartbeat_idle_s") if info is not None else None,
+                                            self.o.heartbeat_s)
+            now = time.monotonic()
+            if not liveness.due(now, last_beat, self._last_work, self._busy, self.o.heartbeat_s, idle_s):
+                continue
+            last_beat = now
             state = "busy" if self._busy else "idle"
             self.link.publish(protocol.up_topic(self.o.run_id, self.o.agent_id),
                               self._msg("heartbeat", {"state": state}).encode(), timeout=5)

@@ -124,6 +124,7 @@ OPTIONAL: dict[str, dict[str, Any]] = {
     "run_info": {"task": dict, "normalize": dict, "architecture": list,
                  "norm_stats": dict,   # {"every": k}: this run asks for statistics passes (norm_pass)
                  "drift": dict,        # {"kind": fedprox|scaffold}: assignments carry prox_mu or correction
+                 "heartbeat_idle_s": _NUM,   # idle agents beat this seldom (sfl_core.liveness)
                  # a user's model (sfl_core.model.user_models): a file each side installs (named, never sent),
                  # or a declarative layer list (data, validated by the agent)
                  "model_file": str, "model_function": str, "model_layers": list},

@@ -1,0 +1,142 @@
+"""Liveness that scales with the fleet (sfl_core.liveness): idle agents beat at an interval the
+run description announces, agents in a round every 2 s, and the coordinator's notion of
+"online" waits for the missed idle beats, not for the step timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.api import run_info_body
+from coordinator.registry import Registry
+from coordinator.session import FleetSession
+from coordinator.transport import LocalTransport
+from edge_agent.runner import AgentOptions, AgentRunner
+from sfl_core import liveness
+from sfl_core.config.run import load_profile, run_config_from_dict
+from sfl_core.data.builtin import load_dataset
+from sfl_core.wire import protocol
+from sfl_core.wire.protocol import Message
+
+
+def test_the_idle_interval_grows_with_the_fleet_within_bounds():
+    assert liveness.idle_heartbeat_s(4) == liveness.BUSY_HEARTBEAT_S == 2.0       # small fleets: as before
+    assert liveness.idle_heartbeat_s(100) == 2.0
+    assert liveness.idle_heartbeat_s(2_000) == pytest.approx(40.0)               # 2,000 / 50 beats/s
+    assert liveness.idle_heartbeat_s(10_000) == liveness.MAX_IDLE_HEARTBEAT_S == 120.0
+    # the whole idle fleet sends the budget of 50 beats a second, 83 at 10,000 (the interval's cap)
+    assert 2_000 / liveness.idle_heartbeat_s(2_000) == pytest.approx(liveness.IDLE_BEATS_PER_S)
+    assert 10_000 / liveness.idle_heartbeat_s(10_000) == pytest.approx(83.3, abs=0.1)
+    assert liveness.stale_after_s(60.0, 2.0) == 60.0          # the step timeout where beats are frequent
+    assert liveness.stale_after_s(60.0, 120.0) == 360.0       # three missed idle beats otherwise
+
+
+@pytest.mark.parametrize("announced, expected", [(40, 40.0), (40.5, 40.5), (0.5, 2.0), (1e9, 120.0),
+                                                 (None, 2.0), ("40", 2.0), (True, 2.0), (float("nan"), 2.0),
+                                                 (float("inf"), 2.0)])
+def test_an_agent_takes_the_announced_interval_only_when_it_is_a_sane_number(announced, expected):
+    assert liveness.agreed_idle_s(announced, 2.0) == expected
+
+
+def test_beats_are_due_every_tick_in_a_round_and_once_an_idle_interval_otherwise():
+    due = liveness.due
+    # computing, or heard from the coordinator within the idle interval: every check
+    assert due(now=100.0, last_beat=99.0, last_work=-1e9, busy=True, busy_s=2.0, idle_s=40.0)
+    assert due(now=100.0, last_beat=99.0, last_work=70.0, busy=False, busy_s=2.0, idle_s=40.0)
+    # idle: not before the interval (less half a tick) has passed since the last beat
+    assert not due(now=100.0, last_beat=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
+    assert due(now=109.0, last_beat=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
+
+
+def test_the_run_description_announces_the_interval_and_passes_validation(tmp_path):
+    cfg = run_config_from_dict({"run": "lv", "model": "small_cnn", "data": {"dataset": "digits"},
+                                "fleet": [{"profile": "s2fl-low-low", "count": 2_000}], "per_round": 10,
+                                "output_dir": str(tmp_path / "out")})
+    body = run_info_body(cfg, load_dataset("digits"))
+    assert body["heartbeat_idle_s"] == pytest.approx(40.0)
+    small = run_config_from_dict({"run": "lv", "model": "small_cnn", "data": {"dataset": "digits"},
+                                  "fleet": [{"profile": "s2fl-low-low", "count": 100}],
+                                  "output_dir": str(tmp_path / "out")})
+    assert "heartbeat_idle_s" not in run_info_body(small, load_dataset("digits"))   # as earlier releases read it
+    body["coordinator"], body["sig"] = {"key": bytes(32), "instance": "x"}, b"s"
+    msg = Message("run_info", "lv", protocol.COORDINATOR_ID, body, seq=1)
+    assert protocol.decode(msg.encode(), run="lv").body["heartbeat_idle_s"] == pytest.approx(40.0)
+    bad = Message("run_info", "lv", protocol.COORDINATOR_ID, {**body, "heartbeat_idle_s": "soon"}, seq=2)
+    with pytest.raises(Exception, match="heartbeat_idle_s"):
+        protocol.decode(bad.encode(), run="lv")
+
+
+def _session(tmp_path: Path, fleet: int, clock: list[float]) -> tuple[FleetSession, Registry]:
+    cfg = run_config_from_dict({"run": "lv", "model": "small_cnn", "data": {"dataset": "digits"},
+                                "fleet": [{"profile": "s2fl-low-low", "count": fleet}], "step_timeout_s": 60,
+                                "output_dir": str(tmp_path / "out")})
+
+    class Quiet(LocalTransport):
+        def send(self, a, m):
+            return 0
+    reg = Registry(10, now=lambda: clock[0])
+    session = FleetSession(cfg, Quiet(), reg, virtual=False, now=lambda: clock[0], on_event=lambda *a: None,
+                           on_drop=lambda a: None)
+    for i, agent in enumerate(("pi-1", "pi-2")):
+        session.dispatch(Message("status", "lv", agent, {"online": True, "instance": f"i{i}"},
+                                 seq=protocol.next_seq()), None)
+        body = protocol.register_body(index=i, profile=load_profile("s2fl-low-low"), measured={},
+                                      label_counts=[1] * 10, num_samples=10, emulate=False, resume={}, privacy={})
+        session.dispatch(Message("register", "lv", agent, body, seq=protocol.next_seq()), None)
+    return session, reg
+
+
+def test_an_idle_agent_of_a_big_fleet_stays_online_between_its_beats(tmp_path):
+    clock = [0.0]
+    session, reg = _session(tmp_path, 10_000, clock)
+    assert session.online() == ["pi-1", "pi-2"]
+    clock[0] = 300.0                       # 2.5 idle intervals of 120 s without a word: still there
+    assert session.online() == ["pi-1", "pi-2"]
+    reg.seen("pi-1")                       # pi-1 beats; pi-2 stays silent past three intervals
+    clock[0] = 361.0
+    assert session.online() == ["pi-1"]
+
+
+def test_a_small_fleet_still_takes_silence_past_the_step_timeout_for_absence(tmp_path):
+    clock = [0.0]
+    session, _ = _session(tmp_path, 10, clock)
+    clock[0] = 59.0
+    assert session.online() == ["pi-1", "pi-2"]
+    clock[0] = 61.0
+    assert session.online() == []
+
+
+class _Link:
+    def __init__(self):
+        self.beats: list[float] = []
+
+    def publish(self, topic, payload, **kw):
+        self.beats.append(time.monotonic())
+        return True
+
+
+def test_the_agent_beats_at_the_announced_interval_when_idle_and_every_tick_in_a_round():
+    """The agent's own heartbeat loop (edge_agent.runner), with the run description announcing an
+    idle interval of 0.5 s and a tick of 0.05 s."""
+    runner = AgentRunner.__new__(AgentRunner)
+    runner.o = AgentOptions(broker="mqtt://127.0.0.1:1", run_id="lv", agent_id="pi-1",
+                            profile=load_profile("s2fl-low-low"), heartbeat_s=0.05)
+    runner._stop, runner._busy, runner.core, runner.link = threading.Event(), False, None, _Link()
+    runner._last_work = float("-inf")
+    runner._run_info = Message("run_info", "lv", protocol.COORDINATOR_ID, {"heartbeat_idle_s": 0.5}, seq=1)
+    beating = threading.Thread(target=runner._heartbeat, daemon=True)
+    beating.start()
+    try:
+        time.sleep(1.6)
+        idle = len(runner.link.beats)
+        runner._last_work = time.monotonic()          # an assignment arrived: a round is in progress
+        time.sleep(0.4)
+        working = len(runner.link.beats) - idle
+    finally:
+        runner._stop.set()
+        beating.join(5)
+    assert 2 <= idle <= 4, runner.link.beats         # ~3 beats in 1.6 s at 0.5 s (31 at the tick)
+    assert working >= 5, runner.link.beats           # ~8 in 0.4 s at the 0.05 s tick
