@@ -48,11 +48,11 @@ def bench_broker():
         yield b
 
 
-def _run(script: str, out: Path, *args: str, timeout: float = 120) -> dict:
+def _run(script: str, out: Path, *args: str, timeout: float = 120, result: str = "") -> dict:
     proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    path = out / f"{Path(script).stem}.json"
+    path = out / f"{result or Path(script).stem}.json"
     assert path.exists(), proc.stdout[-2000:]
     return json.loads(path.read_text())
 
@@ -106,8 +106,9 @@ def test_round_quick(bench_broker, tmp_path):
 def test_coordinator_load_quick(bench_broker, tmp_path):
     """The load bench drives a real ``sfl-coord serve`` with protocol-speaking agents; every round
     must complete with every agent, and the figures must add up."""
-    doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "3", "--registered", "5", timeout=140)
-    assert doc["benchmark"] == "coordinator_load" and doc["quick"] is True
+    doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "3", "--registered", "5",
+               "--agents-per-connection", "2", timeout=240, result="coordinator_load_registered5")
+    assert doc["benchmark"] == "coordinator_load_registered5" and doc["quick"] is True
     (lvl,) = doc["levels"]
     assert lvl["agents"] == 3 and lvl["registered"] == 5 and lvl["rounds_measured"] == 1
     for key in ("steps_per_s", "act_mb_per_s", "step_ms_p50", "coord_cpu_pct", "coord_rss_mb"):
@@ -117,3 +118,10 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     assert lvl["step_ms_p99"] >= lvl["step_ms_p90"] >= lvl["step_ms_p50"]
     assert lvl["act_mb_per_s"] == pytest.approx(lvl["act_kb_per_message"] * 1e-3 * lvl["agent_steps_per_s"])
     assert 0 < lvl["server_step_pct"] < 100
+    assert lvl["heartbeats_per_s"] >= 0 and lvl["generators"] >= 1
+    # the floor and the heartbeat's cost: measured, and the liveness rows follow from them
+    assert 0 < doc["floor"]["decode_ms"] < doc["floor"]["total_ms"]
+    assert doc["heartbeat_us"] > 0
+    big = doc["liveness"][-1]
+    assert big["registered"] == 10_000 and big["heartbeats_per_s"] == pytest.approx(10_000 / 120)
+    assert big["coord_cpu_pct"] == pytest.approx(big["heartbeats_per_s"] * doc["heartbeat_us"] / 1e4)
