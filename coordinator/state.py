@@ -4,7 +4,7 @@
 run state (round, registry, time table, ...) as JSON text, so the pair can never disagree: it
 is written to a temporary file, flushed to disk, and moved over the old one with one
 ``os.replace``. A kill at any instant leaves either the previous checkpoint or the new one.
-``state.json`` beside it is a readable copy of the same state for people and scripts; nothing
+``state.json`` beside it is a copy of the same state (one line of JSON) for people and scripts; nothing
 resumes from it.
 
 **Safe to read.** ``torch.load(..., weights_only=True)`` refuses anything but tensors and
@@ -52,7 +52,7 @@ class CheckpointWriteError(OSError):
 # ================================================================ writing
 
 def save(out_dir: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
-    """Replace the checkpoint atomically, then refresh the readable ``state.json`` copy."""
+    """Replace the checkpoint atomically, then refresh the ``state.json`` copy."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(state)   # once, and compact: an indented dump takes json's pure-Python encoder,
     buf = io.BytesIO()         # most of a round's book-keeping with thousands of registered agents
