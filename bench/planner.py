@@ -12,7 +12,10 @@
 2. **Prediction error** (predicted / measured round time - 1, per round after the first):
    in simulation against the virtual clock, and over MQTT with emulated agent processes
    (``sfl-coord demo``: embedded broker, one ``sfl-agent start --emulate`` per device) against
-   the wall clock. Median and 90th percentile of |error|.
+   the wall clock: the round's training phase as the coordinator timed it (assignments out to
+   the last weights in), its own per-message work and the lock-step waits included, which the
+   planner learns as ``agent_step_overhead_s`` and step jitter. Median and 90th percentile of
+   |error|.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = common.base_parser(__doc__)
     p.add_argument("--config", type=Path, default=common.REPO_ROOT / "profiles" / "runs" / "demo.yaml",
                    help="run config for the prediction error (its fleet; strategy set to auto)")
-    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--no-mqtt", action="store_true", help="skip the MQTT run")
     args = p.parse_args(argv)
     common.apply_threads(args)

@@ -35,6 +35,9 @@ class AgentWork:
     profile: DeviceProfile
     """Its device profile in this round (capacity schedule applied)."""
     server_flops_per_s: float
+    coordinator_s: float = 0.0
+    """What the time model charges for the coordinator's handling of the round's step messages
+    (:func:`sfl_core.timing.step_overhead_s`); a wall clock measures it instead."""
 
 
 class Clock(Protocol):

@@ -437,10 +437,11 @@ class RoundEngine:
         accuracy, test_loss = self.evaluate() if self._evaluates(r) else (None, None)
         eval_s = time.monotonic() - eval0
         per_agent, times, observed = price_round(r, self.clock, self.costs, self.registry.agents, agents, uploads,
-                                                 done, server_flops=self.cfg.server_flops)
+                                                 done, server_flops=self.cfg.server_flops,
+                                                 per_agent_step_s=self.cfg.agent_step_overhead_s)
         self.method.observe(observed)
-        self.method.record(r, times, plan.splits)
         round_s = self.clock.end_round(list(times.values()), wall_s)
+        self.method.record(r, times, plan.splits, round_s)
         pass_record = None
         if pass_agents is not None:   # a second phase: it starts once the slowest agent's weights are in
             pass_record = price_norm_pass(r, self.clock, self.costs, self.registry.agents, pass_agents,

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from coordinator.clock import AgentWork, Clock
 from coordinator.round_record import agent_row
+from sfl_core import timing
 from coordinator.session import RoundAgent
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import AgentRound
@@ -22,10 +23,14 @@ __all__ = ["price_round", "price_norm_pass"]
 
 def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Mapping[str, AgentInfo],
                 agents: Mapping[str, RoundAgent], uploads: Mapping[str, Message], done: Sequence[str], *,
-                server_flops: float) -> tuple[dict[str, dict[str, Any]], dict[str, float], list[AgentRound]]:
+                server_flops: float, per_agent_step_s: float = 0.0
+                ) -> tuple[dict[str, dict[str, Any]], dict[str, float], list[AgentRound]]:
     """Price round ``r`` for the agents in ``done``: their metrics rows, their seconds, and the
-    observations for the method. Adds to each agent's totals in ``infos`` (the registry's)."""
+    observations for the method. Adds to each agent's totals in ``infos`` (the registry's).
+    ``per_agent_step_s``: the run's ``agent_step_overhead_s``, what a time-model clock charges
+    each split agent for the coordinator's handling of the round's split agents' steps."""
     per_agent, times, observed = {}, {}, []
+    split_agents = sum(not agents[a].assignment.whole_model for a in agents)
     for a in done:
         ra, info = agents[a], infos[a]
         cost = costs[ra.assignment.split]
@@ -34,14 +39,17 @@ def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Map
             measured_s=ra.busy_s + ra.server_s, compute_s=ra.compute_s, server_s=ra.server_s,
             client_flops=cost.client_flops * samples, server_flops=cost.server_flops * samples,
             bytes_up=ra.bytes_up, bytes_down=ra.bytes_down, messages=ra.messages,
-            profile=info.profile.at_round(r), server_flops_per_s=server_flops))
+            profile=info.profile.at_round(r), server_flops_per_s=server_flops,
+            coordinator_s=0.0 if ra.assignment.whole_model else timing.step_overhead_s(
+                per_agent_step_s, steps=ra.assignment.tau, split_agents=split_agents)))
         t = times[a] = parts.total_s
         act = 0 if ra.assignment.whole_model else math.prod(ra.assignment.activation_shape) * 4
         observed.append(AgentRound(
             a, info, ra.assignment.split, ra.assignment.codec, samples, compute_s=parts.client_compute_s,
             transfer_s=parts.transfer_s, profile=info.profile.at_round(r),
             weights_bytes=uploads[a].wire_bytes, messages=ra.messages, wire_bytes=ra.bytes_up + ra.bytes_down,
-            fp32_bytes=2 * cost.client_param_bytes + 2 * samples * act))
+            fp32_bytes=2 * cost.client_param_bytes + 2 * samples * act,
+            step_jitter_s=0.0 if clock.virtual else ra.step_jitter_s))
         info.rounds += 1
         info.bytes_up += ra.bytes_up
         info.bytes_down += ra.bytes_down

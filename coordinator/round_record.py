@@ -17,15 +17,19 @@ from sfl_core.privacy import privacy_summary
 def agent_row(ra: RoundAgent, parts: timing.AgentTime, time_s: float) -> dict[str, Any]:
     """One agent's entry in the round's ``agents``. ``compute_s``: as the agent reported it
     (host time in a simulation); ``client_s`` and ``transfer_s``: by the run's clock (the time
-    model in a simulation)."""
-    return {"compute_s": round(ra.compute_s, 4), "time_s": round(time_s, 4),
-            "client_s": round(parts.client_compute_s, 4), "transfer_s": round(parts.transfer_s, 4),
-            "server_s": round(ra.server_s, 4), "bytes_up": ra.bytes_up,
-            "bytes_down": ra.bytes_down, "split": ra.assignment.split,
-            "whole_model": ra.assignment.whole_model,
-            "width": ra.assignment.width, "codec": ra.assignment.codec,
-            "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
-            "labels_withheld": ra.labels_withheld}
+    model in a simulation); ``coordinator_s`` where the time model charged the coordinator's
+    step overhead (``agent_step_overhead_s``)."""
+    row = {"compute_s": round(ra.compute_s, 4), "time_s": round(time_s, 4),
+           "client_s": round(parts.client_compute_s, 4), "transfer_s": round(parts.transfer_s, 4),
+           "server_s": round(ra.server_s, 4), "bytes_up": ra.bytes_up,
+           "bytes_down": ra.bytes_down, "split": ra.assignment.split,
+           "whole_model": ra.assignment.whole_model,
+           "width": ra.assignment.width, "codec": ra.assignment.codec,
+           "batch_size": ra.assignment.batch_size, "lr": ra.assignment.lr,
+           "labels_withheld": ra.labels_withheld}
+    if parts.coordinator_s:
+        row["coordinator_s"] = round(parts.coordinator_s, 4)
+    return row
 
 
 def round_record(r: int, *, accuracy: Optional[float], test_loss: Optional[float], train_loss: Optional[float],

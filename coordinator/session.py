@@ -14,8 +14,9 @@ simulation, while a deployment's is wall time.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Optional
 
 from coordinator.registry import Registry
@@ -57,6 +58,18 @@ class RoundAgent:
     server_s: float = 0.0
     messages: int = 0
     resends: int = 0
+    steps: list[float] = field(default_factory=list)
+    """Its response time at each step after the first (gradients sent -> next activations in):
+    their spread is the jitter that lock-step waits on (:func:`sfl_core.timing.lockstep_slack_s`)."""
+
+    @property
+    def step_jitter_s(self) -> float:
+        """Standard deviation of :attr:`steps` (0 with fewer than two)."""
+        n = len(self.steps)
+        if n < 2:
+            return 0.0
+        mean = sum(self.steps) / n
+        return math.sqrt(sum((x - mean) ** 2 for x in self.steps) / (n - 1))
 
 
 class FleetSession:
@@ -166,9 +179,11 @@ class FleetSession:
         self.send_many([(ra, msg)])
 
     def send_many(self, messages: list[tuple[RoundAgent, Message]]) -> None:
-        """Send each (agent, message) pair; the transport may publish them as one burst."""
-        sizes = self.transport.send_many([(ra.info_id, msg) for ra, msg in messages])
+        """Send each (agent, message) pair; the transport may publish them as one burst. An agent's
+        response time runs from the handing over, not from the broker's acknowledgements: the
+        agent is already at work while they come back."""
         now = self._now()
+        sizes = self.transport.send_many([(ra.info_id, msg) for ra, msg in messages])
         for (ra, msg), n in zip(messages, sizes):
             ra.bytes_down += n
             ra.messages += 1
@@ -276,7 +291,10 @@ class FleetSession:
         ra.bytes_up += msg.wire_bytes
         ra.messages += 1
         ra.resends = 0
-        ra.busy_s += self._now() - ra.last_sent_at
+        dt = self._now() - ra.last_sent_at
+        ra.busy_s += dt
+        if msg.type == "activations" and msg.step:
+            ra.steps.append(dt)
         ra.compute_s = float(msg.body["compute_s"])
 
     def _training_message(self, msg: Message, agents: dict[str, RoundAgent], kind: str, r: int, k: int,

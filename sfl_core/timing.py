@@ -16,6 +16,8 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
+import numpy as np
+
 from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
 from sfl_core.wire.codec import nominal_ratio
 
@@ -27,15 +29,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AgentTime:
-    """One agent's share of a round: compute on the agent, transfer, compute on the server."""
+    """One agent's share of a round: compute on the agent, transfer, compute on the server, and
+    the coordinator's own handling of the round's step messages (:func:`step_overhead_s`)."""
 
     client_compute_s: float
     transfer_s: float
     server_compute_s: float
+    coordinator_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.client_compute_s + self.transfer_s + self.server_compute_s
+        return self.client_compute_s + self.transfer_s + self.server_compute_s + self.coordinator_s
 
 
 def agent_round_time(
@@ -50,8 +54,11 @@ def agent_round_time(
     downlink_bytes_per_s: float,
     latency_s: float = 0.0,
     messages: int = 0,
+    coordinator_s: float = 0.0,
 ) -> AgentTime:
-    """S2FL Eq. 1 with the transfer split by direction: ``T = bytes/R + F_c/Comp_c + F_s/Comp_s``.
+    """S2FL Eq. 1 with the transfer split by direction: ``T = bytes/R + F_c/Comp_c + F_s/Comp_s``,
+    plus ``coordinator_s``, the seconds the coordinator's handling of the round's step messages
+    adds (:func:`step_overhead_s`; 0 for the equation as published).
 
     ``bytes_up``/``bytes_down`` are the real encoded bytes (weights, activations, gradients),
     so codec choices show up in the virtual clock; ``messages`` one-way latencies are added.
@@ -61,7 +68,23 @@ def agent_round_time(
         transfer_s=transfer_time(bytes_up, bytes_down, uplink_bytes_per_s, downlink_bytes_per_s,
                                  latency_s=latency_s, messages=messages),
         server_compute_s=server_flops / server_flops_per_s if server_flops else 0.0,
+        coordinator_s=coordinator_s,
     )
+
+
+def step_overhead_s(per_agent_step_s: float, *, steps: int, split_agents: int) -> float:
+    """What the coordinator's own work adds to each split agent's round: ``tau · n · h``.
+
+    Feature merging steps in lock-step: at each of the ``steps`` local steps the coordinator
+    receives, validates and decodes the ``split_agents`` agents' activations, runs the merged
+    server step, and encodes and publishes their gradients, one agent after another, while
+    every agent waits; and the step ends only when its slowest agent's activations are in.
+    None of that is the agent's compute or its link, and it grows with the agents in the
+    round, so it is charged as ``h`` seconds per agent per step (``per_agent_step_s``, the run's
+    ``agent_step_overhead_s``, or under ``strategy: auto`` as a deployment measures it). An agent
+    training the whole model exchanges no step messages and pays none.
+    """
+    return per_agent_step_s * steps * split_agents
 
 
 def transfer_time(bytes_up: float, bytes_down: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float, *,
@@ -69,6 +92,45 @@ def transfer_time(bytes_up: float, bytes_down: float, uplink_bytes_per_s: float,
     """The link part of :func:`agent_round_time`: ``up/R_up + down/R_down + messages·latency``
     (what MergeSFL's batch-independent and per-sample link estimates are made of too)."""
     return bytes_up / uplink_bytes_per_s + bytes_down / downlink_bytes_per_s + messages * latency_s
+
+
+def lockstep_slack_s(step_s: Sequence[float], jitter_s: Sequence[float], *, steps: int) -> float:
+    """What lock-step adds to a round beyond its slowest agent: ``tau · (E[max_i X_i] − max_i μ_i)``.
+
+    Feature merging waits at every step for the last agent's activations, so a round lasts
+    the sum over steps of the slowest response, not the slowest agent's sum. With agent ``i``'s
+    step response ``X_i ~ N(μ_i, σ_i²)`` (``step_s`` the means, ``jitter_s`` the standard
+    deviations, as a deployment measured them), agents whose means are close each lose the
+    step to the other's bad luck: two equal agents add ``σ/√π`` per step, more agents more.
+    A planner that equalises its agents' times makes exactly that case. ``E[max]`` is
+    integrated numerically (``∫ (1 − Π_i Φ((x − μ_i)/σ_i)) dx`` above a point every agent is
+    almost surely past), over the agents that can still be the slowest. 0 without jitter
+    (a virtual clock's rounds), so the time model as published is unchanged there.
+    """
+    pairs = [(float(m), float(s)) for m, s in zip(step_s, jitter_s)]
+    if not pairs or not any(s > 0 for _, s in pairs):
+        return 0.0
+    top = max(m for m, _ in pairs)
+    widest = max(s for _, s in pairs)
+    lo = top - 8.0 * widest
+    contenders = [(m, s) for m, s in pairs if m + 8.0 * s > lo]
+    hi = max(m + 8.0 * s for m, s in contenders)
+    x = np.linspace(lo, hi, 2001)
+    below = np.ones_like(x)                  # P(every agent's step is done by x)
+    for m, s in contenders:
+        below *= _normal_cdf((x - m) / s) if s > 0 else (x >= m)
+    above = 1.0 - below
+    expected_max = lo + float(np.sum((above[1:] + above[:-1]) * np.diff(x)) / 2)   # trapezoid rule
+    return max(0.0, float(steps * (expected_max - top)))
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """Φ(z), the standard normal CDF, elementwise (Abramowitz–Stegun 7.1.26 for erf, |error| < 1.5e-7)."""
+    u = np.abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * u)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-u * u)
+    return 0.5 * (1.0 + np.sign(z) * erf)
 
 
 def round_time(times: Iterable[float]) -> float:
@@ -182,14 +244,16 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
                weight_bytes: float, activation_bytes: float, compute_flops_per_s: float,
                server_flops_per_s: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float,
                latency_s: float, messages: int, compute_scale: float = 1.0, link_scale: float = 1.0,
-               mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0) -> Option:
+               mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0,
+               coordinator_s: float = 0.0) -> Option:
     """An :class:`Option` from the time model itself (:func:`sfl_core.agent_round_time`, the
     function the virtual clock charges), evaluated at batch 0 and 1 (it is linear in the batch).
 
     Per-sample FLOPs and bytes are per training sample; ``tau`` steps per round; weights go
     down and up once (``weight_bytes`` each way), activations up and gradients down
     (``activation_bytes`` each way, on the wire). ``compute_scale`` and ``link_scale`` are the
-    measured-over-predicted corrections the planner learns from finished rounds.
+    measured-over-predicted corrections the planner learns from finished rounds;
+    ``coordinator_s`` the round's :func:`step_overhead_s` (independent of the batch).
     """
     def parts(batch: int) -> AgentTime:
         samples = tau * batch
@@ -198,10 +262,10 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
             client_flops=client_flops * samples, server_flops=server_flops * samples, bytes_up=one_way,
             bytes_down=one_way, client_flops_per_s=compute_flops_per_s, server_flops_per_s=server_flops_per_s,
             uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s, latency_s=latency_s,
-            messages=messages)
+            messages=messages, coordinator_s=coordinator_s)
 
     def scaled(t: AgentTime) -> float:
-        return t.client_compute_s * compute_scale + t.transfer_s * link_scale + t.server_compute_s
+        return t.client_compute_s * compute_scale + t.transfer_s * link_scale + t.server_compute_s + t.coordinator_s
 
     zero, one = parts(0), parts(1)
     return Option(split=split, codec=codec, fixed_s=scaled(zero), per_sample_s=scaled(one) - scaled(zero),
@@ -210,18 +274,23 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
 
 
 def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentInfo", *, ratio: float,
-                 compute_scale: float = 1.0, link_scale: float = 1.0, width: int = 0) -> Option:
+                 compute_scale: float = 1.0, link_scale: float = 1.0, width: int = 0,
+                 split_agents: int = 1, per_agent_step_s: float | None = None) -> Option:
     """One agent's round at one cut and codec, by the time model, from what is known of it: its
     registration measurements (compute seconds per sample at that cut, link rates) where it
     measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (the
     codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
     gradients (and momentum) plus every client activation and its gradient per sample.
-    The planners (auto), ``sfl-coord plan`` and every method's preview price with this."""
+    A cut (not the whole model) pays the coordinator's :func:`step_overhead_s` for a round of
+    ``split_agents`` split agents at ``per_agent_step_s`` (default: the run's
+    ``agent_step_overhead_s``). The planners (auto), ``sfl-coord plan`` and every method's
+    preview price with this."""
     ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
     seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
     copies = 3 if cfg.momentum > 0 else 2
     whole = cost.activation_bytes == 0   # the whole model on the agent: weights only, no per-step exchange
+    h = cfg.agent_step_overhead_s if per_agent_step_s is None else per_agent_step_s
     return option_for(
         split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
         server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
@@ -230,7 +299,8 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
         downlink_bytes_per_s=downlink_rate(info),
         latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
         compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
-        mem_per_sample=2 * cost.client_activation_bytes, width=width)
+        mem_per_sample=2 * cost.client_activation_bytes, width=width,
+        coordinator_s=0.0 if whole else step_overhead_s(h, steps=cfg.local_iters, split_agents=split_agents))
 
 
 def predict_norm_pass(cfg: "RunConfig", cost: "SplitCost", info: "AgentInfo", *, ratio: float) -> tuple[float, float]:

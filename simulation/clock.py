@@ -29,7 +29,7 @@ class VirtualClock:
             client_flops=work.client_flops, server_flops=work.server_flops, bytes_up=work.bytes_up,
             bytes_down=work.bytes_down, client_flops_per_s=p.compute_flops, server_flops_per_s=work.server_flops_per_s,
             uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink, latency_s=p.latency_s,
-            messages=work.messages,
+            messages=work.messages, coordinator_s=work.coordinator_s,
         )
 
     def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:

@@ -25,6 +25,11 @@ def test_auto_runs_with_agent_processes(mosquitto, tmp_path):
         for agent, a in plan["assign"].items():             # the agents trained what the plan said
             assert r["agents"][agent]["split"] == a["split"] and r["agents"][agent]["batch_size"] == a["batch"]
         assert plan["measured_round_s"] > 0 and plan["predicted_round_s"] > 0
+        # measured: the round by the wall clock, the coordinator's own work included
+        assert plan["measured_round_s"] == r["round_time_s"]
+        assert plan["measured_round_s"] >= max(a["time_s"] for a in r["agents"].values()) - 1e-3
+    # ... which auto learns as the coordinator's seconds per split agent per step
+    assert any(r["auto"].get("overhead_s", 0) > 0 for r in m[2:]), [r["auto"] for r in m[1:]]
     # high-high's fast compute trains the whole model (weights only), low-low keeps a cut, in the same round
     whole = [{a: v["whole_model"] for a, v in r["agents"].items()} for r in m[1:]]
     assert any(len(set(w.values())) == 2 for w in whole), whole

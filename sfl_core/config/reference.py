@@ -106,6 +106,8 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'seed for selection, initialisation and batches, >= 0.'),
     ('server_flops',
      "coordinator FLOP/s for the virtual clock (S2FL 'server' class = 5e10)."),
+    ('agent_step_overhead_s',
+     "the coordinator's own seconds per split agent per local step, beyond the server's compute: receiving, decoding, encoding and publishing each agent's step messages and waiting for the step's slowest agent. A round of n split agents and tau steps adds tau x n x this to every split agent's time. The virtual clock charges it and the planners (auto, sfl-coord plan) price with it; under strategy auto a deployment measures it every round (metrics: auto.overhead_s) and plans with what it measured. A deployed run's metrics give the figure to simulate it with. Default 0: a simulated coordinator costs nothing."),
     ('step_timeout_s',
      'an agent silent this long within a round is dropped.'),
     ('register_timeout_s',

@@ -608,6 +608,10 @@ class RunConfig(Section):
     zstd_level: Annotated[int, checked(integer_in(0, 22, what="an integer from 0 (no compression) to 22"))] = 3
     seed: Annotated[int, NONNEG_INTEGER] = 0
     server_flops: Annotated[float, POSITIVE_NUMBER] = 5e10
+    agent_step_overhead_s: Annotated[float, AT_LEAST_0] = 0.0
+    """Coordinator seconds per split agent per local step beyond the server's compute
+    (:func:`sfl_core.timing.step_overhead_s`): the virtual clock charges it and the planners
+    price with it; ``strategy: auto`` measures it in a deployment."""
     step_timeout_s: Annotated[float, POSITIVE_NUMBER] = 60.0
     register_timeout_s: Annotated[float, POSITIVE_NUMBER] = 300.0
     min_completed: Annotated[int, POSITIVE_INTEGER] = 1

@@ -77,6 +77,8 @@ class AgentRound:
     wire_bytes: float
     fp32_bytes: float
     """What the round's traffic would have been in plain fp32 (the compression ratio's denominator)."""
+    step_jitter_s: float = 0.0
+    """Standard deviation of its per-step response times as a wall clock saw them (0 by the time model)."""
 
 
 class Method:
@@ -216,8 +218,10 @@ class Method:
             old = self.wire_ratio.get(key)
             self.wire_ratio[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
 
-    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
-        """The round's measured times per agent (after :meth:`observe`)."""
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int],
+               round_s: float | None = None) -> None:
+        """The round's measured times per agent (after :meth:`observe`), and the round's own
+        duration by the run's clock (a deployment's: its wall seconds, coordinator included)."""
 
     # ----------------------------------------------------------------- checkpoint
     def to_json(self) -> dict[str, Any]:
@@ -287,8 +291,9 @@ class Layer(Method):
     def observe(self, rounds: Sequence[AgentRound]) -> None:
         self.inner.observe(rounds)
 
-    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
-        self.inner.record(r, times, splits)
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int],
+               round_s: float | None = None) -> None:
+        self.inner.record(r, times, splits, round_s)
 
     def to_json(self) -> dict[str, Any]:
         return self.inner.to_json()

@@ -105,7 +105,8 @@ def _planned_round(variant: RunConfig, method: Any, costs: Mapping[int, SplitCos
         width = plan.widths.get(a, 0)
         channels = cost.activation_shape[0] if cost.activation_shape else 1
         batch = batches.get(a) or variant.batch_size
-        opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width)
+        opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width,
+                           split_agents=len(selected))
         ratio = wire_fraction(nominal_ratio(codec), width, channels)
         traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
         rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)

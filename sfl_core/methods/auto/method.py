@@ -17,8 +17,12 @@ widest width that still meets the round's deadline.
 It adapts: after each round the measured client compute and link seconds (by the run's
 clock) over the predicted ones update two smoothed factors per agent (Eq. 5-6 of MergeSFL),
 so a device that slows down is handed a lighter cut, a stronger codec or a smaller batch
-within a few rounds. Each round's metrics carry the assignment and the predicted against
-the measured round time (the planner's error).
+within a few rounds. What no agent's compute or link explains — the round's duration by the
+run's clock beyond its slowest agent (the coordinator receiving, decoding, stepping, encoding
+and publishing each agent's step messages, one after another, in lock-step) — is measured per
+split agent per step and smoothed the same way (:func:`sfl_core.timing.step_overhead_s`), so
+a deployment predicts its wall-clock round, not only its agents'. Each round's metrics carry
+the assignment and the predicted against the measured round time (the planner's error).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, 
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel, candidate_splits
-from sfl_core.timing import Option, price_option
+from sfl_core.timing import Option, lockstep_slack_s, price_option
 from sfl_core.wire.codec import nominal_ratio
 
 log = logging.getLogger(__name__)
@@ -116,8 +120,17 @@ class Auto(Method):
         self.scales: dict[str, list[float]] = {}
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
         self.current: JointPlan | None = None
-        self.unscaled: dict[str, tuple[float, float]] = {}
-        """Per agent of this round: predicted compute and link seconds before the factors."""
+        self.unscaled: dict[str, tuple[float, float, float]] = {}
+        """Per agent of this round: predicted compute, link and server seconds before the factors."""
+        self.overhead_s = cfg.agent_step_overhead_s
+        """The coordinator's seconds per split agent per step (:func:`sfl_core.timing.step_overhead_s`):
+        the run's ``agent_step_overhead_s`` until a round measures it, then smoothed."""
+        self.measured: dict[str, tuple[float, float, float]] = {}
+        """Per agent of the last round: its measured compute and link seconds and step jitter."""
+        self.jitter: dict[str, float] = {}
+        """Per agent the smoothed standard deviation of its step response (a wall clock's)."""
+        self.predicted_s: float | None = None
+        """The current plan's round: its slowest agent plus the lock-step slack."""
         self.last: dict[str, Any] = {}
         self.by_mix = False
         """Whether label-mix selection chose this round's agents out of more online ones."""
@@ -165,18 +178,21 @@ class Auto(Method):
                         if within_bottleneck(w, channels, self.cfg.auto.max_bottleneck)]
         return out
 
-    def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True) -> list[Option]:
-        """Every choice this agent may train, priced by the time model (in :meth:`choices` order)."""
+    def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True, split_agents: int = 1) -> list[Option]:
+        """Every choice this agent may train, priced by the time model (in :meth:`choices` order),
+        in a round of ``split_agents`` agents (the coordinator's step overhead grows with them);
+        ``scaled=False``: the model before the measured factors and overhead."""
         cs, ls = self.scales.get(agent_id, (1.0, 1.0)) if scaled else (1.0, 1.0)
+        h = self.overhead_s if scaled else 0.0
         return [price_option(self.cfg, self.costs[s], codec, info,
                              ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
-                             compute_scale=cs, link_scale=ls, width=w)
+                             compute_scale=cs, link_scale=ls, width=w, split_agents=split_agents, per_agent_step_s=h)
                 for s, codec, w in self.choices()]
 
     def _priced(self, selected: Sequence[str], agents: Mapping[str, AgentInfo], *, scaled: bool = True
                 ) -> tuple[dict[str, list[Option]], dict[str, float | None]]:
         """Per agent of ``selected`` its priced options and its memory limit (the planner's input)."""
-        return ({x: self.options(x, agents[x], scaled=scaled) for x in selected},
+        return ({x: self.options(x, agents[x], scaled=scaled, split_agents=len(selected)) for x in selected},
                 {x: agents[x].profile.memory_bytes for x in selected})
 
     def joint_plan(self, selected: Sequence[str], agents: Mapping[str, AgentInfo], *,
@@ -223,13 +239,15 @@ class Auto(Method):
             raw = self.options(x, agents[x], scaled=False)[self.choices().index((o.split, o.codec, o.width))]
             compute = raw.compute_per_sample_s * p.batch
             server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
-            self.unscaled[x] = (compute, raw.time(p.batch) - compute - server)
+            self.unscaled[x] = (compute, raw.time(p.batch) - compute - server, server)
+        self.predicted_s = self._predicted(plan)
         return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         plan = self.current
         if plan is None or set(plan.agents) != set(selected):
             plan = self.current = self.joint_plan(selected, agents, by_mix=self.by_mix)
+            self.predicted_s = self._predicted(plan)
         splits = {x: p.option.split for x, p in plan.agents.items()}
         codecs = {x: p.option.codec for x, p in plan.agents.items()}
         widths = {x: p.option.width for x, p in plan.agents.items() if p.option.width}
@@ -246,40 +264,93 @@ class Auto(Method):
     def observe(self, rounds: Sequence[AgentRound]) -> None:
         super().observe(rounds)
         alpha = self.cfg.auto.smoothing
+        self.measured = {a.agent_id: (a.compute_s, a.transfer_s, a.step_jitter_s) for a in rounds}
+        for a in rounds:
+            if a.step_jitter_s > 0:
+                old_j = self.jitter.get(a.agent_id)
+                self.jitter[a.agent_id] = a.step_jitter_s if old_j is None else \
+                    alpha * old_j + (1 - alpha) * a.step_jitter_s
         for a in rounds:
             if a.agent_id not in self.unscaled:
                 continue
-            compute, link = self.unscaled[a.agent_id]
+            compute, link, _ = self.unscaled[a.agent_id]
             old = self.scales.get(a.agent_id)
             new = [a.compute_s / compute if compute > 0 else 1.0, a.transfer_s / link if link > 0 else 1.0]
             self.scales[a.agent_id] = new if old is None else [alpha * o + (1 - alpha) * n for o, n in zip(old, new)]
 
-    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
-        super().record(r, times, splits)
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int],
+               round_s: float | None = None) -> None:
+        super().record(r, times, splits, round_s)
         plan = self.current
         if plan is None:
             return
-        predicted = plan.round_s
+        predicted = plan.round_s if self.predicted_s is None else self.predicted_s
         measured = max((times[a] for a in plan.agents if a in times), default=0.0)
+        if round_s is not None and times:   # the round by the run's clock: a deployment's wall seconds
+            measured = round_s
+            self._measure_overhead(plan, round_s)
         self.last = {
             "predicted_round_s": round(predicted, 4), "measured_round_s": round(measured, 4),
             "error": round((predicted - measured) / measured, 4) if measured > 0 else None,
             "assign": {a: {"split": p.option.split, "codec": p.option.codec, "width": p.option.width, "batch": p.batch,
                            "predicted_s": round(p.time_s, 4)} for a, p in sorted(plan.agents.items())},
         }
+        if self.overhead_s:
+            self.last["overhead_s"] = round(self.overhead_s, 6)
         for a in plan.agents:
             if a in times:
                 self.time_table.record(a, plan.agents[a].option.split, times[a], r)
+
+    def _measure_overhead(self, plan: JointPlan, round_s: float) -> None:
+        """Fold the round's coordinator overhead per split agent per step into :attr:`overhead_s`:
+        ``round_s`` beyond the slowest of its agents' measured compute and link plus the server
+        compute the model charges them, over ``tau`` times the round's split agents (rounded to
+        the microsecond: a virtual clock's own arithmetic leaves nothing to learn)."""
+        split = [a for a, p in plan.agents.items() if p.option.split != self.model.num_blocks]
+        agents = [a for a in plan.agents if a in self.measured and a in self.unscaled]
+        if not split or not agents:
+            return
+        explained = {a: self.measured[a][0] + self.measured[a][1] + self.unscaled[a][2] for a in agents}
+        slack = self._slack({a: explained[a] for a in split if a in explained},
+                            {a: self.measured[a][2] for a in split if a in self.measured})
+        beyond = round_s - max(explained.values()) - slack
+        seen = max(0.0, round(beyond / (self.cfg.local_iters * len(split)), 6))
+        alpha = self.cfg.auto.smoothing
+        self.overhead_s = alpha * self.overhead_s + (1 - alpha) * seen
+
+    def _slack(self, times: Mapping[str, float], jitter: Mapping[str, float]) -> float:
+        """:func:`sfl_core.timing.lockstep_slack_s` of split agents with these round ``times`` and
+        step ``jitter`` (an agent not yet measured: the median of those that were)."""
+        known = sorted(j for j in jitter.values() if j > 0)
+        if not known:
+            return 0.0
+        typical = known[len(known) // 2]
+        tau = self.cfg.local_iters
+        ids = list(times)
+        return lockstep_slack_s([times[a] / tau for a in ids], [jitter.get(a) or typical for a in ids], steps=tau)
+
+    def _predicted(self, plan: JointPlan) -> float:
+        """The plan's round as a wall clock will see it: its slowest agent plus the lock-step slack
+        of its split agents (each at its smoothed jitter; none measured: 0, the time model's)."""
+        split = {a: p.time_s for a, p in plan.agents.items() if p.option.split != self.model.num_blocks}
+        return plan.round_s + self._slack(split, self.jitter)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"auto": dict(self.last)} if self.last else {}
 
     def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "auto_scales": {a: list(v) for a, v in self.scales.items()}}
+        out = {**super().to_json(), "auto_scales": {a: list(v) for a, v in self.scales.items()}}
+        if self.overhead_s:
+            out["auto_overhead_s"] = self.overhead_s
+        if self.jitter:
+            out["auto_jitter_s"] = dict(self.jitter)
+        return out
 
     def load_json(self, st: Mapping[str, Any]) -> None:
         super().load_json(st)
         self.scales = {str(a): [float(x) for x in v][:2] for a, v in (st.get("auto_scales") or {}).items()}
+        self.overhead_s = float(st.get("auto_overhead_s", self.cfg.agent_step_overhead_s))
+        self.jitter = {str(a): float(v) for a, v in (st.get("auto_jitter_s") or {}).items()}
 
 
 LABEL_MIX_BOUND = 0.05

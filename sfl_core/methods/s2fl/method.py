@@ -98,7 +98,8 @@ class S2FL(Method):
                     messages=2 * self.cfg.local_iters + 2, wire_ratio=ratio,
                     measured_compute_s_per_sample=compute_s_per_sample(info, s)))
 
-    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int]) -> None:
+    def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int],
+               round_s: float | None = None) -> None:
         """Measured round times of this round's agents go into the table (updated every round)."""
         for a, t in times.items():
             if splits.get(a) in self.candidates:
