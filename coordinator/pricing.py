@@ -49,7 +49,8 @@ def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Map
             transfer_s=parts.transfer_s, profile=info.profile.at_round(r),
             weights_bytes=uploads[a].wire_bytes, messages=ra.messages, wire_bytes=ra.bytes_up + ra.bytes_down,
             fp32_bytes=2 * cost.client_param_bytes + 2 * samples * act,
-            step_jitter_s=0.0 if clock.virtual else ra.step_jitter_s))
+            step_jitter_s=0.0 if clock.virtual else ra.step_jitter_s,
+            weights_phase_s=0.0 if clock.virtual else ra.weights_phase_s))
         info.rounds += 1
         info.bytes_up += ra.bytes_up
         info.bytes_down += ra.bytes_down

@@ -58,9 +58,21 @@ class RoundAgent:
     server_s: float = 0.0
     messages: int = 0
     resends: int = 0
+    first_s: float = 0.0
+    """Its response to the assignment (client portion down, first forward, activations up)."""
+    last_s: float = 0.0
+    """Its response to the last gradients (last backward, client portion up); 0 training the whole model."""
     steps: list[float] = field(default_factory=list)
     """Its response time at each step after the first (gradients sent -> next activations in):
     their spread is the jitter that lock-step waits on (:func:`sfl_core.timing.lockstep_slack_s`)."""
+
+    @property
+    def weights_phase_s(self) -> float:
+        """The seconds of its first and last responses beyond one step: its client portion's
+        download and upload as they really went (0 until a round has all three)."""
+        if not (self.first_s and self.last_s and self.steps):
+            return 0.0
+        return max(0.0, self.first_s + self.last_s - sum(self.steps) / len(self.steps))
 
     @property
     def step_jitter_s(self) -> float:
@@ -293,8 +305,13 @@ class FleetSession:
         ra.resends = 0
         dt = self._now() - ra.last_sent_at
         ra.busy_s += dt
-        if msg.type == "activations" and msg.step:
-            ra.steps.append(dt)
+        if msg.type == "activations":
+            if msg.step:
+                ra.steps.append(dt)
+            else:
+                ra.first_s = dt
+        elif msg.type == "weights" and not ra.assignment.whole_model:
+            ra.last_s = dt
         ra.compute_s = float(msg.body["compute_s"])
 
     def _training_message(self, msg: Message, agents: dict[str, RoundAgent], kind: str, r: int, k: int,

@@ -219,6 +219,10 @@ class Option:
     mem_per_sample: float = 0.0
     width: int = 0
     """Bottleneck width at the cut (0: none)."""
+    weights_down_s: float = 0.0
+    weights_up_s: float = 0.0
+    """The client portion's download and upload (a latency each) by the time model, before the
+    measured factors: they open and close the round, outside the lock-stepped steps."""
 
     def time(self, batch: int) -> float:
         return self.fixed_s + self.per_sample_s * batch
@@ -268,9 +272,12 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
         return t.client_compute_s * compute_scale + t.transfer_s * link_scale + t.server_compute_s + t.coordinator_s
 
     zero, one = parts(0), parts(1)
+    down = transfer_time(0, weight_bytes, uplink_bytes_per_s, downlink_bytes_per_s, latency_s=latency_s, messages=1)
+    up = transfer_time(weight_bytes, 0, uplink_bytes_per_s, downlink_bytes_per_s, latency_s=latency_s, messages=1)
     return Option(split=split, codec=codec, fixed_s=scaled(zero), per_sample_s=scaled(one) - scaled(zero),
                   compute_per_sample_s=(one.client_compute_s - zero.client_compute_s) * compute_scale,
-                  mem_fixed=mem_fixed, mem_per_sample=mem_per_sample, width=width)
+                  mem_fixed=mem_fixed, mem_per_sample=mem_per_sample, width=width,
+                  weights_down_s=down, weights_up_s=up)
 
 
 def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentInfo", *, ratio: float,

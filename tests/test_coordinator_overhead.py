@@ -118,3 +118,40 @@ def test_auto_learns_the_overhead_from_a_longer_measured_round_and_keeps_it_in_t
     assert method.jitter == {a: 0.003 for a in times}
     # with jitter measured, the prediction adds the lock-step slack of the plan's agents
     assert method._predicted(plan) > plan.round_s
+
+
+def test_lock_step_phases_are_each_as_slow_as_their_slowest_agent(tmp_path):
+    """One agent on a slow link with a deep cut (long download and upload, short steps) beside one
+    with slow steps: each is the slowest in its own phases, and the round is longer than both."""
+    from simulation import run_simulation
+    from sfl_core.methods.auto.joint_plan import AgentPlan, JointPlan
+    from sfl_core.timing import Option
+
+    cfg = _cfg(tmp_path, strategy="auto", rounds=1, local_iters=10)
+    _, engine = run_simulation(cfg, device="cpu", quiet=True)
+    method = engine.method
+    link = Option(split=2, codec="fp32", fixed_s=1.0, per_sample_s=0.01, weights_down_s=0.5, weights_up_s=0.5)
+    steps = Option(split=1, codec="fp32", fixed_s=0.1, per_sample_s=0.1, weights_down_s=0.05, weights_up_s=0.05)
+    plan = JointPlan({"a": AgentPlan(link, 10), "b": AgentPlan(steps, 10)}, deadline_s=1.1)
+    assert plan.round_s == pytest.approx(1.1)
+    method.jitter = {}
+    assert method._phases_excess(plan) == 0.0          # no wall clock measured: the time model's sum
+    method.jitter, method.weight_scales = {"a": 1e-9, "b": 1e-9}, {}
+    # a: down 0.5, steps 0.01 each, up 0.5; b: down 0.05, steps 0.1 each, up 0.05 (tau = 10)
+    by_hand = max(0.5 + 0.005, 0.05 + 0.05) + 9 * 0.1 + max(0.5 + 0.005, 0.05 + 0.05)
+    assert method._phases_excess(plan) == pytest.approx(by_hand - 1.1)
+    # measured transfers of the client portion scale its phases (here: half as long for a, whose
+    # steps then take the rest of its round: (1.1 - 0.5) / 10 each)
+    method.weight_scales = {"a": 0.5}
+    by_hand = max(0.25 + 0.03, 0.1) + 9 * 0.1 + max(0.25 + 0.03, 0.1)
+    assert method._phases_excess(plan) == pytest.approx(by_hand - 1.1)
+
+
+def test_an_agents_weights_phase_is_its_first_and_last_responses_beyond_one_step():
+    from coordinator.session import RoundAgent
+
+    ra = RoundAgent("a", assignment=None, last_heard=0.0, last_sent_at=0.0)  # type: ignore[arg-type]
+    assert ra.weights_phase_s == 0.0 and ra.step_jitter_s == 0.0
+    ra.first_s, ra.last_s, ra.steps = 0.32, 0.27, [0.04, 0.06]
+    assert ra.weights_phase_s == pytest.approx(0.32 + 0.27 - 0.05)
+    assert ra.step_jitter_s == pytest.approx(np.std([0.04, 0.06], ddof=1))

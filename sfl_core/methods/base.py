@@ -79,6 +79,8 @@ class AgentRound:
     """What the round's traffic would have been in plain fp32 (the compression ratio's denominator)."""
     step_jitter_s: float = 0.0
     """Standard deviation of its per-step response times as a wall clock saw them (0 by the time model)."""
+    weights_phase_s: float = 0.0
+    """Its client portion's download and upload as a wall clock saw them (0 by the time model)."""
 
 
 class Method:

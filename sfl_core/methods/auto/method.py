@@ -18,10 +18,12 @@ It adapts: after each round the measured client compute and link seconds (by the
 clock) over the predicted ones update two smoothed factors per agent (Eq. 5-6 of MergeSFL),
 so a device that slows down is handed a lighter cut, a stronger codec or a smaller batch
 within a few rounds. What no agent's compute or link explains — the round's duration by the
-run's clock beyond its slowest agent (the coordinator receiving, decoding, stepping, encoding
-and publishing each agent's step messages, one after another, in lock-step) — is measured per
-split agent per step and smoothed the same way (:func:`sfl_core.timing.step_overhead_s`), so
-a deployment predicts its wall-clock round, not only its agents'. Each round's metrics carry
+run's clock beyond its slowest agent — is predicted where a wall clock measured it: lock-step
+phases (:meth:`Auto._phases_excess`), step jitter (:func:`sfl_core.timing.lockstep_slack_s`), and
+the coordinator's own work per split agent per step (receiving, decoding, stepping, encoding
+and publishing, one agent after another), measured as the rest and smoothed the same way
+(:func:`sfl_core.timing.step_overhead_s`). So a deployment predicts its wall-clock round, not
+only its agents'. Each round's metrics carry
 the assignment and the predicted against the measured round time (the planner's error).
 """
 
@@ -120,8 +122,12 @@ class Auto(Method):
         self.scales: dict[str, list[float]] = {}
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
         self.current: JointPlan | None = None
-        self.unscaled: dict[str, tuple[float, float, float]] = {}
-        """Per agent of this round: predicted compute, link and server seconds before the factors."""
+        self.unscaled: dict[str, tuple[float, float, float, float]] = {}
+        """Per agent of this round: predicted compute, link, server and client-portion transfer
+        (down and up) seconds before the factors."""
+        self.weight_scales: dict[str, float] = {}
+        """Per agent the smoothed factor on its client portion's transfer (measured over predicted):
+        apart from the link factor, which the per-message costs of the steps inflate."""
         self.overhead_s = cfg.agent_step_overhead_s
         """The coordinator's seconds per split agent per step (:func:`sfl_core.timing.step_overhead_s`):
         the run's ``agent_step_overhead_s`` until a round measures it, then smoothed."""
@@ -239,7 +245,8 @@ class Auto(Method):
             raw = self.options(x, agents[x], scaled=False)[self.choices().index((o.split, o.codec, o.width))]
             compute = raw.compute_per_sample_s * p.batch
             server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
-            self.unscaled[x] = (compute, raw.time(p.batch) - compute - server, server)
+            self.unscaled[x] = (compute, raw.time(p.batch) - compute - server, server,
+                                raw.weights_down_s + raw.weights_up_s)
         self.predicted_s = self._predicted(plan)
         return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
 
@@ -273,7 +280,11 @@ class Auto(Method):
         for a in rounds:
             if a.agent_id not in self.unscaled:
                 continue
-            compute, link, _ = self.unscaled[a.agent_id]
+            compute, link, _, weights = self.unscaled[a.agent_id]
+            if a.weights_phase_s > 0 and weights > 0:
+                w_old = self.weight_scales.get(a.agent_id)
+                w_new = a.weights_phase_s / weights
+                self.weight_scales[a.agent_id] = w_new if w_old is None else alpha * w_old + (1 - alpha) * w_new
             old = self.scales.get(a.agent_id)
             new = [a.compute_s / compute if compute > 0 else 1.0, a.transfer_s / link if link > 0 else 1.0]
             self.scales[a.agent_id] = new if old is None else [alpha * o + (1 - alpha) * n for o, n in zip(old, new)]
@@ -313,7 +324,7 @@ class Auto(Method):
         explained = {a: self.measured[a][0] + self.measured[a][1] + self.unscaled[a][2] for a in agents}
         slack = self._slack({a: explained[a] for a in split if a in explained},
                             {a: self.measured[a][2] for a in split if a in self.measured})
-        beyond = round_s - max(explained.values()) - slack
+        beyond = round_s - max(explained.values()) - slack - self._phases_excess(plan)
         seen = max(0.0, round(beyond / (self.cfg.local_iters * len(split)), 6))
         alpha = self.cfg.auto.smoothing
         self.overhead_s = alpha * self.overhead_s + (1 - alpha) * seen
@@ -329,11 +340,39 @@ class Auto(Method):
         ids = list(times)
         return lockstep_slack_s([times[a] / tau for a in ids], [jitter.get(a) or typical for a in ids], steps=tau)
 
+    def _phases_excess(self, plan: JointPlan) -> float:
+        """What lock-step adds where the round's split agents divide their time differently. Agent
+        ``i``'s round is its client portion's download ``d_i``, ``tau`` steps of ``s_i`` each and
+        the upload ``u_i``; the first phase (download, a half step) and the last (a half step,
+        upload) and each step between wait for their own slowest agent, so the round lasts
+        ``max (d_i + s_i/2) + (tau - 1) max s_i + max (s_i/2 + u_i)``, not ``max_i`` of the sums
+        (a device on a slow link holding a deep cut beside one with slow steps: each is the
+        slowest in its own phases). Only where a wall clock measured step jitter: a virtual
+        clock charges each agent's sum."""
+        if not self.jitter:
+            return 0.0
+        tau = self.cfg.local_iters
+        down, up, step, total = [], [], [], []
+        for a, p in plan.agents.items():
+            if p.option.split == self.model.num_blocks:
+                continue
+            w = self.weight_scales.get(a, 1.0)
+            down.append(p.option.weights_down_s * w)
+            up.append(p.option.weights_up_s * w)
+            step.append(max(0.0, p.time_s - down[-1] - up[-1]) / tau)
+            total.append(p.time_s)
+        if not total:
+            return 0.0
+        lockstep = (max(d + s / 2 for d, s in zip(down, step)) + (tau - 1) * max(step)
+                    + max(u + s / 2 for u, s in zip(up, step)))
+        return max(0.0, lockstep - max(total))
+
     def _predicted(self, plan: JointPlan) -> float:
-        """The plan's round as a wall clock will see it: its slowest agent plus the lock-step slack
-        of its split agents (each at its smoothed jitter; none measured: 0, the time model's)."""
+        """The plan's round as a wall clock will see it: its slowest agent, plus what lock-step adds
+        (:meth:`_phases_excess`, and the slack of its split agents' step jitter, each at its
+        smoothed value; none measured: 0, the time model's)."""
         split = {a: p.time_s for a, p in plan.agents.items() if p.option.split != self.model.num_blocks}
-        return plan.round_s + self._slack(split, self.jitter)
+        return plan.round_s + self._phases_excess(plan) + self._slack(split, self.jitter)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"auto": dict(self.last)} if self.last else {}
@@ -344,6 +383,8 @@ class Auto(Method):
             out["auto_overhead_s"] = self.overhead_s
         if self.jitter:
             out["auto_jitter_s"] = dict(self.jitter)
+        if self.weight_scales:
+            out["auto_weight_scales"] = dict(self.weight_scales)
         return out
 
     def load_json(self, st: Mapping[str, Any]) -> None:
@@ -351,6 +392,7 @@ class Auto(Method):
         self.scales = {str(a): [float(x) for x in v][:2] for a, v in (st.get("auto_scales") or {}).items()}
         self.overhead_s = float(st.get("auto_overhead_s", self.cfg.agent_step_overhead_s))
         self.jitter = {str(a): float(v) for a, v in (st.get("auto_jitter_s") or {}).items()}
+        self.weight_scales = {str(a): float(v) for a, v in (st.get("auto_weight_scales") or {}).items()}
 
 
 LABEL_MIX_BOUND = 0.05
