@@ -124,6 +124,29 @@ def lockstep_slack_s(step_s: Sequence[float], jitter_s: Sequence[float], *, step
     return max(0.0, float(steps * (expected_max - top)))
 
 
+def lockstep_phases_s(down_s: Sequence[float], up_s: Sequence[float], total_s: Sequence[float], *,
+                      steps: int) -> float:
+    """What lock-step adds to a round where its agents divide their time differently.
+
+    Agent ``i``'s round ``total_s[i]`` is its client portion's download ``d_i`` (``down_s``),
+    ``tau`` steps of ``s_i = (T_i − d_i − u_i) / tau`` and the upload ``u_i`` (``up_s``). The
+    first phase (the download and half a step), each step between and the last phase (half a
+    step and the upload) wait for their own slowest agent, so the round lasts
+
+        max_i (d_i + s_i/2) + (tau − 1) · max_i s_i + max_i (s_i/2 + u_i)
+
+    rather than ``max_i T_i``; returns the difference (0 where one agent is the slowest in every
+    phase). A device on a slow link holding a deep cut beside one with slow steps is the
+    slowest in different phases, and the round outlasts both.
+    """
+    if not total_s:
+        return 0.0
+    step = [max(0.0, t - d - u) / steps for d, u, t in zip(down_s, up_s, total_s)]
+    lockstep = (max(d + s / 2 for d, s in zip(down_s, step)) + (steps - 1) * max(step)
+                + max(u + s / 2 for u, s in zip(up_s, step)))
+    return max(0.0, lockstep - max(total_s))
+
+
 def _normal_cdf(z: np.ndarray) -> np.ndarray:
     """Φ(z), the standard normal CDF, elementwise (Abramowitz–Stegun 7.1.26 for erf, |error| < 1.5e-7)."""
     u = np.abs(z) / math.sqrt(2.0)

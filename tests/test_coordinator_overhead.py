@@ -155,3 +155,12 @@ def test_an_agents_weights_phase_is_its_first_and_last_responses_beyond_one_step
     ra.first_s, ra.last_s, ra.steps = 0.32, 0.27, [0.04, 0.06]
     assert ra.weights_phase_s == pytest.approx(0.32 + 0.27 - 0.05)
     assert ra.step_jitter_s == pytest.approx(np.std([0.04, 0.06], ddof=1))
+
+
+def test_lockstep_phases_by_hand():
+    # one agent slowest in every phase: the round is its own sum
+    assert timing.lockstep_phases_s([0.5, 0.1], [0.5, 0.1], [2.0, 1.0], steps=10) == 0.0
+    # a: long transfers (0.5 each way), 0.01 s steps; b: 0.05 each way, 0.1 s steps; both 1.1 s
+    by_hand = (0.5 + 0.005) + 9 * 0.1 + (0.005 + 0.5)
+    assert timing.lockstep_phases_s([0.5, 0.05], [0.5, 0.05], [1.1, 1.1], steps=10) == pytest.approx(by_hand - 1.1)
+    assert timing.lockstep_phases_s([], [], [], steps=10) == 0.0

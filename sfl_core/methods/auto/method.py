@@ -23,8 +23,8 @@ phases (:meth:`Auto._phases_excess`), step jitter (:func:`sfl_core.timing.lockst
 the coordinator's own work per split agent per step (receiving, decoding, stepping, encoding
 and publishing, one agent after another), measured as the rest and smoothed the same way
 (:func:`sfl_core.timing.step_overhead_s`). So a deployment predicts its wall-clock round, not
-only its agents'. Each round's metrics carry
-the assignment and the predicted against the measured round time (the planner's error).
+only its agents'. Each round's metrics carry the assignment and the predicted against the
+measured round time (the planner's error).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, 
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel, candidate_splits
-from sfl_core.timing import Option, lockstep_slack_s, price_option
+from sfl_core.timing import Option, lockstep_phases_s, lockstep_slack_s, price_option
 from sfl_core.wire.codec import nominal_ratio
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Auto(Method):
         self.jitter: dict[str, float] = {}
         """Per agent the smoothed standard deviation of its step response (a wall clock's)."""
         self.predicted_s: float | None = None
-        """The current plan's round: its slowest agent plus the lock-step slack."""
+        """The current plan's round as the run's clock will see it (:meth:`_predicted`)."""
         self.last: dict[str, Any] = {}
         self.by_mix = False
         """Whether label-mix selection chose this round's agents out of more online ones."""
@@ -315,8 +315,9 @@ class Auto(Method):
     def _measure_overhead(self, plan: JointPlan, round_s: float) -> None:
         """Fold the round's coordinator overhead per split agent per step into :attr:`overhead_s`:
         ``round_s`` beyond the slowest of its agents' measured compute and link plus the server
-        compute the model charges them, over ``tau`` times the round's split agents (rounded to
-        the microsecond: a virtual clock's own arithmetic leaves nothing to learn)."""
+        compute the model charges them, less what lock-step explains (the phases and the jitter
+        slack), over ``tau`` times the round's split agents (rounded to the microsecond: a
+        virtual clock's own arithmetic leaves nothing to learn)."""
         split = [a for a, p in plan.agents.items() if p.option.split != self.model.num_blocks]
         agents = [a for a in plan.agents if a in self.measured and a in self.unscaled]
         if not split or not agents:
@@ -341,31 +342,19 @@ class Auto(Method):
         return lockstep_slack_s([times[a] / tau for a in ids], [jitter.get(a) or typical for a in ids], steps=tau)
 
     def _phases_excess(self, plan: JointPlan) -> float:
-        """What lock-step adds where the round's split agents divide their time differently. Agent
-        ``i``'s round is its client portion's download ``d_i``, ``tau`` steps of ``s_i`` each and
-        the upload ``u_i``; the first phase (download, a half step) and the last (a half step,
-        upload) and each step between wait for their own slowest agent, so the round lasts
-        ``max (d_i + s_i/2) + (tau - 1) max s_i + max (s_i/2 + u_i)``, not ``max_i`` of the sums
-        (a device on a slow link holding a deep cut beside one with slow steps: each is the
-        slowest in its own phases). Only where a wall clock measured step jitter: a virtual
-        clock charges each agent's sum."""
+        """What lock-step adds to the plan's round where its split agents divide their time
+        differently (:func:`sfl_core.timing.lockstep_phases_s`), their client portions' transfers
+        at the factors measured for them. Only where a wall clock measured step jitter: a
+        virtual clock charges each agent's sum."""
         if not self.jitter:
             return 0.0
-        tau = self.cfg.local_iters
-        down, up, step, total = [], [], [], []
-        for a, p in plan.agents.items():
-            if p.option.split == self.model.num_blocks:
-                continue
-            w = self.weight_scales.get(a, 1.0)
-            down.append(p.option.weights_down_s * w)
-            up.append(p.option.weights_up_s * w)
-            step.append(max(0.0, p.time_s - down[-1] - up[-1]) / tau)
-            total.append(p.time_s)
-        if not total:
+        split = {a: p for a, p in plan.agents.items() if p.option.split != self.model.num_blocks}
+        if not split:
             return 0.0
-        lockstep = (max(d + s / 2 for d, s in zip(down, step)) + (tau - 1) * max(step)
-                    + max(u + s / 2 for u, s in zip(up, step)))
-        return max(0.0, lockstep - max(total))
+        w = {a: self.weight_scales.get(a, 1.0) for a in split}
+        return lockstep_phases_s([p.option.weights_down_s * w[a] for a, p in split.items()],
+                                 [p.option.weights_up_s * w[a] for a, p in split.items()],
+                                 [p.time_s for p in split.values()], steps=self.cfg.local_iters)
 
     def _predicted(self, plan: JointPlan) -> float:
         """The plan's round as a wall clock will see it: its slowest agent, plus what lock-step adds
