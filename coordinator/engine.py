@@ -40,7 +40,7 @@ from sfl_core.model.accounting import model_costs, split_note
 from sfl_core.model.bottleneck import bottleneck_shape, covered_width, slice_state
 from sfl_core.model.fingerprint import architecture, digest, fingerprinted
 from sfl_core.model.zoo import SplitModel, build_model
-from sfl_core.server_opt import ServerOptimizer, from_config, split_state
+from sfl_core.server_opt import ServerOptimizer, averaged_names, from_config, split_state
 from sfl_core.timing import norm_pass_agents
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
@@ -499,12 +499,12 @@ class RoundEngine:
                                   for a in clients},
                                  fleet_size=len(self.registry.agents), full=self.model.state_dict())
         if clients:
-            copy_of = {a: i for i, g in enumerate(plan.groups) for a in g} if plan.server_once else None
+            copy_of = {a: i for i, g in enumerate(plan.groups) for a in g}
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
-                                    server_groups=copy_of)
-            if self.server_opt is not None:   # the client portions' parameters step; buffers stay averaged
-                held = sorted({k for state in clients.values() for k in state} & self._parameter_names)
-                avg = self.server_opt.step(self._round_start, avg, held)
+                                    server_groups=copy_of if plan.server_once else None)
+            if self.server_opt is not None:   # averaged parameters step; buffers stay averaged
+                avg = self.server_opt.step(self._round_start, avg,
+                                           averaged_names(clients, servers, copy_of, self._parameter_names))
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         return done, fed_losses
 

@@ -19,15 +19,20 @@ For each parameter ``x`` held by a client portion this round, with ``x̄`` the a
 ``v`` starts at ``τ²`` for adam and yogi (as in the paper), every other state at zero. The state
 lives on the coordinator and is checkpointed with the model; nothing more crosses the wire.
 Buffers (BatchNorm statistics) are averaged as before: they are not gradients' integrals.
+
+What steps (:func:`averaged_names`): every parameter of the round's client portions, and the
+server layers the round averaged over several server copies (SplitFed v1's copy per agent,
+S2FL's copy per group): their average drifts as the client portions' does. A single merged
+server copy trained on every row is not an average, and its own optimiser already stepped it.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Dict, Hashable, Iterable, Mapping, Optional
 
 import torch
 
-__all__ = ["KINDS", "ServerOptimizer", "STATE_PREFIX", "from_config", "split_state"]
+__all__ = ["KINDS", "ServerOptimizer", "STATE_PREFIX", "averaged_names", "from_config", "split_state"]
 
 KINDS = ("none", "momentum", "adam", "yogi")
 STATE_PREFIX = "@server_opt/"
@@ -97,6 +102,22 @@ class ServerOptimizer:
                 which, _, key = name[len(STATE_PREFIX):].partition("/")
                 if which in ("m", "v") and key:
                     (self.m if which == "m" else self.v)[key] = t.clone()
+
+
+def averaged_names(client_states: Mapping[str, Mapping[str, torch.Tensor]],
+                   server_states: Mapping[str, Mapping[str, torch.Tensor]],
+                   copy_of: Mapping[str, Hashable], parameters: Iterable[str]) -> list[str]:
+    """The ``parameters`` the round's aggregation averaged over trained copies, sorted: each one
+    some agent's client portion held, and each server layer that more than one server copy
+    (``copy_of``: agent -> its copy) trained for agents not holding it themselves."""
+    names = set(parameters)
+    held = {k for state in client_states.values() for k in state}
+    copies: Dict[str, set] = {}
+    for a, state in server_states.items():
+        for k in state:
+            if k not in client_states.get(a, {}):
+                copies.setdefault(k, set()).add(copy_of.get(a, a))
+    return sorted((held | {k for k, c in copies.items() if len(c) > 1}) & names)
 
 
 def split_state(tensors: Mapping[str, torch.Tensor]) -> "tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]":

@@ -21,7 +21,7 @@ from coordinator import state as ckpt
 from coordinator.export import load_global_model
 from sfl_core.config.fields import ConfigError
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
-from sfl_core.server_opt import STATE_PREFIX, ServerOptimizer, split_state
+from sfl_core.server_opt import STATE_PREFIX, ServerOptimizer, averaged_names, split_state
 from simulation import run_simulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -120,3 +120,28 @@ def test_a_resumed_run_continues_the_optimisers_state(tmp_path):
     assert with_state[:3] == without[:3] and with_state[3]["test_loss"] != without[3]["test_loss"]
     model, _ = load_global_model(out)   # export reads past the optimiser's state
     assert not any(k.startswith(STATE_PREFIX) for k in model.state_dict())
+
+
+def test_what_steps_is_every_client_portion_and_the_server_layers_of_several_copies():
+    t = torch.zeros(1)
+    clients = {"a": {"c.w": t}, "b": {"c.w": t, "s.w": t}}
+    servers = {"a": {"s.w": t, "top.w": t, "top.bn_mean": t}, "b": {"top.w": t, "top.bn_mean": t}}
+    params = {"c.w", "s.w", "top.w"}                       # top.bn_mean: a buffer, averaged as before
+    # one copy per agent (SplitFed v1, S2FL's groups): top.w was averaged over two copies
+    assert averaged_names(clients, servers, {"a": 0, "b": 1}, params) == ["c.w", "s.w", "top.w"]
+    # one merged copy trained on every row: not an average, its own optimiser stepped it
+    assert averaged_names(clients, servers, {"a": 0, "b": 0}, params) == ["c.w", "s.w"]
+
+
+@pytest.mark.parametrize("mode, stepped", [("merged", False), ("per_agent", True)])
+def test_server_copies_step_where_the_round_averaged_several(tmp_path, mode, stepped):
+    """Round 1 trains the same in both runs; only aggregation differs. The classifier (always on
+    the server here) is stepped by adam where the round averaged one copy per agent, and left as
+    trained where one merged copy trained on every row."""
+    def run(name, **opt):
+        cfg = dataclasses.replace(_demo(tmp_path, name, rounds=1, **opt), server_mode=mode)
+        return run_simulation(cfg, device="cpu")[1].model.state_dict()
+
+    plain, adam = run("plain"), run("adam", kind="adam", lr=0.02)
+    top = [k for k in plain if k.endswith("weight")][-1]   # the last layer's weights
+    assert torch.allclose(plain[top], adam[top], atol=1e-6) != stepped

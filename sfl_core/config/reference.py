@@ -129,7 +129,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('calibration_tau',
      'calibration strength tau >= 0 (0 = plain cross-entropy).'),
     ('server_opt',
-     "how the round's aggregated client portion becomes the new global one (docs/methods/server-optimisers.md): the server optimiser steps along the difference between the aggregate and the round's starting model; nothing more crosses the wire."),
+     "how the round's aggregated client portion (and server layers averaged over several server copies: one per agent or per group) becomes the new global one (docs/methods/server-optimisers.md): the server optimiser steps along the difference between the aggregate and the round's starting model; nothing more crosses the wire."),
     ('server_opt.kind',
      'none (plain aggregation) | momentum (FedAvgM, Hsu et al. 2019) | adam (FedAdam, Reddi et al. 2021) | yogi (FedYogi, Reddi et al. 2021).'),
     ('server_opt.lr',
