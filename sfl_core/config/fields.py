@@ -152,6 +152,8 @@ class Section:
     GATHERED: ClassVar[str] = ""
     """A field that is not a YAML key but holds the keys :meth:`gathered_keys` names (the run
     config's ``sections``: one YAML key per method section); :meth:`gather` fills it."""
+    SHORTHAND: ClassVar[str] = ""
+    """The field a bare string stands for (``drift: scaffold`` is ``{kind: scaffold}``); "": none."""
 
     @classmethod
     def gathered_keys(cls) -> list[str]:
@@ -172,6 +174,8 @@ class Section:
             if cls.GATHERED and data.kwargs and not data.args:
                 return ArgsKwargs((), cls.gather(dict(data.kwargs)))
             return data
+        if cls.SHORTHAND and isinstance(data, str):
+            data = {cls.SHORTHAND: data}
         if not isinstance(data, Mapping):
             raise PydanticCustomError("config", "{message}", {
                 "field": "", "message": f"expected a mapping (key: value lines), got {data!r}"})

@@ -296,16 +296,13 @@ class FleetEntry(Section):
     file is read, not when agent 37 starts."""
 
     REQUIRED: ClassVar[Mapping[str, str]] = {"profile": "a device profile name or YAML path"}
+    SHORTHAND: ClassVar[str] = "profile"   # '- jetson-nano' is one agent
 
     profile: Annotated[str, NONEMPTY_STRING]
     count: Annotated[int, POSITIVE_INTEGER] = 1
     data: Annotated[Optional[str], checked(_data_path)] = None
     """A simulated device's own data (a run with ``task``), relative to the run file; needs count 1."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, data: Any) -> Any:
-        return {"profile": data} if isinstance(data, str) else data   # '- jetson-nano' is one agent
 
     @field_validator("data")
     @classmethod
@@ -474,6 +471,8 @@ class NormStatsConfig(Section):
     averaged with the weights, or recomputed by the devices after aggregation (``federated``).
     ``norm_stats: federated`` is short for ``{mode: federated}``."""
 
+    SHORTHAND: ClassVar[str] = "mode"
+
     mode: Annotated[str, checked(one_of("averaged", "federated"))] = "averaged"
     every: Annotated[int, POSITIVE_INTEGER] = 1
     """A statistics pass every k rounds (the rounds between keep the last pass's statistics)."""
@@ -483,10 +482,6 @@ class NormStatsConfig(Section):
     batches: Annotated[int, checked(integer_in(1, 64, "an integer from 1 to 64"))] = 1
     """Local batches (of ``batch_size``) each asked agent runs through the new client portion."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, data: Any) -> Any:
-        return {"mode": data} if isinstance(data, str) else data
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -494,14 +489,12 @@ class DriftConfig(Section):
     """Drift correction for the client portions (docs/methods/drift.md): FedProx's proximal term
     or SCAFFOLD's control variates. ``drift: scaffold`` is short for ``{kind: scaffold}``."""
 
+    SHORTHAND: ClassVar[str] = "kind"
+
     kind: Annotated[str, checked(one_of(*DRIFT_KINDS))] = "none"
     mu: Annotated[float, checked(nonneg_number)] = 0.01
     """FedProx's μ: each local step adds μ (w − x) to the gradient."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, data: Any) -> Any:
-        return {"kind": data} if isinstance(data, str) else data
 
 
 @dataclass(frozen=True, config=STRICT)
