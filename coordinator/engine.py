@@ -463,7 +463,7 @@ class RoundEngine:
         ckpt.save(self.out_dir, {**self.model.state_dict(),
                                  **(self.server_opt.state_tensors() if self.server_opt is not None else {}),
                                  **(self.variates.state_tensors() if self.variates is not None else {})},
-                  self._checkpoint_state(r))
+                  self._checkpoint_state(r), encoded={"registry": self.registry.to_json_text()})
         self.on_event("round_end", record)
         return record
 
@@ -569,11 +569,12 @@ class RoundEngine:
         return {a: pass_agents[a] for a in replies}, time.monotonic() - t0
 
     def _checkpoint_state(self, r: int) -> dict[str, Any]:
-        """The run state saved with the model after round ``r`` (what ``--resume`` reads)."""
+        """The run state saved with the model after round ``r`` (what ``--resume`` reads), all but
+        the registry, which the checkpoint adds as the text it keeps encoded."""
         return {
             "round": r, "rounds": self.cfg.rounds, "elapsed_s": self.clock.elapsed, "model": self.cfg.model,
             "run": self.cfg.run_id,
-            "strategy": self.cfg.strategy, "registry": self.registry.to_json(),
+            "strategy": self.cfg.strategy,
             **self.method.to_json(),
             **({"latest_widths": dict(self._latest_width)} if self._latest_width else {}),
             "model_info": describe_model(self.model, self._dataset_name(), self.preprocessing),  # lets `sfl-coord export` rebuild it

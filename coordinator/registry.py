@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import time
 from typing import Any, Callable, Optional
 
@@ -32,7 +34,8 @@ class Registry:
         self.now = now
         self.channels = channels
         self.architecture = architecture
-        self._profile_dicts: dict[str, tuple[Any, dict[str, Any]]] = {}   # agent -> (profile, its dict)
+        self._texts: dict[str, tuple[Any, tuple[Any, ...], str]] = {}
+        """Agent -> (profile, a copy of its saved values, its checkpoint entry as JSON text)."""
         self.agents: dict[str, AgentInfo] = {}
         self.channel_stats: dict[str, ChannelStats] = {}
         """Registered agents' input statistics (``normalize: federated``), until the constants are set."""
@@ -105,18 +108,27 @@ class Registry:
         return [a for a in self.agents.values()
                 if a.online and (stale_after_s is None or now - a.last_seen <= stale_after_s)]
 
-    def to_json(self) -> dict[str, Any]:
-        """The registry as the checkpoint keeps it (written every round: each agent's profile is
-        converted once, not once per round)."""
-        out, cache = {}, {}
+    def to_json_text(self) -> str:
+        """The registry as the checkpoint keeps it, as JSON text. It is written every round, and
+        with thousands of registered agents encoding it was most of a round's book-keeping: an
+        agent's entry is encoded again only when one of its saved values (or its profile) has
+        changed since the last call; the values are compared with a copy taken then, so a list
+        changed in place is seen."""
+        parts, texts = [], {}
         for a, i in self.agents.items():
-            cached = self._profile_dicts.get(a)
-            if cached is None or cached[0] is not i.profile:
-                cached = (i.profile, i.profile.to_dict())
-            cache[a] = cached
-            out[a] = {**{k: getattr(i, k) for k in _SAVED_FIELDS}, "profile": cached[1]}
-        self._profile_dicts = cache
-        return out
+            values = tuple(getattr(i, k) for k in _SAVED_FIELDS)
+            hit = self._texts.get(a)
+            if hit is None or hit[0] is not i.profile or hit[1] != values:
+                entry = {**dict(zip(_SAVED_FIELDS, values)), "profile": i.profile.to_dict()}
+                hit = (i.profile, copy.deepcopy(values), json.dumps(entry))
+            texts[a] = hit
+            parts.append(f"{json.dumps(a)}:{hit[2]}")
+        self._texts = texts
+        return "{" + ",".join(parts) + "}"
+
+    def to_json(self) -> dict[str, Any]:
+        """:meth:`to_json_text` as a dict."""
+        return json.loads(self.to_json_text())
 
     def load_totals(self, data: dict[str, Any]) -> None:
         """After --resume, agents re-register; their running totals come from the checkpoint."""

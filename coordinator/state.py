@@ -26,7 +26,7 @@ import logging
 import os
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -51,11 +51,17 @@ class CheckpointWriteError(OSError):
 
 # ================================================================ writing
 
-def save(out_dir: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
-    """Replace the checkpoint atomically, then refresh the ``state.json`` copy."""
+def save(out_dir: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+         encoded: Mapping[str, str] | None = None) -> None:
+    """Replace the checkpoint atomically, then refresh the ``state.json`` copy. ``encoded``: more
+    top-level keys of the state whose values are JSON text already (the registry's, kept
+    encoded between rounds by :meth:`coordinator.registry.Registry.to_json_text`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(state)   # once, and compact: an indented dump takes json's pure-Python encoder,
-    buf = io.BytesIO()         # most of a round's book-keeping with thousands of registered agents
+    text = json.dumps(state)   # once, and compact: an indented dump takes json's pure-Python encoder
+    if encoded:
+        extra = ",".join(f"{json.dumps(k)}:{v}" for k, v in encoded.items())
+        text = f"{text[:-1]},{extra}}}" if state else f"{{{extra}}}"
+    buf = io.BytesIO()
     torch.save({"format": FORMAT, "state": text,
                 "model": {k: v.detach().cpu() for k, v in model_state.items()}}, buf)
     _write_atomic(out_dir / MODEL_FILE, buf.getvalue())

@@ -326,8 +326,8 @@ def test_disk_full_mid_run_exit_1_agents_not_stopped(tmp_path):
     real_save = ckpt.save
     sent_stop = []
 
-    def save_then_fill(out_dir, model_state, state):
-        real_save(out_dir, model_state, state)
+    def save_then_fill(out_dir, model_state, state, encoded=None):
+        real_save(out_dir, model_state, state, encoded)
         if state["round"] == 1:   # the disk is full from now on
             (out_dir / "checkpoint.pt.tmp").symlink_to("/dev/full")
     real_shutdown = engine_mod.RoundEngine.shutdown_agents
