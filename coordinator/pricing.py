@@ -11,8 +11,8 @@ from typing import Any, Mapping, Sequence
 
 from coordinator.clock import AgentWork, Clock
 from coordinator.round_record import agent_row
-from sfl_core import timing
 from coordinator.session import RoundAgent
+from sfl_core import timing
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import AgentRound
 from sfl_core.model.accounting import SplitCost

@@ -126,10 +126,6 @@ class Registry:
         self._texts = texts
         return "{" + ",".join(parts) + "}"
 
-    def to_json(self) -> dict[str, Any]:
-        """:meth:`to_json_text` as a dict."""
-        return json.loads(self.to_json_text())
-
     def load_totals(self, data: dict[str, Any]) -> None:
         """After --resume, agents re-register; their running totals come from the checkpoint."""
         for a, d in data.items():

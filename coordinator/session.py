@@ -14,7 +14,7 @@ simulation, while a deployment's is wall time.
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Optional
@@ -72,16 +72,12 @@ class RoundAgent:
         download and upload as they really went (0 until a round has all three)."""
         if not (self.first_s and self.last_s and self.steps):
             return 0.0
-        return max(0.0, self.first_s + self.last_s - sum(self.steps) / len(self.steps))
+        return max(0.0, self.first_s + self.last_s - statistics.fmean(self.steps))
 
     @property
     def step_jitter_s(self) -> float:
         """Standard deviation of :attr:`steps` (0 with fewer than two)."""
-        n = len(self.steps)
-        if n < 2:
-            return 0.0
-        mean = sum(self.steps) / n
-        return math.sqrt(sum((x - mean) ** 2 for x in self.steps) / (n - 1))
+        return statistics.stdev(self.steps) if len(self.steps) > 1 else 0.0
 
 
 class FleetSession:

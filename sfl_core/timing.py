@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
+import torch
+from torch import special
 
 from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
 from sfl_core.wire.codec import nominal_ratio
@@ -118,7 +120,7 @@ def lockstep_slack_s(step_s: Sequence[float], jitter_s: Sequence[float], *, step
     x = np.linspace(lo, hi, 2001)
     below = np.ones_like(x)                  # P(every agent's step is done by x)
     for m, s in contenders:
-        below *= _normal_cdf((x - m) / s) if s > 0 else (x >= m)
+        below *= special.ndtr(torch.from_numpy((x - m) / s)).numpy() if s > 0 else (x >= m)
     above = 1.0 - below
     expected_max = lo + float(np.sum((above[1:] + above[:-1]) * np.diff(x)) / 2)   # trapezoid rule
     return max(0.0, float(steps * (expected_max - top)))
@@ -145,15 +147,6 @@ def lockstep_phases_s(down_s: Sequence[float], up_s: Sequence[float], total_s: S
     lockstep = (max(d + s / 2 for d, s in zip(down_s, step)) + (steps - 1) * max(step)
                 + max(u + s / 2 for u, s in zip(up_s, step)))
     return max(0.0, lockstep - max(total_s))
-
-
-def _normal_cdf(z: np.ndarray) -> np.ndarray:
-    """Φ(z), the standard normal CDF, elementwise (Abramowitz–Stegun 7.1.26 for erf, |error| < 1.5e-7)."""
-    u = np.abs(z) / math.sqrt(2.0)
-    t = 1.0 / (1.0 + 0.3275911 * u)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    erf = 1.0 - poly * np.exp(-u * u)
-    return 0.5 * (1.0 + np.sign(z) * erf)
 
 
 def round_time(times: Iterable[float]) -> float:

@@ -1,5 +1,7 @@
 """Registry rules that the round engine's waiting and selection depend on."""
 
+import json
+
 from coordinator.registry import Registry
 from sfl_core.wire.protocol import Message
 
@@ -18,7 +20,7 @@ def test_agent_from_checkpoint_counts_as_online_only_after_registering_again():
     _register(first, "a0")
     first.agents["a0"].rounds = 4
     resumed = Registry(num_classes=2)
-    resumed.load_totals(first.to_json())
+    resumed.load_totals(json.loads(first.to_json_text()))
     assert resumed.online() == []
     resumed.set_online("a0", True)            # status{online: true} on connect
     assert resumed.online() == []
@@ -31,8 +33,6 @@ def test_agent_from_checkpoint_counts_as_online_only_after_registering_again():
 def test_the_checkpoint_text_follows_every_change_while_reusing_unchanged_entries():
     """Entries are encoded again only when a saved value changed, compared with a copy: a total
     incremented, a list changed in place and a new profile all show in the next text."""
-    import json
-
     from coordinator.registry import _SAVED_FIELDS
 
     reg = Registry(num_classes=2)
@@ -56,8 +56,6 @@ def test_the_checkpoint_text_follows_every_change_while_reusing_unchanged_entrie
 
 
 def test_a_checkpoint_holds_the_encoded_registry_beside_the_state(tmp_path):
-    import json
-
     import torch
 
     from coordinator import state as ckpt
@@ -66,5 +64,5 @@ def test_a_checkpoint_holds_the_encoded_registry_beside_the_state(tmp_path):
     _register(reg, "a0")
     ckpt.save(tmp_path, {"w": torch.zeros(2)}, {"round": 3, "model": "m"}, encoded={"registry": reg.to_json_text()})
     tensors, st = ckpt.load(tmp_path)
-    assert st["round"] == 3 and st["registry"] == reg.to_json() and torch.equal(tensors["w"], torch.zeros(2))
+    assert st["round"] == 3 and st["registry"] == json.loads(reg.to_json_text()) and torch.equal(tensors["w"], torch.zeros(2))
     assert json.loads((tmp_path / ckpt.STATE_FILE).read_text()) == st

@@ -318,7 +318,7 @@ class Auto(Method):
         compute the model charges them, less what lock-step explains (the phases and the jitter
         slack), over ``tau`` times the round's split agents (rounded to the microsecond: a
         virtual clock's own arithmetic leaves nothing to learn)."""
-        split = [a for a, p in plan.agents.items() if p.option.split != self.model.num_blocks]
+        split = list(self._cut(plan))
         agents = [a for a in plan.agents if a in self.measured and a in self.unscaled]
         if not split or not agents:
             return
@@ -329,6 +329,10 @@ class Auto(Method):
         seen = max(0.0, round(beyond / (self.cfg.local_iters * len(split)), 6))
         alpha = self.cfg.auto.smoothing
         self.overhead_s = alpha * self.overhead_s + (1 - alpha) * seen
+
+    def _cut(self, plan: JointPlan) -> dict[str, Any]:
+        """The plan's agents given a cut (not the whole model): those that step in lock-step."""
+        return {a: p for a, p in plan.agents.items() if p.option.split != self.model.num_blocks}
 
     def _slack(self, times: Mapping[str, float], jitter: Mapping[str, float]) -> float:
         """:func:`sfl_core.timing.lockstep_slack_s` of split agents with these round ``times`` and
@@ -348,7 +352,7 @@ class Auto(Method):
         virtual clock charges each agent's sum."""
         if not self.jitter:
             return 0.0
-        split = {a: p for a, p in plan.agents.items() if p.option.split != self.model.num_blocks}
+        split = self._cut(plan)
         if not split:
             return 0.0
         w = {a: self.weight_scales.get(a, 1.0) for a in split}
@@ -360,7 +364,7 @@ class Auto(Method):
         """The plan's round as a wall clock will see it: its slowest agent, plus what lock-step adds
         (:meth:`_phases_excess`, and the slack of its split agents' step jitter, each at its
         smoothed value; none measured: 0, the time model's)."""
-        split = {a: p.time_s for a, p in plan.agents.items() if p.option.split != self.model.num_blocks}
+        split = {a: p.time_s for a, p in self._cut(plan).items()}
         return plan.round_s + self._phases_excess(plan) + self._slack(split, self.jitter)
 
     def round_metrics(self) -> dict[str, Any]:
