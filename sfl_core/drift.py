@@ -34,7 +34,7 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 
-__all__ = ["KINDS", "STATE_PREFIX", "effective_steps", "ControlVariates"]
+__all__ = ["KINDS", "STATE_PREFIX", "effective_steps", "portions_down", "portions_held", "ControlVariates"]
 
 KINDS = ("none", "fedprox", "scaffold")
 STATE_PREFIX = "@drift/"
@@ -47,6 +47,18 @@ def effective_steps(tau: int, momentum: float) -> float:
     if momentum == 0:
         return float(tau)
     return sum((1 - momentum ** k) / (1 - momentum) for k in range(1, tau + 1))
+
+
+def portions_down(kind: str) -> int:
+    """Client portions a device downloads per round: its weights, and under SCAFFOLD the
+    correction ``c − cᵢ``, of the same shape (the time model prices both)."""
+    return 2 if kind == "scaffold" else 1
+
+
+def portions_held(kind: str) -> int:
+    """Copies of the client portion a device holds beside its weights and gradients while it
+    trains: FedProx's ``x`` or SCAFFOLD's ``c − cᵢ`` (one), none without drift correction."""
+    return 0 if kind == "none" else 1
 
 
 def _leading(t: torch.Tensor, shape: Tuple[int, ...]) -> Tuple[slice, ...]:

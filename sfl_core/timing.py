@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import special
 
+from sfl_core import drift
 from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
 from sfl_core.wire.codec import nominal_ratio
 
@@ -265,22 +266,25 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
                server_flops_per_s: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float,
                latency_s: float, messages: int, compute_scale: float = 1.0, link_scale: float = 1.0,
                mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0,
-               coordinator_s: float = 0.0) -> Option:
+               coordinator_s: float = 0.0, weight_bytes_down: float | None = None) -> Option:
     """An :class:`Option` from the time model itself (:func:`sfl_core.agent_round_time`, the
     function the virtual clock charges), evaluated at batch 0 and 1 (it is linear in the batch).
 
     Per-sample FLOPs and bytes are per training sample; ``tau`` steps per round; weights go
-    down and up once (``weight_bytes`` each way), activations up and gradients down
+    down and up once (``weight_bytes`` each way; ``weight_bytes_down`` down where the download
+    carries more, e.g. SCAFFOLD's correction), activations up and gradients down
     (``activation_bytes`` each way, on the wire). ``compute_scale`` and ``link_scale`` are the
     measured-over-predicted corrections the planner learns from finished rounds;
     ``coordinator_s`` the round's :func:`step_overhead_s` (independent of the batch).
     """
+    weights_down = weight_bytes if weight_bytes_down is None else weight_bytes_down
+
     def parts(batch: int) -> AgentTime:
         samples = tau * batch
-        one_way = weight_bytes + samples * activation_bytes
         return agent_round_time(
-            client_flops=client_flops * samples, server_flops=server_flops * samples, bytes_up=one_way,
-            bytes_down=one_way, client_flops_per_s=compute_flops_per_s, server_flops_per_s=server_flops_per_s,
+            client_flops=client_flops * samples, server_flops=server_flops * samples,
+            bytes_up=weight_bytes + samples * activation_bytes, bytes_down=weights_down + samples * activation_bytes,
+            client_flops_per_s=compute_flops_per_s, server_flops_per_s=server_flops_per_s,
             uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s, latency_s=latency_s,
             messages=messages, coordinator_s=coordinator_s)
 
@@ -288,7 +292,7 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
         return t.client_compute_s * compute_scale + t.transfer_s * link_scale + t.server_compute_s + t.coordinator_s
 
     zero, one = parts(0), parts(1)
-    down = transfer_time(0, weight_bytes, uplink_bytes_per_s, downlink_bytes_per_s, latency_s=latency_s, messages=1)
+    down = transfer_time(0, weights_down, uplink_bytes_per_s, downlink_bytes_per_s, latency_s=latency_s, messages=1)
     up = transfer_time(weight_bytes, 0, uplink_bytes_per_s, downlink_bytes_per_s, latency_s=latency_s, messages=1)
     return Option(split=split, codec=codec, fixed_s=scaled(zero), per_sample_s=scaled(one) - scaled(zero),
                   compute_per_sample_s=(one.client_compute_s - zero.client_compute_s) * compute_scale,
@@ -303,7 +307,8 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
     registration measurements (compute seconds per sample at that cut, link rates) where it
     measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (the
     codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
-    gradients (and momentum) plus every client activation and its gradient per sample.
+    gradients (and momentum, and drift correction's copy) plus every client activation and its
+    gradient per sample. Under SCAFFOLD the download carries the correction as well.
     A cut (not the whole model) pays the coordinator's :func:`step_overhead_s` for a round of
     ``split_agents`` split agents at ``per_agent_step_s`` (default: the run's
     ``agent_step_overhead_s``). The planners (auto), ``sfl-coord plan`` and every method's
@@ -311,12 +316,13 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
     ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
     seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
-    copies = 3 if cfg.momentum > 0 else 2
+    copies = (3 if cfg.momentum > 0 else 2) + drift.portions_held(cfg.drift.kind)
     whole = cost.activation_bytes == 0   # the whole model on the agent: weights only, no per-step exchange
     h = cfg.agent_step_overhead_s if per_agent_step_s is None else per_agent_step_s
     return option_for(
         split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
         server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
+        weight_bytes_down=cost.client_param_bytes * drift.portions_down(cfg.drift.kind),
         activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
         server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
         downlink_bytes_per_s=downlink_rate(info),

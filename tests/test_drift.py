@@ -179,3 +179,28 @@ def test_fedprox_through_the_engine_at_mu_0_is_plain_training_and_pulls_towards_
     def moved(e) -> float:   # how far the round took the client portion from where it began
         return sum(float(((e.model.state_dict()[k] - e._round_start[k]) ** 2).sum()) for k in client)
     assert moved(strong) < 0.8 * moved(plain)
+
+
+def test_the_time_model_prices_what_each_correction_adds_to_a_device():
+    """SCAFFOLD's correction rides down with the weights (one more client portion's transfer);
+    FedProx and SCAFFOLD hold one more copy of the client portion while training."""
+    from sfl_core import timing
+    from sfl_core.config.run import load_profile
+    from sfl_core.fleet import AgentInfo
+    from sfl_core.model.accounting import model_costs
+
+    cost = model_costs("small_cnn", (1, 28, 28), 10)[2]
+    info = AgentInfo("a", 0, load_profile("s2fl-low-low"), {}, [10] * 10, 100)
+    opts = {}
+    for kind in ("none", "fedprox", "scaffold"):
+        cfg = run_config_from_dict({"run": "d", "model": "small_cnn", "data": {"dataset": "digits"},
+                                    "fleet": [{"profile": "s2fl-low-low", "count": 2}], "drift": kind})
+        opts[kind] = timing.price_option(cfg, cost, "fp32", info, ratio=1.0)
+    none, prox, scaf = opts["none"], opts["fedprox"], opts["scaffold"]
+    one_portion = timing.transfer_time(0, cost.client_param_bytes, 1.0, info.profile.downlink)
+    assert prox.fixed_s == pytest.approx(none.fixed_s) and prox.per_sample_s == pytest.approx(none.per_sample_s)
+    assert scaf.fixed_s - none.fixed_s == pytest.approx(one_portion, rel=1e-6)
+    assert scaf.weights_down_s - none.weights_down_s == pytest.approx(one_portion, rel=1e-6)
+    assert scaf.weights_up_s == none.weights_up_s
+    for kind in ("fedprox", "scaffold"):
+        assert opts[kind].mem_fixed - none.mem_fixed == pytest.approx(cost.client_param_bytes)

@@ -34,3 +34,29 @@ def test_each_row_matches_a_simulated_run_of_that_method(tmp_path, strategy, nam
     first = {r.method: r for r in preview(cfg, model, costs, {a: i for a, i in fleet_of(cfg, counts).items()
                                                              if int(a[-3:]) < cfg.per_round})}
     assert first[name].round_s < 0.7 * measured
+
+
+def test_scaffold_rows_price_the_correction_that_rides_with_the_weights(tmp_path):
+    """Under SCAFFOLD every device downloads ``c − cᵢ`` beside its weights: on a slow downlink the
+    row must price both, as the simulated run charges them (round 1's correction is all zeros and
+    compresses to nothing, so the comparison starts at round 2)."""
+    def run(drift: str) -> tuple[float, float]:
+        cfg = run_config_from_dict({
+            "run": "rows", "model": "small_cnn", "data": {"dataset": "digits", "partition": "iid"},
+            "fleet": [{"profile": "s2fl-low-low", "count": 10}], "rounds": DRAWS + 1, "per_round": 5,
+            "strategy": "fedavg", "batch_size": 8, "local_iters": 2, "drift": drift,
+            "output_dir": str(tmp_path / drift)})
+        history, engine = run_simulation(cfg, device="cpu")
+        measured = sum(h["round_time_s"] for h in history[2:]) / (len(history) - 2)
+        costs = model_costs(cfg.model, engine.input_shape, 10)
+        counts = [engine.registry.agents[a].label_counts for a in sorted(engine.registry.agents)]
+        rows = {r.method: r for r in preview(cfg, build_model(cfg.model, engine.input_shape, 10), costs,
+                                             fleet_of(cfg, counts))}
+        return rows["FedAvg"].round_s, measured
+
+    plain, plain_measured = run("none")
+    scaffold, scaffold_measured = run("scaffold")
+    assert scaffold == pytest.approx(scaffold_measured, rel=0.15), (scaffold, scaffold_measured)
+    assert scaffold_measured > 1.3 * plain_measured          # the correction costs this fleet that much
+    assert plain < 0.8 * scaffold_measured                   # a row without it would miss by as much
+    assert scaffold - plain == pytest.approx(scaffold_measured - plain_measured, rel=0.3)

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from sfl_core import timing
+from sfl_core import drift, timing
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo
 from sfl_core.method_registry import method_classes
@@ -108,7 +108,8 @@ def _planned_round(variant: RunConfig, method: Any, costs: Mapping[int, SplitCos
         opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width,
                            split_agents=len(selected))
         ratio = wire_fraction(nominal_ratio(codec), width, channels)
-        traffic = 2 * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
+        portions = 1 + drift.portions_down(variant.drift.kind)    # weights up, and down with any correction
+        traffic = portions * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
         rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)
     times = [x.time_s for x in rows.values()]
     pass_s, pass_bytes = _norm_pass(variant, costs, agents, rows)
