@@ -206,7 +206,8 @@ class RoundEngine:
             plan, agents = shard_round.follow(self.shards, self.transport, self.model, doc, self._now)
             mine = list(agents)
             self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
-                                    lr=doc["lr"], population_counts=doc["population"])
+                                    lr=doc["lr"], population_counts=doc["population"],
+                                    freeze_norm=norm_stats.frozen(self.cfg.norm_stats.freeze_after, r))
             losses = self._train_steps(r, agents, mine)
             log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r,
                      ", ".join(mine) or "-", f"{losses[-1]:.4f}" if losses else "-")
@@ -264,8 +265,10 @@ class RoundEngine:
         mine = shard_round.lead(self.shards, self.transport, self.model, r, plan, agents, split_agents,
                                 label_counts=label_counts, population=population, lr=self.cfg.lr * decay) \
             if self.shards is not None else split_agents
+        frozen = norm_stats.frozen(self.cfg.norm_stats.freeze_after, r)
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
-                                lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population)
+                                lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population,
+                                freeze_norm=frozen)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         for a, ra in agents.items():
             key = (ra.assignment.split, ra.assignment.width)
@@ -275,6 +278,8 @@ class RoundEngine:
             if self.cfg.task is not None and self.normalization is not None:
                 body["normalize"] = self.normalization.to_wire()
             body.update(self._drift_fields(a, *key))
+            if frozen:
+                body["freeze_norm"] = True
             self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
                                           seq=protocol.next_seq()))
         # server workers step together even in a round without split agents (each step is a collective)
@@ -519,6 +524,8 @@ class RoundEngine:
         any valid answer the averaged statistics stay."""
         ns = self.cfg.norm_stats
         if ns.mode != "federated" or not norm_stats.batch_norm_layers(self.model):
+            return None, 0.0
+        if norm_stats.frozen(ns.freeze_after, r):   # no agent or server copy changed the statistics
             return None, 0.0
         if r % ns.every:   # between passes, the last pass's statistics describe the model better than averages
             if self._pass_stats:

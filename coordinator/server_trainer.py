@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Sequence, T
 import torch
 import torch.nn.functional as F
 
+from sfl_core import norm_stats
 from sfl_core.losses import LossSpec, logit_calibrated_ce, n2w_loss, under_represented_classes, w2n_loss
 from sfl_core.model.zoo import SplitModel
 
@@ -99,7 +100,8 @@ class ServerTrainer:
                     widths: Mapping[str, int] | None = None,
                     label_counts: Mapping[str, Sequence[int]] | None = None,
                     lr: float | None = None, sequential: bool = False,
-                    population_counts: Mapping[str, Sequence[int]] | None = None) -> None:
+                    population_counts: Mapping[str, Sequence[int]] | None = None,
+                    freeze_norm: bool = False) -> None:
         """Fresh copies of the current global model, one per group (optimiser state too, like the agents).
 
         ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
@@ -107,11 +109,16 @@ class ServerTrainer:
         round's learning rate (default: the trainer's). ``sequential`` is SplitFed v2: a group's
         copy takes one optimiser step per member, in turn, instead of one on the merged batch.
         ``population_counts`` (every registered agent's label counts) is BDKS's global data set;
-        default: the round's bottlenecked agents (:meth:`_under_represented`).
+        default: the round's bottlenecked agents (:meth:`_under_represented`). ``freeze_norm``:
+        the copies' BatchNorm layers normalise with the model's statistics and keep them
+        (:func:`sfl_core.norm_stats.freeze`).
         """
         self._sequential = sequential
         lr = self.lr if lr is None else lr
         self._groups = [_Group(self.model, g, splits, lr, self.momentum) for g in groups if g]
+        if freeze_norm:
+            for group in self._groups:
+                norm_stats.freeze(group.model)
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
         needs_counts = self.loss.kind == "calibrated" or self.loss.bdks

@@ -172,6 +172,8 @@ class AgentCore:
         model.load_state_dict(state, strict=False)
         self._assign, self._client = a, client
         self._client.train()
+        if msg.body.get("freeze_norm"):
+            norm_stats.freeze(self._client)
         self._opt = torch.optim.SGD(client.parameters(), lr=a.lr, momentum=a.momentum)
         self._drift = self._drift_terms(msg.body, model, a.split)
         self._flops_per_sample = model_costs(a.model, self.input_shape, self.data.num_classes)[a.split].client_flops

@@ -36,7 +36,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["Moments", "batch_norm_layers", "collect", "combine", "apply", "running_stats", "to_wire_state",
+__all__ = ["Moments", "batch_norm_layers", "frozen", "freeze", "collect", "combine", "apply", "running_stats", "to_wire_state",
            "from_wire_state", "expected_layers"]
 
 
@@ -67,6 +67,27 @@ class Moments:
 def batch_norm_layers(model: nn.Module) -> dict[str, nn.modules.batchnorm._BatchNorm]:
     """Every BatchNorm layer of ``model`` by its name in ``model`` (the names all parts share)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+
+def frozen(freeze_after: int, r: int) -> bool:
+    """Whether round ``r`` trains with frozen statistics: it comes after ``freeze_after`` rounds
+    of exploration (0: never freeze).
+
+    Why (FixBN: Zhong, Chen and Chao, "Making Batch Normalization Great in Federated Deep
+    Learning", 2024): under label skew, normalising each device's batch by its own statistics
+    makes local training fit its own classes' statistics, which the global model never sees at
+    test time. Once training has explored, freezing the global statistics and normalising with
+    them on every device and on the server removes that mismatch, and the model is trained with
+    exactly the normalisation it is evaluated with."""
+    return 0 < freeze_after < r
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """Every BatchNorm layer of ``module`` (already in train mode) normalises with its running
+    statistics and stops updating them; its scale and shift still train."""
+    for layer in batch_norm_layers(module).values():
+        layer.eval()
+    return module
 
 
 @torch.no_grad()

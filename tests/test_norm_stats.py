@@ -234,19 +234,22 @@ def test_the_plan_prices_the_pass_as_the_simulation_charges_it(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_processes_over_mosquitto_run_the_pass_with_scaffold(mosquitto, tmp_path):
-    """A coordinator and three agent processes over a real broker: every round's statistics
-    pass, and SCAFFOLD's corrections in every assignment, signed and validated like the rest."""
+    """A coordinator and three agent processes over a real broker: the statistics pass in every
+    round until the freeze (``freeze_after: 2``), then a round whose assignments freeze the
+    statistics; SCAFFOLD's corrections in every assignment; all signed and validated like the rest."""
     from helpers import finish, logs, start_agents, start_coord, write_config
 
-    config = write_config(tmp_path, "stats", model=MODEL, split=2, rounds=2, local_iters=5,
-                          norm_stats="federated", drift="scaffold")
+    config = write_config(tmp_path, "stats", model=MODEL, split=2, rounds=3, local_iters=5,
+                          norm_stats={"mode": "federated", "freeze_after": 2}, drift="scaffold")
     coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
     agents = start_agents(mosquitto.url, "stats", tmp_path, n=3, emulate=False)
     assert finish([coord, *agents], 240) == [0, 0, 0, 0], logs(tmp_path)
     history = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [h["round"] for h in history] == [0, 1, 2]
-    for h in history[1:]:
+    assert [h["round"] for h in history] == [0, 1, 2, 3]
+    for h in history[1:3]:
         assert h["norm_stats"]["agents"] == ["a0", "a1", "a2"] and h["norm_stats"]["bytes_up"] > 0, h
+    assert "norm_stats" not in history[3] and len(history[3]["completed"]) == 3, history[3]
+    for h in history[1:]:
         assert h["rejected"] == {}, h["rejected"]
     text = (tmp_path / "coord.log").read_text()
     assert "round 2: BatchNorm statistics of" in text and "from 3 agent(s)" in text, text

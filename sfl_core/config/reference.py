@@ -150,6 +150,10 @@ FIELDS: tuple[tuple[str, str], ...] = (
      "how many of the round's completed agents run the pass, those whose pass the time model prices shortest; 0 = all of them (federated)."),
     ('norm_stats.batches',
      'local batches of batch_size each asked agent runs, 1-64 (federated).'),
+    ('norm_stats.freeze_after',
+     'after this many rounds, every BatchNorm layer, on the devices and the server, normalises with the '
+     "global model's statistics and stops updating them (FixBN; with federated, the last pass's, and no "
+     'pass runs after the freeze); 0 = never.'),
     ('drift',
      "drift correction for the client portions (docs/methods/drift.md); 'drift: scaffold' is short for {kind: scaffold}."),
     ('drift.kind',

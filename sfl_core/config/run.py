@@ -481,6 +481,9 @@ class NormStatsConfig(Section):
     prices shortest (0: all of them)."""
     batches: Annotated[int, checked(integer_in(1, 64, "an integer from 1 to 64"))] = 1
     """Local batches (of ``batch_size``) each asked agent runs through the new client portion."""
+    freeze_after: Annotated[int, NONNEG_INTEGER] = 0
+    """After this many rounds, BatchNorm layers train with the global statistics, frozen (FixBN;
+    with ``federated``, the last pass's); 0: never."""
 
 
 

@@ -119,7 +119,8 @@ def _planned_round(variant: RunConfig, method: Any, costs: Mapping[int, SplitCos
 def _norm_pass(cfg: RunConfig, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
                rows: Mapping[str, PlannedAgent]) -> tuple[float, float]:
     """The statistics pass a round adds (its slowest asked agent; bytes of all), per round: a
-    pass every ``every`` rounds costs ``1/every`` of it. (0, 0) without ``norm_stats: federated``."""
+    pass every ``every`` rounds costs ``1/every`` of it, and only the rounds before a freeze
+    (``freeze_after``) have one. (0, 0) without ``norm_stats: federated``."""
     ns = cfg.norm_stats
     if ns.mode != "federated":
         return 0.0, 0.0
@@ -130,4 +131,5 @@ def _norm_pass(cfg: RunConfig, costs: Mapping[int, SplitCost], agents: Mapping[s
         channels = cost.activation_shape[0] if cost.activation_shape else 1
         priced.append(timing.predict_norm_pass(cfg, cost, agents[a],
                                                ratio=wire_fraction(nominal_ratio(x.codec), x.width, channels)))
-    return (max((t for t, _ in priced), default=0.0) / ns.every, sum(b for _, b in priced) / ns.every)
+    share = (min(ns.freeze_after, cfg.rounds) / cfg.rounds if ns.freeze_after else 1.0) / ns.every
+    return max((t for t, _ in priced), default=0.0) * share, sum(b for _, b in priced) * share

@@ -114,7 +114,8 @@ OPTIONAL: dict[str, dict[str, Any]] = {
     "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
                "normalize": dict,       # a task run's standardisation constants {mean, std}
                "prox_mu": _NUM,         # drift: fedprox (sfl_core.drift)
-               "correction": dict},     # drift: scaffold: c - c_i for the client portion's parameters
+               "correction": dict,      # drift: scaffold: c - c_i for the client portion's parameters
+               "freeze_norm": bool},    # norm_stats.freeze_after: BatchNorm uses its statistics, frozen
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
     "norm_pass": {"sig": bytes, "normalize": dict},
