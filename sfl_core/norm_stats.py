@@ -36,8 +36,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["Moments", "batch_norm_layers", "frozen", "freeze", "collect", "combine", "apply", "running_stats", "to_wire_state",
-           "from_wire_state", "expected_layers"]
+__all__ = ["Moments", "batch_norm_layers", "frozen", "freeze", "collect", "combine", "apply", "running_stats",
+           "to_wire_state", "from_wire_state", "expected_layers"]
 
 
 @dataclass(frozen=True)
