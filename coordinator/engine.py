@@ -101,6 +101,7 @@ class RoundEngine:
         so = cfg.server_opt
         self.server_opt: Optional[ServerOptimizer] = from_config(so.kind, so.lr, so.beta1, so.beta2, so.tau)
         self._round_start: dict[str, torch.Tensor] = {}
+        self._server_corrections: dict[str, dict[str, torch.Tensor]] = {}   # this round's, per agent
         self._round_wall0 = time.monotonic()   # when the current round began, on this host
         self.variates: Optional[ControlVariates] = ControlVariates() if cfg.drift.kind == "scaffold" else None
         self._pass_stats: dict[str, torch.Tensor] = {}   # norm_stats: federated: the last pass's statistics
@@ -205,9 +206,12 @@ class RoundEngine:
             r = doc["round"]
             plan, agents = shard_round.follow(self.shards, self.transport, self.model, doc, self._now)
             mine = list(agents)
+            corrections = {a: wire.decode_state(body, self._server_params(plan.splits[a], plan.widths.get(a, 0)))
+                           for a, body in doc["corrections"].items()}
             self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
                                     lr=doc["lr"], population_counts=doc["population"],
-                                    freeze_norm=norm_stats.frozen(self.cfg.norm_stats.freeze_after, r))
+                                    freeze_norm=norm_stats.frozen(self.cfg.norm_stats.freeze_after, r),
+                                    corrections=corrections)
             losses = self._train_steps(r, agents, mine)
             log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r,
                      ", ".join(mine) or "-", f"{losses[-1]:.4f}" if losses else "-")
@@ -262,13 +266,16 @@ class RoundEngine:
         population = {a: i.label_counts for a, i in self.registry.agents.items()}
         # agents holding the whole model train locally and only send weights (FedAvg, or auto's choice)
         split_agents = [a for a, ra in agents.items() if not ra.assignment.whole_model]
+        self._server_corrections = self._copy_corrections(plan, agents, split_agents)
         mine = shard_round.lead(self.shards, self.transport, self.model, r, plan, agents, split_agents,
-                                label_counts=label_counts, population=population, lr=self.cfg.lr * decay) \
+                                label_counts=label_counts, population=population, lr=self.cfg.lr * decay,
+                                corrections={a: wire.encode_state(c, self.cfg.zstd_level)
+                                             for a, c in self._server_corrections.items()}) \
             if self.shards is not None else split_agents
         frozen = norm_stats.frozen(self.cfg.norm_stats.freeze_after, r)
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
                                 lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population,
-                                freeze_norm=frozen)
+                                freeze_norm=frozen, corrections=self._server_corrections)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         for a, ra in agents.items():
             key = (ra.assignment.split, ra.assignment.width)
@@ -378,6 +385,24 @@ class RoundEngine:
             held = {k: v for k, v in self._client_state(split, width).items() if k in self._parameter_names}
             return {"correction": wire.encode_state(self.variates.correction(agent, held), self.cfg.zstd_level)}
         return {}
+
+    def _copy_corrections(self, plan: RoundPlan, agents: dict[str, RoundAgent],
+                          split_agents: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """SCAFFOLD's ``c − cᵢ`` for each split agent's server layers, where the round trains
+        several server copies and averages them; none where one merged copy trains on every row
+        (:mod:`sfl_core.drift`)."""
+        copies = {i for i, g in enumerate(plan.groups) for a in g if a in split_agents}
+        if self.variates is None or len(copies) < 2:
+            return {}
+        return {a: self.variates.correction(a, self._server_params(agents[a].assignment.split,
+                                                                   agents[a].assignment.width))
+                for a in split_agents}
+
+    def _server_params(self, split: int, width: int) -> dict[str, torch.Tensor]:
+        """The parameters a server copy trains for an agent of this split and bottleneck width."""
+        state = self.model.server_state(split)
+        state = {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
+        return {k: v for k, v in state.items() if k in self._parameter_names}
 
     def _client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
@@ -503,6 +528,14 @@ class RoundEngine:
                                  {a: (agents[a].assignment.lr, agents[a].assignment.tau, agents[a].assignment.momentum)
                                   for a in clients},
                                  fleet_size=len(self.registry.agents), full=self.model.state_dict())
+            corrected = [a for a in clients if a in self._server_corrections]
+            if corrected:   # the server copies that stepped with c − c̄: their members' cᵢ learn from them
+                self.variates.update(self._round_start,
+                                     {a: {k: v for k, v in servers[a].items() if k in self._parameter_names}
+                                      for a in corrected},
+                                     {a: self.server.member_steps(a) for a in corrected},
+                                     fleet_size=len(self.registry.agents), full=self.model.state_dict(),
+                                     stepped_with={a: self.server.member_correction(a) for a in corrected})
         if clients:
             copy_of = {a: i for i, g in enumerate(plan.groups) for a in g}
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),

@@ -69,6 +69,37 @@ class _Group:
         self.params = params
         self.buffers = [b for blk in self.model.blocks[self.first:] for b in blk.buffers()]
         self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
+        self.lr, self.momentum = lr, momentum
+        self.steps = 0
+        self.correction: dict[str, torch.Tensor] = {}
+        """SCAFFOLD's ``c − c̄`` per parameter name (:mod:`sfl_core.drift`), added to every step's gradient."""
+
+    def correct(self, corrections: Sequence[Mapping[str, torch.Tensor]], device: torch.device) -> None:
+        """Step with the mean of the members' corrections (each a leading block of a parameter)."""
+        if not corrections:
+            return
+        own = {id(p) for p in self.params}
+        for name, p in self.model.named_parameters():
+            if id(p) not in own:
+                continue
+            total = torch.zeros(p.shape, dtype=torch.float32)
+            for corr in corrections:
+                if name in corr:
+                    t = corr[name]
+                    total[tuple(slice(0, d) for d in t.shape)] += t.float().cpu()
+            self.correction[name] = (total / len(corrections)).to(device, p.dtype)
+
+    def step(self) -> None:
+        """One optimiser step (SCAFFOLD's correction added to the gradients first)."""
+        if self.opt is None:
+            return
+        if self.correction:
+            for name, p in self.model.named_parameters():
+                corr = self.correction.get(name)
+                if corr is not None:
+                    p.grad = corr.clone() if p.grad is None else p.grad.add_(corr)
+        self.opt.step()
+        self.steps += 1
 
     def state_for(self, split: int) -> dict[str, torch.Tensor]:
         """This copy's layers from ``split`` on: what the group contributes for a member cut at ``split``."""
@@ -101,7 +132,8 @@ class ServerTrainer:
                     label_counts: Mapping[str, Sequence[int]] | None = None,
                     lr: float | None = None, sequential: bool = False,
                     population_counts: Mapping[str, Sequence[int]] | None = None,
-                    freeze_norm: bool = False) -> None:
+                    freeze_norm: bool = False,
+                    corrections: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
         """Fresh copies of the current global model, one per group (optimiser state too, like the agents).
 
         ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
@@ -111,7 +143,8 @@ class ServerTrainer:
         ``population_counts`` (every registered agent's label counts) is BDKS's global data set;
         default: the round's bottlenecked agents (:meth:`_under_represented`). ``freeze_norm``:
         the copies' BatchNorm layers normalise with the model's statistics and keep them
-        (:func:`sfl_core.norm_stats.freeze`).
+        (:func:`sfl_core.norm_stats.freeze`). ``corrections``: SCAFFOLD's ``c − cᵢ`` of each
+        member for its server layers; a copy steps with its members' mean (:mod:`sfl_core.drift`).
         """
         self._sequential = sequential
         lr = self.lr if lr is None else lr
@@ -119,6 +152,8 @@ class ServerTrainer:
         if freeze_norm:
             for group in self._groups:
                 norm_stats.freeze(group.model)
+        for group in self._groups:
+            group.correct([corrections[a] for a in group.members if a in (corrections or {})], self.device)
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
         needs_counts = self.loss.kind == "calibrated" or self.loss.bdks
@@ -188,8 +223,8 @@ class ServerTrainer:
         total = self.reducer.rows(0)
         self.reducer.sync(group.params, group.buffers, 0, total)
         loss = self.reducer.mean(0.0, 0, total)
-        if group.opt is not None and total:
-            group.opt.step()
+        if total:
+            group.step()
         return {}, loss, total
 
     def _train(self, group: _Group, batches: Mapping[str, Batch], exchange: Exchange | None = None
@@ -227,8 +262,7 @@ class ServerTrainer:
             rows = self.reducer.rows(n)
             self.reducer.sync(group.params, group.buffers, n, rows)
             loss = self.reducer.mean(loss, n, rows)
-        if group.opt is not None:
-            group.opt.step()
+        group.step()
         # scale on the device, then one device->host copy per distinct activation shape
         out: dict[str, torch.Tensor] = {}
         for a, b in zip(order, sizes):
@@ -350,3 +384,13 @@ class ServerTrainer:
     def member_state(self, agent_id: str, split: int) -> dict[str, torch.Tensor]:
         """The server-side layers trained for ``agent_id`` (its group's copy, from its split on)."""
         return self._group_of[agent_id].state_for(split)
+
+    def member_steps(self, agent_id: str) -> tuple[float, int, float]:
+        """``(η, K, m)`` of the copy that trained for ``agent_id``: its learning rate, the steps
+        it took this round and its momentum (SCAFFOLD's update, :mod:`sfl_core.drift`)."""
+        group = self._group_of[agent_id]
+        return group.lr, group.steps, group.momentum
+
+    def member_correction(self, agent_id: str) -> dict[str, torch.Tensor]:
+        """The correction ``agent_id``'s copy stepped with (empty without SCAFFOLD)."""
+        return {k: v.detach().cpu() for k, v in self._group_of[agent_id].correction.items()}

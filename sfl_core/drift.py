@@ -26,11 +26,20 @@ The server portion needs no correction: it trains on the merged batch of every s
   in ``(x − y) / (K η)`` so that ``cᵢ⁺`` stays the device's mean gradient.
 
 Only parameters are corrected; buffers (BatchNorm statistics) are not gradients' integrals.
+
+Server copies. One merged server copy trains on every selected device's rows: nothing averages
+it, so it needs no correction. Where the round trains several copies (one per agent, SplitFed
+v1; S2FL's groups) and averages them, each copy drifts towards its members' classes as a
+client portion does. The coordinator trains those copies itself, so SCAFFOLD covers them at no
+cost on the wire: a copy steps with ``c − c̄`` (``c̄`` the mean of its members' ``cᵢ`` for its
+layers), and each member's ``cᵢ`` for those layers is updated from the copy's ``y`` with the
+server's ``η``, ``K`` and ``m``. With one copy per agent this is SCAFFOLD on the whole model,
+split or not.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -88,15 +97,23 @@ class ControlVariates:
         return out
 
     def update(self, start: Mapping[str, torch.Tensor], uploads: Mapping[str, Mapping[str, torch.Tensor]],
-               steps: Mapping[str, Tuple[float, int, float]], fleet_size: int, full: Mapping[str, torch.Tensor]) -> None:
+               steps: Mapping[str, Tuple[float, int, float]], fleet_size: int, full: Mapping[str, torch.Tensor],
+               stepped_with: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None) -> None:
         """After a round: ``uploads[a]`` = device ``a``'s parameters ``y`` (a subset of names),
         ``start`` = the global ``x`` the round began from, ``steps[a]`` = its ``(η, K, m)``,
-        ``fleet_size`` = N, ``full`` = the global tensors (for ``c``'s shapes)."""
+        ``fleet_size`` = N, ``full`` = the global tensors (for ``c``'s shapes).
+        ``stepped_with[a]``: the correction ``y`` was trained with, where it was not ``a``'s own
+        ``c − cᵢ`` (a server copy shared by several agents steps with ``c − c̄``)."""
         total: Dict[str, torch.Tensor] = {}
         for a, y in uploads.items():
             lr, tau, m = steps[a]
+            if tau <= 0:                          # never stepped: nothing learnt about its gradient
+                continue
             scale = 1.0 / (lr * effective_steps(tau, m))
             sent = self.correction(a, y)          # c − cᵢ, at the agent's shapes: what it stepped with
+            if stepped_with is not None and a in stepped_with:
+                sent = {k: stepped_with[a][k][_leading(stepped_with[a][k], tuple(t.shape))].float().cpu()
+                        for k, t in sent.items()}
             mine = self.ci.setdefault(a, {})
             for k, yk in y.items():
                 yk = yk.detach().float().cpu()

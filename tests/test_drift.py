@@ -17,6 +17,7 @@ from coordinator import state as ckpt
 from edge_agent.agent import AgentCore, BatchSampler, LocalData
 from sfl_core.config.fields import ConfigError
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
+from coordinator.server_trainer import ServerTrainer
 from sfl_core.drift import STATE_PREFIX, ControlVariates, effective_steps
 from sfl_core.model.zoo import build_model
 from sfl_core.server_opt import split_state
@@ -204,3 +205,70 @@ def test_the_time_model_prices_what_each_correction_adds_to_a_device():
     assert scaf.weights_up_s == none.weights_up_s
     for kind in ("fedprox", "scaffold"):
         assert opts[kind].mem_fixed - none.mem_fixed == pytest.approx(cost.client_param_bytes)
+
+
+def _engine(tmp_path, name: str, strategy: str, server_mode: str, kind: str = "scaffold", rounds: int = 3):
+    cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
+    cfg = dataclasses.replace(cfg, rounds=rounds, strategy=strategy, split=2, local_iters=4, server_mode=server_mode,
+                              codec="fp32", output_dir=str(tmp_path / name),
+                              drift=dataclasses.replace(cfg.drift, kind=kind))
+    return run_simulation(cfg, device="cpu")[1]
+
+
+def test_scaffold_on_one_server_copy_per_agent_is_scaffold_on_the_whole_model(tmp_path):
+    """SplitFed v1 (one server copy per agent, averaged) at a lossless codec is FedAvg's
+    arithmetic split in two. The server copies drift as the client portions do, so SCAFFOLD
+    corrects them too, from the coordinator's own copies: the run is FedAvg+SCAFFOLD's, and
+    every agent's ``cᵢ`` covers the whole model."""
+    fedavg = _engine(tmp_path, "fedavg", "fedavg", "per_agent")
+    sfl = _engine(tmp_path, "sfl", "sfl", "per_agent")
+    for k, v in fedavg.model.state_dict().items():
+        torch.testing.assert_close(sfl.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+    params = sfl._parameter_names
+    for a, mine in sfl.variates.ci.items():
+        assert set(mine) == params == set(fedavg.variates.ci[a]), a
+        for k, v in mine.items():
+            torch.testing.assert_close(v, fedavg.variates.ci[a][k], rtol=1e-4, atol=1e-5)
+
+
+def test_one_merged_server_copy_steps_without_a_correction(tmp_path):
+    """Nothing averages a copy that trained on every row: it gets no correction, and the
+    agents' ``cᵢ`` cover their client portions only."""
+    merged = _engine(tmp_path, "merged", "sfl", "merged", rounds=2)
+    assert merged._server_corrections == {}
+    client = {k for k in merged.model.client_keys(2) if k in merged._parameter_names}
+    assert merged.variates.ci and all(set(mine) == client for mine in merged.variates.ci.values())
+
+
+def test_a_shared_server_copy_steps_with_its_members_mean_correction():
+    """One SGD step (no momentum) of a copy shared by two agents moves each parameter by
+    ``−η (g + c − c̄)``: against the same step without corrections, exactly ``−η`` times the mean
+    of the members' corrections, where a correction may cover a leading block only."""
+    torch.manual_seed(0)
+    model = build_model(MODEL, SHAPE, 10)
+    splits = {"a": 2, "b": 2}
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        batches = {a: (model.client(2)(torch.randn(6, *SHAPE, generator=gen)), torch.randint(0, 10, (6,), generator=gen))
+                   for a in splits}
+    names = [k for k, _ in model.named_parameters() if k in model.server_state(2)]
+    full, part = names[0], names[-1]
+    ca = {full: torch.randn(model.state_dict()[full].shape, generator=gen)}
+    cb = {full: torch.randn(model.state_dict()[full].shape, generator=gen),
+          part: torch.ones(model.state_dict()[part].shape[:1][0] // 2)}
+
+    def one_step(corrections):
+        trainer = ServerTrainer(model, lr=0.1, momentum=0.0)
+        trainer.begin_round([["a", "b"]], splits, corrections=corrections)
+        trainer.step(batches)
+        return trainer.member_state("a", 2), trainer.member_steps("a")
+
+    plain, _ = one_step(None)
+    corrected, steps = one_step({"a": ca, "b": cb})
+    assert steps == (0.1, 1, 0.0)
+    torch.testing.assert_close(corrected[full] - plain[full], -0.1 * (ca[full] + cb[full]) / 2, rtol=1e-4, atol=1e-6)
+    expected = torch.zeros_like(plain[part])
+    expected[:cb[part].shape[0]] = -0.1 * 0.5
+    torch.testing.assert_close(corrected[part] - plain[part], expected, rtol=1e-4, atol=1e-6)
+    for k in names[1:-1]:
+        torch.testing.assert_close(corrected[k], plain[k])

@@ -92,12 +92,16 @@ def test_two_gloo_ranks_train_the_server_model_one_process_trains(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"server_mode": "per_agent", "drift": "scaffold"}],
+                         ids=["merged", "per-agent-scaffold"])
+def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tmp_path, extra):
     """`serve --server-workers 2` with three agent processes over Mosquitto: every round
     completes with every agent, per-agent bytes include what the second worker counted, and
     the model equals the single-process run's (the simulation of the same config, which
-    test_integration shows equal to `serve` with one process) to float tolerance."""
-    config = write_config(tmp_path, "sw", rounds=2)
+    test_integration shows equal to `serve` with one process) to float tolerance. With one
+    server copy per agent and SCAFFOLD, every rank steps every copy with the leader's
+    corrections."""
+    config = write_config(tmp_path, "sw", rounds=2, **extra)
     coord = start_coord(config, tmp_path, "--broker", mosquitto.url, "--server-workers", "2", "--device", "cpu")
     agents = start_agents(mosquitto.url, "sw", tmp_path)
     assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
