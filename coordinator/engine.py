@@ -211,7 +211,7 @@ class RoundEngine:
             self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
                                     lr=doc["lr"], population_counts=doc["population"],
                                     freeze_norm=norm_stats.frozen(self.cfg.norm_stats.freeze_after, r),
-                                    corrections=corrections)
+                                    corrections=corrections, prox_mu=doc["prox_mu"])
             losses = self._train_steps(r, agents, mine)
             log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r,
                      ", ".join(mine) or "-", f"{losses[-1]:.4f}" if losses else "-")
@@ -267,15 +267,16 @@ class RoundEngine:
         # agents holding the whole model train locally and only send weights (FedAvg, or auto's choice)
         split_agents = [a for a, ra in agents.items() if not ra.assignment.whole_model]
         self._server_corrections = self._copy_corrections(plan, agents, split_agents)
+        prox_mu = self._copies_prox_mu(plan, split_agents)
         mine = shard_round.lead(self.shards, self.transport, self.model, r, plan, agents, split_agents,
                                 label_counts=label_counts, population=population, lr=self.cfg.lr * decay,
                                 corrections={a: wire.encode_state(c, self.cfg.zstd_level)
-                                             for a, c in self._server_corrections.items()}) \
+                                             for a, c in self._server_corrections.items()}, prox_mu=prox_mu) \
             if self.shards is not None else split_agents
         frozen = norm_stats.frozen(self.cfg.norm_stats.freeze_after, r)
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
                                 lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population,
-                                freeze_norm=frozen, corrections=self._server_corrections)
+                                freeze_norm=frozen, corrections=self._server_corrections, prox_mu=prox_mu)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         for a, ra in agents.items():
             key = (ra.assignment.split, ra.assignment.width)
@@ -391,12 +392,21 @@ class RoundEngine:
         """SCAFFOLD's ``c − cᵢ`` for each split agent's server layers, where the round trains
         several server copies and averages them; none where one merged copy trains on every row
         (:mod:`sfl_core.drift`)."""
-        copies = {i for i, g in enumerate(plan.groups) for a in g if a in split_agents}
-        if self.variates is None or len(copies) < 2:
+        if self.variates is None or not self._copies_averaged(plan, split_agents):
             return {}
         return {a: self.variates.correction(a, self._server_params(agents[a].assignment.split,
                                                                    agents[a].assignment.width))
                 for a in split_agents}
+
+    def _copies_prox_mu(self, plan: RoundPlan, split_agents: list[str]) -> float:
+        """FedProx's μ for the server copies where the round averages several (else 0)."""
+        averaged = self.cfg.drift.kind == "fedprox" and self._copies_averaged(plan, split_agents)
+        return self.cfg.drift.mu if averaged else 0.0
+
+    @staticmethod
+    def _copies_averaged(plan: RoundPlan, split_agents: list[str]) -> bool:
+        """Whether the round trains more than one server copy (which aggregation then averages)."""
+        return len({i for i, g in enumerate(plan.groups) for a in g if a in split_agents}) > 1
 
     def _server_params(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """The parameters a server copy trains for an agent of this split and bottleneck width."""

@@ -73,6 +73,14 @@ class _Group:
         self.steps = 0
         self.correction: dict[str, torch.Tensor] = {}
         """SCAFFOLD's ``c − c̄`` per parameter name (:mod:`sfl_core.drift`), added to every step's gradient."""
+        self.prox_mu = 0.0
+        self.anchor: list[torch.Tensor] = []
+        """FedProx's ``x``: the parameters as the round began, pulled towards by ``μ (w − x)``."""
+
+    def pull_towards_start(self, mu: float) -> None:
+        """FedProx on this copy: every step adds ``μ (w − x)`` to the gradients (:mod:`sfl_core.drift`)."""
+        self.prox_mu = float(mu)
+        self.anchor = [p.detach().clone() for p in self.params] if mu else []
 
     def correct(self, corrections: Sequence[Mapping[str, torch.Tensor]], device: torch.device) -> None:
         """Step with the mean of the members' corrections (each a leading block of a parameter)."""
@@ -90,14 +98,17 @@ class _Group:
             self.correction[name] = (total / len(corrections)).to(device, p.dtype)
 
     def step(self) -> None:
-        """One optimiser step (SCAFFOLD's correction added to the gradients first)."""
+        """One optimiser step (the drift correction added to the gradients first)."""
         if self.opt is None:
             return
-        if self.correction:
-            for name, p in self.model.named_parameters():
-                corr = self.correction.get(name)
-                if corr is not None:
-                    p.grad = corr.clone() if p.grad is None else p.grad.add_(corr)
+        with torch.no_grad():
+            if self.correction:
+                for name, p in self.model.named_parameters():
+                    corr = self.correction.get(name)
+                    if corr is not None:
+                        p.grad = corr.clone() if p.grad is None else p.grad.add_(corr)
+            for p, x in zip(self.params, self.anchor):
+                p.grad = self.prox_mu * (p - x) if p.grad is None else p.grad.add_(p - x, alpha=self.prox_mu)
         self.opt.step()
         self.steps += 1
 
@@ -133,7 +144,8 @@ class ServerTrainer:
                     lr: float | None = None, sequential: bool = False,
                     population_counts: Mapping[str, Sequence[int]] | None = None,
                     freeze_norm: bool = False,
-                    corrections: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
+                    corrections: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+                    prox_mu: float = 0.0) -> None:
         """Fresh copies of the current global model, one per group (optimiser state too, like the agents).
 
         ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
@@ -145,6 +157,7 @@ class ServerTrainer:
         the copies' BatchNorm layers normalise with the model's statistics and keep them
         (:func:`sfl_core.norm_stats.freeze`). ``corrections``: SCAFFOLD's ``c − cᵢ`` of each
         member for its server layers; a copy steps with its members' mean (:mod:`sfl_core.drift`).
+        ``prox_mu``: FedProx's μ for every copy (0: none).
         """
         self._sequential = sequential
         lr = self.lr if lr is None else lr
@@ -154,6 +167,7 @@ class ServerTrainer:
                 norm_stats.freeze(group.model)
         for group in self._groups:
             group.correct([corrections[a] for a in group.members if a in (corrections or {})], self.device)
+            group.pull_towards_start(prox_mu)
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
         needs_counts = self.loss.kind == "calibrated" or self.loss.bdks

@@ -27,10 +27,11 @@ __all__ = ["lead", "follow", "counters", "merge_counters"]
 
 def lead(shards: ServerShards, transport: Transport, model: SplitModel, r: int, plan: RoundPlan,
          agents: dict[str, RoundAgent], split_agents: list[str], *, label_counts: dict, population: dict,
-         lr: float, corrections: dict[str, Any]) -> list[str]:
+         lr: float, corrections: dict[str, Any], prox_mu: float) -> list[str]:
     """The leader's start of a round: share out the split agents, broadcast the plan and the
     model, wait for every worker; returns the leader's own agents. ``corrections``: the server
-    copies' encoded SCAFFOLD corrections per agent (every rank steps every copy with them)."""
+    copies' encoded SCAFFOLD corrections per agent and ``prox_mu`` their FedProx μ (every rank
+    steps every copy with them)."""
     if plan.sequential:
         raise RuntimeError("server workers cannot share a sequential server (server_mode: sequential): "
                            "it trains on one agent after another")
@@ -41,7 +42,8 @@ def lead(shards: ServerShards, transport: Transport, model: SplitModel, r: int, 
         "assignments": {a: agents[a].assignment.to_body({}) for a in split_agents},
         "groups": plan.groups, "splits": plan.splits, "widths": plan.widths,
         "infer_widths": {k: pair.infer_width for k, pair in model.bottlenecks.items()},
-        "label_counts": label_counts, "population": population, "corrections": corrections})
+        "label_counts": label_counts, "population": population, "corrections": corrections,
+        "prox_mu": prox_mu})
     shards.broadcast_model(model)
     shards.barrier()
     log.info("round %d: server workers' agents: %s", r, "; ".join(

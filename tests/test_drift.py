@@ -231,6 +231,17 @@ def test_scaffold_on_one_server_copy_per_agent_is_scaffold_on_the_whole_model(tm
             torch.testing.assert_close(v, fedavg.variates.ci[a][k], rtol=1e-4, atol=1e-5)
 
 
+def test_fedprox_on_one_server_copy_per_agent_is_fedprox_on_the_whole_model(tmp_path):
+    """Likewise FedProx: each server copy is pulled towards the round's start by ``μ (w − x)``."""
+    fedavg = _engine(tmp_path, "fedavg", "fedavg", "per_agent", kind="fedprox")
+    sfl = _engine(tmp_path, "sfl", "sfl", "per_agent", kind="fedprox")
+    merged = _engine(tmp_path, "merged", "sfl", "merged", kind="fedprox", rounds=1)
+    assert all(g.prox_mu == 0 for g in merged.server._groups)
+    assert sfl.cfg.drift.mu > 0 and all(g.prox_mu == sfl.cfg.drift.mu for g in sfl.server._groups)
+    for k, v in fedavg.model.state_dict().items():
+        torch.testing.assert_close(sfl.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
 def test_one_merged_server_copy_steps_without_a_correction(tmp_path):
     """Nothing averages a copy that trained on every row: it gets no correction, and the
     agents' ``cᵢ`` cover their client portions only."""
