@@ -428,7 +428,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (f"-{args.tag}" if args.tag else "")
     from coordinator.server_trainer import pick_device
     path = common.write_result(args.out, name, payload, pick_device(args.device))
-    common.plot_accuracy_vs_time(curves, args.out / f"{name}.png", by_round=True)
+    shown = spec.get("plot")   # a long matrix draws only the methods its spec names
+    common.plot_accuracy_vs_time({k: {m: c for m, c in by.items() if not shown or m in shown}
+                                  for k, by in curves.items()}, args.out / f"{name}.png", by_round=True)
     (args.out / f"{name}.md").write_text(markdown_summary(spec, summary, caption.split("; wall")[0]
                                                           + (f"; runs made on {args.ran_on}" if args.ran_on else "")))
     print(f"wrote {path}")
