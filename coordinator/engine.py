@@ -288,6 +288,8 @@ class RoundEngine:
             body.update(self._drift_fields(a, *key))
             if frozen:
                 body["freeze_norm"] = True
+            if self.cfg.norm_stats.local:
+                body["local_norm"] = True
             self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
                                           seq=protocol.next_seq()))
         # server workers step together even in a round without split agents (each step is a collective)

@@ -118,6 +118,9 @@ class AgentCore:
         self._opt: Optional[torch.optim.Optimizer] = None
         self._drift: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # drift correction's gradient terms
         self._prox_mu = 0.0
+        self._local_norm = False
+        self._own_norm: dict[str, torch.Tensor] = {}
+        """FedBN (``assign.local_norm``): this device's BatchNorm layers from its last round."""
         self._out: Optional[torch.Tensor] = None
         self.privacy = privacy
         self._leak: Optional[torch.Tensor] = None        # NoPeek's weighted distance correlation, this step
@@ -170,6 +173,10 @@ class AgentCore:
         client = model.client(a.split)
         state = wire.decode_state(msg.body["weights"], {k: v.cpu() for k, v in model.client_state(a.split).items()})
         model.load_state_dict(state, strict=False)
+        self._local_norm = bool(msg.body.get("local_norm"))
+        if self._local_norm:   # FedBN: our own normalisation layers replace the global ones we hold
+            model.load_state_dict({k: v for k, v in self._own_norm.items()
+                                   if k in state and state[k].shape == v.shape}, strict=False)
         self._assign, self._client = a, client
         self._client.train()
         if msg.body.get("freeze_norm"):
@@ -372,8 +379,11 @@ class AgentCore:
         assert self._assign is not None
         model = self._model(self._assign.model, self._assign.split, self._assign.width)
         self._assign_done()
+        trained = model.client_state(self._assign.split)
+        if self._local_norm:
+            self._own_norm.update(norm_stats.local_entries(model, trained))
         body = {
-            "weights": wire.encode_state(model.client_state(self._assign.split), self._assign.zstd_level),
+            "weights": wire.encode_state(trained, self._assign.zstd_level),
             "num_samples": len(self.data),
             "compute_s": self._compute_s,
             "loss": loss,

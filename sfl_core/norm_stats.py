@@ -69,6 +69,17 @@ def batch_norm_layers(model: nn.Module) -> dict[str, nn.modules.batchnorm._Batch
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
 
 
+def local_entries(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` (names as in ``model``) that belong to its BatchNorm layers:
+    scale, shift and running statistics, which a device keeps for itself under FedBN.
+
+    Why (FedBN: Li, Jiang, Zhang, Kamp and Dou, "FedBN: Federated Learning on Non-IID Features
+    via Local Batch Normalization", ICLR 2021): a device whose inputs differ from the fleet's
+    keeps normalisation layers fitted to its own data, and only the other layers are shared."""
+    prefixes = tuple(f"{n}." for n in batch_norm_layers(model))
+    return {k: v.detach().clone() for k, v in state.items() if prefixes and k.startswith(prefixes)}
+
+
 def frozen(freeze_after: int, r: int) -> bool:
     """Whether round ``r`` trains with frozen statistics: it comes after ``freeze_after`` rounds
     of exploration (0: never freeze).

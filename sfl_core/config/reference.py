@@ -154,6 +154,11 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'after this many rounds, every BatchNorm layer, on the devices and the server, normalises with the '
      "global model's statistics and stops updating them (FixBN; with federated, the last pass's, and no "
      'pass runs after the freeze); 0 = never.'),
+    ('norm_stats.local',
+     "FedBN (Li et al. 2021): each device keeps the BatchNorm layers of its client portion (scale, shift, "
+     "statistics) from its last round instead of the global ones it receives; the global model's, averaged "
+     "(or the pass's statistics with federated), are for evaluation, export and a device's first round; "
+     "kept in the agent's memory (a restarted agent starts again from the global ones)."),
     ('drift',
      "drift correction for the client portions (docs/methods/drift.md); 'drift: scaffold' is short for {kind: scaffold}."),
     ('drift.kind',

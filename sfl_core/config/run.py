@@ -484,6 +484,10 @@ class NormStatsConfig(Section):
     freeze_after: Annotated[int, NONNEG_INTEGER] = 0
     """After this many rounds, BatchNorm layers train with the global statistics, frozen (FixBN;
     with ``federated``, the last pass's); 0: never."""
+    local: Annotated[bool, BOOLEAN] = False
+    """FedBN: each device keeps its own BatchNorm layers of its client portion from one round to
+    the next; the global model's (averaged, or the pass's statistics) are for evaluation, export
+    and a device's first round."""
 
 
 

@@ -115,7 +115,8 @@ OPTIONAL: dict[str, dict[str, Any]] = {
                "normalize": dict,       # a task run's standardisation constants {mean, std}
                "prox_mu": _NUM,         # drift: fedprox (sfl_core.drift)
                "correction": dict,      # drift: scaffold: c - c_i for the client portion's parameters
-               "freeze_norm": bool},    # norm_stats.freeze_after: BatchNorm uses its statistics, frozen
+               "freeze_norm": bool,     # norm_stats.freeze_after: BatchNorm uses its statistics, frozen
+               "local_norm": bool},     # norm_stats.local (FedBN): keep the device's own BatchNorm layers
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
     "norm_pass": {"sig": bytes, "normalize": dict},
