@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sfl_core import norm_stats
+from sfl_core.drift import leading_block
 from sfl_core.losses import LossSpec, logit_calibrated_ce, n2w_loss, under_represented_classes, w2n_loss
 from sfl_core.model.zoo import SplitModel
 
@@ -94,7 +95,7 @@ class _Group:
             for corr in corrections:
                 if name in corr:
                     t = corr[name]
-                    total[tuple(slice(0, d) for d in t.shape)] += t.float().cpu()
+                    total[leading_block(total, tuple(t.shape))] += t.float().cpu()
             self.correction[name] = (total / len(corrections)).to(device, p.dtype)
 
     def step(self) -> None:

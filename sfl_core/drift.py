@@ -43,7 +43,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["KINDS", "STATE_PREFIX", "effective_steps", "portions_down", "portions_held", "ControlVariates"]
+__all__ = ["KINDS", "STATE_PREFIX", "effective_steps", "leading_block", "portions_down", "portions_held", "ControlVariates"]
 
 KINDS = ("none", "fedprox", "scaffold")
 STATE_PREFIX = "@drift/"
@@ -70,7 +70,7 @@ def portions_held(kind: str) -> int:
     return 0 if kind == "none" else 1
 
 
-def _leading(t: torch.Tensor, shape: Tuple[int, ...]) -> Tuple[slice, ...]:
+def leading_block(t: torch.Tensor, shape: Tuple[int, ...]) -> Tuple[slice, ...]:
     """The leading block of ``t`` of ``shape`` (a HeteroSFL agent holds the first ``width`` encoder rows)."""
     return tuple(slice(0, d) for d in shape)
 
@@ -91,7 +91,7 @@ class ControlVariates:
         out = {}
         mine = self.ci.get(agent, {})
         for k, t in held.items():
-            c = self.c[k][_leading(self.c[k], tuple(t.shape))] if k in self.c else torch.zeros(t.shape)
+            c = self.c[k][leading_block(self.c[k], tuple(t.shape))] if k in self.c else torch.zeros(t.shape)
             ci = mine.get(k)
             out[k] = (c - ci if ci is not None and ci.shape == t.shape else c).detach().float().cpu().clone()
         return out
@@ -112,19 +112,19 @@ class ControlVariates:
             scale = 1.0 / (lr * effective_steps(tau, m))
             sent = self.correction(a, y)          # c − cᵢ, at the agent's shapes: what it stepped with
             if stepped_with is not None and a in stepped_with:
-                sent = {k: stepped_with[a][k][_leading(stepped_with[a][k], tuple(t.shape))].float().cpu()
+                sent = {k: stepped_with[a][k][leading_block(stepped_with[a][k], tuple(t.shape))].float().cpu()
                         for k, t in sent.items()}
             mine = self.ci.setdefault(a, {})
             for k, yk in y.items():
                 yk = yk.detach().float().cpu()
-                x = start[k].detach().float().cpu()[_leading(start[k], tuple(yk.shape))]
+                x = start[k].detach().float().cpu()[leading_block(start[k], tuple(yk.shape))]
                 ci_old = mine[k] if k in mine and mine[k].shape == yk.shape else torch.zeros(yk.shape)
                 ci_new = (x - yk) * scale - sent[k]   # cᵢ − c + (x − y)/(Kη)
                 delta = ci_new - ci_old
                 mine[k] = ci_new
                 if k not in total:
                     total[k] = torch.zeros(tuple(full[k].shape))
-                total[k][_leading(total[k], tuple(delta.shape))] += delta
+                total[k][leading_block(total[k], tuple(delta.shape))] += delta
         for k, d in total.items():
             c = self.c.get(k, torch.zeros(tuple(full[k].shape)))
             self.c[k] = c + d / max(fleet_size, 1)
