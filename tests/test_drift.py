@@ -283,3 +283,33 @@ def test_a_shared_server_copy_steps_with_its_members_mean_correction():
     torch.testing.assert_close(corrected[part] - plain[part], expected, rtol=1e-4, atol=1e-6)
     for k in names[1:-1]:
         torch.testing.assert_close(corrected[k], plain[k])
+
+
+def test_s2fl_groups_are_corrected_as_one_device_each_member_credited_with_the_groups_gradient(tmp_path):
+    """S2FL's data-balance groups (two copies of two members, one split): after round 1 (c and
+    every cᵢ zero before it), the members of a group hold the same ``cᵢ`` for their server
+    layers, the group's ``(x − y)/(K_eff η)``, and different ones for their client portions."""
+    cfg = run_config_from_dict({
+        "run": "s2", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5},
+        "fleet": [{"profile": "s2fl-low-low", "count": 2}, {"profile": "s2fl-high-high", "count": 2}],
+        "rounds": 1, "strategy": "s2fl", "batch_size": 16, "lr": 0.05, "momentum": 0.5, "local_iters": 4,
+        "output_dir": str(tmp_path / "s2"), "drift": "scaffold",
+        "s2fl": {"sliding": False, "balance": True, "group_size": 2, "candidates": [1, 2, 3]},
+    })
+    history, engine = run_simulation(cfg, device="cpu")
+    groups = history[1]["groups"]
+    assert sorted(len(g) for g in groups) == [2, 2]
+    server = {k for k in engine.model.server_state(3) if k in engine._parameter_names}
+    client = {k for k in engine.model.client_keys(3) if k in engine._parameter_names}
+    scale = 1.0 / (cfg.lr * effective_steps(cfg.local_iters, cfg.momentum))
+    for a, b in groups:
+        ca, cb = engine.variates.ci[a], engine.variates.ci[b]
+        assert server <= set(ca) and server <= set(cb)
+        y = engine.server.member_state(a, 3)   # the group's copy after the round
+        for k in server:
+            torch.testing.assert_close(ca[k], cb[k])
+            torch.testing.assert_close(ca[k], (engine._round_start[k].float() - y[k].float()) * scale,
+                                       rtol=1e-4, atol=1e-6)
+        assert any(not torch.allclose(ca[k], cb[k]) for k in client)
+    a, b = groups[0][0], groups[1][0]   # the two copies learnt different gradients
+    assert any(not torch.allclose(engine.variates.ci[a][k], engine.variates.ci[b][k]) for k in server)
