@@ -1,8 +1,10 @@
-"""Drift correction for the client portions: FedProx's proximal term and SCAFFOLD's control variates.
+"""Drift correction for the client portions (and averaged server copies): FedProx's proximal
+term and SCAFFOLD's control variates.
 
 Under label skew each device's local steps pull its client portion towards its own classes,
 and the average of those pulls is not the step the whole fleet's data asks for (client drift).
-The server portion needs no correction: it trains on the merged batch of every selected device.
+A server portion trained on the merged batch of every selected device needs no correction
+(see "Server copies" below).
 
 - **FedProx** (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020): each
   device minimises its loss plus ``μ/2 ‖w − x‖²``, with ``x`` the global client portion it

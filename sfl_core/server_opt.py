@@ -2,8 +2,9 @@
 
 Plain aggregation replaces the global client portion by the round's weighted average. A server
 optimiser instead treats the difference as a pseudo-gradient and steps with its own state,
-which damps the round-to-round swings of label-skewed rounds (the server portion needs none:
-it trains on the merged batch of every selected device).
+which damps the round-to-round swings of label-skewed rounds. A server portion trained as one
+copy on the merged batch of every selected device needs none; server layers averaged over
+several copies (one per agent, S2FL's groups) step like client portions.
 
 For each parameter ``x`` held by a client portion this round, with ``x̄`` the aggregate and
 ``Δ = x̄ - x``:

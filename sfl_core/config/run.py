@@ -493,8 +493,8 @@ class NormStatsConfig(Section):
 
 @dataclass(frozen=True, config=STRICT)
 class DriftConfig(Section):
-    """Drift correction for the client portions (docs/methods/drift.md): FedProx's proximal term
-    or SCAFFOLD's control variates. ``drift: scaffold`` is short for ``{kind: scaffold}``."""
+    """Drift correction for the client portions and the averaged server copies
+    (docs/methods/drift.md): FedProx's proximal term or SCAFFOLD's control variates. ``drift: scaffold`` is short for ``{kind: scaffold}``."""
 
     SHORTHAND: ClassVar[str] = "kind"
 
