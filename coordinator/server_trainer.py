@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sfl_core import norm_stats
-from sfl_core.drift import leading_block
+from sfl_core.drift import StepTerms, leading_block
 from sfl_core.losses import LossSpec, logit_calibrated_ce, n2w_loss, under_represented_classes, w2n_loss
 from sfl_core.model.zoo import SplitModel
 
@@ -73,43 +73,28 @@ class _Group:
         self.lr, self.momentum = lr, momentum
         self.steps = 0
         self.correction: dict[str, torch.Tensor] = {}
-        """SCAFFOLD's ``c − c̄`` per parameter name (:mod:`sfl_core.drift`), added to every step's gradient."""
-        self.prox_mu = 0.0
-        self.anchor: list[torch.Tensor] = []
-        """FedProx's ``x``: the parameters as the round began, pulled towards by ``μ (w − x)``."""
+        """SCAFFOLD's ``c − c̄`` per parameter name (:mod:`sfl_core.drift`)."""
+        self.drift = StepTerms([])
 
-    def pull_towards_start(self, mu: float) -> None:
-        """FedProx on this copy: every step adds ``μ (w − x)`` to the gradients (:mod:`sfl_core.drift`)."""
-        self.prox_mu = float(mu)
-        self.anchor = [p.detach().clone() for p in self.params] if mu else []
-
-    def correct(self, corrections: Sequence[Mapping[str, torch.Tensor]], device: torch.device) -> None:
-        """Step with the mean of the members' corrections (each a leading block of a parameter)."""
-        if not corrections:
-            return
-        own = {id(p) for p in self.params}
-        for name, p in self.model.named_parameters():
-            if id(p) not in own:
-                continue
+    def correct(self, corrections: Sequence[Mapping[str, torch.Tensor]], prox_mu: float,
+                device: torch.device) -> None:
+        """Step with the mean of the members' SCAFFOLD corrections (each a leading block of a
+        parameter) and FedProx's ``μ (w − x)`` (:class:`sfl_core.drift.StepTerms`)."""
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        for p in self.params if corrections else []:
+            name = name_of[id(p)]
             total = torch.zeros(p.shape, dtype=torch.float32)
             for corr in corrections:
                 if name in corr:
-                    t = corr[name]
-                    total[leading_block(total, tuple(t.shape))] += t.float().cpu()
+                    total[leading_block(total, tuple(corr[name].shape))] += corr[name].float().cpu()
             self.correction[name] = (total / len(corrections)).to(device, p.dtype)
+        self.drift = StepTerms([(p, self.correction.get(name_of[id(p)])) for p in self.params], prox_mu)
 
     def step(self) -> None:
         """One optimiser step (the drift correction added to the gradients first)."""
         if self.opt is None:
             return
-        with torch.no_grad():
-            if self.correction:
-                for name, p in self.model.named_parameters():
-                    corr = self.correction.get(name)
-                    if corr is not None:
-                        p.grad = corr.clone() if p.grad is None else p.grad.add_(corr)
-            for p, x in zip(self.params, self.anchor):
-                p.grad = self.prox_mu * (p - x) if p.grad is None else p.grad.add_(p - x, alpha=self.prox_mu)
+        self.drift.apply()
         self.opt.step()
         self.steps += 1
 
@@ -167,8 +152,7 @@ class ServerTrainer:
             for group in self._groups:
                 norm_stats.freeze(group.model)
         for group in self._groups:
-            group.correct([corrections[a] for a in group.members if a in (corrections or {})], self.device)
-            group.pull_towards_start(prox_mu)
+            group.correct([corrections[a] for a in group.members if a in (corrections or {})], prox_mu, self.device)
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
         needs_counts = self.loss.kind == "calibrated" or self.loss.bdks

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from sfl_core import norm_stats
+from sfl_core.drift import StepTerms
 from sfl_core.data.preprocessing import Normalization
 from sfl_core.model.accounting import model_costs
 from sfl_core.model.zoo import SplitModel, build_model
@@ -116,8 +117,7 @@ class AgentCore:
         self._assign: Optional[Assignment] = None
         self._client: Optional[torch.nn.Module] = None
         self._opt: Optional[torch.optim.Optimizer] = None
-        self._drift: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # drift correction's gradient terms
-        self._prox_mu = 0.0
+        self._drift = StepTerms([])   # drift correction's gradient terms (sfl_core.drift)
         self._local_norm = False
         self._own_norm: dict[str, torch.Tensor] = {}
         """FedBN (``assign.local_norm``): this device's BatchNorm layers from its last round."""
@@ -189,38 +189,25 @@ class AgentCore:
             return self._remember([self._train_locally()])
         return self._remember([self._forward_next()])
 
-    def _drift_terms(self, body: dict, model: SplitModel, split: int) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    def _drift_terms(self, body: dict, model: SplitModel, split: int) -> StepTerms:
         """What each local step adds to the client portion's gradients (:mod:`sfl_core.drift`):
-        FedProx's ``μ (w − x)`` needs ``x``, the weights just received (kept as a term
-        ``−μ x`` plus ``μ w`` at step time); SCAFFOLD's ``c − cᵢ`` arrives whole."""
+        FedProx's ``μ (w − x)`` with ``x`` the weights just received; SCAFFOLD's ``c − cᵢ``
+        arrives whole."""
         keys = set(model.client_keys(split))
         params = {n: p for n, p in model.named_parameters() if n in keys}
-        terms: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._prox_mu = 0.0
+        mu = 0.0
         if "prox_mu" in body:
             mu = body["prox_mu"]
             if not 0 <= mu <= 100:   # also rejects NaN
                 raise wire.WireError(f"assign.prox_mu: {mu} outside [0, 100]")
-            self._prox_mu = float(mu)
-            terms += [(p, -self._prox_mu * p.detach().clone()) for p in params.values()]
+        c: dict[str, torch.Tensor] = {}
         if "correction" in body:
-            ref = {n: p.detach().cpu() for n, p in params.items()}
-            c = wire.decode_state(body["correction"], ref)
-            terms += [(params[n], c[n].to(self.device)) for n in params]
-        return terms
+            c = wire.decode_state(body["correction"], {n: p.detach().cpu() for n, p in params.items()})
+        return StepTerms([(p, c[n].to(self.device) if n in c else None) for n, p in params.items()], mu)
 
     def _correct_drift(self) -> None:
         """Add the drift terms of :meth:`_drift_terms` to the gradients about to be stepped."""
-        if not self._drift:
-            return
-        with torch.no_grad():
-            for p, extra in self._drift:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.add_(extra)
-            if self._prox_mu:
-                for p in {id(p): p for p, _ in self._drift}.values():
-                    p.grad.add_(p, alpha=self._prox_mu)
+        self._drift.apply()
 
     def _standardise(self, constants: Optional[dict]) -> None:
         """Standardise our inputs with the run's constants (once; again only if they change)."""

@@ -41,11 +41,12 @@ split or not.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["KINDS", "STATE_PREFIX", "effective_steps", "leading_block", "portions_down", "portions_held", "ControlVariates"]
+__all__ = ["KINDS", "STATE_PREFIX", "effective_steps", "leading_block", "portions_down", "portions_held", "StepTerms",
+           "ControlVariates"]
 
 KINDS = ("none", "fedprox", "scaffold")
 STATE_PREFIX = "@drift/"
@@ -75,6 +76,37 @@ def portions_held(kind: str) -> int:
 def leading_block(t: torch.Tensor, shape: Tuple[int, ...]) -> Tuple[slice, ...]:
     """The leading block of ``t`` of ``shape`` (a HeteroSFL agent holds the first ``width`` encoder rows)."""
     return tuple(slice(0, d) for d in shape)
+
+
+class StepTerms:
+    """What drift correction adds to the gradients of every local step, on a device's client
+    portion or on a server copy: SCAFFOLD's ``c − cᵢ`` and FedProx's ``μ (w − x)``, with ``x``
+    the weights as the round began (kept as a term ``−μ x`` plus ``μ w`` at step time).
+
+    Args:
+        params: each parameter with its SCAFFOLD correction (``None``: none), in order.
+        prox_mu: FedProx's μ (0: no proximal term).
+    """
+
+    def __init__(self, params: Sequence[Tuple[torch.nn.Parameter, Optional[torch.Tensor]]], prox_mu: float = 0.0):
+        self.prox_mu = float(prox_mu)
+        self.params = [p for p, _ in params]
+        self.terms = [(p, -self.prox_mu * p.detach().clone()) for p in self.params] if self.prox_mu else []
+        self.terms += [(p, c) for p, c in params if c is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.terms)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Add the terms to the gradients about to be stepped (a parameter without one gets them alone)."""
+        for p, extra in self.terms:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.add_(extra)
+        if self.prox_mu:
+            for p in self.params:
+                p.grad.add_(p, alpha=self.prox_mu)
 
 
 class ControlVariates:

@@ -236,8 +236,8 @@ def test_fedprox_on_one_server_copy_per_agent_is_fedprox_on_the_whole_model(tmp_
     fedavg = _engine(tmp_path, "fedavg", "fedavg", "per_agent", kind="fedprox")
     sfl = _engine(tmp_path, "sfl", "sfl", "per_agent", kind="fedprox")
     merged = _engine(tmp_path, "merged", "sfl", "merged", kind="fedprox", rounds=1)
-    assert all(g.prox_mu == 0 for g in merged.server._groups)
-    assert sfl.cfg.drift.mu > 0 and all(g.prox_mu == sfl.cfg.drift.mu for g in sfl.server._groups)
+    assert all(g.drift.prox_mu == 0 for g in merged.server._groups)
+    assert sfl.cfg.drift.mu > 0 and all(g.drift.prox_mu == sfl.cfg.drift.mu for g in sfl.server._groups)
     for k, v in fedavg.model.state_dict().items():
         torch.testing.assert_close(sfl.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
 
