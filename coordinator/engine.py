@@ -392,23 +392,26 @@ class RoundEngine:
     def _copy_corrections(self, plan: RoundPlan, agents: dict[str, RoundAgent],
                           split_agents: list[str]) -> dict[str, dict[str, torch.Tensor]]:
         """SCAFFOLD's ``c − cᵢ`` for each split agent's server layers, where the round trains
-        several server copies and averages them; none where one merged copy trains on every row
-        (:mod:`sfl_core.drift`)."""
-        if self.variates is None or not self._copies_averaged(plan, split_agents):
+        one server copy per agent and averages them; none where a copy trains on the merged rows
+        of several agents (:mod:`sfl_core.drift`)."""
+        if self.variates is None or not self._copies_per_agent(plan, split_agents):
             return {}
         return {a: self.variates.correction(a, self._server_params(agents[a].assignment.split,
                                                                    agents[a].assignment.width))
                 for a in split_agents}
 
     def _copies_prox_mu(self, plan: RoundPlan, split_agents: list[str]) -> float:
-        """FedProx's μ for the server copies where the round averages several (else 0)."""
-        averaged = self.cfg.drift.kind == "fedprox" and self._copies_averaged(plan, split_agents)
-        return self.cfg.drift.mu if averaged else 0.0
+        """FedProx's μ for the server copies where the round trains one per agent (else 0)."""
+        per_agent = self.cfg.drift.kind == "fedprox" and self._copies_per_agent(plan, split_agents)
+        return self.cfg.drift.mu if per_agent else 0.0
 
     @staticmethod
-    def _copies_averaged(plan: RoundPlan, split_agents: list[str]) -> bool:
-        """Whether the round trains more than one server copy (which aggregation then averages)."""
-        return len({i for i, g in enumerate(plan.groups) for a in g if a in split_agents}) > 1
+    def _copies_per_agent(plan: RoundPlan, split_agents: list[str]) -> bool:
+        """Whether the round trains a server copy for each agent, several of them, which
+        aggregation averages like client portions (SplitFed v1)."""
+        copies = [[a for a in g if a in split_agents] for g in plan.groups]
+        copies = [c for c in copies if c]
+        return len(copies) > 1 and all(len(c) == 1 for c in copies)
 
     def _server_params(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """The parameters a server copy trains for an agent of this split and bottleneck width."""
@@ -541,13 +544,13 @@ class RoundEngine:
                                   for a in clients},
                                  fleet_size=len(self.registry.agents), full=self.model.state_dict())
             corrected = [a for a in clients if a in self._server_corrections]
-            if corrected:   # the server copies that stepped with c − c̄: their members' cᵢ learn from them
+            if corrected:   # each agent's server copy stepped with its c − cᵢ: its cᵢ learns from it
                 self.variates.update(self._round_start,
                                      {a: {k: v for k, v in servers[a].items() if k in self._parameter_names}
                                       for a in corrected},
                                      {a: self.server.member_steps(a) for a in corrected},
                                      fleet_size=len(self.registry.agents), full=self.model.state_dict(),
-                                     stepped_with={a: self.server.member_correction(a) for a in corrected})
+                                     stepped_with={a: self._server_corrections[a] for a in corrected})
         if clients:
             copy_of = {a: i for i, g in enumerate(plan.groups) for a in g}
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),

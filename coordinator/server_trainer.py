@@ -72,23 +72,22 @@ class _Group:
         self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
         self.lr, self.momentum = lr, momentum
         self.steps = 0
-        self.correction: dict[str, torch.Tensor] = {}
-        """SCAFFOLD's ``c − c̄`` per parameter name (:mod:`sfl_core.drift`)."""
         self.drift = StepTerms([])
 
-    def correct(self, corrections: Sequence[Mapping[str, torch.Tensor]], prox_mu: float,
+    def correct(self, correction: Mapping[str, torch.Tensor] | None, prox_mu: float,
                 device: torch.device) -> None:
-        """Step with the mean of the members' SCAFFOLD corrections (each a leading block of a
-        parameter) and FedProx's ``μ (w − x)`` (:class:`sfl_core.drift.StepTerms`)."""
+        """Step with SCAFFOLD's ``c − cᵢ`` of the copy's one member (each tensor a leading block
+        of a parameter: a bottleneck slice) and FedProx's ``μ (w − x)`` (:class:`sfl_core.drift.StepTerms`)."""
         name_of = {id(p): n for n, p in self.model.named_parameters()}
-        for p in self.params if corrections else []:
-            name = name_of[id(p)]
-            total = torch.zeros(p.shape, dtype=torch.float32)
-            for corr in corrections:
-                if name in corr:
-                    total[leading_block(total, tuple(corr[name].shape))] += corr[name].float().cpu()
-            self.correction[name] = (total / len(corrections)).to(device, p.dtype)
-        self.drift = StepTerms([(p, self.correction.get(name_of[id(p)])) for p in self.params], prox_mu)
+        terms = []
+        for p in self.params:
+            name, term = name_of[id(p)], None
+            if correction is not None and name in correction:
+                term = torch.zeros(p.shape, dtype=torch.float32)
+                term[leading_block(term, tuple(correction[name].shape))] = correction[name].float().cpu()
+                term = term.to(device, p.dtype)
+            terms.append((p, term))
+        self.drift = StepTerms(terms, prox_mu)
 
     def step(self) -> None:
         """One optimiser step (the drift correction added to the gradients first)."""
@@ -141,8 +140,8 @@ class ServerTrainer:
         ``population_counts`` (every registered agent's label counts) is BDKS's global data set;
         default: the round's bottlenecked agents (:meth:`_under_represented`). ``freeze_norm``:
         the copies' BatchNorm layers normalise with the model's statistics and keep them
-        (:func:`sfl_core.norm_stats.freeze`). ``corrections``: SCAFFOLD's ``c − cᵢ`` of each
-        member for its server layers; a copy steps with its members' mean (:mod:`sfl_core.drift`).
+        (:func:`sfl_core.norm_stats.freeze`). ``corrections``: SCAFFOLD's ``c − cᵢ`` for the server
+        layers of agents that have a copy of their own (:mod:`sfl_core.drift`).
         ``prox_mu``: FedProx's μ for every copy (0: none).
         """
         self._sequential = sequential
@@ -151,8 +150,12 @@ class ServerTrainer:
         if freeze_norm:
             for group in self._groups:
                 norm_stats.freeze(group.model)
+        corrections = corrections or {}
         for group in self._groups:
-            group.correct([corrections[a] for a in group.members if a in (corrections or {})], prox_mu, self.device)
+            mine = [a for a in group.members if a in corrections]
+            if mine and len(group.members) > 1:
+                raise ValueError(f"SCAFFOLD corrects a server copy that trains for one agent; {mine} share one")
+            group.correct(corrections[mine[0]] if mine else None, prox_mu, self.device)
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
         needs_counts = self.loss.kind == "calibrated" or self.loss.bdks
@@ -390,6 +393,3 @@ class ServerTrainer:
         group = self._group_of[agent_id]
         return group.lr, group.steps, group.momentum
 
-    def member_correction(self, agent_id: str) -> dict[str, torch.Tensor]:
-        """The correction ``agent_id``'s copy stepped with (empty without SCAFFOLD)."""
-        return {k: v.detach().cpu() for k, v in self._group_of[agent_id].correction.items()}

@@ -29,14 +29,14 @@ A server portion trained on the merged batch of every selected device needs no c
 
 Only parameters are corrected; buffers (BatchNorm statistics) are not gradients' integrals.
 
-Server copies. One merged server copy trains on every selected device's rows: nothing averages
-it, so it needs no correction. Where the round trains several copies (one per agent, SplitFed
-v1; S2FL's groups) and averages them, each copy drifts towards its members' classes as a
-client portion does. The coordinator trains those copies itself, so SCAFFOLD covers them at no
-cost on the wire: a copy steps with ``c − c̄`` (``c̄`` the mean of its members' ``cᵢ`` for its
-layers), and each member's ``cᵢ`` for those layers is updated from the copy's ``y`` with the
-server's ``η``, ``K`` and ``m``. With one copy per agent this is SCAFFOLD on the whole model,
-split or not.
+Server copies. A server copy that trains on the merged rows of several devices (MergeSFL's
+one copy, S2FL's data-balance groups) needs no correction: its batches mix their classes.
+Where the round trains one copy per agent and averages them (SplitFed v1), each copy drifts
+towards its agent's classes as a client portion does. The coordinator trains those copies
+itself, so SCAFFOLD covers them at no cost on the wire: a copy steps with its agent's
+``c − cᵢ`` for its layers, and that ``cᵢ`` is updated from the copy's ``y`` with the server's
+``η``, ``K`` and ``m``. This is SCAFFOLD on the whole model, split or not. (Correcting S2FL's
+groups with their members' mean correction was measured: it cost accuracy, docs/results.md.)
 """
 
 from __future__ import annotations
@@ -136,8 +136,9 @@ class ControlVariates:
         """After a round: ``uploads[a]`` = device ``a``'s parameters ``y`` (a subset of names),
         ``start`` = the global ``x`` the round began from, ``steps[a]`` = its ``(η, K, m)``,
         ``fleet_size`` = N, ``full`` = the global tensors (for ``c``'s shapes).
-        ``stepped_with[a]``: the correction ``y`` was trained with, where it was not ``a``'s own
-        ``c − cᵢ`` (a server copy shared by several agents steps with ``c − c̄``)."""
+        ``stepped_with[a]``: the ``c − cᵢ`` that ``y`` was trained with, where ``c`` may have
+        moved since (an earlier update of the same round: agents cut deeper hold some of a
+        server copy's layers on their side)."""
         total: Dict[str, torch.Tensor] = {}
         for a, y in uploads.items():
             lr, tau, m = steps[a]
@@ -146,8 +147,7 @@ class ControlVariates:
             scale = 1.0 / (lr * effective_steps(tau, m))
             sent = self.correction(a, y)          # c − cᵢ, at the agent's shapes: what it stepped with
             if stepped_with is not None and a in stepped_with:
-                sent = {k: stepped_with[a][k][leading_block(stepped_with[a][k], tuple(t.shape))].float().cpu()
-                        for k, t in sent.items()}
+                sent = {k: stepped_with[a][k].float().cpu() for k in sent}
             mine = self.ci.setdefault(a, {})
             for k, yk in y.items():
                 yk = yk.detach().float().cpu()

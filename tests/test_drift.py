@@ -251,10 +251,11 @@ def test_one_merged_server_copy_steps_without_a_correction(tmp_path):
     assert merged.variates.ci and all(set(mine) == client for mine in merged.variates.ci.values())
 
 
-def test_a_shared_server_copy_steps_with_its_members_mean_correction():
-    """One SGD step (no momentum) of a copy shared by two agents moves each parameter by
-    ``−η (g + c − c̄)``: against the same step without corrections, exactly ``−η`` times the mean
-    of the members' corrections, where a correction may cover a leading block only."""
+def test_a_server_copy_of_one_agent_steps_with_that_agents_correction():
+    """One SGD step (no momentum) of agent a's own server copy moves each parameter by
+    ``−η (g + c − cₐ)``: against the same step without a correction, exactly ``−η`` times the
+    correction, which may cover a leading block only (a bottleneck slice). Agent b's copy,
+    given none, steps as before."""
     torch.manual_seed(0)
     model = build_model(MODEL, SHAPE, 10)
     splits = {"a": 2, "b": 2}
@@ -264,52 +265,55 @@ def test_a_shared_server_copy_steps_with_its_members_mean_correction():
                    for a in splits}
     names = [k for k, _ in model.named_parameters() if k in model.server_state(2)]
     full, part = names[0], names[-1]
-    ca = {full: torch.randn(model.state_dict()[full].shape, generator=gen)}
-    cb = {full: torch.randn(model.state_dict()[full].shape, generator=gen),
+    ca = {full: torch.randn(model.state_dict()[full].shape, generator=gen),
           part: torch.ones(model.state_dict()[part].shape[:1][0] // 2)}
 
     def one_step(corrections):
         trainer = ServerTrainer(model, lr=0.1, momentum=0.0)
-        trainer.begin_round([["a", "b"]], splits, corrections=corrections)
+        trainer.begin_round([["a"], ["b"]], splits, corrections=corrections)
         trainer.step(batches)
-        return trainer.member_state("a", 2), trainer.member_steps("a")
+        return trainer, trainer.member_state("a", 2), trainer.member_state("b", 2)
 
-    plain, _ = one_step(None)
-    corrected, steps = one_step({"a": ca, "b": cb})
-    assert steps == (0.1, 1, 0.0)
-    torch.testing.assert_close(corrected[full] - plain[full], -0.1 * (ca[full] + cb[full]) / 2, rtol=1e-4, atol=1e-6)
-    expected = torch.zeros_like(plain[part])
-    expected[:cb[part].shape[0]] = -0.1 * 0.5
-    torch.testing.assert_close(corrected[part] - plain[part], expected, rtol=1e-4, atol=1e-6)
+    _, plain_a, plain_b = one_step(None)
+    trainer, corrected_a, corrected_b = one_step({"a": ca})
+    assert trainer.member_steps("a") == (0.1, 1, 0.0)
+    torch.testing.assert_close(corrected_a[full] - plain_a[full], -0.1 * ca[full], rtol=1e-4, atol=1e-6)
+    expected = torch.zeros_like(plain_a[part])
+    expected[:ca[part].shape[0]] = -0.1
+    torch.testing.assert_close(corrected_a[part] - plain_a[part], expected, rtol=1e-4, atol=1e-6)
     for k in names[1:-1]:
-        torch.testing.assert_close(corrected[k], plain[k])
+        torch.testing.assert_close(corrected_a[k], plain_a[k])
+    for k in names:
+        torch.testing.assert_close(corrected_b[k], plain_b[k])
 
 
-def test_s2fl_groups_are_corrected_as_one_device_each_member_credited_with_the_groups_gradient(tmp_path):
-    """S2FL's data-balance groups (two copies of two members, one split): after round 1 (c and
-    every cᵢ zero before it), the members of a group hold the same ``cᵢ`` for their server
-    layers, the group's ``(x − y)/(K_eff η)``, and different ones for their client portions."""
+def test_a_server_copy_shared_by_several_agents_takes_no_correction():
+    """A copy that trains on the merged rows of several agents mixes their classes: the
+    trainer refuses a correction for it rather than guess how to combine theirs."""
+    model = build_model(MODEL, SHAPE, 10)
+    name = next(k for k, _ in model.named_parameters() if k in model.server_state(2))
+    trainer = ServerTrainer(model, lr=0.1, momentum=0.0)
+    with pytest.raises(ValueError, match="one agent"):
+        trainer.begin_round([["a", "b"]], {"a": 2, "b": 2},
+                            corrections={"a": {name: torch.zeros(model.state_dict()[name].shape)}})
+
+
+def test_s2fl_groups_train_on_merged_rows_and_take_no_correction(tmp_path):
+    """S2FL's data-balance groups (two copies of two members each) are averaged, but each
+    trains on its members' merged rows: like MergeSFL's one copy they step uncorrected, and
+    the members' ``cᵢ`` cover their client portions only (each its own)."""
     cfg = run_config_from_dict({
         "run": "s2", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5},
         "fleet": [{"profile": "s2fl-low-low", "count": 2}, {"profile": "s2fl-high-high", "count": 2}],
-        "rounds": 1, "strategy": "s2fl", "batch_size": 16, "lr": 0.05, "momentum": 0.5, "local_iters": 4,
+        "rounds": 2, "strategy": "s2fl", "batch_size": 16, "lr": 0.05, "momentum": 0.5, "local_iters": 4,
         "output_dir": str(tmp_path / "s2"), "drift": "scaffold",
         "s2fl": {"sliding": False, "balance": True, "group_size": 2, "candidates": [1, 2, 3]},
     })
     history, engine = run_simulation(cfg, device="cpu")
-    groups = history[1]["groups"]
+    groups = history[-1]["groups"]
     assert sorted(len(g) for g in groups) == [2, 2]
-    server = {k for k in engine.model.server_state(3) if k in engine._parameter_names}
+    assert engine._server_corrections == {}
     client = {k for k in engine.model.client_keys(3) if k in engine._parameter_names}
-    scale = 1.0 / (cfg.lr * effective_steps(cfg.local_iters, cfg.momentum))
+    assert engine.variates.ci and all(set(mine) == client for mine in engine.variates.ci.values())
     for a, b in groups:
-        ca, cb = engine.variates.ci[a], engine.variates.ci[b]
-        assert server <= set(ca) and server <= set(cb)
-        y = engine.server.member_state(a, 3)   # the group's copy after the round
-        for k in server:
-            torch.testing.assert_close(ca[k], cb[k])
-            torch.testing.assert_close(ca[k], (engine._round_start[k].float() - y[k].float()) * scale,
-                                       rtol=1e-4, atol=1e-6)
-        assert any(not torch.allclose(ca[k], cb[k]) for k in client)
-    a, b = groups[0][0], groups[1][0]   # the two copies learnt different gradients
-    assert any(not torch.allclose(engine.variates.ci[a][k], engine.variates.ci[b][k]) for k in server)
+        assert any(not torch.allclose(engine.variates.ci[a][k], engine.variates.ci[b][k]) for k in client)

@@ -160,7 +160,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
      "(or the pass's statistics with federated), are for evaluation, export and a device's first round; "
      "kept in the agent's memory (a restarted agent starts again from the global ones)."),
     ('drift',
-     "drift correction for the client portions, and for the server copies a round averages (one per agent, S2FL's groups) (docs/methods/drift.md); 'drift: scaffold' is short for {kind: scaffold}."),
+     "drift correction for the client portions, and for the server copies of server_mode per_agent (one per agent, averaged) (docs/methods/drift.md); 'drift: scaffold' is short for {kind: scaffold}."),
     ('drift.kind',
      'none | fedprox (Li et al. 2020: each local step adds mu (w - x) to the gradient, x the received client portion) | scaffold (Karimireddy et al. 2020: each local step adds c - c_i; the coordinator keeps every c_i and sends c - c_i with the assignment, one more client portion down per round).'),
     ('drift.mu',
