@@ -300,16 +300,20 @@ def test_a_server_copy_shared_by_several_agents_takes_no_correction():
 
 def test_s2fl_groups_train_on_merged_rows_and_take_no_correction(tmp_path):
     """S2FL's data-balance groups (two copies of two members each) are averaged, but each
-    trains on its members' merged rows: like MergeSFL's one copy they step uncorrected, and
-    the members' ``cᵢ`` cover their client portions only (each its own)."""
-    cfg = run_config_from_dict({
+    trains on its members' merged rows: like MergeSFL's one copy they step uncorrected (no
+    SCAFFOLD term, no FedProx pull), and the members' ``cᵢ`` cover their client portions only
+    (each its own)."""
+    common = {
         "run": "s2", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5},
         "fleet": [{"profile": "s2fl-low-low", "count": 2}, {"profile": "s2fl-high-high", "count": 2}],
         "rounds": 2, "strategy": "s2fl", "batch_size": 16, "lr": 0.05, "momentum": 0.5, "local_iters": 4,
-        "output_dir": str(tmp_path / "s2"), "drift": "scaffold",
         "s2fl": {"sliding": False, "balance": True, "group_size": 2, "candidates": [1, 2, 3]},
-    })
-    history, engine = run_simulation(cfg, device="cpu")
+    }
+    _, prox = run_simulation(run_config_from_dict({**common, "output_dir": str(tmp_path / "prox"),
+                                                   "drift": {"kind": "fedprox", "mu": 0.1}}), device="cpu")
+    assert prox.server._groups and all(g.drift.prox_mu == 0 for g in prox.server._groups)
+    history, engine = run_simulation(run_config_from_dict({**common, "output_dir": str(tmp_path / "s2"),
+                                                           "drift": "scaffold"}), device="cpu")
     groups = history[-1]["groups"]
     assert sorted(len(g) for g in groups) == [2, 2]
     assert engine._server_corrections == {}
