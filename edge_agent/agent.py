@@ -205,10 +205,6 @@ class AgentCore:
             c = wire.decode_state(body["correction"], {n: p.detach().cpu() for n, p in params.items()})
         return StepTerms([(p, c[n].to(self.device) if n in c else None) for n, p in params.items()], mu)
 
-    def _correct_drift(self) -> None:
-        """Add the drift terms of :meth:`_drift_terms` to the gradients about to be stepped."""
-        self._drift.apply()
-
     def _standardise(self, constants: Optional[dict]) -> None:
         """Standardise our inputs with the run's constants (once; again only if they change)."""
         if self._scaled is None:
@@ -279,7 +275,7 @@ class AgentCore:
             torch.autograd.backward([self._out, self._leak], [g, None])
         else:
             self._out.backward(g)
-        self._correct_drift()
+        self._drift.apply()   # drift correction (sfl_core.drift)
         self._opt.step()
         self._out, self._leak, self._x = None, None, None
         self._charge(self._flops_per_sample * g.shape[0] * 2 / 3, time.perf_counter() - t0)
@@ -354,7 +350,7 @@ class AgentCore:
             else:
                 loss = F.cross_entropy(self._client(x), y)
                 loss.backward()
-            self._correct_drift()
+            self._drift.apply()   # drift correction (sfl_core.drift)
             self._opt.step()
             self._charge(self._flops_per_sample * len(idx), time.perf_counter() - t0)
             total += loss.item()

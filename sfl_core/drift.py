@@ -94,9 +94,6 @@ class StepTerms:
         self.terms = [(p, -self.prox_mu * p.detach().clone()) for p in self.params] if self.prox_mu else []
         self.terms += [(p, c) for p, c in params if c is not None]
 
-    def __bool__(self) -> bool:
-        return bool(self.terms)
-
     @torch.no_grad()
     def apply(self) -> None:
         """Add the terms to the gradients about to be stepped (a parameter without one gets them alone)."""
