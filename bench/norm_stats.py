@@ -28,6 +28,7 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 from coordinator import state as checkpoint  # noqa: E402
 from coordinator.export import rebuild_model  # noqa: E402
+from coordinator.model_ema import delivered_weights  # noqa: E402
 from sfl_core.data.builtin import Dataset, load_dataset  # noqa: E402
 from sfl_core.server_opt import split_state  # noqa: E402
 
@@ -65,7 +66,7 @@ def load_run_model(run_dir: Path) -> nn.Module:
     """The aggregated model a finished run left (weights only, no pickle)."""
     weights, state = checkpoint.load(run_dir)
     model = rebuild_model(state["model_info"])
-    model.load_state_dict(split_state(weights)[0])   # the coordinator's own state (@...) stays out
+    model.load_state_dict(delivered_weights(*split_state(weights)))   # what the run delivers: with model_ema, the average
     return model
 
 

@@ -9,6 +9,7 @@ replays and resends are the fleet session's (:mod:`coordinator.session`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from coordinator import evaluation, norm_pass, shard_round
 from coordinator import state as ckpt
 from coordinator.clock import Clock
 from coordinator.export import describe_model, restore_widths, run_model
+from coordinator.model_ema import ModelAverage
 from coordinator.pricing import price_norm_pass, price_round
 from coordinator.registry import Registry
 from coordinator.round_record import round_record
@@ -105,6 +107,7 @@ class RoundEngine:
         self._round_wall0 = time.monotonic()   # when the current round began, on this host
         self.variates: Optional[ControlVariates] = ControlVariates() if cfg.drift.kind == "scaffold" else None
         self._pass_stats: dict[str, torch.Tensor] = {}   # norm_stats: federated: the last pass's statistics
+        self.average: Optional[ModelAverage] = ModelAverage(cfg.model_ema) if cfg.model_ema else None
         self._latest_width: dict[str, int] = {}          # "split/agent" -> the agent's latest bottleneck width there
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
                                     loss=self.method.server_loss(),
@@ -478,6 +481,8 @@ class RoundEngine:
         host, aggregation and evaluation included, and ``eval_s`` the evaluation's part."""
         done, fed_losses = self._aggregate(plan, agents, uploads)
         pass_agents, pass_wall_s = self._norm_stats_pass(r, agents, done)
+        if self.average is not None:
+            self.average.update(self.model.state_dict())
         eval0 = time.monotonic()
         accuracy, test_loss = self.evaluate() if self._evaluates(r) else (None, None)
         eval_s = time.monotonic() - eval0
@@ -507,7 +512,8 @@ class RoundEngine:
         ckpt.append_metrics(self.out_dir, record)
         ckpt.save(self.out_dir, {**self.model.state_dict(),
                                  **(self.server_opt.state_tensors() if self.server_opt is not None else {}),
-                                 **(self.variates.state_tensors() if self.variates is not None else {})},
+                                 **(self.variates.state_tensors() if self.variates is not None else {}),
+                                 **(self.average.state_tensors() if self.average is not None else {})},
                   self._checkpoint_state(r), encoded={"registry": self.registry.to_json_text()})
         self.on_event("round_end", record)
         return record
@@ -642,7 +648,7 @@ class RoundEngine:
         every = self.cfg.eval.federated_every
         if not every or r % every or not done:
             return None
-        body = evaluation.request_body(self.model, self.cfg.model, self.cfg.zstd_level,
+        body = evaluation.request_body(self.delivered_model(), self.cfg.model, self.cfg.zstd_level,
                                        self.normalization if self.cfg.task is not None else None)
         step = self.cfg.local_iters   # after the round's last training step
         asked = [a for a in done if a in agents]
@@ -672,9 +678,18 @@ class RoundEngine:
         return r % self.cfg.eval_every == 0 or r >= self.cfg.rounds
 
     def evaluate(self) -> tuple[Optional[float], Optional[float]]:
-        """Accuracy and mean loss of the full global model on the server's validation set (None,
-        None without one: a task run whose server holds no validation data)."""
-        return self.validation.evaluate(self.model, self.device, self._eval_batch)
+        """Accuracy and mean loss of the model the run delivers on the server's validation set
+        (None, None without one: a task run whose server holds no validation data)."""
+        return self.validation.evaluate(self.delivered_model(), self.device, self._eval_batch)
+
+    def delivered_model(self) -> SplitModel:
+        """The model the run delivers (evaluated, exported): the global model, or with
+        ``model_ema`` its average over rounds (:mod:`coordinator.model_ema`) on a copy of it."""
+        if self.average is None or not self.average.tensors:
+            return self.model
+        averaged = copy.deepcopy(self.model)   # the same bottleneck widths; training keeps the original
+        averaged.load_state_dict(self.average.state(self.model.state_dict()))
+        return averaged
 
     def _resume(self, model_state: dict[str, torch.Tensor], st: dict[str, Any]) -> None:
         """Continue after the checkpoint's round. Everything is checked before anything on disk
@@ -691,6 +706,8 @@ class RoundEngine:
                 self.server_opt.load_state_tensors(optimiser_state)
             if self.variates is not None:     # likewise
                 self.variates.load_state_tensors(optimiser_state)
+            if self.average is not None:      # likewise
+                self.average.load_state_tensors(optimiser_state)
             restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
             self._latest_width = {str(k): int(v) for k, v in (st.get("latest_widths") or {}).items()}
             if self.cfg.task is not None and st.get("normalize") is not None:

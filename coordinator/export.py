@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from coordinator import state as ckpt
+from coordinator.model_ema import delivered_weights
 from sfl_core.method_registry import prepare_model
 from sfl_core.model.accounting import model_costs
 from sfl_core.model.onnx_export import export_onnx
@@ -88,7 +89,7 @@ def load_global_model(run_dir: Path, config: Optional[Path] = None) -> tuple[Spl
         raise ExportError(f"no run directory {run_dir}")
     try:
         weights, st = ckpt.load(run_dir)
-        weights, _optimiser = split_state(weights)   # the server optimiser's state is not the model's
+        weights = delivered_weights(*split_state(weights))   # the average over rounds, where the run kept one
     except ckpt.CheckpointError as exc:   # missing, torn, corrupted, foreign: one line naming the file
         raise ExportError(str(exc)) from None
     info = st.get("model_info")

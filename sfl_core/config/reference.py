@@ -128,6 +128,8 @@ FIELDS: tuple[tuple[str, str], ...] = (
      "server-side training loss: ce (cross-entropy) | calibrated (FedLC logit calibration, Zhang et al. 2022: logit z_c - tau * n_c^(-1/4) with n_c the row's agent's count of class c; counters label skew)."),
     ('calibration_tau',
      'calibration strength tau >= 0 (0 = plain cross-entropy).'),
+    ('model_ema',
+     "decay d in [0, 1) of an exponential moving average of the global model over rounds, the model the run delivers: a <- d a + (1 - d) x after each round's aggregation (and statistics pass), BatchNorm statistics averaged with the weights; the average is scored on the validation set, sent for federated evaluation and exported, while training goes on from the global model x; it damps the round-to-round swings of label-skewed rounds (docs/methods/server-optimisers.md); kept on the coordinator, nothing more crosses the wire; 0 = off."),
     ('server_opt',
      "how the round's aggregated client portion (and server layers averaged over several server copies: one per agent or per group) becomes the new global one (docs/methods/server-optimisers.md): the server optimiser steps along the difference between the aggregate and the round's starting model; nothing more crosses the wire."),
     ('server_opt.kind',

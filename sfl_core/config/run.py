@@ -603,6 +603,9 @@ class RunConfig(Section):
     lr_decay: Annotated[float, checked(number_in(0.0, hi=1.0, what="a number in (0, 1]"))] = 1.0
     """Learning rate of round r (from 1) = lr x lr_decay^(r-1), agents and server alike."""
     momentum: Annotated[float, UNIT_OPEN] = 0.0
+    model_ema: Annotated[float, UNIT_OPEN] = 0.0
+    """Decay d of the average over rounds of the global model that the run delivers (evaluates,
+    exports): a <- d a + (1 - d) x after each round (:mod:`coordinator.model_ema`); 0: off."""
     local_iters: Annotated[int, POSITIVE_INTEGER] = 10  # tau
     codec: Annotated[str, checked(_codec)] = "fp32"
     zstd_level: Annotated[int, checked(integer_in(0, 22, what="an integer from 0 (no compression) to 22"))] = 3
