@@ -64,10 +64,8 @@ class ModelAverage:
                 a.lerp_(x.to(a.device, a.dtype), 1 - self.decay)
 
     def state(self, current: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The averaged model's state: the average where it has one, else ``current``'s tensor
-        (before the first update, and integers, which are not averaged)."""
-        return {k: (self.tensors[k] if k in self.tensors and x.is_floating_point() else x)
-                for k, x in current.items()}
+        """The averaged model's state (:func:`_overlay` of the average on ``current``)."""
+        return _overlay(self.tensors, current)
 
     def state_tensors(self) -> Dict[str, torch.Tensor]:
         """The average as checkpoint tensors (``@ema/<name>``)."""
@@ -79,11 +77,16 @@ class ModelAverage:
                         if name.startswith(STATE_PREFIX) and len(name) > len(STATE_PREFIX)}
 
 
+def _overlay(average: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``current`` with the average's tensor in place of each floating-point one it has (before
+    the first update there is none; integers are not averaged)."""
+    return {k: (average[k] if k in average and x.is_floating_point() else x) for k, x in current.items()}
+
+
 def delivered_weights(model: Mapping[str, torch.Tensor],
                       own_state: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-    """The weights a run delivers from its checkpoint: the model's, with the average's floating
-    point tensors in their place when the run kept one (``own_state``: the checkpoint's ``@``
-    tensors, :func:`sfl_core.server_opt.split_state`)."""
-    average = ModelAverage(0.5)
-    average.load_state_tensors(own_state or {})
-    return average.state(model)
+    """The weights a run delivers from its checkpoint: the model's, with the average's in their
+    place when the run kept one (``own_state``: the checkpoint's ``@`` tensors,
+    :func:`sfl_core.server_opt.split_state`)."""
+    average = {name[len(STATE_PREFIX):]: t for name, t in (own_state or {}).items() if name.startswith(STATE_PREFIX)}
+    return _overlay(average, model)
