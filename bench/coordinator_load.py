@@ -6,6 +6,7 @@ Command (full run, ~10 minutes on 2 CPU cores)::
     python bench/coordinator_load.py --agents 10 100 --rounds 4
     python bench/coordinator_load.py --registered 2000 --agents 10 --rounds 20   # a large idle fleet, few selected
     python bench/coordinator_load.py --registered 10000 --agents 10 --rounds 20 --agents-per-connection 50
+    python bench/coordinator_load.py --agents 100 --rounds 4 --zstd-levels 3 1 0   # what a cheaper codec setting buys
     python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
 
 Writes ``bench/results/coordinator_load.json``.
@@ -361,13 +362,18 @@ class Sampler(threading.Thread):
         return {role: 100 * (rb[role] - ra[role]) / (b - a) for role in rb}
 
 
+def profile_file(args: Any, agents: int) -> str:
+    """Where py-spy writes the profile of one load level (and zstd level, where several run)."""
+    return f"{args.py_spy}-{agents}" + (f"-zstd{args.zstd_level}" if len(args.zstd_levels) > 1 else "") + ".txt"
+
+
 def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
     cfg = {
         "run": RUN, "model": args.model,
         "data": {"dataset": args.dataset_name, "root": args.dataset_root, "partition": "iid", "seed": 0},
         "fleet": [{"profile": PROFILE, "count": registered}], "per_round": agents, "rounds": args.rounds,
         "strategy": "sfl", "split": args.split, "server_mode": "merged", "batch_size": args.batch,
-        "local_iters": args.tau, "codec": args.codec, "zstd_level": 3, "lr": 0.01,
+        "local_iters": args.tau, "codec": args.codec, "zstd_level": args.zstd_level, "lr": 0.01,
         "eval_samples": 256, "step_timeout_s": 300, "register_timeout_s": 900, "register_rate_per_s": 1000,
         "output_dir": str(tmp / "out"),
     }
@@ -382,7 +388,7 @@ def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: in
         config = write_config(tmp, args, agents, registered)
         coord_log = open(tmp / "coord.log", "w")
         spy = ["py-spy", "record", "--format", "raw", "--threads", "--subprocesses", "-o",
-               f"{args.py_spy}-{agents}.txt", "--"] if args.py_spy else []
+               profile_file(args, agents), "--"] if args.py_spy else []
         coord = subprocess.Popen([*spy, sys.executable, "-m", "cli.coord", "serve", "--config", str(config),
                                   "--broker", url, "--quiet", "--device", "cpu",
                                   "--server-workers", str(args.server_workers)],
@@ -433,7 +439,7 @@ def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: in
     t0, t1 = result.pop("window")
     result["heartbeats_per_s"] = sum(1 for t in beats if t0 <= t <= t1) / (t1 - t0)
     if args.py_spy:
-        result["stages_pct"] = profile_stages(Path(f"{args.py_spy}-{agents}.txt"))
+        result["stages_pct"] = profile_stages(Path(profile_file(args, agents)))
     return result
 
 
@@ -550,7 +556,7 @@ def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
     grad = step()[:args.batch]
 
     def encode() -> bytes:
-        body = {"g": wire.encode_tensor(grad, args.codec, 3)}
+        body = {"g": wire.encode_tensor(grad, args.codec, args.zstd_level)}
         return Message("gradients", RUN, protocol.COORDINATOR_ID, body, round=1, step=0, seq=1).encode()
 
     def per_call_ms(fn, n: int) -> float:
@@ -588,7 +594,7 @@ def heartbeat_cost(url: str, beats: int = 4000) -> float:
     try:
         got, t0 = 0, None
         deadline = time.monotonic() + 120
-        while got < beats and time.monotonic() < deadline:
+        while got < beats - 1 and time.monotonic() < deadline:   # the first beat only starts the clock
             msg = session._receive(0.5)      # noqa: SLF001  (the engine's own intake)
             if msg is None:
                 continue
@@ -634,6 +640,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--tau", type=int, default=5, help="local steps per round (default 5)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per level; round 1 is not measured (default 3)")
     p.add_argument("--codec", default="fp16", help="activation codec (default fp16)")
+    p.add_argument("--zstd-levels", type=int, nargs="+", default=[3],
+                   help="the run's zstd_level (both directions), one pass over the load levels each (default 3, "
+                        "the product's default; 0 sends raw bytes); with others than 3 alone, results go to "
+                        "coordinator_load_zstd<L1>-<L2>....json")
     p.add_argument("--coord-threads", type=int, default=1, help="OMP_NUM_THREADS of the coordinator (default 1)")
     p.add_argument("--server-workers", type=int, default=1,
                    help="sfl-coord serve --server-workers N (default 1); results go to coordinator_load_workersN.json")
@@ -658,22 +668,25 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     given = Path(args.data).expanduser()
     args.dataset_root = str(given.resolve()) if given.exists() else None
 
-    payload = Payload.build({"dataset": args.dataset_name, "root": args.dataset_root, "model": args.model,
-                                  "split": args.split, "batch_size": args.batch, "zstd_level": 3,
-                                  "codecs": [args.codec]})
-    results = []
+    results, payloads = [], {}
     with MosquittoBroker() as broker:
-        for n in levels:
-            registered = max(n, args.registered or n)
-            print(f"{n} agents per round ({registered} registered) ...", flush=True)
-            res = run_level(broker.url, broker.pid, args, payload, n, registered)
-            results.append(res)
-            print(f"  {res['steps_per_s']:.2f} steps/s, coordinator CPU {res['coord_cpu_pct']:.0f} %", flush=True)
+        for level in args.zstd_levels:
+            args.zstd_level = level
+            payloads[level] = Payload.build({"dataset": args.dataset_name, "root": args.dataset_root,
+                                             "model": args.model, "split": args.split, "batch_size": args.batch,
+                                             "zstd_level": level, "codecs": [args.codec]})
+            for n in levels:
+                registered = max(n, args.registered or n)
+                print(f"{n} agents per round ({registered} registered), zstd level {level} ...", flush=True)
+                res = run_level(broker.url, broker.pid, args, payloads[level], n, registered)
+                res["zstd_level"] = level
+                results.append(res)
+                print(f"  {res['steps_per_s']:.2f} steps/s, coordinator CPU {res['coord_cpu_pct']:.0f} %", flush=True)
         version = broker.version()
         print("the coordinator's cost of one heartbeat ...", flush=True)
         beat_us = heartbeat_cost(broker.url, 400 if args.quick else 4000)
     cores = os.cpu_count()
-    rows = [[r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
+    rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
              r["coord_cpu_ms_per_agent_step"], r["coord_rss_mb"], r["broker_cpu_pct"], r["gen_cpu_pct"],
              r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
@@ -681,17 +694,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
         f"shared by all processes",
-        ["agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
+        ["zstd level", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
          "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %",
          "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     print("the floor: the same work in one thread with no broker ...", flush=True)
-    bound = floor(args, payload)
+    bounds = {}
+    for level in args.zstd_levels:
+        args.zstd_level = level
+        bounds[level] = floor(args, payloads[level])
     common.print_table(
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step)",
-        ["decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core"],
-        [[bound["decode_ms"], bound["server_step_ms"], bound["encode_ms"], bound["total_ms"],
-          1e3 / bound["total_ms"]]])
+        ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core"],
+        [[level, b["decode_ms"], b["server_step_ms"], b["encode_ms"], b["total_ms"], 1e3 / b["total_ms"]]
+         for level, b in bounds.items()])
+    bound = bounds[args.zstd_levels[0]]
     fleets = (10, 2_000, 10_000)
     liveness_rows = [[n, liveness.idle_heartbeat_s(n), n / liveness.idle_heartbeat_s(n),
                       n / liveness.idle_heartbeat_s(n) * beat_us / 1e4, n / liveness.BUSY_HEARTBEAT_S * beat_us / 1e4]
@@ -707,11 +724,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             [[r["agents"], *(r["stages_pct"][k] for k in STAGES)] for r in profiled])
     doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results,
            "floor": bound, "heartbeat_us": beat_us,
+           **({"floor_by_zstd_level": {str(k): v for k, v in bounds.items()}} if len(bounds) > 1 else {}),
            "liveness": [dict(zip(("registered", "idle_interval_s", "heartbeats_per_s", "coord_cpu_pct",
                                   "coord_cpu_pct_every_2s"), row)) for row in liveness_rows]}
     name = ("coordinator_load" + (f"_workers{args.server_workers}" if args.server_workers > 1 else "")
             + (f"_registered{args.registered}" if args.registered else "")
-            + ("_legacy" if args.legacy_heartbeats else ""))
+            + ("_legacy" if args.legacy_heartbeats else "")
+            + ("_zstd" + "-".join(map(str, args.zstd_levels)) if args.zstd_levels != [3] else ""))
     path = common.write_result(args.out, name, doc)
     print(f"wrote {path}")
     return doc

@@ -125,3 +125,18 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     big = doc["liveness"][-1]
     assert big["registered"] == 10_000 and big["heartbeats_per_s"] == pytest.approx(10_000 / 120)
     assert big["coord_cpu_pct"] == pytest.approx(big["heartbeats_per_s"] * doc["heartbeat_us"] / 1e4)
+
+
+@pytest.mark.slow
+def test_coordinator_load_zstd_levels(bench_broker, tmp_path):
+    """``--zstd-levels`` runs each load level once per codec setting in one invocation: the run
+    and its agents really use the level (raw bytes at 0 outweigh zstd's at 3), and each level has
+    its own floor."""
+    doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "2", "--zstd-levels", "3", "0",
+               timeout=240, result="coordinator_load_zstd3-0")
+    z3, z0 = doc["levels"]
+    assert (z3["zstd_level"], z0["zstd_level"]) == (3, 0) and z3["agents"] == z0["agents"] == 2
+    assert z0["act_kb_per_message"] > z3["act_kb_per_message"]
+    assert set(doc["floor_by_zstd_level"]) == {"3", "0"} and doc["floor"] == doc["floor_by_zstd_level"]["3"]
+    for b in doc["floor_by_zstd_level"].values():
+        assert 0 < b["decode_ms"] < b["total_ms"]
