@@ -175,18 +175,20 @@ def run_dir_name(setting: str, method: str, seed: int) -> str:
     return f"{setting}-{method}-s{seed}".replace(" ", "_").replace("/", "_")
 
 
-def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], methods: list[str]
+def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], methods: list[str], seeds: range
                      ) -> dict[str, dict[str, list[list[dict[str, Any]]]]]:
-    """Rebuild the curves from the run directories a (possibly interrupted) bench left in ``work``."""
+    """Rebuild the curves from the run directories a (possibly interrupted) bench left in ``work``:
+    those of ``seeds`` that exist, so that a report's seeds are the ones asked for even where the
+    same directory holds more."""
     from coordinator.state import read_metrics
     curves: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
     for setting in settings:
         for method in methods:
             runs = []
-            for seed in range(100):
+            for seed in seeds:
                 d = work / run_dir_name(setting, method, seed)
                 if not (d / "metrics.jsonl").is_file():
-                    break
+                    continue
                 recs = read_metrics(d)
                 if recs and recs[-1]["round"] >= 1:
                     runs.append([{k: r[k] for k in common.CURVE_KEYS}
@@ -264,7 +266,7 @@ def add_norm_stats(spec: dict[str, Any], summary: dict[str, Any], work: Path, ar
     data = load_dataset(args.dataset, args.root, image_size=image_size)
     for setting, s in summary.items():
         for method, row in s["methods"].items():
-            dirs = [work / run_dir_name(setting, method, seed) for seed in range(len(row["rounds_to_target"]))]
+            dirs = [work / run_dir_name(setting, method, seed) for seed in range(args.seed, args.seed + len(row["rounds_to_target"]))]
             pairs = [r for r in norm_stats.compare(dirs, data, eval_samples=spec["base"].get("eval_samples")).values()
                      if r is not None]
             if pairs:
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     curves: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
     t_start = time.time()
     if args.from_runs:
-        curves = curves_from_runs(spec, work, settings, methods)
+        curves = curves_from_runs(spec, work, settings, methods, range(args.seed, args.seed + args.seeds))
     elif args.merge:
         for f in args.merge:
             merged = json.loads(f.read_text())
