@@ -36,3 +36,22 @@ def test_paper_bench_quick(tmp_path, paper):
     # the replica's profiles were scaled by the factors the model shrank
     prof = next((tmp_path / "runs").glob("profiles-*/*.yaml")).read_text()
     assert f"x flops {doc['scale']['factors']['flops']:.4g}" in prof
+
+
+def test_from_runs_reads_the_seeds_asked_for(tmp_path):
+    """``--from-runs --seed S --seeds N`` reports seeds S..S+N-1 of a directory that holds more
+    (fresh seeds beside the ones a sweep chose on must not be pooled with them)."""
+    script = (
+        "import json, sys; from pathlib import Path; sys.path.insert(0, 'bench'); import paper\n"
+        "work = Path(sys.argv[1])\n"
+        "for seed in range(4):\n"
+        "    d = work / paper.run_dir_name('a=0.1', 'M, x', seed); d.mkdir(parents=True)\n"
+        "    rec = {'round': 1, 'accuracy': seed / 10, 'elapsed_s': 1.0, 'bytes_up': 1, 'bytes_down': 1}\n"
+        "    (d / 'metrics.jsonl').write_text(json.dumps(rec) + '\\n')\n"
+        "for first, n in ((0, 2), (2, 2), (1, 5)):\n"
+        "    c = paper.curves_from_runs({}, work, ['a=0.1'], ['M, x'], range(first, first + n))\n"
+        "    print([run[-1]['accuracy'] for run in c['a=0.1']['M, x']])\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["[0.0, 0.1]", "[0.2, 0.3]", "[0.1, 0.2, 0.3]"]
