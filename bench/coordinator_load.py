@@ -6,7 +6,7 @@ Command (full run, ~10 minutes on 2 CPU cores)::
     python bench/coordinator_load.py --agents 10 100 --rounds 4
     python bench/coordinator_load.py --registered 2000 --agents 10 --rounds 20   # a large idle fleet, few selected
     python bench/coordinator_load.py --registered 10000 --agents 10 --rounds 20 --agents-per-connection 50
-    python bench/coordinator_load.py --agents 100 --rounds 4 --zstd-levels 3 1 0   # what a cheaper codec setting buys
+    python bench/coordinator_load.py --agents 100 --rounds 6 --zstd-levels 0 1 3   # what a cheaper codec setting buys
     python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
 
 Writes ``bench/results/coordinator_load.json``.
@@ -720,8 +720,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     profiled = [r for r in results if "stages_pct" in r]
     if profiled:
         common.print_table(
-            "where the coordinator's round-work CPU goes (py-spy samples, % per stage)", ["agents", *STAGES],
-            [[r["agents"], *(r["stages_pct"][k] for k in STAGES)] for r in profiled])
+            "where the coordinator's round-work CPU goes (py-spy samples, % per stage)",
+            ["zstd level", "agents", *STAGES],
+            [[r["zstd_level"], r["agents"], *(r["stages_pct"][k] for k in STAGES)] for r in profiled])
     doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results,
            "floor": bound, "heartbeat_us": beat_us,
            **({"floor_by_zstd_level": {str(k): v for k, v in bounds.items()}} if len(bounds) > 1 else {}),
