@@ -73,8 +73,13 @@ class ModelAverage:
 
     def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Continue from :meth:`state_tensors` (other names are ignored)."""
-        self.tensors = {name[len(STATE_PREFIX):]: t.clone() for name, t in tensors.items()
-                        if name.startswith(STATE_PREFIX) and len(name) > len(STATE_PREFIX)}
+        self.tensors = {k: t.clone() for k, t in _unprefixed(tensors).items()}
+
+
+def _unprefixed(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The average's tensors among checkpoint tensors, by their model names (``@ema/<name>``)."""
+    return {name[len(STATE_PREFIX):]: t for name, t in tensors.items()
+            if name.startswith(STATE_PREFIX) and len(name) > len(STATE_PREFIX)}
 
 
 def _overlay(average: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -88,5 +93,4 @@ def delivered_weights(model: Mapping[str, torch.Tensor],
     """The weights a run delivers from its checkpoint: the model's, with the average's in their
     place when the run kept one (``own_state``: the checkpoint's ``@`` tensors,
     :func:`sfl_core.server_opt.split_state`)."""
-    average = {name[len(STATE_PREFIX):]: t for name, t in (own_state or {}).items() if name.startswith(STATE_PREFIX)}
-    return _overlay(average, model)
+    return _overlay(_unprefixed(own_state or {}), model)
