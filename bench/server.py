@@ -24,6 +24,12 @@ the same server-portion weights, same batches, SGD lr 0.05:
 - ``plain+io``: ``plain`` plus the work split learning cannot avoid: concatenating the
   CPU batches, copying them to the device, the gradient w.r.t. the input, and copying it
   back to the host. ``merged`` / ``plain+io`` isolates ServerTrainer's own overhead.
+- ``plain+decode`` and ``merged+decode``: each step starts from the agents' wire messages
+  (``--codec``, zstd ``--zstd-level``) instead of decoded tensors. ``plain+decode`` decodes them
+  all with the product's decoder (``coordinator.uploads.decode_activations``: every check the
+  protocol promises), then runs ``plain+io``; ``merged+decode`` does what the engine does:
+  decode an agent, stage it (``ServerTrainer.stage``: pinned memory, a queued copy to the GPU
+  while the next agent decodes), then ``.step``.
 
 Columns: ``steps/s`` (higher is better), ``samples/s`` = steps/s x agents x batch,
 ``ms/step``, ``vs plain`` = variant steps/s / plain steps/s (1.0 = as fast as the
@@ -48,6 +54,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from coordinator.server_trainer import ServerTrainer, pick_device  # noqa: E402
+from coordinator.uploads import decode_activations  # noqa: E402
+from sfl_core.wire import codec as wire  # noqa: E402
+from sfl_core.wire.assignment import SPLIT_TRAINING, Assignment  # noqa: E402
 from sfl_core.model.zoo import build_model  # noqa: E402
 
 LR = 0.05
@@ -89,6 +98,12 @@ def make_batches(client: nn.Module, x: torch.Tensor, y: torch.Tensor, agents: in
                 step[f"agent{a:03d}"] = (client(xs).detach().contiguous(), ys.contiguous())
             sets.append(step)
     return sets
+
+
+def encode_sets(sets: list[Batches], codec: str, zstd_level: int) -> list[dict[str, dict[str, Any]]]:
+    """Each step's batches as the agents' wire bodies (``{"x": tensor map, "y": tensor map}``)."""
+    return [{a: {"x": wire.encode_tensor(x, codec, zstd_level), "y": wire.encode_tensor(y, codec, zstd_level)}
+             for a, (x, y) in s.items()} for s in sets]
 
 
 def time_interleaved(fns: dict[str, Callable[[int], Any]], device: torch.device, warmup: int,
@@ -139,7 +154,21 @@ def bench_model(model_name: str, args: Any, device: torch.device) -> dict[str, A
         tr.begin_round(groups, {a: split for a in agent_ids})
         return lambda i: tr.step(sets[i % len(sets)])
 
-    def plain_step(with_io: bool) -> Callable[[int], Any]:
+    bodies = encode_sets(sets, args.codec, args.zstd_level)
+    assignment = Assignment(model=model_name, mode=SPLIT_TRAINING, split=split, width=0, batch_size=args.batch,
+                            lr=LR, momentum=0.0, tau=1, codec=args.codec, zstd_level=args.zstd_level,
+                            activation_shape=tuple(sets[0][agent_ids[0]][0].shape[1:]))
+
+    def decoded(i: int) -> Batches:
+        return {a: decode_activations(body, assignment, NUM_CLASSES) for a, body in bodies[i % len(bodies)].items()}
+
+    def engine_step() -> Callable[[int], Any]:
+        tr = ServerTrainer(copy.deepcopy(model).to(device), lr=LR, device=device)
+        tr.begin_round([agent_ids], {a: split for a in agent_ids})
+        return lambda i: tr.step({a: tr.stage(decode_activations(body, assignment, NUM_CLASSES))
+                                  for a, body in bodies[i % len(bodies)].items()})
+
+    def plain_step(with_io: bool, decode: bool = False) -> Callable[[int], Any]:
         net = copy.deepcopy(server0).to(device).train()
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         resident = [(torch.cat([s[a][0] for a in agent_ids]).to(device),
@@ -148,7 +177,7 @@ def bench_model(model_name: str, args: Any, device: torch.device) -> dict[str, A
 
         def step(i: int) -> None:
             if with_io:
-                s = sets[i % len(sets)]
+                s = decoded(i) if decode else sets[i % len(sets)]
                 xb = torch.cat([s[a][0] for a in agent_ids]).to(device).requires_grad_(True)
                 yb = torch.cat([s[a][1] for a in agent_ids]).to(device)
             else:
@@ -166,6 +195,8 @@ def bench_model(model_name: str, args: Any, device: torch.device) -> dict[str, A
         "plain+io": lambda: plain_step(True),
         "merged": lambda: trainer_step("merged"),
         "per_agent": lambda: trainer_step("per_agent"),
+        "plain+decode": lambda: plain_step(True, decode=True),
+        "merged+decode": engine_step,
     }
     samples = args.agents * args.batch
     rows = {}
@@ -181,7 +212,10 @@ def bench_model(model_name: str, args: Any, device: torch.device) -> dict[str, A
             "samples_per_step": samples, "variants": rows,
             "merged_vs_plain": rows["merged"]["vs_plain"],
             "merged_vs_plain_io": rows["merged"]["steps_per_s"] / rows["plain+io"]["steps_per_s"],
-            "merged_vs_per_agent": rows["merged"]["steps_per_s"] / rows["per_agent"]["steps_per_s"]}
+            "merged_vs_per_agent": rows["merged"]["steps_per_s"] / rows["per_agent"]["steps_per_s"],
+            "merged_decode_vs_plain_decode":
+                rows["merged+decode"]["steps_per_s"] / rows["plain+decode"]["steps_per_s"],
+            "wire_bytes_per_agent": sum(wire.encoded_nbytes(b["x"]) for b in bodies[0].values()) // len(agent_ids)}
 
 
 def print_results(doc: dict[str, Any]) -> None:
@@ -196,6 +230,10 @@ def print_results(doc: dict[str, Any]) -> None:
         f"batch {cfg['batch']}, {cfg['steps']} timed steps",
         ["model", "split", "act shape", "variant", "steps/s", "samples/s", "ms/step", "vs plain"], rows,
         caption=f"data: {doc['results'][0]['data'] if doc['results'] else '-'}; vs plain = steps/s / plain steps/s")
+    for r in doc["results"]:
+        print(f"{r['model']}: merged / plain+io = {r['merged_vs_plain_io']:.2f}, merged+decode / plain+decode = "
+              f"{r['merged_decode_vs_plain_decode']:.2f} ({cfg['codec']}, zstd {cfg['zstd_level']}, "
+              f"{r['wire_bytes_per_agent'] / 1e3:.0f} kB per agent)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -210,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 5 on CPU, 50 on CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant first (default 1 on CPU, 5 on CUDA)")
     p.add_argument("--distinct", type=int, default=4, help="distinct step batches cycled through (default 4)")
+    p.add_argument("--codec", default="fp16", help="wire codec of the *+decode variants' messages (default fp16)")
+    p.add_argument("--zstd-level", type=int, default=1, help="their zstd level (default 1)")
     p.add_argument("--input-shape", type=common.parse_shape, default=None,
                    help="e.g. 3,32,32: random inputs of this shape instead of --data (throughput only)")
     args = p.parse_args(argv)
@@ -232,10 +272,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             p.error(f"--{opt} must be >= 1")
     if args.batch < 2:
         p.error("--batch must be >= 2 (BatchNorm in train mode needs more than one sample)")
+    if not wire.is_codec(args.codec):
+        p.error(f"--codec {args.codec!r}: expected one of fp32, fp16, bf16, int8, topk<P>")
     results = [bench_model(m, args, device) for m in args.model]
     doc = {
         "config": {"device": str(device), "agents": args.agents, "batch": args.batch, "steps": args.steps,
                    "warmup": args.warmup, "distinct_batches": args.distinct, "lr": LR, "seed": args.seed,
+                   "codec": args.codec, "zstd_level": args.zstd_level,
                    "quick": args.quick, "data_arg": args.data if args.input_shape is None else None,
                    "input_shape": list(args.input_shape) if args.input_shape else None},
         "reference": "plain PyTorch SGD loop on the same server portion and concatenated batches, data on device",

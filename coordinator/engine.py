@@ -442,12 +442,14 @@ class RoundEngine:
                           activation_shape=tuple(shape))
 
     def _batch(self, ra: RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """The activations and labels of ``msg``, validated (None, rejected, if invalid)."""
+        """The activations and labels of ``msg``, validated (None, rejected, if invalid) and on
+        their way to the server's device (the copy overlaps decoding the next agent's)."""
         try:
-            return decode_activations(msg.body, ra.assignment, self.num_classes)
+            batch = decode_activations(msg.body, ra.assignment, self.num_classes)
         except wire.WireError as exc:
             self.session.rejections.reject("invalid", f"activations from {ra.info_id}: {exc}")
             return None
+        return self.server.stage(batch)
 
     def _exchange_logits(self, agents: dict[str, RoundAgent], logits: dict[str, torch.Tensor], r: int,
                          k: int) -> dict[str, tuple[torch.Tensor, float]]:

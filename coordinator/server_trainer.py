@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Sequence, T
 import torch
 import torch.nn.functional as F
 
+from coordinator import host_copies
 from sfl_core import norm_stats
 from sfl_core.drift import StepTerms, leading_block
 from sfl_core.losses import LossSpec, logit_calibrated_ce, n2w_loss, under_represented_classes, w2n_loss
@@ -183,6 +184,12 @@ class ServerTrainer:
             out[w] = under_represented_classes(group.tolist(), everyone.tolist(), self.loss.theta, relative=True)
         return out
 
+    def stage(self, batch: Batch) -> Batch:
+        """``batch`` on the server's device, its copy queued rather than waited for: staged as soon
+        as it is decoded, one agent's rows travel while the host decodes the next agent's."""
+        x, y = batch
+        return host_copies.to_device(x, self.device), None if y is None else host_copies.to_device(y, self.device)
+
     def step(self, batches: Mapping[str, Batch], exchange: Exchange | None = None
              ) -> tuple[dict[str, torch.Tensor], float]:
         """One local iteration for the agents in ``batches``; returns their gradients and the mean loss.
@@ -193,30 +200,40 @@ class ServerTrainer:
         both with the labels it kept). An agent missing from the reply contributes no gradient.
         The result equals the labelled path's: the merged loss is the mean over all rows.
         """
-        grads: dict[str, torch.Tensor] = {}
-        losses, rows = 0.0, 0
         if exchange is None and any(b[1] is None for b in batches.values()):
             raise ValueError("an agent withheld its labels but no logits exchange was given")
+        # every group's work is queued first; the step then waits once for the GPU (host_copies)
+        trained: list[tuple[dict[str, torch.Tensor], torch.Tensor, int]] = []
         for group in self._groups:
             present = {a: batches[a] for a in group.members if a in batches}
             if self.reducer is not None:       # every rank steps every group, rows or not
-                g, loss, n = self._train(group, present, exchange) if present else self._idle(group)
-                grads.update(g)
-                losses += loss * n
-                rows += n
+                trained.append(self._train(group, present, exchange) if present else self._idle(group))
                 continue
             if not present:
                 continue
             # SplitFed v2 trains the one copy on each member's rows in turn; otherwise one merged batch
             for part in ([{a: present[a]} for a in sorted(present)] if self._sequential else [present]):
-                g, loss, n = self._train(group, part, exchange)
-                grads.update(g)
-                losses += loss * n
-                rows += n
+                trained.append(self._train(group, part, exchange))
+        grads = self._gradients_to_host({a: g for out, _, _ in trained for a, g in out.items()})
+        host_copies.wait(self.device)
+        rows = sum(n for _, _, n in trained)
         self.last_rows = rows
-        return grads, losses / max(rows, 1)
+        return grads, sum(float(loss) * n for _, loss, n in trained) / max(rows, 1)
 
-    def _idle(self, group: _Group) -> tuple[dict[str, torch.Tensor], float, int]:
+    def _gradients_to_host(self, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One queued device-to-host copy per distinct gradient shape; the tensors are complete
+        once :func:`host_copies.wait` returns."""
+        by_shape: dict[tuple[int, ...], list[str]] = {}
+        for a, g in out.items():
+            by_shape.setdefault(tuple(g.shape[1:]), []).append(a)
+        grads: dict[str, torch.Tensor] = {}
+        for members in by_shape.values():
+            host = host_copies.to_host(torch.cat([out[a] for a in members]))
+            for a, g in zip(members, torch.split(host, [out[a].shape[0] for a in members])):
+                grads[a] = g
+        return grads
+
+    def _idle(self, group: _Group) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
         """A server worker none of whose agents is in this group this step: it still takes part
         in the group's all-reduce (with no gradient) and takes the same optimiser step."""
         assert self.reducer is not None
@@ -227,10 +244,12 @@ class ServerTrainer:
         loss = self.reducer.mean(0.0, 0, total)
         if total:
             group.step()
-        return {}, loss, total
+        return {}, torch.tensor(loss), total
 
     def _train(self, group: _Group, batches: Mapping[str, Batch], exchange: Exchange | None = None
-               ) -> tuple[dict[str, torch.Tensor], float, int]:
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        """Queue one forward/backward/optimiser step of ``group`` on its members' rows; returns
+        each member's scaled input gradient and the mean loss, both still on the device."""
         # members join in order of their split point; rows keep that order end to end
         order = sorted(batches, key=lambda a: (group.splits[a], a))
         inputs: dict[str, torch.Tensor] = {}
@@ -242,7 +261,7 @@ class ServerTrainer:
             pair = group.model.bottleneck(layer)
             while pos < len(order) and group.splits[order[pos]] == layer:
                 a = order[pos]
-                x = batches[a][0].to(self.device, non_blocking=True).detach().requires_grad_(True)
+                x = host_copies.to_device(batches[a][0], self.device).detach().requires_grad_(True)
                 inputs[a] = x
                 # a bottlenecked agent's rows pass its slice of the decoder before joining (HetBL)
                 joining.append(pair.decode(x) if pair is not None else x)
@@ -263,28 +282,20 @@ class ServerTrainer:
         if self.reducer is not None:   # the mean loss over every rank's rows, one model on every rank
             rows = self.reducer.rows(n)
             self.reducer.sync(group.params, group.buffers, n, rows)
-            loss = self.reducer.mean(loss, n, rows)
+            loss = torch.tensor(self.reducer.mean(float(loss), n, rows))
         group.step()
-        # scale on the device, then one device->host copy per distinct activation shape
         out: dict[str, torch.Tensor] = {}
         for a, b in zip(order, sizes):
             g = inputs[a].grad
             out[a] = g * (n / b) if g is not None else torch.zeros_like(inputs[a])  # no reply: no gradient
-        by_shape: dict[tuple[int, ...], list[str]] = {}
-        for a in order:
-            by_shape.setdefault(tuple(out[a].shape[1:]), []).append(a)
-        grads: dict[str, torch.Tensor] = {}
-        for members in by_shape.values():
-            host = torch.cat([out[a] for a in members]).cpu()
-            for a, g in zip(members, torch.split(host, [out[a].shape[0] for a in members])):
-                grads[a] = g
-        return grads, loss, rows
+        return out, loss, rows
 
     def _backward(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
                   logits: torch.Tensor, labels: Mapping[str, torch.Tensor | None],
-                  exchange: Exchange | None) -> float:
-        """Backpropagate the mean loss over all rows; returns its value. Rows of agents that
-        withheld their labels get their loss gradient from the agent (via ``exchange``)."""
+                  exchange: Exchange | None) -> torch.Tensor:
+        """Backpropagate the mean loss over all rows; returns its value (0-d, not waited for).
+        Rows of agents that withheld their labels get their loss gradient from the agent (via
+        ``exchange``)."""
         n = logits.shape[0]
         rows, pos = {}, 0
         for a in order:
@@ -293,18 +304,19 @@ class ServerTrainer:
         labelled = [a for a in order if labels[a] is not None]
         withheld = [a for a in order if labels[a] is None]
         if not withheld:
-            y = torch.cat([labels[a].to(self.device, non_blocking=True) for a in order])
+            y = torch.cat([host_copies.to_device(labels[a], self.device) for a in order])
             loss = self._loss(group, order, inputs, logits, y)
             loss.backward()
-            return loss.item()
-        outputs, grads, total = [], [], 0.0
+            return loss.detach()
+        outputs, grads = [], []
+        total = torch.zeros((), device=logits.device)
         if labelled:
             idx = torch.cat([torch.arange(*rows[a], device=logits.device) for a in labelled])
-            y = torch.cat([labels[a].to(self.device, non_blocking=True) for a in labelled])
+            y = torch.cat([host_copies.to_device(labels[a], self.device) for a in labelled])
             part = self._loss(group, labelled, inputs, logits[idx], y) * (idx.numel() / n)
             outputs.append(part)
             grads.append(None)
-            total += part.item()
+            total = total + part.detach()
         assert exchange is not None
         replies = exchange({a: logits[rows[a][0]:rows[a][1]].detach().cpu() for a in withheld})
         for a in withheld:
@@ -314,7 +326,7 @@ class ServerTrainer:
             b = rows[a][1] - rows[a][0]
             outputs.append(logits[rows[a][0]:rows[a][1]])
             grads.append(g.to(logits.device, logits.dtype) * (b / n))
-            total += agent_loss * b / n
+            total = total + agent_loss * b / n
         if outputs:
             torch.autograd.backward(outputs, grads)
         return total
