@@ -66,11 +66,18 @@ def test_server_quick(tmp_path: Path) -> None:
     assert doc["benchmark"] == "server-cpu"
     assert doc["config"]["device"] == "cpu"
     for r in doc["results"]:
-        assert set(r["variants"]) == {"plain", "plain+io", "merged", "per_agent"}
+        assert set(r["variants"]) == {"plain", "plain+io", "merged", "per_agent", "plain+decode", "merged+decode"}
         for v in r["variants"].values():
             assert v["steps_per_s"] > 0 and math.isfinite(v["samples_per_s"])
         assert r["variants"]["plain"]["vs_plain"] == pytest.approx(1.0)
-        assert r["merged_vs_plain"] > 0
+        assert r["merged_vs_plain"] > 0 and r["merged_decode_vs_plain_decode"] > 0
+        assert 0 < r["wire_bytes_per_agent"] < 4 * math.prod(r["activation_shape"]) * 8   # fp16 + zstd, batch 8
+
+
+def test_server_rejects_an_unknown_codec(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "server.py"), "--quick", "--out", str(tmp_path), "--codec", "fp12"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "fp12" in proc.stderr
 
 
 def test_server_rejects_bad_input_shape(tmp_path: Path) -> None:
