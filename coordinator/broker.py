@@ -119,6 +119,59 @@ def _clean_disconnect_plugin_class() -> type:
     return CleanDisconnectPlugin
 
 
+class _SnapshotDict(dict):  # type: ignore[type-arg]
+    """A dict whose iteration walks a copy taken when the iteration starts (see below)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(dict.keys(self)))
+
+    def keys(self):  # type: ignore[no-untyped-def, override]
+        return list(dict.keys(self))
+
+    def values(self):  # type: ignore[no-untyped-def, override]
+        return list(dict.values(self))
+
+    def items(self):  # type: ignore[no-untyped-def, override]
+        return list(dict.items(self))
+
+
+@functools.lru_cache(maxsize=1)
+def _broker_class() -> type:
+    """amqtt's Broker with two fixes for agents that start together (amqtt 0.12.1).
+
+    * When a client connects, amqtt walks the broker's table of subscriptions and
+      awaits the delivery of retained messages for each entry; when it fans a message
+      out it awaits per subscriber while walking the same table. Another client
+      subscribing or leaving meanwhile changes the table's size, the walk raises
+      ``dictionary changed size during iteration`` and the connecting client is
+      dropped. The table now iterates over a copy, which is what the loops mean.
+    * That walk on connect is meant to resend retained messages for the *session's own*
+      subscriptions, but it covers every client's: a new agent received the retained
+      messages of topics it never subscribed to. Retained messages now go only to a
+      client subscribed to the filter.
+    """
+    from amqtt.broker import Broker
+
+    class _Broker(Broker):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._subscriptions = _SnapshotDict(self._subscriptions)
+
+        async def _publish_retained_messages_for_subscription(self, subscription: Any, session: Any) -> None:
+            subscribers = self._subscriptions.get(subscription[0], ())
+            if any(s.client_id == session.client_id for s, _ in subscribers):
+                await super()._publish_retained_messages_for_subscription(subscription, session)
+
+    return _Broker
+
+
+def _log_loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """One line, no traceback, for an error amqtt leaves unhandled on the broker's loop."""
+    exc = context.get("exception")
+    what = f"{type(exc).__name__}: {exc}" if exc is not None else context.get("message", "unknown error")
+    log.warning("embedded MQTT broker: %s (the client concerned reconnects)", what)
+
+
 class EmbeddedBroker:
     """amqtt broker on a background thread with its own asyncio loop."""
 
@@ -234,6 +287,7 @@ class EmbeddedBroker:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
+        loop.set_exception_handler(_log_loop_exception)
         self._loop = loop
         try:
             loop.run_until_complete(self._serve())
@@ -251,10 +305,8 @@ class EmbeddedBroker:
             loop.close()
 
     async def _serve(self) -> None:
-        from amqtt.broker import Broker
-
         self._stop_event = asyncio.Event()
-        broker = Broker(self._config())
+        broker = _broker_class()(self._config())
         self._broker = broker
         await broker.start()
         try:

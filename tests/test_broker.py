@@ -273,6 +273,52 @@ def test_publish_from_callback_thread_does_not_deadlock(embedded_broker) -> None
         holder["srv"].close()
 
 
+def test_clients_connecting_while_others_subscribe_are_all_served(broker, caplog) -> None:
+    """Agents start together: some connect while others subscribe, with retained messages
+    on the broker. amqtt 0.12.1 walked its subscription table across awaits and dropped a
+    connecting client with a traceback when another subscribed meanwhile (a CI failure)."""
+    n_clients, n_topics = 30, 30
+    errors: list[BaseException] = []
+    links: list[MqttLink] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        try:
+            link = _link(broker.url, f"burst-{i}")
+            with lock:
+                links.append(link)
+            for t in range(n_topics):
+                link.subscribe(f"t/burst/{i}/{t}")
+                assert link.publish(f"t/burst/{i}/{t}", b"r" * 64, retain=True, timeout=10)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with caplog.at_level("WARNING"):
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        try:
+            assert not errors, errors[:3]
+            assert len(links) == n_clients
+            time.sleep(0.3)
+            assert all(link.connected for link in links)
+            inbox = Inbox()
+            late = _link(broker.url, "burst-late", ["t/burst/7/+"], inbox)
+            try:
+                assert sorted(inbox.drain(n_topics, timeout=15)) == sorted(
+                    (f"t/burst/7/{t}", b"r" * 64) for t in range(n_topics))
+            finally:
+                late.close()
+        finally:
+            for link in links:
+                link.close()
+    problems = [r.getMessage() for r in caplog.records
+                if "changed size" in r.getMessage() or "lost" in r.getMessage() or r.exc_info]
+    assert not problems, problems[:3]
+
+
 # ---------------------------------------------------------------- failures and reconnects
 def test_connect_failure_names_the_broker() -> None:
     port = free_port()
