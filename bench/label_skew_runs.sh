@@ -6,6 +6,7 @@
 #   RUNLIST: one run per line, "paper|rounds|setting|method|seed" (rounds 0 = the config's; lines
 #   starting with # are skipped), e.g. bench/configs/runs/label-skew.txt;
 #   ROUNDS: a short smoke run of every line (0 or absent = each line's own).
+#   JOBS=N in the environment runs at most N at once (default: all; on a small machine, its cores).
 # Wheels in .whl/ (a machine without the package's dependencies) are installed first; data in .data/.
 set -u
 DEV=${1:-cuda}; DEADLINE=${2:-500}; LIST=${3:?a run list: paper|rounds|setting|method|seed per line}; SHORT=${4:-0}
@@ -14,9 +15,10 @@ if [ -d .whl ] && [ -z "${NOWHL:-}" ]; then python3 -m pip install -q --no-index
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 W=/tmp/w35; rm -rf $W; mkdir -p $W/logs; OUTD=${OUT:-/tmp/out35}; mkdir -p $OUTD
 DATA=.data/fashion-mnist
-n=0
+n=0; t0=$(date +%s)
 while IFS='|' read -r paper rounds setting method seed; do
   case "$paper" in ''|'#'*) continue ;; esac
+  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-1000}" ]; do sleep 2; done
   extra=(); [ "$rounds" != 0 ] && extra=(--rounds "$rounds"); [ "$SHORT" != 0 ] && extra=(--rounds "$SHORT")
   work=$paper; [ "$rounds" != 0 ] && work=$paper$rounds
   python3 bench/paper.py "$paper" --data $DATA --device "$DEV" --threads 1 --settings "$setting" --methods "$method" \
@@ -25,7 +27,6 @@ while IFS='|' read -r paper rounds setting method seed; do
   n=$((n + 1))
 done < "$LIST"
 echo "started $n runs"
-t0=$(date +%s)
 while [ -n "$(jobs -r)" ] && [ $(( $(date +%s) - t0 )) -lt "$DEADLINE" ]; do sleep 5; done
 echo "stopped after $(( $(date +%s) - t0 )) s; still running: $(jobs -r | wc -l)"
 kill $(jobs -p) 2>/dev/null; sleep 2
