@@ -72,6 +72,29 @@ def test_kl_selection_respects_the_budget_and_mixes_labels(tmp_path):
     assert history[-1]["accuracy"] > history[0]["accuracy"]
 
 
+def test_control_with_the_sequential_server_steps_once_per_agent_on_its_regulated_batch(tmp_path):
+    """MergeSFL's control with SplitFed v2's server (the hard end's closest row, docs/results.md):
+    the one server copy takes a step per selected agent per local iteration, over the agents'
+    regulated batches (each step's arithmetic: test_paper_settings.py), and the run learns."""
+    from simulation import run_simulation
+
+    fleet = [{"profile": "s2fl-low-low", "count": 3}, {"profile": "s2fl-high-high", "count": 3}]
+    cfg = run_config_from_dict({
+        "run": "merge-seq", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.3},
+        "fleet": fleet, "rounds": 3, "strategy": "sfl", "split": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5,
+        "local_iters": 5, "output_dir": str(tmp_path / "out"), "server_mode": "sequential",
+        "mergesfl": {"regulate": True, "select": True, "max_batch": 32}})
+    history, engine = run_simulation(cfg, device="cpu")
+    group = engine.server._groups[0]
+    last = history[-1]
+    batches = {a: v["batch_size"] for a, v in last["agents"].items()}
+    assert len(engine.server._groups) == 1 and set(group.members) == set(batches)
+    assert group.steps == 5 * len(batches)                          # one step per agent per local iteration
+    assert engine.server.last_rows == sum(batches.values())         # the last iteration: every agent's rows
+    assert len(set(batches.values())) > 1 and max(batches.values()) <= 32   # regulated: the batches differ
+    assert history[-1]["accuracy"] > history[0]["accuracy"] + 0.2
+
+
 def test_capacity_change_is_followed_by_the_estimates_and_batches(tmp_path):
     """A device whose compute and link drop 20x from round 3 (its profile says so): the virtual
     clock charges the slower rates, the smoothed estimate follows and its batch shrinks."""
