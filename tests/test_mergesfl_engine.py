@@ -3,6 +3,7 @@ batch-weighted aggregation, state estimates that persist."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -79,11 +80,8 @@ def test_control_with_the_sequential_server_steps_once_per_agent_on_its_regulate
     from simulation import run_simulation
 
     fleet = [{"profile": "s2fl-low-low", "count": 3}, {"profile": "s2fl-high-high", "count": 3}]
-    cfg = run_config_from_dict({
-        "run": "merge-seq", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.3},
-        "fleet": fleet, "rounds": 3, "strategy": "sfl", "split": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5,
-        "local_iters": 5, "output_dir": str(tmp_path / "out"), "server_mode": "sequential",
-        "mergesfl": {"regulate": True, "select": True, "max_batch": 32}})
+    cfg = dataclasses.replace(_cfg(tmp_path, fleet=fleet, partition="dirichlet", regulate=True, select=True,
+                                   max_batch=32), server_mode="sequential")
     history, engine = run_simulation(cfg, device="cpu")
     group = engine.server._groups[0]
     last = history[-1]
