@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ from sfl_core.config.run import load_profile
 from sfl_core.data.builtin import load_dataset
 from sfl_core.model.zoo import build_model
 from sfl_core.wire.protocol import Message
+from sfl_core.transport.broker_url import parse_broker_url
 from sfl_core.transport.mqtt_link import MqttLink
 
 RUN = "load"
@@ -569,7 +571,82 @@ def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
     out = {"decode_ms": per_call_ms(decode, 400), "server_step_ms": per_call_ms(step, 10) / agents,
            "encode_ms": per_call_ms(encode, 400)}
     out["total_ms"] = sum(out.values())
+    out["act_bytes"], out["grad_bytes"] = len(act), len(encode())
     return out
+
+
+def transport_floor(url: str, act_bytes: int, grad_bytes: int, messages: int = 3000) -> dict[str, float]:
+    """What any coordinator built on paho pays the transport per agent-step, with no product code:
+    a bare paho client (QoS 1, TCP_NODELAY, 100 in flight, as the product's link sets it) in this
+    process receives ``messages`` payloads of the activations' size that another process
+    publishes through the same broker, then publishes as many of the gradients' size, 100 at a
+    time, each burst's acknowledgements awaited (as a step's gradients go). Milliseconds of this
+    process's CPU (every thread) per message, each way."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    address = parse_broker_url(url)
+    got, last = [0], threading.Event()
+    clock: list[float] = []
+
+    def on_message(client: Any, userdata: Any, msg: Any) -> None:
+        got[0] += 1
+        if got[0] == 1:
+            clock.append(time.process_time())      # measured from the first message on
+        elif got[0] == messages:
+            clock.append(time.process_time())
+            last.set()
+
+    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="sfl-bench-bare-paho",
+                         protocol=mqtt.MQTTv311)
+    client.max_inflight_messages_set(100)
+    client.on_socket_open = lambda c, u, sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client.on_message = on_message
+    client.connect(address.host, address.port)
+    client.subscribe("bare/up/#", qos=1)
+    client.loop_start()
+    try:
+        time.sleep(0.5)                               # the subscription is in place
+        sender = subprocess.Popen([sys.executable, __file__, "--flood", url, str(act_bytes), str(messages)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            if not last.wait(120):
+                raise RuntimeError(f"transport floor: only {got[0]} of {messages} messages arrived")
+        finally:
+            sender.wait(timeout=60)
+        receive_ms = 1e3 * (clock[1] - clock[0]) / (messages - 1)
+        payload = bytes(grad_bytes)
+        t0 = time.process_time()
+        for start in range(0, messages, 100):
+            infos = [client.publish(f"bare/down/a{i}", payload, qos=1) for i in range(start, start + 100)]
+            for info in infos:
+                info.wait_for_publish(timeout=60)
+        publish_ms = 1e3 * (time.process_time() - t0) / messages
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    return {"receive_ms": receive_ms, "publish_ms": publish_ms, "total_ms": receive_ms + publish_ms}
+
+
+def flood(url: str, size: int, count: int) -> int:
+    """``--flood``: publish ``count`` payloads of ``size`` bytes with a bare paho client, QoS 1,
+    100 in flight, from 100 topics (one per agent), as fast as the broker takes them."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    address = parse_broker_url(url)
+    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="sfl-bench-flood",
+                         protocol=mqtt.MQTTv311)
+    client.max_inflight_messages_set(100)
+    client.connect(address.host, address.port)
+    client.loop_start()
+    payload = bytes(size)
+    infos = [client.publish(f"bare/up/a{i % 100}", payload, qos=1) for i in range(count)]
+    for info in infos:
+        info.wait_for_publish(timeout=120)
+    client.loop_stop()
+    client.disconnect()
+    return 0
 
 
 def heartbeat_cost(url: str, beats: int = 4000) -> float:
@@ -685,6 +762,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         version = broker.version()
         print("the coordinator's cost of one heartbeat ...", flush=True)
         beat_us = heartbeat_cost(broker.url, 400 if args.quick else 4000)
+        print("the floor: the same work in one thread with no broker; the transport's, with bare paho ...",
+              flush=True)
+        bounds = {}
+        for level in args.zstd_levels:
+            args.zstd_level = level
+            bounds[level] = floor(args, payloads[level])
+            bounds[level]["transport"] = transport_floor(broker.url, bounds[level]["act_bytes"],
+                                                         bounds[level]["grad_bytes"], 300 if args.quick else 3000)
     cores = os.cpu_count()
     rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
@@ -698,15 +783,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
          "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %",
          "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
-    print("the floor: the same work in one thread with no broker ...", flush=True)
-    bounds = {}
-    for level in args.zstd_levels:
-        args.zstd_level = level
-        bounds[level] = floor(args, payloads[level])
     common.print_table(
-        "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step)",
-        ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core"],
-        [[level, b["decode_ms"], b["server_step_ms"], b["encode_ms"], b["total_ms"], 1e3 / b["total_ms"]]
+        "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step), and the "
+        "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out)",
+        ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core",
+         "paho receive ms", "paho publish ms", "total with paho ms"],
+        [[level, b["decode_ms"], b["server_step_ms"], b["encode_ms"], b["total_ms"], 1e3 / b["total_ms"],
+          b["transport"]["receive_ms"], b["transport"]["publish_ms"], b["total_ms"] + b["transport"]["total_ms"]]
          for level, b in bounds.items()])
     bound = bounds[args.zstd_levels[0]]
     fleets = (10, 2_000, 10_000)
@@ -742,4 +825,6 @@ if __name__ == "__main__":
         sys.exit(worker(sys.argv[2]))
     if len(sys.argv) == 5 and sys.argv[1] == "--beats":
         sys.exit(send_beats(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    if len(sys.argv) == 5 and sys.argv[1] == "--flood":
+        sys.exit(flood(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
     main()

@@ -222,7 +222,9 @@ class ServerTrainer:
 
     def _gradients_to_host(self, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One queued device-to-host copy per distinct gradient shape; the tensors are complete
-        once :func:`host_copies.wait` returns."""
+        once :func:`host_copies.wait` returns. On the CPU they are already where they go."""
+        if self.device.type == "cpu":
+            return dict(out)
         by_shape: dict[tuple[int, ...], list[str]] = {}
         for a, g in out.items():
             by_shape.setdefault(tuple(g.shape[1:]), []).append(a)

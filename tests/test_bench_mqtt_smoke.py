@@ -122,6 +122,11 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     # the floor and the heartbeat's cost: measured, and the liveness rows follow from them
     assert 0 < doc["floor"]["decode_ms"] < doc["floor"]["total_ms"]
     assert doc["heartbeat_us"] > 0
+    # the transport's floor: a bare paho client moves messages of the run's own sizes
+    bare = doc["floor"]["transport"]
+    assert bare["receive_ms"] > 0 and bare["publish_ms"] > 0
+    assert bare["total_ms"] == pytest.approx(bare["receive_ms"] + bare["publish_ms"])
+    assert doc["floor"]["act_bytes"] == pytest.approx(lvl["act_kb_per_message"] * 1e3, rel=0.01)
     big = doc["liveness"][-1]
     assert big["registered"] == 10_000 and big["heartbeats_per_s"] == pytest.approx(10_000 / 120)
     assert big["coord_cpu_pct"] == pytest.approx(big["heartbeats_per_s"] * doc["heartbeat_us"] / 1e4)

@@ -16,6 +16,7 @@ import typer
 from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 from cli.coord.app import DATA_OPTION, app, console, load_config, setup_logging, tell, web_access
 from coordinator import state as ckpt
+from coordinator.allocator import keep_freed_memory
 from coordinator.api import RunError, output_dir
 from coordinator.api import serve as serve_run
 from coordinator.broker import BrokerStartError, BrokerUnavailable
@@ -150,6 +151,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
           verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Coordinate a real deployment: agents connect through the MQTT broker."""
     setup_logging(verbose)
+    keep_freed_memory()
     cfg = load_config(config, rounds, output, data)
     problem = cannot_share(cfg.server_mode, broker is not None) if server_workers > 1 else None
     if problem:   # before any rank starts
@@ -203,6 +205,7 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
     """Simulate the fleet with a virtual clock (times from the device profiles; docs/methods/time-model.md):
     agents in this process, or in Ray actors with --ray."""
     setup_logging(verbose)
+    keep_freed_memory()
     if ray_workers is not None and not (ray or ray_address):
         tell("--ray-workers needs --ray (or --ray-address)")
         raise typer.Exit(2)

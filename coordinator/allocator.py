@@ -1,0 +1,59 @@
+"""Keep the server's freed tensor memory in the process instead of handing it back every step.
+
+Problem: PyTorch's CPU tensors come from the C library's ``malloc``. With glibc's defaults a
+block above the mmap threshold (128 kB at first) is mapped fresh from the kernel when it is
+allocated and unmapped when it is freed, and free memory at the top of the heap above the trim
+threshold is returned to the kernel. A server step allocates and frees blocks of that size
+every time (each agent's decoded rows, the merged batch, the activations autograd keeps, each
+agent's gradient, the encode buffers), so every step pays the kernel again to map, zero and
+fault in the same pages: system time the coordinator spends for nothing, on the thread that
+also trains. glibc raises its threshold by itself only after a mapped block is freed, and
+only up to the size of that block.
+
+What this does: one call at the start of ``sfl-coord serve`` (and ``simulate``) fixes the mmap
+threshold at 32 MiB (glibc's ceiling for it) and the trim threshold at 256 MiB, so those
+blocks are reused from the heap. The price: up to 256 MiB of freed memory may stay with the
+process instead of going back to the system, and the process's resident size includes it.
+
+Only where it applies: glibc (Linux; not musl, macOS or Windows); not when the operator has
+tuned malloc already (any ``MALLOC_*`` variable or ``GLIBC_TUNABLES``) or replaced it
+(``LD_PRELOAD`` of jemalloc or tcmalloc, as PyTorch's performance guide suggests). It changes
+how memory is reused, never what is computed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+__all__ = ["keep_freed_memory"]
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 * 2**20
+"""Blocks below this come from the heap (glibc refuses more than half its 64 MiB heap size)."""
+TRIM_THRESHOLD = 256 * 2**20
+"""Free memory at the heap's top kept before any is returned to the system."""
+
+
+def _operator_tuned(environ: "os._Environ[str] | dict[str, str]") -> bool:
+    """True where the operator chose the allocator's behaviour themselves."""
+    return (any(k.startswith("MALLOC_") for k in environ) or "GLIBC_TUNABLES" in environ
+            or any(name in environ.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc")))
+
+
+def keep_freed_memory(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
+    """Set glibc's mmap and trim thresholds (see the module's docstring). True if they were set;
+    False where this is not glibc or the operator tuned or replaced malloc."""
+    environ = os.environ if environ is None else environ
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or _operator_tuned(environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    # glibc returns 1 on success; the mmap threshold first, as setting either stops glibc adjusting it
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
