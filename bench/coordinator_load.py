@@ -300,6 +300,15 @@ def cpu_seconds(pid: int) -> Optional[float]:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+def minor_faults(pid: int) -> Optional[int]:
+    """Minor page faults of a process so far (pages mapped in from memory, not from disk), from
+    /proc: memory the process handed back to the kernel and faulted in again shows here."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def rss_mb(pid: int) -> Optional[float]:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -329,6 +338,7 @@ class Sampler(threading.Thread):
         self.samples: list[tuple[float, dict[str, float]]] = []
         self.peak_rss: dict[str, float] = {}
         self.last: dict[int, float] = {}
+        self.faults: list[tuple[float, int]] = []      # the coordinator's minor page faults so far
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -346,12 +356,19 @@ class Sampler(threading.Thread):
                     rss += rss_mb(pid) or 0.0
                 if role == "coord":
                     self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), rss)
+                    self.faults.append((time.monotonic(), sum(minor_faults(p) or 0 for p in pids)))
                 row[role] = total
             self.samples.append((time.monotonic(), row))
 
     def stop(self) -> None:
         self._halt.set()
         self.join()
+
+    def faults_between(self, t0: float, t1: float) -> float:
+        """The coordinator's minor page faults from about ``t0`` to about ``t1`` (as :meth:`cpu_between`)."""
+        before = [f for t, f in self.faults if t <= t0]
+        after = [f for t, f in self.faults if t >= t1]
+        return float(after[0] - before[-1]) if before and after else float("nan")
 
     def cpu_between(self, t0: float, t1: float) -> dict[str, float]:
         """CPU % (100 = one core) of each role from the last sample at or before ``t0`` to the
@@ -470,6 +487,7 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "act_mb_per_s": act_bytes / 1e6 / window, "act_kb_per_message": act_bytes / 1e3 / (steps * agents),
         "step_ms_p50": 1e3 * q[49], "step_ms_p90": 1e3 * q[89], "step_ms_p99": 1e3 * q[98],
         "coord_cpu_pct": coord_cpu, "coord_cpu_ms_per_agent_step": 10 * coord_cpu * window / (steps * agents),
+        "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
         "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,
     }
@@ -773,15 +791,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cores = os.cpu_count()
     rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
-             r["coord_cpu_ms_per_agent_step"], r["coord_rss_mb"], r["broker_cpu_pct"], r["gen_cpu_pct"],
+             r["coord_cpu_ms_per_agent_step"], r["coord_faults_per_agent_step"], r["coord_rss_mb"], r["broker_cpu_pct"], r["gen_cpu_pct"],
              r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
         f"shared by all processes",
         ["zstd level", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
-         "coord CPU %", "CPU ms/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %", "server step %",
-         "heartbeats/s"],
+         "coord CPU %", "CPU ms/agent-step", "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
+         "server step %", "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     common.print_table(
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step), and the "

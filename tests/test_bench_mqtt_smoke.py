@@ -111,7 +111,8 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     assert doc["benchmark"] == "coordinator_load_registered5" and doc["quick"] is True
     (lvl,) = doc["levels"]
     assert lvl["agents"] == 3 and lvl["registered"] == 5 and lvl["rounds_measured"] == 1
-    for key in ("steps_per_s", "act_mb_per_s", "step_ms_p50", "coord_cpu_pct", "coord_rss_mb"):
+    for key in ("steps_per_s", "act_mb_per_s", "step_ms_p50", "coord_cpu_pct", "coord_rss_mb",
+                "coord_faults_per_agent_step"):
         assert _positive(lvl[key]), (key, lvl)
     assert lvl["broker_cpu_pct"] >= 0  # a few-ms window may fall between two CPU samples of the broker
     assert lvl["agent_steps_per_s"] == pytest.approx(3 * lvl["steps_per_s"])
