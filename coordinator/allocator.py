@@ -10,10 +10,13 @@ fault in the same pages: system time the coordinator spends for nothing, on the 
 also trains. glibc raises its threshold by itself only after a mapped block is freed, and
 only up to the size of that block.
 
-What this does: one call at the start of ``sfl-coord serve`` (and ``simulate``) fixes the mmap
-threshold at 32 MiB (glibc's ceiling for it) and the trim threshold at 256 MiB, so those
-blocks are reused from the heap. The price: up to 256 MiB of freed memory may stay with the
-process instead of going back to the system, and the process's resident size includes it.
+What this does: one call at the start of ``sfl-coord serve`` (and ``simulate``) tells glibc
+never to map a block by itself (``M_MMAP_MAX`` 0: every block comes from the heap, however
+large: a step of 200 agents' rows allocates blocks above the 32 MiB that glibc's own
+threshold reaches) and to keep up to 256 MiB of free memory at the heap's top
+(``M_TRIM_THRESHOLD``), so a step reuses the pages the last step freed. The price: up to
+256 MiB of freed memory stays with the process instead of going back to the system, and the
+process's resident size includes it.
 
 Only where it applies: glibc (Linux; not musl, macOS or Windows); not when the operator has
 tuned malloc already (any ``MALLOC_*`` variable or ``GLIBC_TUNABLES``) or replaced it
@@ -30,9 +33,7 @@ import platform
 __all__ = ["keep_freed_memory"]
 
 M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 * 2**20
-"""Blocks below this come from the heap (glibc refuses more than half its 64 MiB heap size)."""
+M_MMAP_MAX = -4
 TRIM_THRESHOLD = 256 * 2**20
 """Free memory at the heap's top kept before any is returned to the system."""
 
@@ -55,5 +56,5 @@ def keep_freed_memory(environ: "os._Environ[str] | dict[str, str] | None" = None
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    # glibc returns 1 on success; the mmap threshold first, as setting either stops glibc adjusting it
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    # glibc returns 1 on success; setting either also stops glibc adjusting its thresholds itself
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -289,7 +289,10 @@ class ServerTrainer:
         out: dict[str, torch.Tensor] = {}
         for a, b in zip(order, sizes):
             g = inputs[a].grad
-            out[a] = g * (n / b) if g is not None else torch.zeros_like(inputs[a])  # no reply: no gradient
+            if g is None:                                   # no reply: no gradient
+                out[a] = torch.zeros_like(inputs[a])
+            else:   # scaled in place where it is dense: this step's own tensor, read by nobody else
+                out[a] = g.mul_(n / b) if g.is_contiguous() else g * (n / b)
         return out, loss, rows
 
     def _backward(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
