@@ -1,6 +1,6 @@
 """Coordinator load: how many selected agents per round one ``sfl-coord serve`` process carries.
 
-Command (full run, ~10 minutes on 2 CPU cores)::
+Command (full run, a few minutes on 2 CPU cores)::
 
     python bench/coordinator_load.py                          # 10 50 100 200 500 agents per round
     python bench/coordinator_load.py --agents 10 100 --rounds 4
@@ -30,11 +30,17 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 - ``step p50/p90/p99 ms``: per agent and step, activations sent -> gradients received. In merged
   training the server waits for every agent's activations, so this is the lock-step latency a
   device sees, not the server's time for its rows.
-- ``coord CPU %`` (100 = one core), ``CPU ms/agent-step``, ``coord RSS MB`` (peak), ``broker CPU %``,
+- ``coord CPU %`` (100 = one core), ``CPU ms/agent-step``, ``page faults/agent-step`` (minor: memory
+  the process gave back to the kernel and touched again), ``coord RSS MB`` (peak), ``broker CPU %``,
   ``gen CPU %`` (all generator processes), from /proc, sampled every 0.2 s.
 - ``server step %``: the share of the coordinator's round time spent in the server portion's
   forward/backward (``server_s`` in the run's metrics); the rest is receiving, decoding,
   validating, encoding and publishing.
+
+Two references in the same invocation, per codec level: the floor (the same messages decoded,
+trained on and answered in one thread with no broker) and the transport's floor (a bare paho
+client, no product code, receiving and publishing messages of the same sizes through the same
+broker). Their sum is the least a coordinator built on paho could spend per agent-step.
 
 Everything shares this machine's cores: the coordinator's share of them is reported beside its
 throughput, so the curve says which resource ran out first (a coordinator process near 100 %
