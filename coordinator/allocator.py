@@ -45,8 +45,9 @@ def _operator_tuned(environ: "os._Environ[str] | dict[str, str]") -> bool:
 
 
 def keep_freed_memory(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
-    """Set glibc's mmap and trim thresholds (see the module's docstring). True if they were set;
-    False where this is not glibc or the operator tuned or replaced malloc."""
+    """Tell glibc to take every block from its heap and keep up to ``TRIM_THRESHOLD`` free there
+    (see the module's docstring). True if glibc took both settings; False where this is not
+    glibc or the operator tuned or replaced malloc."""
     environ = os.environ if environ is None else environ
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or _operator_tuned(environ):
         return False
