@@ -53,7 +53,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -78,7 +77,7 @@ from sfl_core.data.builtin import load_dataset
 from sfl_core.model.zoo import build_model
 from sfl_core.wire.protocol import Message
 from sfl_core.transport.broker_url import parse_broker_url
-from sfl_core.transport.mqtt_link import MqttLink
+from sfl_core.transport.mqtt_link import MqttLink, _no_delay
 
 RUN = "load"
 PROFILE = "jetson-nano"
@@ -297,22 +296,25 @@ def worker(spec_file: str) -> int:
 # =========================================================================== measuring a level
 
 
-def cpu_seconds(pid: int) -> Optional[float]:
-    """utime + stime of a process (and its reaped children), from /proc."""
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/PID/stat after the command name (the state first), or None once gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """utime + stime of a process (and its reaped children), from /proc."""
+    fields = _stat(pid)
+    return None if fields is None else sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def minor_faults(pid: int) -> Optional[int]:
     """Minor page faults of a process so far (pages mapped in from memory, not from disk), from
     /proc: memory the process handed back to the kernel and faulted in again shows here."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return None if fields is None else int(fields[7])
 
 
 def rss_mb(pid: int) -> Optional[float]:
@@ -599,17 +601,29 @@ def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
     return out
 
 
-def transport_floor(url: str, act_bytes: int, grad_bytes: int, messages: int = 3000) -> dict[str, float]:
-    """What any coordinator built on paho pays the transport per agent-step, with no product code:
-    a bare paho client (QoS 1, TCP_NODELAY, 100 in flight, as the product's link sets it) in this
-    process receives ``messages`` payloads of the activations' size that another process
-    publishes through the same broker, then publishes as many of the gradients' size, 100 at a
-    time, each burst's acknowledgements awaited (as a step's gradients go). Milliseconds of this
-    process's CPU (every thread) per message, each way."""
+def _bare_paho(url: str, client_id: str) -> Any:
+    """A paho client with no product code around it, set up as the product's link sets its own
+    (MQTT 3.1.1, 100 messages in flight, TCP_NODELAY), connected and its loop started."""
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
     address = parse_broker_url(url)
+    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
+                         protocol=mqtt.MQTTv311)
+    client.max_inflight_messages_set(100)
+    client.on_socket_open = _no_delay
+    client.connect(address.host, address.port)
+    client.loop_start()
+    return client
+
+
+def transport_floor(url: str, act_bytes: int, grad_bytes: int, messages: int = 3000) -> dict[str, float]:
+    """What any coordinator built on paho pays the transport per agent-step, with no product code:
+    a bare paho client (:func:`_bare_paho`) in this process receives ``messages`` payloads of the
+    activations' size that another process publishes through the same broker (QoS 1), then
+    publishes as many of the gradients' size, 100 at a time, each burst's acknowledgements
+    awaited (as a step's gradients go). Milliseconds of this process's CPU (every thread) per
+    message, each way."""
     got, last = [0], threading.Event()
     clock: list[float] = []
 
@@ -621,14 +635,9 @@ def transport_floor(url: str, act_bytes: int, grad_bytes: int, messages: int = 3
             clock.append(time.process_time())
             last.set()
 
-    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="sfl-bench-bare-paho",
-                         protocol=mqtt.MQTTv311)
-    client.max_inflight_messages_set(100)
-    client.on_socket_open = lambda c, u, sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client = _bare_paho(url, "sfl-bench-bare-paho")
     client.on_message = on_message
-    client.connect(address.host, address.port)
     client.subscribe("bare/up/#", qos=1)
-    client.loop_start()
     try:
         time.sleep(0.5)                               # the subscription is in place
         sender = subprocess.Popen([sys.executable, __file__, "--flood", url, str(act_bytes), str(messages)],
@@ -654,16 +663,8 @@ def transport_floor(url: str, act_bytes: int, grad_bytes: int, messages: int = 3
 
 def flood(url: str, size: int, count: int) -> int:
     """``--flood``: publish ``count`` payloads of ``size`` bytes with a bare paho client, QoS 1,
-    100 in flight, from 100 topics (one per agent), as fast as the broker takes them."""
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    address = parse_broker_url(url)
-    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="sfl-bench-flood",
-                         protocol=mqtt.MQTTv311)
-    client.max_inflight_messages_set(100)
-    client.connect(address.host, address.port)
-    client.loop_start()
+    from 100 topics (one per agent), as fast as the broker takes them."""
+    client = _bare_paho(url, "sfl-bench-flood")
     payload = bytes(size)
     infos = [client.publish(f"bare/up/a{i % 100}", payload, qos=1) for i in range(count)]
     for info in infos:
@@ -797,8 +798,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cores = os.cpu_count()
     rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
-             r["coord_cpu_ms_per_agent_step"], r["coord_faults_per_agent_step"], r["coord_rss_mb"], r["broker_cpu_pct"], r["gen_cpu_pct"],
-             r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
+             r["coord_cpu_ms_per_agent_step"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
+             r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
