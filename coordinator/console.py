@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from coordinator.registry import Registry
+from sfl_core.fleet import AgentInfo
 
 
 class RunDisplay:
@@ -88,10 +89,16 @@ def print_table(console: Console, table: Table) -> None:
     Console(file=console.file, width=max(width, 20), color_system=None).print(table)
 
 
+SUMMARY_ROWS = 50
+"""Agents the summary lists one by one; a larger fleet is summed per profile (10,000 rows would
+take a terminal many seconds to lay out, and no one reads them)."""
+
+
 def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
     """Accuracy, time and bytes: the numbers a user compares runs by. Per-agent seconds come
     from the run's clock: measured in a deployment, the time model's in a simulation (never the
-    simulating host's, which says nothing about the devices)."""
+    simulating host's, which says nothing about the devices). Up to :data:`SUMMARY_ROWS` agents,
+    one row each; a larger fleet, one row per profile with its agents' totals summed."""
     title, clock = "run summary", "wall"
     if history:
         last = history[-1]
@@ -103,16 +110,33 @@ def summary_table(history: list[dict[str, Any]], registry: Registry) -> Table:
                  + f" after {last['round']} rounds, {last['elapsed_s']:.1f} s ({clock} clock)")
     caption = ("seconds from the time model (device profiles, real bytes); not this host's time"
                if clock == "virtual" else "seconds as measured")
+    agents = sorted(registry.agents.values(), key=lambda i: i.index)
+    per_profile = len(agents) > SUMMARY_ROWS
+    if per_profile:
+        caption += (f"; {len(agents):,} agents, summed per profile (each agent's totals: the checkpoint's "
+                    f"registry, the metrics endpoint)")
     table = Table(title=title, caption=caption)
-    for col in ("agent", "profile", "last assignment", "rounds", "compute s", "transfer s", "waiting s",
-                "bytes up", "bytes down"):
-        table.add_column(col, justify="right" if col not in ("agent", "profile", "last assignment") else "left")
+    first = ("profile", "agents") if per_profile else ("agent", "profile", "last assignment")
+    for col in (*first, "rounds", "compute s", "transfer s", "waiting s", "bytes up", "bytes down"):
+        table.add_column(col, justify="left" if col in ("agent", "profile", "last assignment") else "right")
+    if per_profile:
+        groups: dict[str, list[AgentInfo]] = {}
+        for a in agents:
+            groups.setdefault(a.profile.name, []).append(a)
+        for name, members in groups.items():
+            table.add_row(name, f"{len(members):,}", *_totals(members))
+        return table
     last_round = history[-1].get("agents", {}) if history else {}
-    for a in sorted(registry.agents.values(), key=lambda i: i.index):
-        table.add_row(a.agent_id, a.profile.name, _assignment(last_round.get(a.agent_id)),
-                      str(a.rounds), f"{a.client_s:.2f}", f"{a.transfer_s:.2f}", f"{a.wait_s:.2f}",
-                      _mb(a.bytes_up), _mb(a.bytes_down))
+    for a in agents:
+        table.add_row(a.agent_id, a.profile.name, _assignment(last_round.get(a.agent_id)), *_totals([a]))
     return table
+
+
+def _totals(agents: list[AgentInfo]) -> tuple[str, ...]:
+    """The summary's cells for the running totals of one agent or a profile's agents."""
+    return (str(sum(a.rounds for a in agents)), f"{sum(a.client_s for a in agents):.2f}",
+            f"{sum(a.transfer_s for a in agents):.2f}", f"{sum(a.wait_s for a in agents):.2f}",
+            _mb(sum(a.bytes_up for a in agents)), _mb(sum(a.bytes_down for a in agents)))
 
 
 def status_table(metrics: list[dict[str, Any]], title: str) -> Table:

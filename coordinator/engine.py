@@ -253,10 +253,12 @@ class RoundEngine:
         return min(self.cfg.min_completed, max(selected, 1))
 
     def run_round(self, r: int) -> dict[str, Any]:
-        if not self.session.online():
+        online = self.session.online()     # once: with thousands registered, each count reads them all
+        if not online:
             self.session.wait_for_any_agent(r)
+            online = self.session.online()
         wall0 = self._round_wall0 = time.monotonic()
-        selected, batches = self.method.select(r, self.session.online(), self.registry.agents, self.select(r))
+        selected, batches = self.method.select(r, online, self.registry.agents, self.select(r, online))
         plan = self.method.plan(r, selected, self.registry.agents)
         self._widen_bottlenecks(plan)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
@@ -346,10 +348,11 @@ class RoundEngine:
         """Messages dropped so far, by reason: the transport's (undecodable, spoofed) and the session's."""
         return self.session.rejected_totals()
 
-    def select(self, r: int) -> list[str]:
-        """The round's uniform sample of the online agents, as the method draws it (its ``select``
-        may then choose otherwise)."""
-        online = self.session.online()
+    def select(self, r: int, online: Optional[list[str]] = None) -> list[str]:
+        """The round's uniform sample of the online agents (``online``: the session's, where the
+        caller has not just read them), as the method draws it (its ``select`` may then choose
+        otherwise)."""
+        online = self.session.online() if online is None else online
         if not online:
             raise RuntimeError("no agent is online")
         return self.method.uniform_sample(r, online)
@@ -528,20 +531,24 @@ class RoundEngine:
         and one group this is exactly FedAvg of the client portions plus the trained server portion.
         Returns the agents that completed the round and the losses they reported."""
         clients, servers, weights, fed_losses, done = {}, {}, {}, [], []
+        held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}   # (split, width) -> what such an agent holds
         for a, msg in uploads.items():
             split, width = agents[a].assignment.split, agents[a].assignment.width
+            if (split, width) not in held:
+                held[split, width] = self._client_state(split, width)
             try:
-                clients[a] = wire.decode_state(msg.body["weights"], self._client_state(split, width))
+                clients[a] = wire.decode_state(msg.body["weights"], held[split, width])
             except wire.WireError as exc:
                 self.session.rejections.reject("invalid", f"weights from {a}: {exc}")
                 continue
-            server = self.server.member_state(a, split)
-            # HetBL: an agent of width w trained only the first w decoder input channels
-            servers[a] = {**server, **slice_state(server, f"bottlenecks.{split}.", width)} if width else server
             weights[a] = self.method.aggregation_weight(self.registry.agents[a], agents[a].assignment.batch_size)
             done.append(a)
             if msg.body["loss"] == msg.body["loss"]:  # not NaN
                 fed_losses.append(float(msg.body["loss"]))
+        for a, server in self.server.member_states({a: agents[a].assignment.split for a in done}).items():
+            split, width = agents[a].assignment.split, agents[a].assignment.width
+            # HetBL: an agent of width w trained only the first w decoder input channels
+            servers[a] = {**server, **slice_state(server, f"bottlenecks.{split}.", width)} if width else server
         need = self._needed(len(plan.splits))
         if len(done) < need:
             raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import time
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,8 @@ TOTALS = ("rounds", "bytes_up", "bytes_down", "compute_s", "client_s", "transfer
 
 
 _SAVED_FIELDS = tuple(k for k in AgentInfo.__dataclass_fields__ if k not in ("last_seen", "instance", "privacy", "epsilon"))
+_saved_values = operator.attrgetter(*_SAVED_FIELDS)
+"""An agent's saved values as one tuple, read in C: the checkpoint compares them for every agent every round."""
 
 
 class Registry:
@@ -35,7 +38,7 @@ class Registry:
         self.channels = channels
         self.architecture = architecture
         self._texts: dict[str, tuple[Any, tuple[Any, ...], str]] = {}
-        """Agent -> (profile, a copy of its saved values, its checkpoint entry as JSON text)."""
+        """Agent -> (profile, a copy of its saved values, its checkpoint entry as JSON text, keyed)."""
         self.agents: dict[str, AgentInfo] = {}
         self.channel_stats: dict[str, ChannelStats] = {}
         """Registered agents' input statistics (``normalize: federated``), until the constants are set."""
@@ -104,9 +107,19 @@ class Registry:
     def online(self, stale_after_s: float | None = None) -> list[AgentInfo]:
         """Agents whose MQTT status is online and, if ``stale_after_s`` is given, that were heard
         from (any message, heartbeats included) within that many seconds."""
+        live = self._live(stale_after_s)
+        return [a for a in self.agents.values() if live(a)]
+
+    def offline(self, stale_after_s: float | None = None) -> list[AgentInfo]:
+        """The other agents: not :meth:`online` with the same ``stale_after_s``."""
+        live = self._live(stale_after_s)
+        return [a for a in self.agents.values() if not live(a)]
+
+    def _live(self, stale_after_s: float | None) -> Callable[[AgentInfo], bool]:
         now = self.now()
-        return [a for a in self.agents.values()
-                if a.online and (stale_after_s is None or now - a.last_seen <= stale_after_s)]
+        if stale_after_s is None:
+            return lambda a: a.online
+        return lambda a: a.online and now - a.last_seen <= stale_after_s
 
     def to_json_text(self) -> str:
         """The registry as the checkpoint keeps it, as JSON text. It is written every round, and
@@ -114,17 +127,19 @@ class Registry:
         agent's entry is encoded again only when one of its saved values (or its profile) has
         changed since the last call; the values are compared with a copy taken then, so a list
         changed in place is seen."""
-        parts, texts = [], {}
+        texts = {}
         for a, i in self.agents.items():
-            values = tuple(getattr(i, k) for k in _SAVED_FIELDS)
+            values = _saved_values(i)
             hit = self._texts.get(a)
             if hit is None or hit[0] is not i.profile or hit[1] != values:
                 entry = {**dict(zip(_SAVED_FIELDS, values)), "profile": i.profile.to_dict()}
-                hit = (i.profile, copy.deepcopy(values), json.dumps(entry))
+                # the profile is replaced, never changed (compared by identity above): not copied, so
+                # the next comparison finds the same object and skips its field-by-field equality
+                hit = (i.profile, copy.deepcopy(values, {id(i.profile): i.profile}),
+                       f"{json.dumps(a)}:{json.dumps(entry)}")
             texts[a] = hit
-            parts.append(f"{json.dumps(a)}:{hit[2]}")
         self._texts = texts
-        return "{" + ",".join(parts) + "}"
+        return "{" + ",".join(hit[2] for hit in texts.values()) + "}"
 
     def load_totals(self, data: dict[str, Any]) -> None:
         """After --resume, agents re-register; their running totals come from the checkpoint."""

@@ -404,6 +404,18 @@ class ServerTrainer:
         """The server-side layers trained for ``agent_id`` (its group's copy, from its split on)."""
         return self._group_of[agent_id].state_for(split)
 
+    def member_states(self, splits: Mapping[str, int]) -> dict[str, dict[str, torch.Tensor]]:
+        """:meth:`member_state` of each agent in ``splits`` (agent -> its split), each group's copy
+        read once per split: every member of a merged group shares its copy's tensors."""
+        read: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        out = {}
+        for agent_id, split in splits.items():
+            group = self._group_of[agent_id]
+            if (id(group), split) not in read:
+                read[id(group), split] = group.state_for(split)
+            out[agent_id] = read[id(group), split]
+        return out
+
     def member_steps(self, agent_id: str) -> tuple[float, int, float]:
         """``(η, K, m)`` of the copy that trained for ``agent_id``: its learning rate, the steps
         it took this round and its momentum (SCAFFOLD's update, :mod:`sfl_core.drift`)."""

@@ -36,6 +36,9 @@ MAX_RESENDS = 3
 """An agent that stays idle through this many resends (it rejects what we send) is dropped."""
 REGISTER_AGAIN = "not registered (forgotten while silent): register again"
 """The ``reject`` reason that asks an agent to register again (docs/protocol.md)."""
+_BURST = 1000
+"""Messages answered in a row while waiting for agents before the wait's condition is checked
+again; shutdown messages published before their acknowledgements are awaited."""
 
 Event = Callable[[str, Dict[str, Any]], None]
 
@@ -131,9 +134,11 @@ class FleetSession:
         while not done():
             if clock() > deadline:
                 raise TimeoutError(failure())
-            msg = self._receive(0.2)
-            if msg is not None:
-                self.dispatch(msg, None)
+            msg, burst = self._receive(0.2), 0
+            while msg is not None:     # what is waiting is answered before ``done()`` counts again:
+                self.dispatch(msg, None)   # counting reads every agent, so thousands registering at
+                burst += 1                 # once would cost the square of the fleet
+                msg = self._receive(0.0) if burst < _BURST else None
 
     def wait_for_any_agent(self, r: int) -> None:
         """Mid-run, every agent gone (a network outage, a power cut on site): wait for one to come
@@ -175,12 +180,26 @@ class FleetSession:
         return liveness.stale_after_s(self.cfg.step_timeout_s, liveness.idle_heartbeat_s(self.cfg.num_agents))
 
     def shutdown_agents(self, reason: str) -> None:
-        for a in list(self.registry.agents):
+        """Tell every registered agent the run is over: in bursts of :data:`_BURST`, each burst's
+        acknowledgements awaited together (one broker round trip per agent would keep a fleet of
+        thousands waiting for seconds)."""
+        def shutdown() -> Message:
+            return Message("shutdown", self.cfg.run_id, protocol.COORDINATOR_ID, {"reason": reason},
+                           seq=protocol.next_seq())
+
+        agents = list(self.registry.agents)
+        for start in range(0, len(agents), _BURST):
+            burst = agents[start:start + _BURST]
             try:
-                self.transport.send(a, Message("shutdown", self.cfg.run_id, protocol.COORDINATOR_ID,
-                                               {"reason": reason}, seq=protocol.next_seq()))
-            except Exception as exc:  # a dead agent must not stop the others from hearing it
-                log.warning("could not tell %s to shut down: %s", a, exc)
+                self.transport.send_many([(a, shutdown()) for a in burst])
+                continue
+            except Exception:   # one at a time then: an agent that cannot be told must not silence the rest
+                pass
+            for a in burst:
+                try:
+                    self.transport.send(a, shutdown())
+                except Exception as exc:
+                    log.warning("could not tell %s to shut down: %s", a, exc)
 
 
     def send(self, ra: RoundAgent, msg: Message) -> None:
@@ -395,8 +414,7 @@ class FleetSession:
         """Forget agents that never trained a round and are not online (or silent past the step
         timeout): they hold no totals worth keeping, and a flood of fakes would otherwise stay
         in the registry and every checkpoint."""
-        live = {a.agent_id for a in self.registry.online(stale_after_s=self._stale_after_s())}
-        gone = [a for a, i in self.registry.agents.items() if i.rounds == 0 and a not in live]
+        gone = [i.agent_id for i in self.registry.offline(stale_after_s=self._stale_after_s()) if i.rounds == 0]
         for a in gone:
             del self.registry.agents[a]
             self._reg_seq.pop(a, None)

@@ -140,3 +140,78 @@ def test_the_agent_beats_at_the_announced_interval_when_idle_and_every_tick_in_a
         beating.join(5)
     assert 2 <= idle <= 4, runner.link.beats         # ~3 beats in 1.6 s at 0.5 s (31 at the tick)
     assert working >= 5, runner.link.beats           # ~8 in 0.4 s at the 0.05 s tick
+
+
+class _Inbox(LocalTransport):
+    """Messages waiting to be taken, and what the session sent (one entry per send_many call)."""
+
+    def __init__(self, messages: list[Message], fail_bursts: bool = False):
+        self.inbox, self.fail_bursts = list(reversed(messages)), fail_bursts
+        self.bursts: list[list[str]] = []
+        self.sent: list[tuple[str, str]] = []
+
+    def send(self, agent_id: str, msg: Message) -> int:
+        self.sent.append((agent_id, msg.type))
+        return 0
+
+    def send_many(self, messages: list[tuple[str, Message]]) -> list[int]:
+        if self.fail_bursts and len(messages) > 1:
+            raise RuntimeError("the burst failed")
+        self.bursts.append([a for a, _ in messages])
+        return super().send_many(messages)
+
+    def poll(self, timeout: float):
+        return self.inbox.pop() if self.inbox else None
+
+
+def _big_fleet(tmp_path: Path, n: int, messages: list[Message], fail_bursts: bool = False
+               ) -> tuple[FleetSession, Registry, _Inbox]:
+    cfg = run_config_from_dict({"run": "lv", "model": "small_cnn", "data": {"dataset": "digits"},
+                                "fleet": [{"profile": "s2fl-low-low", "count": n}],
+                                "output_dir": str(tmp_path / "out")})
+
+    class Counting(Registry):
+        counts = 0
+
+        def online(self, stale_after_s=None):
+            Counting.counts += 1
+            return super().online(stale_after_s)
+
+    reg, transport = Counting(10), _Inbox(messages, fail_bursts)
+    return FleetSession(cfg, transport, reg, virtual=False, now=time.monotonic, on_event=lambda *a: None,
+                        on_drop=lambda a: None), reg, transport
+
+
+def _arrivals(n: int) -> list[Message]:
+    """Each agent's online status and registration, as a fleet starting at once sends them."""
+    out = []
+    for i in range(n):
+        body = protocol.register_body(index=i, profile=load_profile("s2fl-low-low"), measured={},
+                                      label_counts=[1] * 10, num_samples=10, emulate=False, resume={}, privacy={})
+        out += [Message("status", "lv", f"pi-{i}", {"online": True, "instance": f"i{i}"}, seq=protocol.next_seq()),
+                Message("register", "lv", f"pi-{i}", body, seq=protocol.next_seq())]
+    return out
+
+
+def test_a_fleet_registering_at_once_is_counted_once_per_burst_not_once_per_message(tmp_path):
+    """Counting who is online reads every agent: counted after each of 2 × 3,000 messages, the
+    wait cost the square of the fleet (most of a 10,000-device start-up's CPU)."""
+    session, reg, transport = _big_fleet(tmp_path, 3000, _arrivals(3000))
+    session.wait_for_agents()
+    assert len(reg.online()) == 3000 and not transport.inbox
+    assert type(reg).counts <= 12, type(reg).counts        # was over 6,000
+    assert transport.sent.count(("pi-2999", "accepted")) == 1
+
+
+@pytest.mark.parametrize("fail_bursts", [False, True])
+def test_every_agent_of_a_big_fleet_is_told_to_shut_down_once(tmp_path, fail_bursts):
+    """In bursts whose acknowledgements are awaited together; where a burst cannot be sent, one
+    message at a time, so no agent misses it."""
+    session, reg, transport = _big_fleet(tmp_path, 2500, _arrivals(2500), fail_bursts)
+    session.wait_for_agents()
+    transport.sent.clear()
+    session.shutdown_agents("run finished")
+    told = [a for a, kind in transport.sent if kind == "shutdown"]
+    assert sorted(told) == sorted(reg.agents) and len(told) == 2500
+    if not fail_bursts:
+        assert [len(b) for b in transport.bursts] == [1000, 1000, 500]

@@ -243,6 +243,41 @@ def test_s2fl_warmup_says_it_trains_everyone():
     assert "warm-up rounds 1-" in note and "every registered agent (40), not per_round (8)" in note
 
 
+def test_the_summary_of_a_large_fleet_sums_its_agents_per_profile():
+    """Up to SUMMARY_ROWS agents are listed one by one; a fleet of thousands gets one row per
+    profile, its agents' totals summed (laying out 10,000 rows took the coordinator seconds)."""
+    import io
+
+    from rich.console import Console
+
+    from coordinator.console import SUMMARY_ROWS, summary_table
+    from coordinator.registry import Registry
+    from sfl_core.wire.protocol import Message
+
+    def fleet(n: int) -> Registry:
+        reg = Registry(num_classes=2)
+        for i in range(n):
+            profile = {"name": "pi" if i % 3 else "jetson", "compute_flops": 1e9, "link_bytes_per_s": 1e6,
+                       "downlink_bytes_per_s": 1e6, "latency_s": 0.0}
+            reg.register(Message("register", "r", f"a{i:04d}", {"index": i, "profile": profile, "measured": {},
+                                                                "label_counts": [2, 1], "num_samples": 3}, seq=1))
+            reg.agents[f"a{i:04d}"].rounds, reg.agents[f"a{i:04d}"].bytes_up = 2, 1000
+        return reg
+
+    def text(reg: Registry) -> str:
+        out = io.StringIO()
+        Console(file=out, width=200).print(summary_table([], reg))
+        return out.getvalue()
+
+    small = text(fleet(SUMMARY_ROWS))
+    assert f"a{SUMMARY_ROWS - 1:04d}" in small and "summed per profile" not in small
+    big = text(fleet(3000))
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in big.splitlines() if line.startswith("│")}
+    assert rows["jetson"][:2] == ["1,000", "2000"] and rows["pi"][:2] == ["2,000", "4000"], big
+    assert rows["pi"][-2] == "2.00 MB" and "3,000 agents, summed per profile" in big and "a0001" not in big
+
+
 def test_the_summary_table_piped_is_as_wide_as_its_content(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"run": "piped", "model": "small_cnn", "data": {"dataset": "digits"},
