@@ -10,6 +10,7 @@ global model is then scored only by the devices (:mod:`coordinator.evaluation`).
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -48,7 +49,9 @@ class ValidationSet:
             x, y = x[:limit], y[:limit]
         self.x, self.y = x, y
         self._unscaled = x
-        self._device_copy: Optional[tuple[str, torch.Tensor, torch.Tensor]] = None
+        self._device_copies: dict[tuple[str, torch.memory_format], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._channels_last: Optional[bool] = None
+        """Whether the model is scored in channels-last order on a CPU (None: not tried yet)."""
         self.normalization: Optional[Normalization] = None
         """The constants :attr:`x` is standardised with, once adopted (None before)."""
 
@@ -59,32 +62,52 @@ class ValidationSet:
         """Scale the unscaled inputs with ``norm`` (again from the unscaled ones if called twice)."""
         self.normalization = norm
         self.x = norm.apply(self._unscaled) if len(self._unscaled) else self._unscaled
-        self._device_copy = None
+        self._device_copies.clear()
 
-    @torch.inference_mode()
     def evaluate(self, model: torch.nn.Module, device: torch.device,
                  batch_size: int = 1024) -> tuple[Optional[float], Optional[float]]:
         """Accuracy and mean cross-entropy of ``model`` (the full global model) on this set;
         (None, None) when the set is empty. The model is left in training mode.
 
-        The set is moved to ``device`` once and kept there (a GPU server scores it every round)."""
+        The set is moved to ``device`` once and kept there (a GPU server scores it every round).
+        On a CPU, images are scored by a copy of the model in channels-last order: oneDNN's
+        convolutions run inference several times faster on it (a model whose ``forward`` cannot
+        take that order, e.g. one that calls ``.view`` on a feature map, is scored as it is)."""
         if not len(self.y):
             return None, None
-        x, y = self._on(device)
-        model.eval()
-        correct, total_loss = 0, 0.0
+        device = torch.device(device)
+        if self._channels_last is not False and device.type == "cpu" and self.x.dim() == 4:
+            with torch.no_grad():
+                reordered = copy.deepcopy(model).to(memory_format=torch.channels_last)
+            try:
+                scores = _score(reordered, *self._on(device, torch.channels_last), batch_size)
+                self._channels_last = True
+                return scores
+            except RuntimeError:
+                if self._channels_last:   # it worked before: a real error, not the order
+                    raise
+                self._channels_last = False
         try:
-            for i in range(0, len(y), batch_size):
-                logits = model(x[i:i + batch_size])
-                total_loss += float(F.cross_entropy(logits, y[i:i + batch_size], reduction="sum"))
-                correct += int((logits.argmax(1) == y[i:i + batch_size]).sum())
+            return _score(model, *self._on(device), batch_size)
         finally:
             model.train()
-        n = max(len(y), 1)
-        return correct / n, total_loss / n
 
-    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = str(device)
-        if self._device_copy is None or self._device_copy[0] != key:
-            self._device_copy = (key, self.x.to(device), self.y.to(device))
-        return self._device_copy[1], self._device_copy[2]
+    def _on(self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(device), memory_format)
+        if key not in self._device_copies:
+            self._device_copies[key] = (self.x.to(device, memory_format=memory_format), self.y.to(device))
+        return self._device_copies[key]
+
+
+@torch.inference_mode()
+def _score(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``, in batches of ``batch_size``."""
+    model.eval()
+    correct, total_loss = 0, 0.0
+    for i in range(0, len(y), batch_size):
+        logits = model(x[i:i + batch_size])
+        total_loss += float(F.cross_entropy(logits, y[i:i + batch_size], reduction="sum"))
+        correct += int((logits.argmax(1) == y[i:i + batch_size]).sum())
+    n = max(len(y), 1)
+    return correct / n, total_loss / n
