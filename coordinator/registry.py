@@ -38,7 +38,7 @@ class Registry:
         self.channels = channels
         self.architecture = architecture
         self._texts: dict[str, tuple[Any, tuple[Any, ...], str]] = {}
-        """Agent -> (profile, a copy of its saved values, its checkpoint entry as JSON text, keyed)."""
+        """Agent -> (profile, a copy of its saved values, its checkpoint entry as ``"id":{...}`` JSON text)."""
         self.agents: dict[str, AgentInfo] = {}
         self.channel_stats: dict[str, ChannelStats] = {}
         """Registered agents' input statistics (``normalize: federated``), until the constants are set."""
