@@ -348,11 +348,9 @@ class RoundEngine:
         """Messages dropped so far, by reason: the transport's (undecodable, spoofed) and the session's."""
         return self.session.rejected_totals()
 
-    def select(self, r: int, online: Optional[list[str]] = None) -> list[str]:
-        """The round's uniform sample of the online agents (``online``: the session's, where the
-        caller has not just read them), as the method draws it (its ``select`` may then choose
-        otherwise)."""
-        online = self.session.online() if online is None else online
+    def select(self, r: int, online: list[str]) -> list[str]:
+        """The round's uniform sample of the ``online`` agents, as the method draws it (its
+        ``select`` may then choose otherwise)."""
         if not online:
             raise RuntimeError("no agent is online")
         return self.method.uniform_sample(r, online)

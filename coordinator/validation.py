@@ -70,24 +70,24 @@ class ValidationSet:
         (None, None) when the set is empty. The model is left in training mode.
 
         The set is moved to ``device`` once and kept there (a GPU server scores it every round).
-        On a CPU, images are scored by a copy of the model in channels-last order: oneDNN's
-        convolutions run inference several times faster on it (a model whose ``forward`` cannot
-        take that order, e.g. one that calls ``.view`` on a feature map, is scored as it is)."""
+        On a CPU, images are scored by a copy of the model in channels-last order, where oneDNN's
+        convolutions run inference faster (a model whose ``forward`` cannot take that order, e.g.
+        one that calls ``.view`` on a feature map, is scored as it is)."""
         if not len(self.y):
             return None, None
         device = torch.device(device)
-        if self._channels_last is not False and device.type == "cpu" and self.x.dim() == 4:
-            with torch.no_grad():
-                reordered = copy.deepcopy(model).to(memory_format=torch.channels_last)
-            try:
-                scores = _score(reordered, *self._on(device, torch.channels_last), batch_size)
-                self._channels_last = True
-                return scores
-            except RuntimeError:
-                if self._channels_last:   # it worked before: a real error, not the order
-                    raise
-                self._channels_last = False
         try:
+            if self._channels_last is not False and device.type == "cpu" and self.x.dim() == 4:
+                with torch.no_grad():
+                    reordered = copy.deepcopy(model).to(memory_format=torch.channels_last)
+                try:
+                    scores = _score(reordered, *self._on(device, torch.channels_last), batch_size)
+                    self._channels_last = True
+                    return scores
+                except RuntimeError:
+                    if self._channels_last:   # it worked before: a real error, not the order
+                        raise
+                    self._channels_last = False
             return _score(model, *self._on(device), batch_size)
         finally:
             model.train()
