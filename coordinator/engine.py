@@ -283,6 +283,7 @@ class RoundEngine:
                                 lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population,
                                 freeze_norm=frozen, corrections=self._server_corrections, prox_mu=prox_mu)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
+        assigns: list[tuple[RoundAgent, Message]] = []
         for a, ra in agents.items():
             key = (ra.assignment.split, ra.assignment.width)
             if key not in bodies:
@@ -295,8 +296,9 @@ class RoundEngine:
                 body["freeze_norm"] = True
             if self.cfg.norm_stats.local:
                 body["local_norm"] = True
-            self.session.send(ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
-                                          seq=protocol.next_seq()))
+            assigns.append((ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
+                                        seq=protocol.next_seq())))
+        self.session.send_many(assigns)
         # server workers step together even in a round without split agents (each step is a collective)
         losses = self._train_steps(r, agents, mine) if split_agents or self.shards is not None else []
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)

@@ -14,6 +14,7 @@ simulation, while a deployment's is wall time.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,13 @@ MAX_RESENDS = 3
 """An agent that stays idle through this many resends (it rejects what we send) is dropped."""
 REGISTER_AGAIN = "not registered (forgotten while silent): register again"
 """The ``reject`` reason that asks an agent to register again (docs/protocol.md)."""
+CHECK_S = 0.05
+"""While a step's messages stream in, how often the agents still awaited are counted again and
+checked for silence (every message makes the count cheaper, not the check)."""
+SEND_BURST = 100
+"""Messages :meth:`FleetSession.send_many` publishes before their acknowledgements are awaited:
+one broker round trip per burst instead of per message, and at most this many encoded messages
+(an assignment carries the client portion) held at once."""
 _BURST = 1000
 """Messages answered in a row while waiting for agents before the wait's condition is checked
 again; shutdown messages published before their acknowledgements are awaited."""
@@ -79,8 +87,13 @@ class RoundAgent:
 
     @property
     def step_jitter_s(self) -> float:
-        """Standard deviation of :attr:`steps` (0 with fewer than two)."""
-        return statistics.stdev(self.steps) if len(self.steps) > 1 else 0.0
+        """Sample standard deviation of :attr:`steps` (0 with fewer than two). In floats: the
+        ``statistics`` module's exact arithmetic costs more than the rest of pricing an agent."""
+        n = len(self.steps)
+        if n < 2:
+            return 0.0
+        mean = math.fsum(self.steps) / n
+        return math.sqrt(math.fsum((s - mean) ** 2 for s in self.steps) / (n - 1))
 
 
 class FleetSession:
@@ -210,7 +223,9 @@ class FleetSession:
         response time runs from the handing over, not from the broker's acknowledgements: the
         agent is already at work while they come back."""
         now = self._now()
-        sizes = self.transport.send_many([(ra.info_id, msg) for ra, msg in messages])
+        sizes: list[int] = []
+        for start in range(0, len(messages), SEND_BURST):
+            sizes += self.transport.send_many([(ra.info_id, msg) for ra, msg in messages[start:start + SEND_BURST]])
         for (ra, msg), n in zip(messages, sizes):
             ra.bytes_down += n
             ra.messages += 1
@@ -233,12 +248,20 @@ class FleetSession:
         if kind == "weights":
             got = {a: m for a, m in self._early.items() if m.round == r and a in agents and a in expected}
             self._early = {}
+
+        def still_waiting() -> set[str]:
+            return {a for a in agents if a in expected and a not in got}
+
+        # Who is still awaited is read in full at most every CHECK_S (and before returning), not
+        # after each message: with n agents that made a step cost n² set lookups.
+        waiting, check_at = still_waiting(), self._now() + CHECK_S
         while True:
-            waiting = [a for a in agents if a in expected and a not in got]
             if not waiting:
-                # in the round's agent order, not arrival order: the merged batch and the
-                # aggregation sums then do not depend on which agent answered first
-                return {a: got[a] for a in agents if a in got and a in expected}
+                waiting = still_waiting()      # none left by our count: make sure (drops, restarts)
+                if not waiting:
+                    # in the round's agent order, not arrival order: the merged batch and the
+                    # aggregation sums then do not depend on which agent answered first
+                    return {a: got[a] for a in agents if a in got and a in expected}
             msg = self._receive(0.1)
             if msg is not None:
                 self.registry.seen(msg.sender)
@@ -254,13 +277,19 @@ class FleetSession:
                     self._maybe_resend(agents, ra, msg)
                 else:
                     self.dispatch(msg, agents)
+                if msg.sender in got or msg.sender not in agents:
+                    waiting.discard(msg.sender)
             now = self._now()
-            for a in waiting:
+            if msg is not None and now < check_at:
+                continue
+            waiting, check_at = still_waiting(), now + CHECK_S
+            for a in list(waiting):
                 ra = agents.get(a)
                 # silent since we last heard from it or last asked it, whichever is later: while we
                 # waited for a dead peer its reply may sit unread behind the peer's timeout
                 if ra is not None and now - max(ra.last_heard, ra.last_sent_at) > self.cfg.step_timeout_s:
                     self.drop(agents, a, f"silent for {self.cfg.step_timeout_s:g} s")
+                    waiting.discard(a)
 
     def _receive(self, timeout: float) -> Optional[Message]:
         """The next message from the transport that is not a replay (:class:`protocol.ReplayGuard`),
