@@ -40,7 +40,10 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 Two references in the same invocation, per codec level: the floor (the same messages decoded,
 trained on and answered in one thread with no broker) and the transport's floor (a bare paho
 client, no product code, receiving and publishing messages of the same sizes through the same
-broker). Their sum is the least a coordinator built on paho could spend per agent-step.
+broker). Their sum is the least a coordinator built on paho could spend per agent-step. Under
+the floor's server step lies the physical bound: its floating-point operations (counted by
+PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU sustains on a large fp32 matrix
+product.
 
 Everything shares this machine's cores: the coordinator's share of them is reported beside its
 throughput, so the curve says which resource ran out first (a coordinator process near 100 %
@@ -66,6 +69,7 @@ from typing import Any, Optional
 import common  # noqa: F401  (puts the repository on sys.path)
 import msgpack
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 import yaml
 from brokers import MosquittoBroker, find_mosquitto, MOSQUITTO_MISSING
 
@@ -598,7 +602,27 @@ def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
            "encode_ms": per_call_ms(encode, 400)}
     out["total_ms"] = sum(out.values())
     out["act_bytes"], out["grad_bytes"] = len(act), len(encode())
+    with FlopCounterMode(display=False) as counter:
+        step()
+    out["server_step_mflop"] = counter.get_total_flops() / agents / 1e6
+    out["matmul_gflops"] = matmul_gflops(1024 if args.quick else 2048)
+    out["server_step_bound_ms"] = out["server_step_mflop"] / out["matmul_gflops"]
     return out
+
+
+def matmul_gflops(n: int, calls: int = 3) -> float:
+    """The arithmetic this core sustains: one thread's best of ``calls`` n×n fp32 matrix products,
+    in GFLOP/s. The server step's floating-point operations at this rate are the least time any
+    trainer on this CPU spends on them (the physical bound under the floor's server step)."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(calls):
+        t0 = time.process_time()
+        a @ b
+        best = min(best, time.process_time() - t0)
+    return 2 * n ** 3 / best / 1e9
 
 
 def _bare_paho(url: str, client_id: str) -> Any:
@@ -812,9 +836,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step), and the "
         "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out)",
         ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core",
-         "paho receive ms", "paho publish ms", "total with paho ms"],
+         "paho receive ms", "paho publish ms", "total with paho ms", "server step MFLOP",
+         "core's matmul GFLOP/s", "server step at that rate ms"],
         [[level, b["decode_ms"], b["server_step_ms"], b["encode_ms"], b["total_ms"], 1e3 / b["total_ms"],
-          b["transport"]["receive_ms"], b["transport"]["publish_ms"], b["total_ms"] + b["transport"]["total_ms"]]
+          b["transport"]["receive_ms"], b["transport"]["publish_ms"], b["total_ms"] + b["transport"]["total_ms"],
+          b["server_step_mflop"], b["matmul_gflops"], b["server_step_bound_ms"]]
          for level, b in bounds.items()])
     bound = bounds[args.zstd_levels[0]]
     fleets = (10, 2_000, 10_000)

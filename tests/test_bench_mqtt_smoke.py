@@ -123,6 +123,11 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     # the floor and the heartbeat's cost: measured, and the liveness rows follow from them
     assert 0 < doc["floor"]["decode_ms"] < doc["floor"]["total_ms"]
     assert doc["heartbeat_us"] > 0
+    # the physical bound under the server step: its arithmetic at the rate this core sustains
+    fl = doc["floor"]
+    assert fl["server_step_mflop"] > 0 and fl["matmul_gflops"] > 0
+    assert fl["server_step_bound_ms"] == pytest.approx(fl["server_step_mflop"] / fl["matmul_gflops"])
+    assert fl["server_step_bound_ms"] < 1.5 * fl["server_step_ms"]
     # the transport's floor: a bare paho client moves messages of the run's own sizes
     bare = doc["floor"]["transport"]
     assert bare["receive_ms"] > 0 and bare["publish_ms"] > 0
