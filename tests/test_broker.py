@@ -139,6 +139,44 @@ def test_hundred_small_messages_arrive_in_order(broker) -> None:
         sub.close()
 
 
+def test_a_burst_is_acknowledged_together_and_arrives_in_order(broker) -> None:
+    """publish_many hands every message to paho before awaiting any acknowledgement: one bool per
+    message, in the order given, and the subscriber sees them in that order."""
+    inbox = Inbox()
+    sub = _link(broker.url, "sub", ["t/burst/#"], inbox)
+    pub = _link(broker.url, "pub")
+    try:
+        burst = [(f"t/burst/{i % 3}", i.to_bytes(4, "big") * 512) for i in range(150)]
+        assert pub.publish_many(burst, timeout=20) == [True] * 150
+        got = inbox.drain(150, timeout=20)
+        assert [p for _, p in got] == [p for _, p in burst] and [t for t, _ in got] == [t for t, _ in burst]
+        assert pub.publish_many([], timeout=1) == []
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_a_burst_while_the_broker_is_down_is_not_awaited(mosquitto) -> None:
+    """wait_offline=False (the coordinator's way): during an outage every message of a burst
+    reports False at once instead of holding the caller for the timeout (paho keeps them queued
+    for the reconnect), and the link publishes again once the broker is back."""
+    pub = _link(mosquitto.url, "pub")
+    try:
+        mosquitto.stop()
+        deadline = time.monotonic() + 5
+        while pub.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pub.connected
+        t0 = time.monotonic()
+        assert pub.publish_many([("t/later", b"a"), ("t/later", b"b")], timeout=10, wait_offline=False) == [False] * 2
+        assert time.monotonic() - t0 < 5
+        mosquitto.start()
+        assert pub.wait_connected(15)
+        assert pub.publish_many([("t/later", b"c")], timeout=10) == [True]
+    finally:
+        pub.close()
+
+
 def test_retained_message_reaches_late_subscriber(broker) -> None:
     pub = _link(broker.url, "pub")
     try:

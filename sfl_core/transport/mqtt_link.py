@@ -245,17 +245,18 @@ class MqttLink:
             # on paho's thread, waiting would block the thread that receives the PUBACK
             return [info is not None for info in infos]
         deadline = None if timeout is None else time.monotonic() + timeout
-        done = []
-        for (topic, payload), info in zip(messages, infos):
+        done = [False] * len(messages)
+        # Last first: a broker acknowledges QoS 1 messages in the order it received them (MQTT
+        # 3.1.1, 4.6), so once the last is acknowledged the others are too and this thread
+        # wakes once per burst, not once per message.
+        for i in reversed(range(len(messages))):
+            info = infos[i]
             if info is None:
-                done.append(False)
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if self._wait_published(info, left, wait_offline):
-                done.append(True)
-                continue
-            done.append(False)
-            if wait_offline or self._ready.is_set():    # else: queued; paho sends it after the reconnect
+            done[i] = self._wait_published(info, left, wait_offline)
+            if not done[i] and (wait_offline or self._ready.is_set()):   # else: queued; sent after the reconnect
+                topic, payload = messages[i]
                 log.warning("MQTT publish to %s (%d bytes) not acknowledged within %.1f s (connected=%s)",
                             topic, len(payload), timeout or 0.0, self.connected)
         return done
