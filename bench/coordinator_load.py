@@ -42,8 +42,8 @@ trained on and answered in one thread with no broker) and the transport's floor 
 client, no product code, receiving and publishing messages of the same sizes through the same
 broker). Their sum is the least a coordinator built on paho could spend per agent-step. Under
 the floor's server step lies the physical bound: its floating-point operations (counted by
-PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU sustains on a large fp32 matrix
-product.
+``sfl_core.model.flops``, i.e. PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU
+sustains on a large fp32 matrix product.
 
 Everything shares this machine's cores: the coordinator's share of them is reported beside its
 throughput, so the curve says which resource ran out first (a coordinator process near 100 %
@@ -69,7 +69,6 @@ from typing import Any, Optional
 import common  # noqa: F401  (puts the repository on sys.path)
 import msgpack
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 import yaml
 from brokers import MosquittoBroker, find_mosquitto, MOSQUITTO_MISSING
 
@@ -78,6 +77,7 @@ from sfl_core.wire import protocol
 from sfl_core.wire import codec as wire
 from sfl_core.config.run import load_profile
 from sfl_core.data.builtin import load_dataset
+from sfl_core.model.flops import counter as flop_counter
 from sfl_core.model.zoo import build_model
 from sfl_core.wire.protocol import Message
 from sfl_core.transport.broker_url import parse_broker_url
@@ -602,9 +602,9 @@ def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
            "encode_ms": per_call_ms(encode, 400)}
     out["total_ms"] = sum(out.values())
     out["act_bytes"], out["grad_bytes"] = len(act), len(encode())
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as flops:
         step()
-    out["server_step_mflop"] = counter.get_total_flops() / agents / 1e6
+    out["server_step_mflop"] = flops.get_total_flops() / agents / 1e6
     out["matmul_gflops"] = matmul_gflops(1024 if args.quick else 2048)
     out["server_step_bound_ms"] = out["server_step_mflop"] / out["matmul_gflops"]
     return out
