@@ -7,6 +7,7 @@ Command (full run, a few minutes on 2 CPU cores)::
     python bench/coordinator_load.py --registered 2000 --agents 10 --rounds 20   # a large idle fleet, few selected
     python bench/coordinator_load.py --registered 10000 --agents 10 --rounds 20 --agents-per-connection 50
     python bench/coordinator_load.py --agents 100 --rounds 6 --zstd-levels 0 1 3   # what a cheaper codec setting buys
+    python bench/coordinator_load.py --agents 100 --rounds 6 --stages   # where the coordinator's CPU goes
     python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
 
 Writes ``bench/results/coordinator_load.json``.
@@ -45,6 +46,12 @@ the floor's server step lies the physical bound: its floating-point operations (
 ``sfl_core.model.flops``, i.e. PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU
 sustains on a large fp32 matrix product.
 
+With ``--stages`` the coordinator runs under thread CPU timers (``bench/stage_timers.py``): CPU
+ms per agent-step of each stage on the round engine's thread (collect, decode, server step,
+encode, publish, aggregate, evaluate, checkpoint, the rest) and on paho's network thread
+(parse/validate, paho's own reading and writing), summed over whole rounds 2..R beside the /proc
+figure.
+
 Everything shares this machine's cores: the coordinator's share of them is reported beside its
 throughput, so the curve says which resource ran out first (a coordinator process near 100 %
 CPU is bound by its one Python thread; a broker near 100 % by Mosquitto; a machine at 100 % by
@@ -67,6 +74,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import common  # noqa: F401  (puts the repository on sys.path)
+import stage_timers
 import msgpack
 import torch
 import yaml
@@ -420,7 +428,9 @@ def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: in
         coord_log = open(tmp / "coord.log", "w")
         spy = ["py-spy", "record", "--format", "raw", "--threads", "--subprocesses", "-o",
                profile_file(args, agents), "--"] if args.py_spy else []
-        coord = subprocess.Popen([*spy, sys.executable, "-m", "cli.coord", "serve", "--config", str(config),
+        timers = tmp / "stages.json"
+        launch = [str(Path(__file__).with_name("stage_timers.py")), str(timers)] if args.stages else ["-m", "cli.coord"]
+        coord = subprocess.Popen([*spy, sys.executable, *launch, "serve", "--config", str(config),
                                   "--broker", url, "--quiet", "--device", "cpu",
                                   "--server-workers", str(args.server_workers)],
                                  stdout=coord_log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT,
@@ -463,14 +473,15 @@ def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: in
         metrics = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]
         gens = [json.loads(out.read_text()) for out in outs]
+        stages = stage_ms(timers, args.tau * (args.rounds - 1) * agents) if args.stages else None
         times = [t for g in gens for t in g["times"]]
         beats = [t for g in gens for t in g["beats"]]
     result = summarise(args, agents, registered, metrics, times, sampler)
     result["generators"] = n_procs
     t0, t1 = result.pop("window")
     result["heartbeats_per_s"] = sum(1 for t in beats if t0 <= t <= t1) / (t1 - t0)
-    if args.py_spy:
-        result["stages_pct"] = profile_stages(Path(profile_file(args, agents)))
+    if stages is not None:
+        result["stage_cpu_ms"] = stages
     return result
 
 
@@ -513,43 +524,12 @@ def step_latencies(times: list) -> list[float]:
 
 # =========================================================================== where the CPU goes
 
-STAGES = ("receive", "parse/validate", "decode", "server step", "encode", "publish", "aggregate", "evaluate",
-          "engine other")
-"""The per-stage breakdown of a ``--py-spy`` profile, in the order a step's work flows."""
-
-
-def _stage(frames: list[str]) -> Optional[str]:
-    """The stage one sampled stack belongs to; None for what is not a round's work (start-up,
-    imports, the heartbeat and info timers)."""
-    def has(name: str) -> bool:
-        return any(name in f for f in frames)
-    if has("Client._loop"):                        # paho's network thread
-        if has("MqttTransport._on_message") or has("MqttLink._handle_message"):
-            return "parse/validate"
-        return "publish" if has("loop_write") else "receive"
-    if not has("RoundEngine.run"):
-        return None
-    for name, stage in (("RoundEngine._batch", "decode"), ("ServerTrainer.step", "server step"),
-                        ("encode_tensor", "encode"), ("send_many", "publish"), ("FleetSession.send", "publish"),
-                        ("RoundEngine.evaluate", "evaluate"), ("_aggregate_and_record", "aggregate")):
-        if has(name):
-            return stage
-    return "engine other"
-
-
-def profile_stages(path: Path) -> dict[str, float]:
-    """Shares (%) of the coordinator's round-work samples per stage, from py-spy's raw
-    (collapsed) output: ``thread;frame;...;frame count`` per line."""
-    counts = dict.fromkeys(STAGES, 0)
-    for line in path.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        stage = _stage(stack.split(";"))
-        if stage is not None:
-            counts[stage] += int(n)
-    total = sum(counts.values()) or 1
-    return {k: 100 * v / total for k, v in counts.items()}
+def stage_ms(path: Path, agent_steps: int) -> dict[str, float]:
+    """Thread CPU ms per agent-step of each stage (:mod:`stage_timers`) over rounds 2..R: the
+    running totals at the end of round R less those at the end of round 1."""
+    doc = json.loads(path.read_text())
+    first, last = doc["rounds"][0]["cpu_s"], doc["rounds"][-1]["cpu_s"]
+    return {s: 1e3 * (last[s] - first[s]) / agent_steps for s in doc["stages"]}
 
 
 def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
@@ -784,9 +764,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--coord-threads", type=int, default=1, help="OMP_NUM_THREADS of the coordinator (default 1)")
     p.add_argument("--server-workers", type=int, default=1,
                    help="sfl-coord serve --server-workers N (default 1); results go to coordinator_load_workersN.json")
+    p.add_argument("--stages", action="store_true",
+                   help="time the coordinator's stages with thread CPU timers (bench/stage_timers.py): CPU ms "
+                        "per agent-step of each, on the round engine's thread and paho's network thread")
     p.add_argument("--py-spy", metavar="PREFIX", default=None,
                    help="profile the coordinator with py-spy (pip install py-spy): writes PREFIX-<agents>.txt, "
-                        "collapsed stacks per thread (its CPU figures then include py-spy's own)")
+                        "collapsed stacks per thread for a flame graph (its CPU figures then include py-spy's "
+                        "own; for the CPU per stage use --stages: a sampler counts a thread waiting for the GIL "
+                        "as busy)")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per level (default 900)")
     p.add_argument("--agents-per-connection", type=int, default=1,
                    help="agents sharing one MQTT connection (default 1, as devices connect; e.g. 50 to host "
@@ -863,12 +848,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         f"liveness: an idle fleet's heartbeats and their coordinator CPU ({beat_us:.0f} µs per heartbeat, measured)",
         ["registered", "idle interval s", "heartbeats/s", "coordinator CPU % of a core",
          "before (every 2 s), CPU %"], liveness_rows)
-    profiled = [r for r in results if "stages_pct" in r]
-    if profiled:
+    timed = [r for r in results if "stage_cpu_ms" in r]
+    if timed:
         common.print_table(
-            "where the coordinator's round-work CPU goes (py-spy samples, % per stage)",
-            ["zstd level", "agents", *STAGES],
-            [[r["zstd_level"], r["agents"], *(r["stages_pct"][k] for k in STAGES)] for r in profiled])
+            "where the coordinator's CPU goes: thread CPU ms per agent-step of each stage (rounds 2..R)",
+            ["zstd level", "agents", *stage_timers.STAGES, "sum", "/proc"],
+            [[r["zstd_level"], r["agents"], *(r["stage_cpu_ms"][k] for k in stage_timers.STAGES),
+              sum(r["stage_cpu_ms"].values()), r["coord_cpu_ms_per_agent_step"]] for r in timed],
+            caption="engine thread: collect .. engine other; paho's network thread: parse/validate, paho")
     doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results,
            "floor": bound, "heartbeat_us": beat_us,
            **({"floor_by_zstd_level": {str(k): v for k, v in bounds.items()}} if len(bounds) > 1 else {}),

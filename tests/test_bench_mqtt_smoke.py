@@ -107,7 +107,7 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     """The load bench drives a real ``sfl-coord serve`` with protocol-speaking agents; every round
     must complete with every agent, and the figures must add up."""
     doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "3", "--registered", "5",
-               "--agents-per-connection", "2", timeout=240, result="coordinator_load_registered5")
+               "--agents-per-connection", "2", "--stages", timeout=240, result="coordinator_load_registered5")
     assert doc["benchmark"] == "coordinator_load_registered5" and doc["quick"] is True
     (lvl,) = doc["levels"]
     assert lvl["agents"] == 3 and lvl["registered"] == 5 and lvl["rounds_measured"] == 1
@@ -133,6 +133,11 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     assert bare["receive_ms"] > 0 and bare["publish_ms"] > 0 and bare["link_publish_ms"] > 0
     assert bare["total_ms"] == pytest.approx(bare["receive_ms"] + bare["publish_ms"])
     assert doc["floor"]["act_bytes"] == pytest.approx(lvl["act_kb_per_message"] * 1e3, rel=0.01)
+    # --stages: the coordinator's CPU per stage, from thread CPU timers on both busy threads
+    stages = lvl["stage_cpu_ms"]
+    for key in ("decode", "server step", "encode", "publish", "evaluate", "parse/validate", "paho"):
+        assert stages[key] > 0, (key, stages)
+    assert abs(stages["other threads"]) < 0.5 * sum(stages.values()), stages
     big = doc["liveness"][-1]
     assert big["registered"] == 10_000 and big["heartbeats_per_s"] == pytest.approx(10_000 / 120)
     assert big["coord_cpu_pct"] == pytest.approx(big["heartbeats_per_s"] * doc["heartbeat_us"] / 1e4)
