@@ -8,7 +8,6 @@ behaviour, not in our code's call graph.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -25,15 +24,9 @@ MOSQUITTO_MISSING = "mosquitto not installed: apt-get install mosquitto"
 RABBITMQ_MISSING = "rabbitmq-server not installed: apt-get install rabbitmq-server"
 
 
-def _load_brokers():
-    """bench/brokers.py holds the one throw-away-Mosquitto implementation (benches use it too)."""
-    spec = importlib.util.spec_from_file_location("sfl_bench_brokers", Path(_REPO) / "bench" / "brokers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import bench_module  # noqa: E402  (after the path fix)
 
-
-_brokers = _load_brokers()
+_brokers = bench_module("brokers")   # the one throw-away-Mosquitto implementation (benches use it too)
 free_port = _brokers.free_port
 wait_port = _brokers.wait_port
 

@@ -4,6 +4,7 @@ module (not a test module), so tests import it instead of importing each other."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 DATASETS = Path(os.environ.get("SFL_DATASETS", REPO.parent / "shared" / "datasets"))
 """The real data sets for tests that use them when present: $SFL_DATASETS, else shared/ beside the repository."""
 PROFILES = ["s2fl-low-low", "s2fl-mid-mid", "s2fl-high-high"]
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` imported by its path, as ``sfl_bench_<name>``: putting bench/ on
+    sys.path would let its ``common`` shadow other modules."""
+    spec = importlib.util.spec_from_file_location(f"sfl_bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_config(tmp_path: Path, run: str, **overrides) -> Path:

@@ -10,7 +10,6 @@ working product cannot violate: an emulated round cannot beat the time model's t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import bench_module
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -26,16 +26,7 @@ BENCH = REPO / "bench"
 pytestmark = pytest.mark.timeout(150)
 
 
-def _load_brokers():
-    # by file path: putting bench/ on sys.path would let its 'common' shadow other modules
-    spec = importlib.util.spec_from_file_location("sfl_bench_brokers", BENCH / "brokers.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-brokers = _load_brokers()
+brokers = bench_module("brokers")
 
 
 @pytest.fixture(scope="module")

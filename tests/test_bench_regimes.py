@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import bench_module
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -21,10 +22,7 @@ BENCH = REPO / "bench"
 def regimes():
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))      # the bench scripts import their helpers as 'common'
-    spec = importlib.util.spec_from_file_location("sfl_bench_regimes", BENCH / "regimes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("regimes")
 
 
 def workload(regimes, model="resnet8", split=4, shape=(3, 32, 32)):

@@ -8,23 +8,12 @@ other's work. Real CPU work, real threads; the checks are on sums and order, not
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import threading
 import time
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from helpers import bench_module
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("sfl_bench_stage_timers", BENCH / "stage_timers.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-stage_timers = _load()
+stage_timers = bench_module("stage_timers")
 
 
 def _burn(seconds: float) -> None:
