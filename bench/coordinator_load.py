@@ -473,15 +473,15 @@ def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: in
         metrics = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]
         gens = [json.loads(out.read_text()) for out in outs]
-        stages = stage_ms(timers, args.tau * (args.rounds - 1) * agents) if args.stages else None
+        stage_totals = json.loads(timers.read_text()) if args.stages else None
         times = [t for g in gens for t in g["times"]]
         beats = [t for g in gens for t in g["beats"]]
     result = summarise(args, agents, registered, metrics, times, sampler)
     result["generators"] = n_procs
     t0, t1 = result.pop("window")
     result["heartbeats_per_s"] = sum(1 for t in beats if t0 <= t <= t1) / (t1 - t0)
-    if stages is not None:
-        result["stage_cpu_ms"] = stages
+    if stage_totals is not None:
+        result["stage_cpu_ms"] = stage_ms(stage_totals, args.tau * result["rounds_measured"] * agents)
     return result
 
 
@@ -524,10 +524,9 @@ def step_latencies(times: list) -> list[float]:
 
 # =========================================================================== where the CPU goes
 
-def stage_ms(path: Path, agent_steps: int) -> dict[str, float]:
-    """Thread CPU ms per agent-step of each stage (:mod:`stage_timers`) over rounds 2..R: the
-    running totals at the end of round R less those at the end of round 1."""
-    doc = json.loads(path.read_text())
+def stage_ms(doc: dict[str, Any], agent_steps: int) -> dict[str, float]:
+    """Thread CPU ms per agent-step of each stage (:mod:`stage_timers`' file ``doc``) over rounds
+    2..R: the running totals at the end of round R less those at the end of round 1."""
     first, last = doc["rounds"][0]["cpu_s"], doc["rounds"][-1]["cpu_s"]
     # to 0.1 µs: the process's clock and the threads' read a hair apart ("other threads" ~ 0)
     return {s: round(1e3 * (last[s] - first[s]) / agent_steps, 4) + 0.0 for s in doc["stages"]}
