@@ -123,7 +123,7 @@ class LoadAgent:
         self.instance = uuid.uuid4().hex[:12]
         self.legacy = legacy                      # beat every 2 s whatever the run says (older agents)
         self.idle_s = liveness.BUSY_HEARTBEAT_S    # until the run description says otherwise
-        self.last_beat = time.monotonic()
+        self.last_sent = time.monotonic()       # its last message of any kind (liveness.due)
         self.last_work = float("-inf")
         self.beats: list[float] = []
         self.link: Optional[MqttLink] = None    # its group's connection (AgentGroup)
@@ -145,6 +145,8 @@ class LoadAgent:
         payload = msg.encode()
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12]):
             self.link.publish(topic, piece)
+        if not self.legacy:        # older agents beat every 2 s whatever else they send
+            self.last_sent = time.monotonic()
         return len(payload)
 
     def _note(self, rnd: int, step: int, kind: str, t: float, nbytes: int = 0) -> None:
@@ -274,7 +276,7 @@ class Payload:
 def worker(spec_file: str) -> int:
     """A generator process: connect its agents, serve until the run's shutdown, write the timings.
     Its agents heartbeat as real ones do (:func:`sfl_core.liveness.due`): every 2 s in a round,
-    at the run's idle interval otherwise."""
+    at the run's idle interval otherwise, and not while their other messages say they are alive."""
     spec = json.loads(Path(spec_file).read_text())
     payload = Payload.load(spec["payload"])
     times: list = []
@@ -289,8 +291,8 @@ def worker(spec_file: str) -> int:
         while not stop.wait(liveness.BUSY_HEARTBEAT_S):
             now = time.monotonic()
             for a in agents:
-                if liveness.due(now, a.last_beat, a.last_work, False, liveness.BUSY_HEARTBEAT_S, a.idle_s):
-                    a.last_beat = now
+                if liveness.due(now, a.last_sent, a.last_work, False, liveness.BUSY_HEARTBEAT_S, a.idle_s):
+                    a.last_sent = now
                     a.heartbeat()
 
     threading.Thread(target=beat, daemon=True).start()
@@ -777,8 +779,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="agents sharing one MQTT connection (default 1, as devices connect; e.g. 50 to host "
                         "--registered 10000 on one machine)")
     p.add_argument("--legacy-heartbeats", action="store_true",
-                   help="agents heartbeat every 2 s whatever the run announces, as agents before the idle "
-                        "interval did (the reference for --registered)")
+                   help="agents heartbeat every 2 s whatever the run announces or they send, as agents "
+                        "before the idle interval did (the reference for --registered)")
     args = p.parse_args(argv)
     if args.stages and args.server_workers > 1:
         p.error("--stages times the leader's process only; run it with one server worker")

@@ -124,6 +124,7 @@ class AgentRunner:
         self.core: Optional[AgentCore] = None
         self._busy = False
         self._last_work = float("-inf")   # when a coordinator message for us last arrived (liveness.due)
+        self._last_sent = time.monotonic()  # when we last sent the coordinator anything (liveness.due)
         self.bytes_up = 0
         self.bytes_down = 0
         self.rejections = protocol.Rejections(log)
@@ -507,6 +508,7 @@ class AgentRunner:
         topic = protocol.up_topic(self.o.run_id, self.o.agent_id)
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12]):
             self._publish_raw(topic, piece)
+        self._last_sent = time.monotonic()
 
     def _publish_raw(self, topic: str, payload: bytes, retain: bool = False, timeout: float = 60) -> None:
         if not self.link.publish(topic, payload, retain=retain, timeout=timeout):
@@ -531,16 +533,16 @@ class AgentRunner:
         self.link.publish(self._status_topic, self._status(True).encode(), retain=True, timeout=10)
 
     def _heartbeat(self) -> None:
-        """Every ``heartbeat_s`` while in a round, else at the run's idle interval (:mod:`sfl_core.liveness`)."""
-        last_beat = time.monotonic()
+        """Every ``heartbeat_s`` while in a round, else at the run's idle interval, unless another message
+        went to the coordinator since (:mod:`sfl_core.liveness`)."""
         while not self._stop.wait(self.o.heartbeat_s):
             info = self._run_info
             idle_s = liveness.agreed_idle_s(info.body.get("heartbeat_idle_s") if info is not None else None,
                                             self.o.heartbeat_s)
             now = time.monotonic()
-            if not liveness.due(now, last_beat, self._last_work, self._busy, self.o.heartbeat_s, idle_s):
+            if not liveness.due(now, self._last_sent, self._last_work, self._busy, self.o.heartbeat_s, idle_s):
                 continue
-            last_beat = now
+            self._last_sent = now
             state = "busy" if self._busy else "idle"
             self.link.publish(protocol.up_topic(self.o.run_id, self.o.agent_id),
                               self._msg("heartbeat", {"state": state}).encode(), timeout=5)

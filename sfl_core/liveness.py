@@ -14,8 +14,10 @@ Two signals keep the coordinator's view of the fleet current:
 So an agent beats every ``heartbeat_s`` (2 s) while it works for the coordinator (from an
 assignment until it has been quiet for one idle interval) and every :func:`idle_heartbeat_s`
 otherwise: the interval the coordinator announces in its run description, sized so that the
-whole idle fleet sends at most :data:`IDLE_BEATS_PER_S` messages a second. An idle agent is
-taken for gone after :func:`stale_after_s` without a message (its will normally says so first).
+whole idle fleet sends at most :data:`IDLE_BEATS_PER_S` messages a second. Any other message the
+agent sends counts as a beat (:func:`due`), so agents busy with a round's steps send almost none.
+An idle agent is taken for gone after :func:`stale_after_s` without a message (its will normally
+says so first).
 """
 
 from __future__ import annotations
@@ -57,10 +59,15 @@ def agreed_idle_s(announced: object, busy_s: float) -> float:
     return min(MAX_IDLE_HEARTBEAT_S, max(busy_s, float(announced)))
 
 
-def due(now: float, last_beat: float, last_work: float, busy: bool, busy_s: float, idle_s: float) -> bool:
-    """Whether an agent that checks every ``busy_s`` sends a heartbeat at this check: always while
-    it computes or has heard from the coordinator within the last ``idle_s`` (a round in
-    progress), else once ``idle_s`` has passed since its last beat (within half a check)."""
-    if busy or now - last_work < idle_s:
-        return True
-    return now - last_beat >= idle_s - busy_s / 2
+def due(now: float, last_sent: float, last_work: float, busy: bool, busy_s: float, idle_s: float) -> bool:
+    """Whether an agent that checks every ``busy_s`` sends a heartbeat at this check.
+
+    The interval is ``busy_s`` while it computes or has heard from the coordinator within the
+    last ``idle_s`` (a round in progress), else ``idle_s``. A beat is due once that interval,
+    less half a check, has passed since ``last_sent``: the agent's last message to the
+    coordinator of any kind, because every message refreshes the coordinator's *last heard*
+    (an agent answering steps several times a second needs no heartbeat; MQTT's keep-alive
+    skips its PINGREQ after other traffic for the same reason). A round's silence between
+    messages is then at most 1.5 ``busy_s``."""
+    interval = busy_s if busy or now - last_work < idle_s else idle_s
+    return now - last_sent >= interval - busy_s / 2

@@ -18,6 +18,7 @@ from edge_agent.runner import AgentOptions, AgentRunner
 from sfl_core import liveness
 from sfl_core.config.run import load_profile, run_config_from_dict
 from sfl_core.data.builtin import load_dataset
+from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.protocol import Message
 
@@ -44,11 +45,23 @@ def test_an_agent_takes_the_announced_interval_only_when_it_is_a_sane_number(ann
 def test_beats_are_due_every_tick_in_a_round_and_once_an_idle_interval_otherwise():
     due = liveness.due
     # computing, or heard from the coordinator within the idle interval: every check
-    assert due(now=100.0, last_beat=99.0, last_work=-1e9, busy=True, busy_s=2.0, idle_s=40.0)
-    assert due(now=100.0, last_beat=99.0, last_work=70.0, busy=False, busy_s=2.0, idle_s=40.0)
+    assert due(now=100.0, last_sent=98.0, last_work=-1e9, busy=True, busy_s=2.0, idle_s=40.0)
+    assert due(now=100.0, last_sent=98.0, last_work=70.0, busy=False, busy_s=2.0, idle_s=40.0)
     # idle: not before the interval (less half a tick) has passed since the last beat
-    assert not due(now=100.0, last_beat=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
-    assert due(now=109.0, last_beat=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
+    assert not due(now=100.0, last_sent=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
+    assert due(now=109.0, last_sent=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
+
+
+def test_any_message_to_the_coordinator_stands_for_a_beat():
+    """An agent that sent activations within half a tick skips the beat (the coordinator heard
+    from it anyway); at the next tick, 1.5 ticks at most after its message, it beats again."""
+    due = liveness.due
+    assert not due(now=100.0, last_sent=99.5, last_work=99.0, busy=True, busy_s=2.0, idle_s=40.0)
+    assert not due(now=100.0, last_sent=99.5, last_work=99.0, busy=False, busy_s=2.0, idle_s=40.0)
+    assert due(now=100.0, last_sent=99.0, last_work=99.0, busy=False, busy_s=2.0, idle_s=40.0)
+    assert due(now=102.0, last_sent=99.5, last_work=99.0, busy=False, busy_s=2.0, idle_s=40.0)
+    # between rounds a recent message postpones the idle beat by as much
+    assert not due(now=130.0, last_sent=100.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
 
 
 def test_the_run_description_announces_the_interval_and_passes_validation(tmp_path):
@@ -110,23 +123,35 @@ def test_a_small_fleet_still_takes_silence_past_the_step_timeout_for_absence(tmp
 
 
 class _Link:
+    """Records when each heartbeat was published (and counts the other messages)."""
+
     def __init__(self):
         self.beats: list[float] = []
+        self.others = 0
 
     def publish(self, topic, payload, **kw):
-        self.beats.append(time.monotonic())
+        if wire.unpack(payload)["type"] == "heartbeat":
+            self.beats.append(time.monotonic())
+        else:
+            self.others += 1
         return True
 
 
-def test_the_agent_beats_at_the_announced_interval_when_idle_and_every_tick_in_a_round():
-    """The agent's own heartbeat loop (edge_agent.runner), with the run description announcing an
-    idle interval of 0.5 s and a tick of 0.05 s."""
+def _runner(heartbeat_s: float, idle_s: float) -> AgentRunner:
+    """The agent's own heartbeat loop and publishing (edge_agent.runner), on a recording link."""
     runner = AgentRunner.__new__(AgentRunner)
     runner.o = AgentOptions(broker="mqtt://127.0.0.1:1", run_id="lv", agent_id="pi-1",
-                            profile=load_profile("s2fl-low-low"), heartbeat_s=0.05)
+                            profile=load_profile("s2fl-low-low"), heartbeat_s=heartbeat_s)
     runner._stop, runner._busy, runner.core, runner.link = threading.Event(), False, None, _Link()
-    runner._last_work = float("-inf")
-    runner._run_info = Message("run_info", "lv", protocol.COORDINATOR_ID, {"heartbeat_idle_s": 0.5}, seq=1)
+    runner._last_work, runner._last_sent = float("-inf"), time.monotonic()
+    runner.bytes_up, runner.emulator = 0, None
+    runner._run_info = Message("run_info", "lv", protocol.COORDINATOR_ID, {"heartbeat_idle_s": idle_s}, seq=1)
+    return runner
+
+
+def test_the_agent_beats_at_the_announced_interval_when_idle_and_every_tick_in_a_round():
+    """The run description announces an idle interval of 0.5 s; the tick is 0.05 s."""
+    runner = _runner(heartbeat_s=0.05, idle_s=0.5)
     beating = threading.Thread(target=runner._heartbeat, daemon=True)
     beating.start()
     try:
@@ -140,6 +165,31 @@ def test_the_agent_beats_at_the_announced_interval_when_idle_and_every_tick_in_a
         beating.join(5)
     assert 2 <= idle <= 4, runner.link.beats         # ~3 beats in 1.6 s at 0.5 s (31 at the tick)
     assert working >= 5, runner.link.beats           # ~8 in 0.4 s at the 0.05 s tick
+
+
+def test_an_agent_answering_steps_sends_no_heartbeats_until_it_falls_silent():
+    """In a round (tick 0.2 s), the agent publishes a message every 10 ms for 1 s: no beat goes
+    out meanwhile; once it stops, beats resume within 1.5 ticks and then come every tick."""
+    runner = _runner(heartbeat_s=0.2, idle_s=2.0)
+    runner._last_work = time.monotonic() + 60          # a round in progress throughout
+    beating = threading.Thread(target=runner._heartbeat, daemon=True)
+    beating.start()
+    try:
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            runner._publish(Message("activations", "lv", "pi-1", {}, seq=protocol.next_seq()))
+            time.sleep(0.01)
+        stopped = time.monotonic()
+        while_sending = len(runner.link.beats)
+        time.sleep(1.0)
+    finally:
+        runner._stop.set()
+        beating.join(5)
+    assert runner.link.others >= 20
+    assert while_sending == 0, runner.link.beats
+    after = runner.link.beats
+    assert 4 <= len(after) <= 6, after                # ~5 in 1 s at the tick
+    assert after[0] - stopped <= 0.3 + 0.1, after[0] - stopped   # 1.5 ticks, and scheduling slack
 
 
 class _Inbox(LocalTransport):
