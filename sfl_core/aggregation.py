@@ -42,8 +42,8 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
         acc = torch.zeros(full, dtype=torch.float64)
         if all(tuple(t.shape) == full for t, _ in holders):   # every holder covers every element
             total = 0.0
-            for t, w in _shared_once(holders):
-                acc += t.detach().to(torch.float64).cpu() * w
+            for t, w in _shared_once(holders):   # in place, upcast element by element: no temporaries
+                acc.add_(t.detach().cpu(), alpha=w)
             for _, w in holders:
                 total += w
             avg = acc / total
@@ -52,7 +52,7 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
         wsum = torch.zeros(full, dtype=torch.float64)
         for t, w in holders:
             region = tuple(slice(0, n) for n in t.shape)
-            acc[region] += t.detach().to(torch.float64).cpu() * w
+            acc[region].add_(t.detach().cpu(), alpha=w)
             wsum[region] += w
         if (wsum == 0).any():
             if default is None or tuple(default.shape) != full:
