@@ -45,8 +45,8 @@ def test_an_agent_takes_the_announced_interval_only_when_it_is_a_sane_number(ann
 def test_beats_are_due_every_tick_in_a_round_and_once_an_idle_interval_otherwise():
     due = liveness.due
     # computing, or heard from the coordinator within the idle interval: every check
-    assert due(now=100.0, last_sent=98.0, last_work=-1e9, busy=True, busy_s=2.0, idle_s=40.0)
-    assert due(now=100.0, last_sent=98.0, last_work=70.0, busy=False, busy_s=2.0, idle_s=40.0)
+    assert due(now=100.0, last_sent=99.0, last_work=-1e9, busy=True, busy_s=2.0, idle_s=40.0)
+    assert due(now=100.0, last_sent=99.0, last_work=70.0, busy=False, busy_s=2.0, idle_s=40.0)
     # idle: not before the interval (less half a tick) has passed since the last beat
     assert not due(now=100.0, last_sent=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
     assert due(now=109.0, last_sent=70.0, last_work=10.0, busy=False, busy_s=2.0, idle_s=40.0)
