@@ -122,6 +122,7 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     # the transport's floor: a bare paho client moves messages of the run's own sizes
     bare = doc["floor"]["transport"]
     assert bare["receive_ms"] > 0 and bare["publish_ms"] > 0 and bare["link_publish_ms"] > 0
+    assert bare["receive_qos0_ms"] > 0     # the same messages with no acknowledgement back (not the product's)
     assert bare["total_ms"] == pytest.approx(bare["receive_ms"] + bare["publish_ms"])
     assert doc["floor"]["act_bytes"] == pytest.approx(lvl["act_kb_per_message"] * 1e3, rel=0.01)
     # --stages: the coordinator's CPU per stage, from thread CPU timers on both busy threads
