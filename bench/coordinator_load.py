@@ -853,8 +853,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step), and the "
         "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out)",
         ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core",
-         "paho receive ms", "paho receive at QoS 0 ms", "paho publish ms", "product link publish ms", "total with paho ms", "server step MFLOP",
-         "core's matmul GFLOP/s", "server step at that rate ms"],
+         "paho receive ms", "paho receive at QoS 0 ms", "paho publish ms", "product link publish ms",
+         "total with paho ms", "server step MFLOP", "core's matmul GFLOP/s", "server step at that rate ms"],
         [[level, b["decode_ms"], b["server_step_ms"], b["encode_ms"], b["total_ms"], 1e3 / b["total_ms"],
           b["transport"]["receive_ms"], b["transport"]["receive_qos0_ms"], b["transport"]["publish_ms"],
           b["transport"]["link_publish_ms"],
