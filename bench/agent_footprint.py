@@ -117,7 +117,8 @@ def one_model(model: str, data: dict[str, Any], shape: tuple[int, ...], work: Pa
     def agent(i: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", "rpi4", "--broker",
                                  broker.url, "--run", "footprint", "--index", str(i), "--agent-id", f"f{i}",
-                                 "--verbose"] + (["--data", data["root"]] if data.get("root") else []),
+                                 "--verbose", "--coordinator-key", common.coordinator_key(work / "out")]
+                                + (["--data", data["root"]] if data.get("root") else []),
                                 cwd=REPO, stdout=open(work / f"agent-{i}.log", "w"), stderr=subprocess.STDOUT)
     first = agent(0)
     deadline = time.monotonic() + 300

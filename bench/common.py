@@ -47,6 +47,15 @@ def default_data() -> str:
     return str(DEFAULT_FASHION_MNIST) if DEFAULT_FASHION_MNIST.is_dir() else "digits"
 
 
+def coordinator_key(out_dir: Path) -> str:
+    """The public key of the coordinator whose output directory is ``out_dir``, its key pair made
+    there ahead (as ``sfl-coord broker-config`` does): what a bench's agents follow
+    (``--coordinator-key``)."""
+    from sfl_core.wire.signing import KEY_FILE, Signer, public_text
+
+    return public_text(Signer.load_or_create(Path(out_dir) / KEY_FILE).public)
+
+
 def base_parser(description: str | None) -> argparse.ArgumentParser:
     """Options every bench script accepts: ``--quick``, ``--out``, ``--data``, ``--seed``."""
     p = argparse.ArgumentParser(description=(description or "").split("\n\n")[0],

@@ -185,7 +185,8 @@ def one_run(name: str, agent_python: list[str], env: dict[str, str], work: Path,
     t0 = time.monotonic()
     try:
         agent = subprocess.run([*agent_python, "-m", "cli.agent", "start", "--profile", "rpi4", "--broker",
-                                broker.url, "--run", "platform", "--index", "0", "--agent-id", name, "--verbose"],
+                                broker.url, "--run", "platform", "--index", "0", "--agent-id", name, "--verbose",
+                                "--coordinator-key", common.coordinator_key(out)],
                                cwd=work, env={**os.environ, **env}, stdout=open(out / "agent.log", "w"),
                                stderr=subprocess.STDOUT, timeout=3600)
         code = coord.wait(timeout=120)

@@ -166,7 +166,8 @@ def run_fleet(url: str, w: Workload, profiles: tuple[str, ...], timeout: float,
             aid = f"a{i}"
             agent_profiles[aid] = prof
             cmd = [sys.executable, "-m", "cli.agent", "start", "--profile", prof, "--broker", url, "--run", run,
-                   "--index", str(i), "--agent-id", aid, "--emulate"]
+                   "--index", str(i), "--agent-id", aid, "--emulate",
+                   "--coordinator-key", common.coordinator_key(tmp / "out")]
             if w.root:
                 cmd += ["--data", w.root]
             launch(aid, cmd, agent_env)

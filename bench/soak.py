@@ -223,7 +223,8 @@ class Fleet:
         log = open(self.out / f"agent-{i}.log", "a")
         self.agents[i] = subprocess.Popen(
             [sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[i % len(PROFILES)], "--broker",
-             self.broker.url, "--run", RUN, "--index", str(i), "--agent-id", f"a{i}", "--verbose"],
+             self.broker.url, "--run", RUN, "--index", str(i), "--agent-id", f"a{i}", "--verbose",
+             "--coordinator-key", common.coordinator_key(self.out / "out")],
             stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT)
 
     def alive(self) -> bool:

@@ -192,7 +192,7 @@ def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dic
 
 
 def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, resume: Resume = False,
-          device: str = "auto", quiet: bool = False, on_broker: Optional[Callable[[str], None]] = None,
+          device: str = "auto", quiet: bool = False, on_broker: Optional[Callable[[str, str], None]] = None,
           listen: str = "127.0.0.1:0", insecure_listen: bool = False,
           console: Optional[Console] = None, signing_key: Optional[Path] = None,
           observers: Optional[list[Any]] = None) -> tuple[list[dict], RoundEngine]:
@@ -205,12 +205,14 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     has neither TLS nor passwords: it listens on loopback unless ``insecure_listen``. The
     retained run description is cleared only when the run finished; after a crash agents
     keep it and wait for the restarted coordinator. ``observers``: event sinks with an
-    optional ``attach(engine)`` (metrics exporter, live page).
+    optional ``attach(engine)`` (metrics exporter, live page). ``on_broker(url, key)``: called
+    just before the run is announced, with the broker's URL and the coordinator's public key
+    (what the demo starts its agents with).
     """
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import DuplicateCoordinatorError, MqttTransport
     from coordinator.server_workers import cannot_share, from_env
-    from sfl_core.wire.signing import KEY_FILE, Signer, TrustError
+    from sfl_core.wire.signing import KEY_FILE, Signer, TrustError, public_text
 
     console = console or Console(stderr=True)
     data = run_dataset(cfg)
@@ -269,14 +271,15 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
         engine.use_transport(transport)
         if checkpoint is None:
             set_aside_earlier_run(out, console)
-        console.print(f"coordinator key (agents may pin it with --coordinator-key): "
-                      f"{(out / KEY_FILE).with_suffix('.pub') if signing_key is None else signing_key}",
-                      markup=False, highlight=False, style="dim", soft_wrap=True)
+        public = public_text(signer.public)
+        console.print(f"coordinator key (agents follow it with --coordinator-key {public}"
+                      + (f" or --coordinator-key {(out / KEY_FILE).with_suffix('.pub')}" if signing_key is None else "")
+                      + ")", markup=False, highlight=False, style="dim", soft_wrap=True)
         for obs in observers or []:
             if hasattr(obs, "attach"):
                 obs.attach(engine)
         if on_broker is not None:
-            on_broker(broker)
+            on_broker(broker, public)
         transport.publish_run_info(run_info_body(cfg, data, engine.known_normalization()))
         with display:
             history = engine.run()

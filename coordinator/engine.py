@@ -27,11 +27,11 @@ from coordinator.registry import Registry
 from coordinator.round_record import round_record
 from coordinator.server_trainer import ServerTrainer
 from coordinator.server_workers import GradReducer, ServerShards
-from coordinator.session import Event, FleetSession, RoundAgent
+from coordinator.session import DeadlinePassed, Event, FleetSession, RoundAgent
 from coordinator.transport import Transport
 from coordinator.uploads import decode_activations, decode_logit_gradients
 from coordinator.validation import ValidationSet, evaluation_batch
-from sfl_core import norm_stats
+from sfl_core import norm_stats, timing
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
 from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
@@ -229,13 +229,14 @@ class RoundEngine:
         round is planned again with whoever is online; after ``ROUND_ATTEMPTS`` plans the run
         stops with :class:`RoundFailed`, the completed rounds safe in the checkpoint.
         """
+        self.session.late, self.session.stalled = [], []
         for attempt in range(1, ROUND_ATTEMPTS + 1):
             snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             widths = {k: pair.infer_width for k, pair in self.model.bottlenecks.items()}
             self._round_start = snapshot   # the server optimiser steps from here
             try:
                 return self.run_round(r)
-            except RoundVoid as void:
+            except (RoundVoid, DeadlinePassed) as void:
                 self.model.load_state_dict(snapshot)
                 for k, w in widths.items():
                     self.model.bottlenecks[k].infer_width = w
@@ -244,6 +245,8 @@ class RoundEngine:
                                 r, void, attempt + 1, ROUND_ATTEMPTS)
                 self.on_event("round_void", {"round": r, "reason": str(void), "attempt": attempt})
                 last = str(void)
+            finally:
+                self.session.deadline = None
         raise RoundFailed(f"round {r} did not count after {ROUND_ATTEMPTS} attempts ({last}); rounds up to "
                           f"{r - 1} are checkpointed: restart with --resume")
 
@@ -257,6 +260,8 @@ class RoundEngine:
         if not online:
             self.session.wait_for_any_agent(r)
             online = self.session.online()
+        if self.cfg.stragglers == "replan" and set(online) - set(self.session.late):
+            online = [a for a in online if a not in self.session.late]   # planned again without them
         wall0 = self._round_wall0 = time.monotonic()
         selected, batches = self.method.select(r, online, self.registry.agents, self.select(r, online))
         plan = self.method.plan(r, selected, self.registry.agents)
@@ -265,7 +270,8 @@ class RoundEngine:
         now = self._now()
         decay = self.cfg.lr_decay ** max(0, r - 1)
         agents = {a: RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
-                                                    batches.get(a), decay), last_heard=now, last_sent_at=now)
+                                                    batches.get(a), decay), last_heard=now, last_sent_at=now,
+                                instance=self.registry.agents[a].instance)
                   for a in selected}
         label_counts = {a: self.registry.agents[a].label_counts for a in selected}
         population = {a: i.label_counts for a, i in self.registry.agents.items()}
@@ -299,9 +305,11 @@ class RoundEngine:
             assigns.append((ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
                                         seq=protocol.next_seq())))
         self.session.send_many(assigns)
+        self.session.deadline = self._deadline(agents, len(split_agents))
         # server workers step together even in a round without split agents (each step is a collective)
         losses = self._train_steps(r, agents, mine) if split_agents or self.shards is not None else []
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
+        self.session.deadline = None
         if self.shards is not None:
             shard_round.merge_counters(self.shards, self.transport, agents, mine)
         return self._aggregate_and_record(r, plan, agents, uploads, losses, time.monotonic() - wall0)
@@ -341,6 +349,22 @@ class RoundEngine:
             self.session.send_many(replies)
             self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         return losses
+
+    def _deadline(self, agents: dict[str, RoundAgent], split_agents: int) -> Optional[float]:
+        """When a deployed round's training must be over: ``round_deadline`` times the time model's
+        prediction for its slowest agent (from what each measured, at the fp32 wire size: an upper
+        bound), never under ``round_deadline_min_s``. A simulation's clock is the time model
+        itself, so it has none."""
+        if self.clock.virtual or not self.cfg.round_deadline or not agents:
+            return None
+        try:
+            predicted = max(timing.price_option(self.cfg, self.costs[ra.assignment.split], ra.assignment.codec,
+                                                self.registry.agents[a], ratio=1.0, width=ra.assignment.width,
+                                                split_agents=split_agents).time(ra.assignment.batch_size)
+                            for a, ra in agents.items())
+        except (KeyError, ValueError, ZeroDivisionError):
+            return None
+        return self._now() + max(self.cfg.round_deadline_min_s, self.cfg.round_deadline * predicted)
 
     def shutdown_agents(self, reason: str) -> None:
         """Tell every known agent to stop (the run finished)."""
@@ -512,6 +536,9 @@ class RoundEngine:
             wall_s=time.monotonic() - self._round_wall0, eval_s=eval_s, times=times,
             per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
             federated=federated, method_metrics=self.method.round_metrics(), norm_pass=pass_record)
+        if self.session.late or self.session.stalled:
+            record["stragglers"] = {"policy": self.cfg.stragglers, "late": sorted(set(self.session.late)),
+                                    "busy": sorted(set(self.session.stalled))}
         self.history.append(record)
         self.session.prune()   # silent agents that never trained stay out of the checkpoint
         ckpt.append_metrics(self.out_dir, record)

@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any, Optional
 
+from sfl_core.rate_limit import TokenBuckets
 from sfl_core.transport.broker_url import BrokerAddress, parse_broker_url
 from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
@@ -30,7 +31,10 @@ from sfl_core.wire.signing import SIGNED_TYPES, Signer
 
 log = logging.getLogger("sfl.coord.mqtt")
 
-MAX_PROBE_REPLY = 4 * 2**20
+PROBES_PER_AGENT = (16.0, 1.0)
+"""Link probes answered per agent id: a burst of 16 (an agent's measurement takes 7), then one a second."""
+PROBE_BYTES_TOTAL = (64 * 2**20, 16 * 2**20)
+"""Answer bytes for all probes together: a burst of 64 MiB, then 16 MiB a second."""
 
 
 class DuplicateCoordinatorError(RuntimeError):
@@ -65,6 +69,9 @@ class MqttTransport:
         self._where = {"pid": 0, "host": "", "out_dir": "", **(where or {})}
         self._coord_topic = protocol.coordinator_topic(run_id)
         self._claim = Claim(self.instance, self._announce)
+        self._probe_budget = TokenBuckets(*PROBES_PER_AGENT)
+        self._version_answers = TokenBuckets(2.0, 1 / 60)   # an older agent: answered twice a minute at most
+        self._probe_bytes = TokenBuckets(*PROBE_BYTES_TOTAL)
         self.probed: "dict[str, None]" = {}
         """Agents whose link probe we answered (a registration needs one; bounded, oldest out)."""
         self.max_bytes = max_bytes
@@ -234,8 +241,11 @@ class MqttTransport:
             msg = protocol.decode(whole, run=self.run_id, max_bytes=self.max_bytes, allowed=protocol.AGENT_TYPES)
         except wire.VersionError as exc:
             self.rejections.reject(exc.reason, f"message on {topic}: {exc}")
-            if exc.type == "register" and topic.startswith(f"sfl/{self.run_id}/up/") \
-                    and 0 < exc.version < wire.PROTOCOL_VERSION:
+            if exc.type in ("register", "status") and 0 < exc.version < wire.PROTOCOL_VERSION \
+                    and topic.startswith((f"sfl/{self.run_id}/up/", f"sfl/{self.run_id}/status/")) \
+                    and self._version_answers.take(agent):
+                # an older agent cannot read our run description, so it waits for one forever:
+                # its announcement (status) and its registration are answered in its own version
                 self._answer_other_version(agent, exc.version)
             return
         except wire.WireError as exc:
@@ -282,8 +292,9 @@ class MqttTransport:
         self._republish_run_info()
 
     def _answer_other_version(self, agent: str, version: int) -> None:
-        """An agent of another protocol version registered: answer with a ``reject`` in its own
-        version's envelope (``reject`` has had the same body since version 1), so it can say why."""
+        """An agent of an older protocol version announced itself or registered: answer with a
+        ``reject`` in its own version's envelope (``reject`` has had the same body since version
+        1), so it can say why instead of waiting for a run description it cannot read."""
         try:
             protocol.check_id("agent id", agent)
         except ValueError:
@@ -295,9 +306,18 @@ class MqttTransport:
         self.link.publish(protocol.down_topic(self.run_id, agent), payload, wait_offline=False)
 
     def _answer_probe(self, msg: Message) -> None:
-        n = msg.body["reply_bytes"]
-        if not 0 <= n <= MAX_PROBE_REPLY:
-            self.rejections.reject("invalid", f"probe from {msg.sender}: reply_bytes {n} outside 0..{MAX_PROBE_REPLY}")
+        """Answer a link probe at once, within limits: at most :data:`protocol.PROBE_AMPLIFICATION`
+        times the probe's own bytes, :data:`PROBES_PER_AGENT` per agent id and
+        :data:`PROBE_BYTES_TOTAL` for everyone (docs/protocol.md, ``probe``)."""
+        asked = msg.body["reply_bytes"]
+        if not 0 <= asked <= protocol.MAX_PROBE_REPLY:
+            self.rejections.reject("invalid", f"probe from {msg.sender}: reply_bytes {asked} outside "
+                                              f"0..{protocol.MAX_PROBE_REPLY}")
+            return
+        n = protocol.probe_reply_bytes(asked, msg.wire_bytes)
+        if not self._probe_budget.take(msg.sender, 1.0) or not self._probe_bytes.take("", float(n + 256)):
+            self.rejections.reject("rate_limited", f"probe from {msg.sender}: over the probe rate",
+                                   level=logging.INFO)
             return
         protocol.remember(self.probed, msg.sender)
         ack = Message("probe_ack", self.run_id, COORDINATOR_ID, {"nonce": msg.body["nonce"], "pad": bytes(n)},

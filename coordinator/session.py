@@ -51,6 +51,11 @@ again; shutdown messages published before their acknowledgements are awaited."""
 Event = Callable[[str, Dict[str, Any]], None]
 
 
+class DeadlinePassed(Exception):
+    """The round's deadline passed with agents still training and ``stragglers: replan``: they
+    were dropped, and the round is planned again without them."""
+
+
 @dataclass
 class RoundAgent:
     """Book-keeping for one selected agent during a round; times are on the engine's liveness clock."""
@@ -60,6 +65,9 @@ class RoundAgent:
     last_heard: float
     last_sent_at: float
     last_sent: Optional[Message] = None
+    instance: str = ""
+    """The agent process that holds this round (its status's ``instance``; "" in a simulation):
+    another process of the same id ends its membership (:meth:`FleetSession.dispatch`)."""
     bytes_up: int = 0
     bytes_down: int = 0
     labels_withheld: bool = False
@@ -129,6 +137,13 @@ class FleetSession:
         """Agents whose last status said online (registered or not yet), oldest first, bounded."""
         self._tokens = float(max(cfg.num_agents, cfg.min_agents or 0, 10))
         self._tokens_at = time.monotonic()
+        self.deadline: Optional[float] = None
+        """When the round's training must be over, on the liveness clock (None: no deadline);
+        the engine sets it from the plan (``round_deadline``)."""
+        self.late: list[str] = []
+        """Agents dropped at this round's deadline (reset by the engine each round)."""
+        self.stalled: list[str] = []
+        """Agents dropped this round for staying busy without answering (``busy_timeout_s``)."""
 
     def wait_for_agents(self) -> None:
         need = self.cfg.min_agents or self.cfg.num_agents
@@ -283,13 +298,28 @@ class FleetSession:
             if msg is not None and now < check_at:
                 continue
             waiting, check_at = still_waiting(), now + CHECK_S
-            for a in list(waiting):
+            past_deadline = self.deadline is not None and now > self.deadline
+            for a in sorted(waiting):
                 ra = agents.get(a)
+                if ra is None:
+                    continue
                 # silent since we last heard from it or last asked it, whichever is later: while we
                 # waited for a dead peer its reply may sit unread behind the peer's timeout
-                if ra is not None and now - max(ra.last_heard, ra.last_sent_at) > self.cfg.step_timeout_s:
+                if now - max(ra.last_heard, ra.last_sent_at) > self.cfg.step_timeout_s:
                     self.drop(agents, a, f"silent for {self.cfg.step_timeout_s:g} s")
-                    waiting.discard(a)
+                elif past_deadline:
+                    self.drop(agents, a, "still training at the round's deadline (stragglers: "
+                                         f"{self.cfg.stragglers})")
+                    self.late.append(a)
+                elif not self.virtual and now - ra.last_sent_at > self.cfg.busy_timeout_s:
+                    # its heartbeats say busy, yet nothing it owes has come since we asked
+                    self.drop(agents, a, f"busy for {self.cfg.busy_timeout_s:g} s without answering")
+                    self.stalled.append(a)
+                else:
+                    continue
+                waiting.discard(a)
+            if past_deadline and self.late and self.cfg.stragglers == "replan":
+                raise DeadlinePassed(f"{', '.join(self.late)} still training at the round's deadline")
 
     def _receive(self, timeout: float) -> Optional[Message]:
         """The next message from the transport that is not a replay (:class:`protocol.ReplayGuard`),
@@ -300,17 +330,20 @@ class FleetSession:
         msg = self.transport.poll(timeout)
         if msg is None or msg.type == "status":
             return msg
-        known = msg.sender in self.registry.agents or msg.type == "register"
         if self._seqs.is_replay(msg):
             if msg.type != "heartbeat":
                 self.rejections.reject("replayed", f"{msg.type} from {msg.sender}: seq {msg.seq} is older "
                                                    f"than {self._seqs.last(msg.sender)}")
             return None
-        # a heartbeat never raises the bar: numbered after a message still in the agent's send path
-        # (an emulated slow link sleeps before publishing), it can arrive first
-        if known and msg.type != "heartbeat":  # unknown senders get no entry: a flood of invented
-            self._seqs.advance(msg)                # ids must not grow this table
         return msg
+
+    def _accepted(self, msg: Message) -> None:
+        """``msg`` passed every check (sender registered, round, step, schema, tensors) and is used:
+        only now does its seq raise the sender's replay bar. Raised on arrival, one message with
+        a huge seq that fails every check would lock the agent out for good. A heartbeat never
+        raises it (numbered after a message still in the agent's send path, it can arrive
+        first); unknown senders never get an entry (a flood of invented ids must not grow it)."""
+        self._seqs.advance(msg)
 
     def _maybe_resend(self, agents: dict[str, RoundAgent], ra: RoundAgent, heartbeat: Message) -> None:
         """An agent that says it is idle while we wait for it lost our last message: resend it.
@@ -340,6 +373,7 @@ class FleetSession:
                                    level=logging.INFO)
             return
         self._count(ra, msg)
+        self._accepted(msg)
         self._early[msg.sender] = msg
 
     def _count(self, ra: RoundAgent, msg: Message) -> None:
@@ -374,6 +408,7 @@ class FleetSession:
                                        level=logging.INFO)
                 return
             self._count(ra, msg)
+            self._accepted(msg)
             got[a] = msg
         elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
             self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {msg.step} answered again",
@@ -471,8 +506,9 @@ class FleetSession:
             if msg.sender not in self.registry.agents and not self._admit(msg.sender):
                 return
             old = self.registry.agents.get(msg.sender)
-            same_process = (old is not None and old.registered and bool(old.instance)
-                            and msg.body.get("instance") == old.instance)
+            ra = agents.get(msg.sender) if agents is not None else None
+            holder = ra.instance if ra is not None else (old.instance if old is not None and old.registered else "")
+            same_process = bool(holder) and msg.body.get("instance") == holder
             try:
                 info = self.registry.register(msg)
             except wire.WireError as exc:
@@ -480,6 +516,7 @@ class FleetSession:
                 self._reply(msg.sender, "reject", {"reason": str(exc)})
                 return
             self._reg_seq[msg.sender] = msg.seq
+            self._accepted(msg)
             if not self.virtual:
                 # present on the broker: its retained online status (with its last will) was seen,
                 # before or after this registration; an id that only sends 'register' is not
@@ -492,7 +529,7 @@ class FleetSession:
             if twin is not None and not self.virtual and self.cfg.task is None:   # own data: no shards
                 log.warning("agent %s registered with --index %d, which agent %s also uses: both train on the "
                             "same shard of a partitioned data set", msg.sender, info.index, twin)
-            ra = agents.get(msg.sender) if agents is not None else None
+            ra = agents.get(msg.sender) if agents is not None else None   # not dropped meanwhile
             if ra is not None and ra.last_sent is not None and (ra.bytes_up == 0 or same_process):
                 # restarted before anything of this round reached us (e.g. selected on its status while
                 # it was still starting), or the same process announcing itself again (it saw the run
@@ -505,6 +542,12 @@ class FleetSession:
             self._reply(msg.sender, "accepted", {"message": f"registered as agent {info.index}"})
             self.on_event("registered", {"agent": msg.sender, "online": self._online_count()})
         elif msg.type == "status":
+            ra = agents.get(msg.sender) if agents is not None else None
+            if ra is not None and ra.instance and msg.body["online"] and msg.body["instance"] != ra.instance:
+                # a new process of this agent: the one that held the round is gone (or a duplicate
+                # start that will exit); waiting for the old one's replies would cost the round
+                # its resends and timeouts
+                self.drop(agents, msg.sender, f"restarted (process {msg.body['instance']} replaced {ra.instance})")
             if msg.body["online"]:
                 protocol.remember(self._present, msg.sender, msg.body["instance"])
                 self._gone.discard(msg.sender)

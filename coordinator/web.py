@@ -52,6 +52,9 @@ class WebAccess:
     token: Optional[str] = None
     tls: Optional[tuple[str, str]] = None
     insecure: bool = False
+    flags: tuple[str, str, str, str] = ("--dashboard-token or SFL_DASHBOARD_TOKEN", "--web-tls-cert",
+                                        "--web-tls-key", "--insecure-web")
+    """The command's names for the token, certificate, key and insecure switch (for its refusals)."""
 
 
 def parse_address(text: str, what: str, access: WebAccess = WebAccess()) -> tuple[str, int]:
@@ -63,12 +66,13 @@ def parse_address(text: str, what: str, access: WebAccess = WebAccess()) -> tupl
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
+    token, cert, key, insecure = access.flags
     if not loopback and not access.token:
-        raise WebError(f"{what} {text}: beyond loopback only with a token (--dashboard-token or "
-                       f"SFL_DASHBOARD_TOKEN): the page and the metrics name the fleet's devices")
+        raise WebError(f"{what} {text}: beyond loopback only with a token ({token}): the page and the metrics "
+                       f"name the fleet's devices")
     if not loopback and not access.tls and not access.insecure:
-        raise WebError(f"{what} {text}: beyond loopback only over HTTPS (--web-tls-cert and --web-tls-key), or "
-                       f"with --insecure-web (the token and the fleet's data then cross the network in clear)")
+        raise WebError(f"{what} {text}: beyond loopback only over HTTPS ({cert} and {key}), or with {insecure} "
+                       f"(the token and the fleet's data then cross the network in clear)")
     return host, int(port)
 
 
@@ -199,6 +203,8 @@ class MetricsExporter(_Served):
         self.online = Gauge("sfl_agents_online", "Agents online (status online, heard from recently).", registry=r)
         self.selected = Gauge("sfl_agents_selected", "Agents selected for the current round.", registry=r)
         self.rejected = Counter("sfl_rejected_messages", "Messages rejected, by reason.", ["reason"], registry=r)
+        self.stragglers = Counter("sfl_stragglers", "Agents dropped from a round for being late: at the round's "
+                                  "deadline (late) or busy without answering (busy).", ["kind"], registry=r)
         self.agent_round_s = Gauge("sfl_agent_last_round_seconds", "Each agent's time in the last round it "
                                    "completed.", ["agent"], registry=r)
         self.assignment = Gauge("sfl_agent_assignment_info", "Each agent's last assignment (value 1).",
@@ -259,6 +265,8 @@ class MetricsExporter(_Served):
         self.bytes_down.inc(rec["bytes_down"])
         for reason, n in (rec.get("rejected") or {}).items():
             self.rejected.labels(reason).inc(n)
+        for kind in ("late", "busy"):
+            self.stragglers.labels(kind).inc(len((rec.get("stragglers") or {}).get(kind, ())))
         profiles = {a: i.profile.name for a, i in self.engine.registry.agents.items()} if self.engine else {}
         for a, row in rec["agents"].items():
             self.agent_round_s.labels(a).set(row["time_s"])

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from sfl_core.model.zoo import SplitModel
+from sfl_core.wire.protocol import PROBE_AMPLIFICATION
 
 ComputeHook = Callable[[float, float], float]
 
@@ -51,14 +52,19 @@ def measure_link(probe: Callable[[int, int], float], *, big: int = 128 * 1024, s
                  repeats: int = 3) -> dict[str, float]:
     """Latency and throughput from timed probes; ``probe(up_bytes, down_bytes) -> seconds``.
 
-    ``rtt`` is the median small round trip; uplink rate = big / (t(big up) - rtt), downlink
-    likewise with a big reply. Rates are bytes/s.
+    ``rtt`` is the median small round trip; uplink rate = big / (t(big up) - rtt). The
+    downlink probe pays for its big reply with a pad of ``big / PROBE_AMPLIFICATION`` bytes (a
+    coordinator answers no more than that many times what a probe sent), whose upload time at
+    the measured uplink rate is taken off: downlink rate = big / (t(big down) - rtt - pad / up).
+    Rates are bytes/s.
     """
     rtt = statistics.median(probe(small, small) for _ in range(repeats))
     up = statistics.median(probe(big, small) for _ in range(max(1, repeats - 1)))
-    down = statistics.median(probe(small, big) for _ in range(max(1, repeats - 1)))
+    pad = max(small, -(-big // PROBE_AMPLIFICATION))
+    down = statistics.median(probe(pad, big) for _ in range(max(1, repeats - 1)))
     floor = 1e-4  # guard against a round trip not slower than the empty one
-    return {"rtt_s": rtt, "up_bytes_per_s": big / max(up - rtt, floor), "down_bytes_per_s": big / max(down - rtt, floor)}
+    up_rate = big / max(up - rtt, floor)
+    return {"rtt_s": rtt, "up_bytes_per_s": up_rate, "down_bytes_per_s": big / max(down - rtt - pad / up_rate, floor)}
 
 
 def measure_broker_echo(send: Callable[[bytes], None], echoes: "queue.Queue[bytes]", *, big: int = 128 * 1024,

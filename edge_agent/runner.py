@@ -67,7 +67,11 @@ class AgentOptions:
     retry_s: float = 5.0
     """Registration is re-sent after this long without an answer."""
     wait_s: float = 600.0
-    """How long to wait for the coordinator's run description / acceptance."""
+    """Without the coordinator's acceptance for this long, say so (and keep trying: an agent
+    waits for its coordinator for as long as it runs)."""
+    probe_timeout_s: float = 30.0
+    """How long one link probe waits for its answer before it is sent again (after a backoff
+    of :data:`RETRY_BACKOFF_S`)."""
     discover_after_s: float = 10.0
     """Without our run's description for this long, log which runs the broker does announce
     (a wrong ``--run`` otherwise waits in silence); again every minute."""
@@ -75,9 +79,11 @@ class AgentOptions:
     """Another process's online status for our agent id, seen before our own: how long to wait
     for it to show that it is alive before taking the id over (it may be a dead predecessor)."""
     coordinator_key: Optional[bytes] = None
-    """The only coordinator key to follow (``--coordinator-key``); None: pin on first use."""
+    """The only coordinator key to follow (``--coordinator-key``); None: the trust file's, or first use."""
     trust_file: Optional[str] = None
-    """Where keys pinned on first use are kept across restarts (``--trust-file``); None: in memory."""
+    """Where the run's key is pinned across restarts (``--trust-file``); None: in memory."""
+    trust_first_use: bool = False
+    """Without a key given or pinned: believe the first signed run description (``--trust-first-use``)."""
     model_files: tuple[str, ...] = ()
     """Python files of users' models installed on this device (``--model-file``): the only model
     code this agent imports, and only the file a run names."""
@@ -96,6 +102,10 @@ class ContractError(AgentError):
     """This device cannot take part in the run as configured (its model or the run's task
     contract): exit status 2, since a restart would meet the same problem."""
 
+
+RETRY_BACKOFF_S = (5.0, 10.0, 20.0, 40.0, 60.0)
+"""Seconds between unanswered link probes, then every 60 s for as long as the agent runs: a
+coordinator that restarts (and dies again, and restarts) finds its agents still there."""
 
 REGISTER_AGAIN_PREFIX = "not registered"
 """A ``reject`` whose reason starts so asks a registered agent to register again."""
@@ -129,7 +139,8 @@ class AgentRunner:
         self.bytes_down = 0
         self.rejections = protocol.Rejections(log)
         self._seqs = protocol.ReplayGuard()  # the coordinator's messages on our down topic
-        self.trust = signing.Trust(opts.coordinator_key, Path(opts.trust_file) if opts.trust_file else None)
+        self.trust = signing.Trust(opts.coordinator_key, Path(opts.trust_file) if opts.trust_file else None,
+                                   first_use=opts.trust_first_use)
         self._refused_seq: Optional[int] = None     # the last untrusted description we warned about
         self._stopping = False
         # This process's identity besides the agent id: two processes started with one id must
@@ -199,12 +210,8 @@ class AgentRunner:
 
     def _wait_run_info(self) -> Message:
         log.info("waiting for the coordinator's description of run %s", self.o.run_id)
-        deadline = time.monotonic() + self.o.wait_s
         next_look = time.monotonic() + self.o.discover_after_s
-        while not self._run_info_ready.wait(max(0.0, min(deadline, next_look) - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise AgentError(f"no coordinator announced run {self.o.run_id!r} within {self.o.wait_s:.0f} s "
-                                 f"(is sfl-coord serve running against {self.link.address.url()}?)")
+        while not self._run_info_ready.wait(max(0.0, next_look - time.monotonic())):
             runs = self._announced_runs()
             others = ", ".join(sorted(runs)) if runs else "none"
             log.warning("still waiting: no coordinator announces run %r on %s; runs announced there: %s%s",
@@ -319,21 +326,42 @@ class AgentRunner:
         return {"compute_s_per_sample": {str(s): v for s, v in compute.items()}, **link}
 
     def _probe(self, up_bytes: int, down_bytes: int) -> float:
+        """One timed link probe; unanswered, sent again after a backoff for as long as we run."""
+        attempt = 0
+        while True:
+            announced = self._run_info.seq if self._run_info is not None else None
+            seconds = self._probe_once(up_bytes, down_bytes)
+            if seconds is not None:
+                return seconds
+            if self._run_info is not None and self._run_info.seq != announced:
+                log.info("a coordinator announced the run anew while we waited for a probe's answer: probing it")
+                continue
+            pause = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+            attempt += 1
+            log.warning("the coordinator did not answer a link probe within %.0f s (it may be restarting): "
+                        "probing again in %.0f s", self.o.probe_timeout_s, pause)
+            if self._stop.wait(pause):
+                raise AgentStopped()
+
+    def _probe_once(self, up_bytes: int, down_bytes: int) -> Optional[float]:
         nonce = random.getrandbits(48)
         msg = self._msg("probe", {"nonce": nonce, "pad": bytes(up_bytes), "reply_bytes": down_bytes})
         t0 = time.perf_counter()
         self._publish(msg)
-        deadline = t0 + 30
+        deadline = t0 + self.o.probe_timeout_s
+        announced = self._run_info.seq if self._run_info is not None else None
         while time.perf_counter() < deadline:
             try:
-                ack = self._probe_acks.get(timeout=deadline - time.perf_counter())
+                ack = self._probe_acks.get(timeout=min(0.5, max(0.0, deadline - time.perf_counter())))
             except queue.Empty:
-                break
+                if self._run_info is not None and self._run_info.seq != announced:
+                    return None   # a new coordinator process: it never saw this probe
+                continue
             if ack.body["nonce"] == nonce:
                 if self.emulator:
                     self.emulator.downlink(ack.wire_bytes)
                 return time.perf_counter() - t0
-        raise AgentError("the coordinator did not answer a link probe within 30 s")
+        return None
 
     def _register(self, info: Message, measured: dict, again: bool = False) -> None:
         assert self.core is not None
@@ -343,10 +371,14 @@ class AgentRunner:
                                       emulate=self.o.emulate, resume={"rounds_done": self.core.rounds_done},
                                       privacy=self.o.privacy.describe(), instance=self.instance,
                                       extra=self._extra)
-        deadline = time.monotonic() + self.o.wait_s
+        warn_at = time.monotonic() + self.o.wait_s
         register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
         held: list[Message] = []   # training messages that arrive meanwhile (a resent gradient): kept
-        while time.monotonic() < deadline:
+        while True:
+            if time.monotonic() >= warn_at:
+                log.warning("the coordinator has not answered our registration for %.0f s: still trying",
+                            self.o.wait_s)
+                warn_at = time.monotonic() + self.o.wait_s
             self._publish(register)
             try:
                 reply = self._inbox.get(timeout=self.o.retry_s)
@@ -370,7 +402,6 @@ class AgentRunner:
                     self._inbox.put(reply)
                     return
                 raise AgentError(f"coordinator is shutting down: {reply.body['reason']}")
-        raise AgentError("the coordinator did not accept the registration in time")
 
     def _rejoin(self, info: Message) -> None:
         """A new run description while serving: the coordinator restarted (``serve --resume`` after
@@ -450,16 +481,20 @@ class AgentRunner:
         if (msg.type == "run_info") != (topic == protocol.info_topic(self.o.run_id)):
             self.rejections.reject("malformed", f"{msg.type} not allowed on {topic}")
             return
-        if msg.type not in ("run_info", "probe_ack"):  # probe acks come from another coordinator thread
-            if self._seqs.is_replay(msg):
-                self.rejections.reject("replayed", f"{msg.type} on {topic}: seq {msg.seq} is older than "
-                                                   f"{self._seqs.last(msg.sender)}")
-                return
-            self._seqs.advance(msg)
+        guarded = msg.type not in ("run_info", "probe_ack")   # probe acks come from another coordinator thread
+        if guarded and self._seqs.is_replay(msg):
+            self.rejections.reject("replayed", f"{msg.type} on {topic}: seq {msg.seq} is older than "
+                                               f"{self._seqs.last(msg.sender)}")
+            return
         if msg.type == "run_info" and self._run_info is not None and msg.seq == self._run_info.seq:
             return  # the coordinator repeating its description for an agent that just came online
         if not self._trusted(msg, topic):
             return
+        if guarded and msg.type in signing.SIGNED_TYPES:
+            # Only a message our coordinator signed raises the replay bar: one that anybody could
+            # write (gradients, accepted, ...) with a huge seq would otherwise make us refuse every
+            # later assignment. Unsigned ones are idempotent by round and step (AgentCore).
+            self._seqs.advance(msg)
         self.bytes_down += msg.wire_bytes
         if msg.type == "run_info":
             self._run_info = msg

@@ -51,13 +51,27 @@ def start_coord(config: Path, tmp_path: Path, *args: str, name: str = "coord") -
                              "--verbose", *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
+def coordinator_key(out_dir: Path) -> str:
+    """The public key of the coordinator whose output directory is ``out_dir``, its key pair
+    made ahead there (as ``sfl-coord broker-config`` does), so agents can be started with it
+    (``--coordinator-key``) before or beside the coordinator."""
+    from sfl_core.wire.signing import KEY_FILE, Signer, public_text
+
+    return public_text(Signer.load_or_create(out_dir / KEY_FILE).public)
+
+
 def start_agents(broker: str, run: str, tmp_path: Path, n: int = 3, emulate: bool = True,
-                 extra: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+                 extra: dict[int, list[str]] | None = None, out_dir: Path | None = None,
+                 only: list[int] | None = None) -> list[subprocess.Popen]:
+    """``n`` agent processes (or those of ``only`` among them) following the coordinator of
+    ``out_dir`` (default: write_config's)."""
     procs = []
-    for i in range(n):
+    key = coordinator_key(out_dir or tmp_path / "out")
+    for i in (range(n) if only is None else only):
         log = open(tmp_path / f"agent-{i}.log", "w")
         cmd = [sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[i % len(PROFILES)],
-               "--broker", broker, "--run", run, "--index", str(i), "--agent-id", f"a{i}", "--verbose"]
+               "--broker", broker, "--run", run, "--index", str(i), "--agent-id", f"a{i}", "--verbose",
+               "--coordinator-key", key]
         if emulate:
             cmd.append("--emulate")
         cmd += (extra or {}).get(i, [])

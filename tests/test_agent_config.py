@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 import edge_agent.runner
 from cli.agent import app
+from sfl_core.wire.signing import Signer, public_text
 from edge_agent.settings import OptionSpec, command_option_specs, load_settings_file, settings_from_mapping
 from sfl_core.config.run import ConfigError
 
@@ -178,8 +179,11 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
         signal.signal(signal.SIGTERM, sigterm)
 
 
+KEY = public_text(Signer.generate().public)
+
+
 def invoke(*args: str):
-    return CliRunner(env={"COLUMNS": "400"}).invoke(app, ["start", *args])
+    return CliRunner(env={"COLUMNS": "400", "SFL_COORDINATOR_KEY": KEY}).invoke(app, ["start", *args])
 
 
 def test_flags_win_over_the_file(tmp_path: Path, recorded: list[Any]):
@@ -240,7 +244,7 @@ def test_file_is_read_before_the_broker_is_contacted(tmp_path: Path):
     port = free_port()
     f = tmp_path / "agent.yaml"
     f.write_text(yaml.safe_dump({"profile": "rpi4", "broker": f"mqtt://127.0.0.1:{port}", "run": "r1",
-                                 "agent_id": "cfg-test"}))
+                                 "agent_id": "cfg-test", "coordinator_key": KEY}))
     p = subprocess.run([sys.executable, "-m", "cli.agent", "start", "--config", str(f)], cwd=REPO,
                        env={**os.environ, "COLUMNS": "400"}, capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr

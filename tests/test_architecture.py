@@ -107,7 +107,7 @@ def test_there_are_no_import_loops():
 # Lowest first. A module may import its own layer and the ones below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sfl_core base", ("sfl_core.version", "sfl_core.console", "sfl_core.plugins", "sfl_core.extras", "sfl_core.privacy",
-                       "sfl_core.aggregation", "sfl_core.server_opt", "sfl_core.drift", "sfl_core.norm_stats", "sfl_core.losses", "sfl_core.estimates", "sfl_core.label_mix", "sfl_core.liveness",
+                       "sfl_core.aggregation", "sfl_core.server_opt", "sfl_core.drift", "sfl_core.norm_stats", "sfl_core.losses", "sfl_core.estimates", "sfl_core.label_mix", "sfl_core.liveness", "sfl_core.rate_limit",
                        "sfl_core.transport", "sfl_core.wire", "sfl_core.method_registry")),
     ("sfl_core model and data", ("sfl_core.model", "sfl_core.data.builtin", "sfl_core.data.partition",
                                  "sfl_core.data.preprocessing")),

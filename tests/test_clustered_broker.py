@@ -21,7 +21,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from sfl_core.wire import protocol
-from helpers import PROFILES, REPO, finish, logs, metrics, start_agents, start_coord, write_config
+from helpers import PROFILES, REPO, coordinator_key, finish, logs, metrics, start_agents, start_coord, write_config
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -30,7 +30,7 @@ def _agent(url: str, run: str, i: int, tmp_path) -> subprocess.Popen:
     log = open(tmp_path / f"agent-{i}.log", "w")
     return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[i],
                              "--broker", url, "--run", run, "--index", str(i), "--agent-id", f"a{i}",
-                             "--verbose", "--emulate"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                             "--verbose", "--emulate", "--coordinator-key", coordinator_key(tmp_path / "out")], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 class _Watcher:

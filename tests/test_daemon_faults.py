@@ -22,7 +22,7 @@ import pytest
 from conftest import free_port
 from sfl_core.wire import protocol
 from sfl_core.wire.protocol import Message
-from helpers import PROFILES, REPO, logs, wait_log, write_config
+from helpers import PROFILES, REPO, coordinator_key, logs, wait_log, write_config
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -31,7 +31,7 @@ def agent(tmp_path: Path, broker: str, run: str, agent_id: str, name: str, index
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[0],
                              "--broker", broker, "--run", run, "--index", str(index), "--agent-id", agent_id,
-                             "--verbose"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                             "--verbose", "--coordinator-key", coordinator_key(tmp_path / "out")], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def stop(*procs: subprocess.Popen) -> None:

@@ -47,7 +47,7 @@ import torch
 import conftest
 from coordinator import state as ckpt
 from sfl_core.wire import codec as wire
-from helpers import PROFILES, REPO, finish, logs, metrics, start_coord, wait_log, write_config
+from helpers import PROFILES, REPO, coordinator_key, finish, logs, metrics, start_coord, wait_log, write_config
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -102,7 +102,8 @@ class Procs:
     def agent(self, broker: str, run: str, i: int, *extra: str, name: str | None = None,
               trigger: Path | None = None) -> subprocess.Popen:
         args = ["start", "--profile", PROFILES[i % len(PROFILES)], "--broker", broker, "--run", run,
-                "--index", str(i), "--agent-id", f"a{i}", "--verbose", "--emulate", *extra]
+                "--index", str(i), "--agent-id", f"a{i}", "--verbose", "--emulate", *extra,
+                "--coordinator-key", coordinator_key(self.tmp_path / "out")]
         cmd = ([sys.executable, "-m", "cli.agent", *args] if trigger is None
                else [sys.executable, "-c", WARM_START, str(trigger), *args])
         log = open(self.tmp_path / f"{name or f'agent-{i}'}.log", "w")

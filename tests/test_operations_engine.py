@@ -207,7 +207,8 @@ def test_signatures_cover_the_whole_envelope_and_trust_pins_one_key(tmp_path):
     assert not signing.verify(Message("assign", "r", "coordinator", {"split": 2}), coord.public)  # unsigned
 
     path = tmp_path / "trust.json"
-    trust = signing.Trust(trust_file=path)
+    assert "no key is trusted" in signing.Trust(trust_file=path).decide("run", coord.public)  # no first use
+    trust = signing.Trust(trust_file=path, first_use=True)
     assert trust.decide("run", coord.public) is None                    # pinned on first use, saved
     assert "not the trusted" in trust.decide("run", forger.public)
     assert signing.Trust(trust_file=path).decide("run", forger.public)  # a restart keeps the pin

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import MODEL_FILE, NAMES, REPO, finish, logs, start_coord, write_fleet
+from helpers import MODEL_FILE, NAMES, REPO, coordinator_key, finish, logs, start_coord, write_fleet
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 PIL = pytest.importorskip("PIL.Image")
@@ -28,7 +28,7 @@ def _agent(broker: str, tmp_path: Path, name: str, data: Path, model_file: Path,
     log = open(tmp_path / f"agent-{name}.log", "w")
     return subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", profile, "--broker", broker,
                              "--run", "own", "--agent-id", name, "--data", str(data), "--model-file", str(model_file),
-                             "--verbose"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                             "--verbose", "--coordinator-key", coordinator_key(tmp_path / "out")], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def test_three_devices_train_on_their_own_folders_and_the_export_reproduces_the_accuracy(mosquitto, tmp_path):

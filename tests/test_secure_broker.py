@@ -23,7 +23,7 @@ from coordinator.broker_config import BrokerTls, password_hash, write_broker_con
 from sfl_core.transport.mqtt_link import MqttLink, broker_address
 
 from conftest import _brokers, free_port
-from helpers import REPO, finish, logs, metrics, write_config
+from helpers import REPO, coordinator_key, finish, logs, metrics, write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -193,7 +193,7 @@ def test_run_over_tls_with_per_device_credentials(secure_broker, tmp_path):
         agents.append(subprocess.Popen(
             [sys.executable, "-m", "cli.agent", "start", "--profile", "s2fl-high-high", "--broker",
              url.format(user=user), "--ca-file", ca, "--password-file", str(cred[user]), "--run", RUN,
-             "--index", str(i), "--verbose"], stdout=alog, stderr=subprocess.STDOUT, cwd=REPO))
+             "--index", str(i), "--verbose", "--coordinator-key", coordinator_key(tmp_path / "out")], stdout=alog, stderr=subprocess.STDOUT, cwd=REPO))
     assert finish([coord, *agents], timeout=180) == [0, 0, 0], logs(tmp_path)
     m = metrics(tmp_path)
     assert m[-1]["round"] == 1 and m[-1]["completed"] == ["a0", "a1"], m[-1]
@@ -210,11 +210,14 @@ def test_broker_config_cli_is_idempotent(tmp_path):
     cmd = [sys.executable, "-m", "cli.coord", "broker-config", str(out), "-a", "dev1"]
     subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
     first = (out / "credentials" / "dev1.password").read_text()
+    key = (out / "credentials" / "coordinator.pub").read_text()     # what every device follows
     assert (out / "credentials" / "dev1.password").stat().st_mode & 0o077 == 0
+    assert (out / "coordinator.key").stat().st_mode & 0o077 == 0
     subprocess.run([*cmd, "-a", "dev2"], check=True, capture_output=True, cwd=REPO)
     assert (out / "credentials" / "dev1.password").read_text() == first
+    assert (out / "credentials" / "coordinator.pub").read_text() == key   # the same coordinator key
     assert {p.name for p in (out / "credentials").iterdir()} == {"coordinator.password", "dev1.password",
-                                                                 "dev2.password"}
+                                                                 "dev2.password", "coordinator.pub"}
     conf = (out / "mosquitto.conf").read_text()
     assert "listener 1883" in conf and "set_tcp_nodelay true" in conf  # the secure_broker fixture runs with it
     assert [ln.split(":")[0] for ln in (out / "passwd").read_text().splitlines()] == ["coordinator", "dev1", "dev2"]

@@ -6,12 +6,16 @@ import logging
 import signal
 import socket
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
 from cli.agent.app import app, console, tell, use_config_file
 from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
+
+if TYPE_CHECKING:
+    from sfl_core.transport.broker_url import BrokerAddress
+    from sfl_core.wire.signing import Trust
 
 
 def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bool, label_protection: Optional[str],
@@ -29,6 +33,23 @@ def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bo
                         withhold_labels=withhold_labels,
                         label_protection=parse("--label-protection", label_protection, LabelProtection),
                         dp_sgd=parse("--dp-sgd", dp_sgd, DpSgd))
+
+
+def trust_problem(trust: "Trust", run: str, address: "BrokerAddress") -> Optional[str]:
+    """Why this agent cannot know whom to obey (one line), or None: trust comes from outside the
+    broker (a key given or pinned) unless --trust-first-use, and that only where the broker
+    authenticates devices (docs/security.md, the threat model)."""
+    if trust.pinned(run) is not None:
+        return None
+    if not trust.first_use:
+        return (f"no coordinator key for run {run!r}: give --coordinator-key (the coordinator's coordinator.pub, "
+                f"printed by `sfl-coord serve` and issued by `sfl-coord broker-config`), or --trust-first-use on a "
+                f"broker that authenticates devices")
+    if not address.username and not address.tls_files.cert_file:
+        return (f"--trust-first-use on {address.url()}, which does not authenticate this device (no user name, no "
+                f"client certificate): anyone on it could publish the first run description; give "
+                f"--coordinator-key instead")
+    return None
 
 
 @app.command()
@@ -72,12 +93,20 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                                "client portion: clip each sample's gradient to CLIP, add noise of "
                                                "std SIGMA x CLIP; epsilon at DELTA (default 1e-5) is logged and "
                                                "reported (needs the 'privacy' extra: Opacus)."),
-          coordinator_key: Optional[str] = typer.Option(None, "--coordinator-key", help="Follow only the "
-                                                        "coordinator with this public key (its coordinator.pub: "
-                                                        "the base64 text or the file). Default: the first key "
-                                                        "seen for the run (pinned in --trust-file if given)."),
-          trust_file: Optional[Path] = typer.Option(None, "--trust-file", help="Keep the coordinator key pinned "
-                                                    "on first use here (JSON, run id -> key), across restarts."),
+          coordinator_key: Optional[str] = typer.Option(None, "--coordinator-key", envvar="SFL_COORDINATOR_KEY",
+                                                        help="Follow only the coordinator with this public key (its "
+                                                        "coordinator.pub: the base64 text or the file; `sfl-coord "
+                                                        "serve` prints it, `sfl-coord broker-config` issues it with "
+                                                        "the devices' credentials). Needed unless --trust-file "
+                                                        "already holds the run's key or --trust-first-use."),
+          trust_file: Optional[Path] = typer.Option(None, "--trust-file", help="Keep the run's coordinator key "
+                                                    "here (JSON, run id -> key): pinned by --trust-first-use, and "
+                                                    "followed by every later start."),
+          trust_first_use: bool = typer.Option(False, "--trust-first-use", help="Without --coordinator-key: "
+                                               "believe the first signed run description seen and pin its key. "
+                                               "Only on a broker that authenticates devices (credentials or a "
+                                               "client certificate) and confines them with an ACL: elsewhere "
+                                               "anyone could publish the first description."),
           model_file: List[Path] = typer.Option([], "--model-file", metavar="PATH", help="A Python file of your own model "
                                                 "(the same file as the coordinator's 'model: FILE.py:FUNCTION'); "
                                                 "imported only when the run names it. Repeatable."),
@@ -109,7 +138,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
         raise typer.Exit(2)
     try:
         key = parse_public(coordinator_key, "--coordinator-key") if coordinator_key else None
-        Trust(key, trust_file)   # an unreadable trust file is a configuration error, found now
+        trust = Trust(key, trust_file, first_use=trust_first_use)   # an unreadable trust file: found now
     except TrustError as exc:
         tell(str(exc))
         raise typer.Exit(2)
@@ -134,12 +163,17 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
     except (ValueError, RuntimeError) as exc:
         console.print(str(exc), style="red", markup=False)
         raise typer.Exit(2)
+    problem = trust_problem(trust, run, address)
+    if problem:
+        tell(problem)
+        raise typer.Exit(2)
     name = agent_id or address.username or f"{socket.gethostname().split('.')[0]}-{index}"
     name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:64]
     runner = AgentRunner(AgentOptions(broker=address, run_id=run, agent_id=name, profile=prof, index=index,
                                       data_root=data, shard_file=str(shard_file) if shard_file else None,
                                       emulate=emulate, slowdown=slowdown, seed=seed, privacy=privacy,
                                       coordinator_key=key, trust_file=str(trust_file) if trust_file else None,
+                                      trust_first_use=trust_first_use,
                                       model_files=tuple(str(f) for f in model_file)))
 
     def on_signal(signum, frame):

@@ -133,13 +133,20 @@ def label_counts(cfg: "RunConfig") -> list[list[int]]:
     return [[int((labels[s] == c).sum()) for c in range(ds.num_classes)] for s in shards]
 
 
-def web_access(token: Optional[str], cert: Optional[Path], key: Optional[Path], insecure: bool) -> "WebAccess":
+SERVE_WEB_FLAGS = ("--dashboard-token or SFL_DASHBOARD_TOKEN", "--web-tls-cert", "--web-tls-key", "--insecure-web")
+"""How ``serve`` names the page's token, certificate, key and insecure switch (``dashboard``: its own)."""
+
+
+def web_access(token: Optional[str], cert: Optional[Path], key: Optional[Path], insecure: bool,
+               flags: tuple[str, str, str, str] = SERVE_WEB_FLAGS) -> "WebAccess":
+    """Who may reach the page and the metrics; refusals name the command's own ``flags``."""
     from coordinator.web import WebAccess
 
     if bool(cert) != bool(key):
-        tell("--web-tls-cert and --web-tls-key go together")
+        tell(f"{flags[1]} and {flags[2]} go together")
         raise typer.Exit(2)
-    return WebAccess(token=token, tls=(str(cert), str(key)) if cert and key else None, insecure=insecure)
+    return WebAccess(token=token, tls=(str(cert), str(key)) if cert and key else None, insecure=insecure,
+                     flags=flags)
 
 
 DATA_OPTION = typer.Option(None, "--data", help="Directory of the run's data set; overrides the config's "

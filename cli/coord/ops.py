@@ -72,7 +72,8 @@ def dashboard(run_dir: Path = typer.Argument(..., help="A run's output directory
     if not run_dir.is_dir():
         tell(f"{run_dir}: not a directory (a run's output directory, e.g. runs/demo)")
         raise typer.Exit(2)
-    access = web_access(token, tls_cert, tls_key, insecure)
+    access = web_access(token, tls_cert, tls_key, insecure,
+                        flags=("--token or SFL_DASHBOARD_TOKEN", "--tls-cert", "--tls-key", "--insecure"))
     try:
         page = start_dashboard(listen, run_dir, access=access)
     except WebError as exc:
@@ -116,6 +117,23 @@ def export_cmd(run_dir: Path = typer.Argument(..., help="A run's output director
     console.print(f"sidecar: {onnx.with_suffix('.json')}")
 
 
+@app.command()
+def key(where: Path = typer.Argument(..., help="A run's output directory (e.g. runs/photos: its coordinator.key) "
+                                    "or a key file (e.g. /etc/sfl/coordinator.key).")) -> None:
+    """Create (or show) a coordinator's signing key ahead of `serve`, and print its public half:
+    what each agent follows (`sfl-agent start --coordinator-key`)."""
+    from sfl_core.wire.signing import KEY_FILE, Signer, TrustError, public_text
+
+    path = where / KEY_FILE if where.is_dir() or not where.suffix else where
+    try:
+        signer = Signer.load_or_create(path)
+    except (TrustError, OSError) as exc:
+        tell(str(exc))
+        raise typer.Exit(2)
+    console.print(f"{public_text(signer.public)}  (private: {path}; public: {path.with_suffix('.pub')})",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command("broker-config")
 def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.conf, acl, passwd, credentials/."),
                   agent: list[str] = typer.Option([], "--agent", "-a", help="An agent's user name = its agent id "
@@ -134,7 +152,11 @@ def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.
                                                                  "here across broker restarts."),
                   server_workers: int = typer.Option(1, min=1, help="Also create the users of `serve "
                                                      "--server-workers N`'s further ranks (<coordinator>-w1 ...), "
-                                                     "with the coordinator's rights and password.")) -> None:
+                                                     "with the coordinator's rights and password."),
+                  signing_key: Optional[Path] = typer.Option(None, "--signing-key", help="The coordinator's signing "
+                                                             "key (created if missing; default OUT/coordinator.key): "
+                                                             "its public half goes to credentials/coordinator.pub, "
+                                                             "for every device to follow.")) -> None:
     """Write a Mosquitto configuration: TLS listener, one user per device, an ACL that confines each
     agent to its own topics (`mosquitto -c OUT/mosquitto.conf`)."""
     from coordinator.broker_config import BrokerTls, write_broker_config
@@ -157,6 +179,16 @@ def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.
     except ValueError as exc:
         tell(str(exc))
         raise typer.Exit(2)
+    from sfl_core.wire.signing import KEY_FILE, PUBLIC_FILE, Signer, TrustError, public_text
+
+    signing_key = signing_key or out / KEY_FILE
+    try:
+        signer = Signer.load_or_create(signing_key)
+    except (TrustError, OSError) as exc:
+        tell(str(exc))
+        raise typer.Exit(2)
+    (out / "credentials").mkdir(parents=True, exist_ok=True)
+    (out / "credentials" / PUBLIC_FILE).write_text(public_text(signer.public) + "\n")
     scheme = "mqtts" if tls else "mqtt"
     if tls is None:
         tell("no --tls-cert/--tls-key: passwords would cross the network in clear text; "
@@ -165,10 +197,12 @@ def broker_config(out: Path = typer.Argument(..., help="Directory for mosquitto.
     if files.credentials:
         console.print(f"credentials (hand each device its own file, mode 0600): {out / 'credentials'}/<user>.password")
     console.print(f"start the broker:  mosquitto -c {files.conf}")
+    console.print(f"coordinator key:   {signing_key} (hand each device {out / 'credentials' / PUBLIC_FILE})")
     console.print(f"coordinator:       sfl-coord serve -c RUN.yaml --broker {scheme}://{coordinator_user}@HOST:{port}"
                   + (" --ca-file CA.crt" if tls else "") + (f" --password-file {coordinator_user}.password"
-                                                              if files.credentials else ""))
+                                                              if files.credentials else "")
+                  + f" --signing-key {signing_key}")
     console.print(f"each agent:        sfl-agent start --broker {scheme}://AGENT@HOST:{port}"
                   + (" --ca-file CA.crt" if tls else "")
                   + (" --password-file AGENT.password" if files.credentials else " --cert-file AGENT.crt --key-file AGENT.key")
-                  + " --profile P --run R --index I")
+                  + " --coordinator-key coordinator.pub --profile P --run R --index I")

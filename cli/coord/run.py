@@ -240,13 +240,13 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     procs: list[subprocess.Popen] = []
     logs_dir = output_dir(cfg) / "agent-logs"
 
-    def launch(broker_url: str) -> None:
+    def launch(broker_url: str, coordinator_key: str) -> None:
         logs_dir.mkdir(parents=True, exist_ok=True)
         from sfl_core.model.user_models import model_source
         source = model_source(cfg.model)
         for i, (profile, own) in enumerate(zip(cfg.agent_profiles(), cfg.agent_data())):
             cmd = [sys.executable, "-m", "cli.agent", "start", "--profile", profile, "--broker", broker_url,
-                   "--run", cfg.run_id, "--agent-id", f"agent-{i}", "--emulate"]
+                   "--run", cfg.run_id, "--agent-id", f"agent-{i}", "--emulate", "--coordinator-key", coordinator_key]
             if own is not None:     # a task run: each agent its own data
                 cmd += ["--data", own]
             else:                   # a benchmark run: shard i of the built-in set

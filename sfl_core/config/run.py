@@ -617,6 +617,15 @@ class RunConfig(Section):
     price with it; ``strategy: auto`` measures it in a deployment."""
     step_timeout_s: Annotated[float, POSITIVE_NUMBER] = 60.0
     register_timeout_s: Annotated[float, POSITIVE_NUMBER] = 300.0
+    round_deadline: Annotated[float, AT_LEAST_0] = 4.0
+    """A deployed round's deadline, in multiples of its predicted time (the time model's, from
+    what its agents measured), never under ``round_deadline_min_s``; 0: no deadline."""
+    round_deadline_min_s: Annotated[float, POSITIVE_NUMBER] = 30.0
+    busy_timeout_s: Annotated[float, POSITIVE_NUMBER] = 300.0
+    """An agent whose heartbeats say busy while nothing it owes arrives for this long is dropped."""
+    stragglers: Annotated[str, checked(one_of("continue", "replan"))] = "continue"
+    """Past the deadline: drop the late agents and go on with the rest (continue), or drop them
+    and plan the round again without them (replan)."""
     min_completed: Annotated[int, POSITIVE_INTEGER] = 1
     """Agents that must complete a round for it to count (at most those selected)."""
     max_registered: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None

@@ -268,16 +268,32 @@ class Rejections:
     ``rate_limited`` / ``unprobed`` / ``registry_full`` (coordinator: registrations refused).
     """
 
+    LOG_EVERY_S = 60.0
+    """Each (reason, sender) is logged at most once in this many seconds, with how many more
+    were dropped since: a flood must not fill the disk with log lines."""
+
     def __init__(self, logger: Any) -> None:
         self._log = logger
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._quiet: dict[tuple[str, str], list[float]] = {}   # (reason, who) -> [logged at, unlogged count]
 
     def reject(self, reason: str, detail: str, *, level: int = logging.WARNING) -> None:
-        """Count one message under ``reason`` and log ``detail`` (WARNING unless ``level`` says)."""
+        """Count one message under ``reason`` and log ``detail`` (WARNING unless ``level`` says),
+        at most once a minute per reason and sender (``detail`` up to its first colon names the
+        sender: ``message on TOPIC``, ``probe from A``, ...)."""
+        who = detail.split(":", 1)[0]
+        now = time.monotonic()
         with self._lock:
             self._counts[reason] = self._counts.get(reason, 0) + 1
-        self._log.log(level, "rejected %s", detail)
+            seen = self._quiet.get((reason, who))
+            if seen is not None and now - seen[0] < self.LOG_EVERY_S:
+                seen[1] += 1
+                return
+            more = int(seen[1]) if seen is not None else 0
+            remember(self._quiet, (reason, who), [now, 0], limit=10_000)   # type: ignore[arg-type]
+        self._log.log(level, "rejected %s%s", detail,
+                      f" (and {more} more {reason} from the same sender in the last minute)" if more else "")
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -287,6 +303,20 @@ class Rejections:
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())
+
+
+PROBE_AMPLIFICATION = 16
+"""A link probe's answer is at most this many times the probe's own bytes (or
+:data:`PROBE_FREE_BYTES`): a coordinator must not turn a few bytes from anyone into megabytes
+on the broker. An agent timing its downlink pads its probe accordingly."""
+PROBE_FREE_BYTES = 4096
+"""Answer bytes any probe may ask for, whatever it paid."""
+MAX_PROBE_REPLY = 4 * 2**20
+
+
+def probe_reply_bytes(asked: int, paid: int) -> int:
+    """How many bytes a probe of ``paid`` wire bytes that asks for ``asked`` is answered with."""
+    return max(0, min(asked, MAX_PROBE_REPLY, max(PROBE_FREE_BYTES, PROBE_AMPLIFICATION * paid)))
 
 
 MAX_REMEMBERED = 100_000

@@ -12,10 +12,15 @@ Trust model (docs/protocol.md §2.1):
 - the coordinator signs ``run_info``, ``assign`` and ``shutdown``: the signature covers the
   whole envelope (type, run, sender, seq, round, step and body without ``sig``), so a signed
   message cannot be replayed under another round or altered;
-- an agent trusts one key per run: the one given explicitly (``--coordinator-key``), else the
-  one pinned in its trust file on first use (``--trust-file``), else the first one it saw in
-  this process. A description signed by another key, or unsigned, is refused with one
-  WARNING line; so is an assignment or a shutdown that the trusted key did not sign.
+- an agent trusts one key per run, and that trust comes from outside the broker: the key given
+  at install or start (``--coordinator-key``, as ``sfl-coord broker-config`` issues it with the
+  device's credentials), or the one pinned in its trust file (``--trust-file``) by an earlier
+  start. Trust on first use (the first signed description seen is believed and pinned) only
+  with ``--trust-first-use``, which the agent refuses on a broker that does not authenticate
+  devices: there anyone could publish the first description, and an attacker's retained copy
+  published before the agent's first start would be pinned instead of the coordinator's.
+  A description signed by another key, or unsigned, is refused with one WARNING line; so is
+  an assignment or a shutdown that the trusted key did not sign.
 
 Why Ed25519 (via ``cryptography``): 32-byte keys that fit on one line of a config file,
 deterministic signatures, and tens of microseconds per message.
@@ -129,15 +134,18 @@ def verify(msg: Any, public: bytes) -> bool:
 
 
 class Trust:
-    """The key an agent follows for its run: explicit, pinned in a trust file, or first seen.
+    """The key an agent follows for its run: explicit, pinned in a trust file, or (only with
+    ``first_use``) the first one seen.
 
     ``decide(run, key)`` returns None when ``key`` is trusted (pinning it on first use), else
     the reason it is not.
     """
 
-    def __init__(self, explicit: Optional[bytes] = None, trust_file: Optional[Path] = None):
+    def __init__(self, explicit: Optional[bytes] = None, trust_file: Optional[Path] = None,
+                 first_use: bool = False):
         self.explicit = explicit
         self.trust_file = trust_file
+        self.first_use = first_use
         self._pinned: dict[str, bytes] = {}
         if trust_file is not None and trust_file.exists():
             try:
@@ -151,8 +159,15 @@ class Trust:
     def pinned(self, run: str) -> Optional[bytes]:
         return self.explicit if self.explicit is not None else self._pinned.get(run)
 
+    def can_trust(self, run: str) -> bool:
+        """Whether any key can be trusted for ``run``: one given or pinned, or first use allowed."""
+        return self.first_use or self.pinned(run) is not None
+
     def decide(self, run: str, key: bytes) -> Optional[str]:
         trusted = self.pinned(run)
+        if trusted is None and not self.first_use:
+            return (f"signed by coordinator key {public_text(key)}, but no key is trusted for this run "
+                    f"(give --coordinator-key, or --trust-first-use on a broker that authenticates devices)")
         if trusted is None:
             self._pinned[run] = key
             if self.trust_file is not None:
