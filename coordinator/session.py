@@ -548,6 +548,10 @@ class FleetSession:
                 # start that will exit); waiting for the old one's replies would cost the round
                 # its resends and timeouts
                 self.drop(agents, msg.sender, f"restarted (process {msg.body['instance']} replaced {ra.instance})")
+            elif ra is not None and ra.instance and not msg.body["online"] and msg.body["instance"] == ra.instance:
+                # the process holding the round left: a clean stop says so as it goes, a crash
+                # through its last will once the broker misses it; nothing more will come from it
+                self.drop(agents, msg.sender, "left (its process said it is offline)")
             if msg.body["online"]:
                 protocol.remember(self._present, msg.sender, msg.body["instance"])
                 self._gone.discard(msg.sender)

@@ -154,6 +154,11 @@ class AgentCore:
         log.debug("agent %s ignores %s", self.agent_id, msg.type)
         return []
 
+    @property
+    def assignment(self) -> Optional[Assignment]:
+        """The round's assignment being (or last) executed."""
+        return self._assign
+
     def last_reply(self) -> Optional[Message]:
         """What to retransmit when the coordinator has gone quiet."""
         return self._last_reply

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -28,13 +28,14 @@ from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
 from edge_agent.own_data import prepare_device, task_of
 from edge_agent.profiler import measure_compute, measure_link
+from edge_agent.run_model import device_model
+from edge_agent.status import RoundSummary, StatusFile, default_status_file
 from sfl_core import liveness
 from sfl_core.config.run import ConfigError, DeviceProfile
 from sfl_core.data.builtin import load_dataset
 from sfl_core.data.partition import load_shard_file, shard_for_agent
 from sfl_core.model.accounting import model_costs
-from sfl_core.model.fingerprint import architecture, digest, first_difference
-from sfl_core.model.user_models import register_layers, resolve_agent_model
+from sfl_core.model.fingerprint import digest
 from sfl_core.model.zoo import build_model
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.transport.broker_url import BrokerAddress
@@ -84,6 +85,8 @@ class AgentOptions:
     """Where the run's key is pinned across restarts (``--trust-file``); None: in memory."""
     trust_first_use: bool = False
     """Without a key given or pinned: believe the first signed run description (``--trust-first-use``)."""
+    status_file: Optional[str] = None
+    """Where this agent keeps its status for ``sfl-agent status`` (None: :func:`default_status_file`)."""
     model_files: tuple[str, ...] = ()
     """Python files of users' models installed on this device (``--model-file``): the only model
     code this agent imports, and only the file a run names."""
@@ -147,6 +150,10 @@ class AgentRunner:
         # not silently share it (see _claim_id). The MQTT client id includes it, so they do not
         # knock each other off the broker while that is sorted out.
         self.instance = uuid.uuid4().hex[:12]
+        self.status = StatusFile(Path(opts.status_file) if opts.status_file else default_status_file(opts.agent_id),
+                                 opts.agent_id, opts.run_id)
+        self._status_warned = False
+        self._round_start: tuple[float, int, int] = (time.monotonic(), 0, 0)   # when, bytes up, bytes down
         self._status_topic = protocol.status_topic(opts.run_id, opts.agent_id)
         self._claim = Claim(self.instance, self._announce_online)
         self._runs_seen: set[str] = set()
@@ -161,6 +168,7 @@ class AgentRunner:
     def run(self) -> int:
         self.link.connect(timeout=30)
         try:
+            self._note("starting")
             self._announce_online()
             self._claim_id()
             info = self._wait_run_info()
@@ -169,12 +177,14 @@ class AgentRunner:
             self.core = self._build_core(info)
             self._measured = self._measure(info)
             self._register(info, self._measured)
+            self._note("waiting for a round")
             heartbeat = threading.Thread(target=self._heartbeat, daemon=True)
             heartbeat.start()
             self._serve()
             return 0
         finally:
             self._stop.set()
+            self._note("stopped")
             # best effort and short: after a shutdown the broker may already be gone (an embedded
             # one stops with its coordinator), and a waiting agent would outlive its run. An agent
             # that lost the id to a running owner says nothing: the id's status is the owner's.
@@ -210,6 +220,7 @@ class AgentRunner:
 
     def _wait_run_info(self) -> Message:
         log.info("waiting for the coordinator's description of run %s", self.o.run_id)
+        self._note("waiting for the run description")
         next_look = time.monotonic() + self.o.discover_after_s
         while not self._run_info_ready.wait(max(0.0, next_look - time.monotonic())):
             runs = self._announced_runs()
@@ -233,8 +244,10 @@ class AgentRunner:
 
     def _build_core(self, info: Message) -> AgentCore:
         b = info.body
-        self._resolve_model(b)
-        lines = self._check_model(b)
+        try:
+            lines = device_model(b, self.o.model_files)
+        except ValueError as exc:
+            raise ContractError(str(exc)) from None
         if "task" in b:
             return self._build_own_data_core(b, lines)
         self._extra = {"architecture": digest(lines)} if "architecture" in b else {}
@@ -263,36 +276,6 @@ class AgentRunner:
         return AgentCore(self.o.agent_id, self.o.run_id, local, data.input_shape,
                          seed=self.o.seed * 1000 + self.o.index, compute_hook=hook,
                          privacy=self.o.privacy)
-
-    def _resolve_model(self, b: dict) -> None:
-        """A user's model: registered from this device's own copy of its file (given with
-        --model-file), or from the layer list the run description carries (validated)."""
-        try:
-            if "model_layers" in b:
-                name = register_layers(b["model_layers"])
-                if name != b["model"].partition(":")[0]:
-                    raise ValueError(f"the run's layer list is registered here as {name}, the run calls it "
-                                     f"{b['model']}")
-            elif "model_file" in b:
-                if "model_function" not in b:
-                    raise ValueError("run description: model_file without model_function")
-                resolve_agent_model(b["model_file"], b["model_function"], self.o.model_files)
-        except ValueError as exc:
-            raise ContractError(str(exc)) from None
-
-    def _check_model(self, b: dict) -> list[str]:
-        """This device's build of the run's model, described tensor by tensor; where the run
-        description carries the coordinator's description (a task run, a user's model), the
-        first difference stops the agent before it registers."""
-        try:
-            ours = architecture(build_model(b["model"], tuple(b["input_shape"]), b["num_classes"]))
-        except ValueError as exc:
-            raise ContractError(f"cannot build the run's model here: {exc}") from None
-        diff = first_difference([str(x) for x in b.get("architecture") or []], ours) if "architecture" in b else ""
-        if diff:
-            raise ContractError(f"this device's model {b['model']!r} is not the run's ({diff}): install the same "
-                                f"model code here")
-        return ours
 
     def _build_own_data_core(self, b: dict, lines: list[str]) -> AgentCore:
         """A run on the devices' own data: all of this device's data under the run's task contract."""
@@ -441,6 +424,9 @@ class AgentRunner:
                 continue
             self._busy = True
             try:
+                if msg.type == "assign" and msg.round != self.core.round:
+                    self._round_start = (time.monotonic(), self.bytes_up, self.bytes_down - msg.wire_bytes)
+                    self._note("training", round=msg.round)
                 if self.emulator:
                     if msg.type == "assign":
                         self.emulator.at_round(msg.round)
@@ -448,10 +434,33 @@ class AgentRunner:
                 replies = self.core.handle(msg)
                 for reply in replies:
                     self._publish(reply)
+                    if reply.type == "weights":
+                        self._round_done(reply)
             except (wire.WireError, ValueError) as exc:
                 self.rejections.reject("invalid", f"{msg.type} (round {msg.round} step {msg.step}): {exc}")
             finally:
                 self._busy = False
+
+    def _round_done(self, weights: Message) -> None:
+        """One INFO line for the round just finished, and the status file."""
+        assert self.core is not None
+        a = self.core.assignment
+        if a is None:
+            return
+        t0, up0, down0 = self._round_start
+        summary = RoundSummary(round=weights.round, split=a.split, batch=a.batch_size, steps=a.tau,
+                               loss=RoundSummary.loss_of(weights.body.get("loss")),
+                               bytes_up=self.bytes_up - up0, bytes_down=self.bytes_down - down0,
+                               seconds=round(time.monotonic() - t0, 3))
+        log.info("%s", summary.line())
+        self._note("waiting for a round", round=weights.round, rounds_done=self.core.rounds_done,
+                   last_round=asdict(summary))
+
+    def _note(self, state: str, **fields) -> None:
+        problem = self.status.set(state, **fields)
+        if problem and not self._status_warned:
+            self._status_warned = True
+            log.info("cannot keep the status file for `sfl-agent status`: %s", problem)
 
     # ================================================================ network
     def _on_message(self, topic: str, payload: bytes) -> None:

@@ -47,7 +47,8 @@ Agent options:
 $COMMON_USAGE
 
 Afterwards:
-  1. edit PREFIX/etc/agent.yaml (profile, broker, run, index, data, ...)
+  1. edit PREFIX/etc/agent.yaml (profile, broker, run, index, data, coordinator_key: the
+     coordinator.pub that sfl-coord broker-config issued with this device's credentials, ...)
   2. sudo systemctl enable --now sfl-agent; journalctl -u sfl-agent -f
 USAGE
 }
@@ -149,9 +150,14 @@ install_profiles
 # The config: profiles/agent.example.yaml (every key, commented out) with the --set keys
 # filled in. Written once; afterwards it belongs to the operator.
 if [[ ! -e "$CONFIG" ]]; then
-    # the coordinator key the agent pins on first use survives restarts (docs/protocol.md §2.1)
+    # where the run's coordinator key is kept across restarts (docs/protocol.md §2.1); the key
+    # itself comes with the device's credentials: --set coordinator_key=/path/coordinator.pub
     if ! printf '%s\n' "${SETTINGS[@]}" | grep -q '^trust_file='; then
         SETTINGS=("trust_file=$STATE/known_coordinators.json" "${SETTINGS[@]}")
+    fi
+    # what `sfl-agent status --config PREFIX/etc/agent.yaml` reads (the unit cannot write to home)
+    if ! printf '%s\n' "${SETTINGS[@]}" | grep -q '^status_file='; then
+        SETTINGS=("status_file=$STATE/status.json" "${SETTINGS[@]}")
     fi
     "$VENV/bin/python" - "$SRC_DIR/profiles/agent.example.yaml" "${SETTINGS[@]}" <<'PY' | write_config_once "$CONFIG" 0640
 import re, sys

@@ -240,15 +240,45 @@ def test_check_data_says_what_a_device_holds_and_whether_it_fits(fleet, tmp_path
     assert report["fits"] is True and report["train_samples"] == 320 and report["val_samples"] == 80
     assert report["label_counts"] == list(report["train"].values()) and report["skipped"] == 1
     assert report["skipped_files"][0].startswith(str(fleet / "pi-3" / "train" / "five" / "broken.png"))
-    text = _cli(app, "check-data", "--data", str(fleet / "pi-2"), "--run-config", str(run))
+    text = _cli(app, "check-data", "--data", str(fleet / "pi-2"), "--run-config", str(run), "--model-file",
+                str(fleet / "my_models.py"))
     assert text.exit_code == 0 and "three 0, four" in text.output and "fits the run" in text.output
+    alone = _cli(app, "check-data", "--data", str(fleet / "pi-2"), "--run-config", str(run))
+    assert alone.exit_code == 2 and "install my_models.py on this device and pass --model-file" in alone.output
     survey = _cli(app, "check-data", "--data", str(fleet / "pi-2"))
     assert survey.exit_code == 0 and "train/: eight" in survey.output and "8x8 L" in survey.output
     (tmp_path / "odd" / "horse").mkdir(parents=True)
     PIL.fromarray(np.zeros((8, 8), np.uint8), "L").save(tmp_path / "odd" / "horse" / "0.png")
-    bad = _cli(app, "check-data", "--data", str(tmp_path / "odd"), "--run-config", str(run))
+    bad = _cli(app, "check-data", "--data", str(tmp_path / "odd"), "--run-config", str(run), "--model-file",
+               str(fleet / "my_models.py"))
     assert bad.exit_code == 2 and "class 'horse' is not one of the run's classes" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_check_data_resolves_the_model_exactly_as_start_does(fleet, tmp_path):
+    """Issue 63 item 1, both directions: a device whose own model file builds another network
+    is refused (start would refuse it), and a run config copied alone into another folder
+    fits with the device's right --model-file (start would accept it). A run config without a
+    fleet is checked too: the fleet is the coordinator's business."""
+    from cli.agent import app
+
+    (fleet / "my_models.py").write_text(MODEL_FILE)
+    run = write_run(fleet, model="my_models.py:build_net")
+    other = tmp_path / "device-b" / "my_models.py"
+    other.parent.mkdir()
+    other.write_text(MODEL_FILE.replace("Conv2d(c, 16", "Conv2d(c, 24").replace("Conv2d(16, 32", "Conv2d(24, 32"))
+    assert other.read_text() != MODEL_FILE
+    res = _cli(app, "check-data", "--data", str(fleet / "pi-2"), "--run-config", str(run), "--model-file", str(other))
+    assert res.exit_code == 2 and "this device's model 'build_net' is not the run's (tensor 0" in res.output, res.output
+    elsewhere = tmp_path / "copied" / "run.yaml"
+    elsewhere.parent.mkdir()
+    raw = yaml.safe_load(run.read_text())
+    raw.pop("fleet")
+    elsewhere.write_text(yaml.safe_dump(raw))
+    res = _cli(app, "check-data", "--data", str(fleet / "pi-2"), "--run-config", str(elsewhere), "--model-file",
+               str(fleet / "my_models.py"))
+    assert res.exit_code == 0 and "fits the run" in res.output, res.output
+    assert "Traceback" not in res.output
 
 
 def test_plan_and_models_work_on_a_task_run_with_a_users_model(fleet):

@@ -25,7 +25,7 @@ def shell_blocks(text: str) -> list[str]:
 
 def test_every_command_of_the_tutorial_runs_and_ends_with_an_accurate_exported_model(tmp_path):
     blocks = shell_blocks(TUTORIAL.read_text())
-    assert blocks[0].strip() == "pip install sfl-edge" and len(blocks) == 8
+    assert blocks[0].strip() == "pip install 'sfl-edge[coordinator,predict]'" and len(blocks) == 8
     port = str(free_port())
     script = "set -euo pipefail\n" + "\n".join(b.replace("1883", port) for b in blocks[1:])
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

@@ -40,5 +40,5 @@ def use_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Optio
     from edge_agent.settings import use_config_file  # imports sfl_core.config.run (torch): only when used
 
     # 'data' is a directory and 'profile' a name or a YAML path: relative ones are relative to the file
-    return use_config_file(ctx, param, value, path_options={"data", "trust_file", "model_file"},
+    return use_config_file(ctx, param, value, path_options={"data", "trust_file", "model_file", "status_file"},
                             maybe_path_options={"profile"})   # coordinator_key: base64 has '/', never resolved

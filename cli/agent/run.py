@@ -107,6 +107,10 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                                "Only on a broker that authenticates devices (credentials or a "
                                                "client certificate) and confines them with an ACL: elsewhere "
                                                "anyone could publish the first description."),
+          status_file: Optional[Path] = typer.Option(None, "--status-file", help="Where this agent keeps its "
+                                                     "status for `sfl-agent status` (default: "
+                                                     "~/.local/state/sfl-agent/AGENT_ID.json, or under "
+                                                     "$SFL_AGENT_STATE_DIR / systemd's $STATE_DIRECTORY)."),
           model_file: List[Path] = typer.Option([], "--model-file", metavar="PATH", help="A Python file of your own model "
                                                 "(the same file as the coordinator's 'model: FILE.py:FUNCTION'); "
                                                 "imported only when the run names it. Repeatable."),
@@ -174,6 +178,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                       emulate=emulate, slowdown=slowdown, seed=seed, privacy=privacy,
                                       coordinator_key=key, trust_file=str(trust_file) if trust_file else None,
                                       trust_first_use=trust_first_use,
+                                      status_file=str(status_file) if status_file else None,
                                       model_files=tuple(str(f) for f in model_file)))
 
     def on_signal(signum, frame):
@@ -216,7 +221,7 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
 
     from edge_agent.own_data import describe, load_for_task
     from edge_agent.settings import command_option_specs, load_settings_file
-    from sfl_core.config.run import ConfigError, load_run_config
+    from sfl_core.config.run import ConfigError
     from sfl_core.data.builtin import DatasetError
     from sfl_core.data.local import survey
 
@@ -228,7 +233,7 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
     if config is not None:
         start_cmd = typer.main.get_command(app).commands["start"]   # type: ignore[attr-defined]
         specs = command_option_specs(start_cmd.params, exclude={"config"},
-                                     path_options={"data", "trust_file", "model_file"},
+                                     path_options={"data", "trust_file", "model_file", "status_file"},
                                      maybe_path_options={"profile"})
         try:
             settings = load_settings_file(config, specs)
@@ -246,18 +251,14 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
             report.update(survey(path))
             report["fits"] = None
         else:
-            from sfl_core.model.fingerprint import architecture
-            from sfl_core.model.user_models import model_source, resolve_agent_model
-            cfg = load_run_config(run_config)   # registers a file model from the coordinator's path
+            from edge_agent.run_model import device_model, run_config_for_device
+            cfg, body = run_config_for_device(run_config, files)   # the model as start resolves it
             if cfg.task is None:
                 raise ConfigError(f"{run_config}: has no 'task' section: its agents train on shards of "
                                   f"{cfg.data.dataset}, not on their own data")
-            src = model_source(cfg.model)
-            if src is not None and files:   # this device's own copy of the model file, as start uses it
-                resolve_agent_model(Path(src[0]).name, src[1], files)
-            from sfl_core.model.zoo import build_model
-            report["model"] = {"name": cfg.model, "tensors": len(architecture(
-                build_model(cfg.model, cfg.task.input_shape, cfg.task.num_classes)))}
+            lines = device_model({**body, "input_shape": list(cfg.task.input_shape),
+                                  "num_classes": cfg.task.num_classes}, files)
+            report["model"] = {"name": cfg.model, "tensors": len(lines)}
             own = load_for_task(path, cfg.task, cfg.data.bad_files)
             report.update(own.summary(cfg.task))
             report["label_counts"] = own.train.label_counts(cfg.task.num_classes)
@@ -270,6 +271,62 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
     else:
         _print_check(report)
     raise typer.Exit(2 if report["fits"] is False else 0)
+
+
+@app.command()
+def status(config: Optional[Path] = typer.Option(None, "--config", "-c", help="The agent's settings file (what "
+                                                 "`start --config` reads): its status_file and agent_id."),
+           status_file: Optional[Path] = typer.Option(None, "--status-file", help="The status file `start` keeps "
+                                                      "(default: the one of --agent-id, or of every agent here)."),
+           agent_id: Optional[str] = typer.Option(None, "--agent-id", help="Whose status (default: every agent "
+                                                  "whose status file is in the default place)."),
+           fmt: str = typer.Option("text", "--format", help="text | json")) -> None:
+    """What an agent on this device is doing: its state and round, and its last round (split,
+    batch, steps, loss, bytes, seconds). Exit status 2 when there is no status to show."""
+    import json as json_mod
+
+    from edge_agent.settings import command_option_specs, load_settings_file
+    from edge_agent.status import default_status_file, describe, read_status
+    from sfl_core.config.run import ConfigError
+
+    if fmt not in ("text", "json"):
+        tell(f"--format {fmt}: expected text or json")
+        raise typer.Exit(2)
+    settings: dict = {}
+    if config is not None:
+        start_cmd = typer.main.get_command(app).commands["start"]   # type: ignore[attr-defined]
+        specs = command_option_specs(start_cmd.params, exclude={"config"},
+                                     path_options={"data", "trust_file", "model_file", "status_file"},
+                                     maybe_path_options={"profile"})
+        try:
+            settings = load_settings_file(config, specs)
+        except ConfigError as exc:
+            tell(str(exc))
+            raise typer.Exit(2)
+    chosen = status_file or settings.get("status_file")
+    name = agent_id or settings.get("agent_id")
+    if chosen:
+        paths = [Path(chosen)]
+    elif name:
+        paths = [default_status_file(name)]
+    else:
+        paths = sorted(default_status_file("x").parent.glob("*.json"))
+        if not paths:
+            tell(f"no agent status in {default_status_file('x').parent} (give --status-file or --config)")
+            raise typer.Exit(2)
+    docs = []
+    for path in paths:
+        try:
+            docs.append(read_status(path))
+        except ValueError as exc:
+            tell(str(exc))
+            raise typer.Exit(2)
+    if fmt == "json":
+        print(json_mod.dumps(docs if len(docs) > 1 else docs[0], indent=1))
+        return
+    for doc in docs:
+        for line in describe(doc):
+            print(line)   # standard output: what a script reads
 
 
 def _print_check(report: dict) -> None:

@@ -104,10 +104,11 @@ def export_cmd(run_dir: Path = typer.Argument(..., help="A run's output director
                                                  "runs whose state.json predates model_info.")) -> None:
     """Export a run's trained global model (or a client portion) to ONNX for `sfl-agent predict`."""
     from coordinator.export import ExportError, export_run
+    from sfl_core.model.onnx_export import OnnxError
 
     try:
         meta = export_run(run_dir, onnx, split=split, config=config)
-    except ExportError as exc:
+    except (ExportError, OnnxError) as exc:   # OnnxError: the exporter's, e.g. the onnx package missing
         tell(str(exc))
         raise typer.Exit(2)
     what = "whole model" if meta["split"] is None else f"client portion, split {meta['split']}"

@@ -70,6 +70,8 @@ def export_onnx(module: "nn.Module", path: str | Path, *, input_shape: Sequence[
     """
     import torch
 
+    # before torch's exporter, which would fail deep inside with a traceback of its own
+    onnx = import_optional("onnx", "export to ONNX", OnnxError)
     path = Path(path)
     shape = tuple(int(d) for d in input_shape)
     if not shape or any(d < 1 for d in shape):
@@ -102,7 +104,6 @@ def export_onnx(module: "nn.Module", path: str | Path, *, input_shape: Sequence[
     finally:
         for m, training in modes:
             m.training = training
-    onnx = import_optional("onnx", "export to ONNX", OnnxError)
     onnx.checker.check_model(str(tmp))
     os.replace(tmp, path)  # never leave a half-written model where a device would pick it up
     names = [str(c) for c in class_names] if class_names is not None else [str(i) for i in range(int(num_classes))]

@@ -1,0 +1,72 @@
+"""What the person at a device sees, and what a device's stop costs the fleet, with real
+coordinator and agent processes over a real Mosquitto: a cleanly stopped agent leaves its round
+at once (it says so as it goes), and a training agent logs one line per round and answers
+``sfl-agent status``."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import PROFILES, REPO, finish, logs, metrics, start_agents, start_coord, write_config
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def _status(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.agent", "status", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})
+
+
+def test_a_stopped_agent_leaves_its_round_at_once_and_a_training_one_says_how_it_goes(mosquitto, tmp_path):
+    """a1 gets SIGTERM in round 2 (rounds take ~2 s; the step timeout is 60 s): the coordinator
+    drops it at once, so round 2 lasts about as long as round 1 (today's main waited 60 s).
+    a0 logs one line per round and `sfl-agent status` reads its state and last round."""
+    run, url = "stop", mosquitto.url
+    config = write_config(tmp_path, run, fleet=[{"profile": PROFILES[0], "count": 2}], rounds=4, local_iters=30,
+                          step_timeout_s=60)
+    coord = start_coord(config, tmp_path, "--broker", url)
+    agents = start_agents(url, run, tmp_path, n=2, extra={i: ["--status-file", str(tmp_path / f"a{i}.json")]
+                                                          for i in range(2)})
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "out" / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:
+            assert time.monotonic() < deadline and coord.poll() is None, logs(tmp_path)
+            time.sleep(0.1)
+        time.sleep(1.0)                                                  # inside round 2
+        agents[1].send_signal(signal.SIGTERM)
+        live = _status("--status-file", str(tmp_path / "a0.json"))
+        assert live.returncode == 0, live.stdout + live.stderr
+        assert agents[1].wait(timeout=20) == 0, logs(tmp_path)
+        assert finish([coord, agents[0]], 200) == [0, 0], logs(tmp_path)
+    finally:
+        for p in (coord, *agents):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    history = metrics(tmp_path)
+    assert history[2]["completed"] == ["a0"], history[2]
+    assert history[2]["wall_s"] < history[1]["wall_s"] + 15, (history[1]["wall_s"], history[2]["wall_s"])
+    assert "dropping a1 from the round: left (its process said it is offline)" in (tmp_path / "coord.log").read_text()
+    # the device's view: one line per round, and its status
+    assert re.search(r"agent a0 in run stop: (training \(round \d\)|waiting for a round); pid \d+ running",
+                     live.stdout), live.stdout
+    text = (tmp_path / "agent-0.log").read_text()
+    done = re.findall(r"INFO sfl.agent: round (\d) done: split 2, batch 16, 30 steps, loss on the server, "
+                      r"[\d.]+ [kM]B up, [\d.]+ [kM]B down, [\d.]+ s", text)
+    assert done == ["1", "2", "3", "4"], text[-3000:]
+    after = _status("--status-file", str(tmp_path / "a0.json"))
+    assert after.returncode == 0, after.stderr
+    lines = after.stdout.splitlines()
+    assert re.match(r"agent a0 in run stop: stopped; pid \d+ not running; updated \d+ s ago", lines[0]), lines
+    assert lines[1] == "rounds done: 4" and lines[2].startswith("last round 4 done: split 2, batch 16"), lines
+    doc = json.loads(_status("--status-file", str(tmp_path / "a0.json"), "--format", "json").stdout)
+    assert doc["state"] == "stopped" and doc["last_round"]["steps"] == 30 and doc["last_round"]["bytes_up"] > 0
+    missing = _status("--status-file", str(tmp_path / "nobody.json"))
+    assert missing.returncode == 2 and "no status file" in missing.stderr + missing.stdout
