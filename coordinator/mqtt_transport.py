@@ -31,8 +31,8 @@ from sfl_core.wire.signing import SIGNED_TYPES, Signer
 
 log = logging.getLogger("sfl.coord.mqtt")
 
-PROBES_PER_AGENT = (16.0, 1.0)
-"""Link probes answered per agent id: a burst of 16 (an agent's measurement takes 7), then one a second."""
+PROBES_PER_AGENT = (32.0, 1.0)
+"""Link probes answered per agent id: a burst of 32 (an agent's measurement takes 15), then one a second."""
 PROBE_BYTES_TOTAL = (64 * 2**20, 16 * 2**20)
 """Answer bytes for all probes together: a burst of 64 MiB, then 16 MiB a second."""
 

@@ -539,7 +539,9 @@ class FleetSession:
                 ra.last_sent_at = self._now()
             elif ra is not None:
                 self.drop(agents, msg.sender, "re-registered mid-round (restarted)")
-            self._reply(msg.sender, "accepted", {"message": f"registered as agent {info.index}"})
+            # a benchmark run's shard index means something; a device training on its own data has none
+            shard = f", shard {info.index} of the partition" if self.cfg.task is None else ""
+            self._reply(msg.sender, "accepted", {"message": f"registered as {msg.sender}{shard}"})
             self.on_event("registered", {"agent": msg.sender, "online": self._online_count()})
         elif msg.type == "status":
             ra = agents.get(msg.sender) if agents is not None else None

@@ -77,4 +77,5 @@ def describe(data: DeviceData, task: TaskConfig) -> str:
     counts = ", ".join(f"{c} {n}" for c, n in zip(task.classes, data.train.label_counts(task.num_classes)))
     held = f"; held out {len(data.val)}" if data.val is not None else "; no held-out split"
     return (f"loaded {len(data.train)} samples from {data.path} ({data.kind}): {counts}{held}"
-            f"{f'; skipped {len(data.skipped)} file(s)' if data.skipped else ''}")
+            f"{f'; skipped {len(data.skipped)} file(s)' if data.skipped else ''}"
+            + "".join(f"; {note}" for note in data.notes))

@@ -7,6 +7,7 @@ never from a publish call returning: paho returns before the bytes have left the
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import statistics
@@ -22,12 +23,17 @@ ComputeHook = Callable[[float, float], float]
 
 
 def measure_compute(model: SplitModel, splits: Sequence[int], flops_per_sample: dict[int, float], *,
-                    batch_size: int = 16, repeats: int = 2,
+                    batch_size: int = 16, repeats: int = 5, prior_flops: Optional[float] = None,
                     compute_hook: Optional[ComputeHook] = None) -> dict[int, float]:
     """Seconds per sample of forward+backward through ``blocks[:s]`` for every ``s``.
 
-    One warm-up pass, then the median of ``repeats`` timed passes. Under emulation the hook
-    stretches each pass to the profile's FLOP/s, so the report matches the emulated device.
+    One warm-up pass, then ``repeats`` timed passes, summarised by :func:`robust_seconds`:
+    single timings on a device that shares its cores vary by 2x and more, and the planner
+    sizes a device's batch from them (identical devices were handed batches of 19 and 51).
+    ``prior_flops`` (the device profile's FLOP/s) is the prior the measurement is pulled
+    towards. Under emulation the hook stretches each pass to the profile's FLOP/s, so the
+    report matches the emulated device. The coordinator re-measures every round from the
+    real step times (``auto``'s smoothed factors), so this only has to start well.
     """
     x = torch.randn(batch_size, *model.input_shape)
     out: dict[int, float] = {}
@@ -44,24 +50,45 @@ def measure_compute(model: SplitModel, splits: Sequence[int], flops_per_sample: 
             if i:
                 times.append(dt)
         model.zero_grad(set_to_none=True)
-        out[s] = statistics.median(times) / batch_size
+        prior = flops_per_sample[s] * batch_size / prior_flops if prior_flops and flops_per_sample.get(s) else None
+        out[s] = robust_seconds(times, prior) / batch_size
     return out
 
 
+PRIOR_WEIGHT = 1.0
+"""How many timed passes the profile's figure counts as (:func:`robust_seconds`)."""
+
+
+def robust_seconds(times: Sequence[float], prior: Optional[float] = None) -> float:
+    """One figure from repeated timings of the same work: the median of the faster half (another
+    process taking the cores only ever adds time, so the slower timings say more about the host
+    than the device), then, with a ``prior`` (the profile's seconds for the same work), the
+    weighted geometric mean of the two, the prior counting as :data:`PRIOR_WEIGHT` timings."""
+    if not times:
+        raise ValueError("robust_seconds: no timings")
+    fast = sorted(times)[: (len(times) + 1) // 2]
+    measured = statistics.median(fast)
+    if prior is None or not prior > 0 or not measured > 0:
+        return measured
+    n = len(fast)
+    return math.exp((n * math.log(measured) + PRIOR_WEIGHT * math.log(prior)) / (n + PRIOR_WEIGHT))
+
+
 def measure_link(probe: Callable[[int, int], float], *, big: int = 128 * 1024, small: int = 64,
-                 repeats: int = 3) -> dict[str, float]:
+                 repeats: int = 5) -> dict[str, float]:
     """Latency and throughput from timed probes; ``probe(up_bytes, down_bytes) -> seconds``.
 
-    ``rtt`` is the median small round trip; uplink rate = big / (t(big up) - rtt). The
+    Each figure is :func:`robust_seconds` of ``repeats`` probes. ``rtt`` is the small round
+    trip; uplink rate = big / (t(big up) - rtt). The
     downlink probe pays for its big reply with a pad of ``big / PROBE_AMPLIFICATION`` bytes (a
     coordinator answers no more than that many times what a probe sent), whose upload time at
     the measured uplink rate is taken off: downlink rate = big / (t(big down) - rtt - pad / up).
     Rates are bytes/s.
     """
-    rtt = statistics.median(probe(small, small) for _ in range(repeats))
-    up = statistics.median(probe(big, small) for _ in range(max(1, repeats - 1)))
+    rtt = robust_seconds([probe(small, small) for _ in range(repeats)])
+    up = robust_seconds([probe(big, small) for _ in range(repeats)])
     pad = max(small, -(-big // PROBE_AMPLIFICATION))
-    down = statistics.median(probe(pad, big) for _ in range(max(1, repeats - 1)))
+    down = robust_seconds([probe(pad, big) for _ in range(repeats)])
     floor = 1e-4  # guard against a round trip not slower than the empty one
     up_rate = big / max(up - rtt, floor)
     return {"rtt_s": rtt, "up_bytes_per_s": up_rate, "down_bytes_per_s": big / max(down - rtt - pad / up_rate, floor)}

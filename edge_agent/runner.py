@@ -302,6 +302,7 @@ class AgentRunner:
         costs = model_costs(b["model"], tuple(b["input_shape"]), b["num_classes"])
         splits = [s for s in b["splits"] if s in costs]
         compute = measure_compute(model, splits, {s: costs[s].client_flops for s in splits},
+                                  prior_flops=self.o.profile.compute_flops,
                                   compute_hook=self.emulator.compute if self.emulator else None)
         link = measure_link(self._probe)
         log.info("measured: link up %.2f MB/s down %.2f MB/s rtt %.1f ms", link["up_bytes_per_s"] / 1e6,

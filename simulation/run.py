@@ -67,6 +67,9 @@ def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tup
             transport = build_fleet(cfg, data, dev)
         except DatasetError as exc:
             raise RunError(str(exc)) from None
+    if cfg.task is not None and not quiet:   # which simulated device read which folder
+        for i, (profile, path) in enumerate(zip(cfg.agent_profiles(), cfg.agent_data())):
+            console.print(f"sim-{i:03d} ({profile}): {path}", markup=False, highlight=False, soft_wrap=True)
     try:
         with RunDisplay(cfg.rounds, console=console, quiet=quiet) as display:
             engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),

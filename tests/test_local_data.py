@@ -83,8 +83,13 @@ def test_a_corrupt_image_is_skipped_and_named_or_fatal_on_request(tmp_path):
 def test_a_device_left_with_nothing_usable_is_an_error(tmp_path):
     (tmp_path / "cat").mkdir()
     (tmp_path / "cat" / "x.png").write_bytes(b"garbage")
-    with pytest.raises(DatasetError, match=r"no usable training sample \(1 skipped: .*x\.png"):
+    with pytest.raises(DatasetError, match=r"no usable training sample \(1 skipped, the first .*x\.png"):
         load_local(tmp_path, task())
+    for i in range(60):                                   # sixty bad files: one short line, not sixty
+        (tmp_path / "cat" / f"bad-{i:02d}-with-a-long-name.png").write_bytes(b"garbage")
+    with pytest.raises(DatasetError) as err:
+        load_local(tmp_path, task())
+    assert "(61 skipped, the first " in str(err.value) and "bad-01" not in str(err.value), str(err.value)
 
 
 def test_an_image_of_another_size_is_an_error_naming_both_sizes_unless_the_run_resizes(tmp_path):
@@ -235,3 +240,24 @@ def test_the_task_is_validated_in_the_run_config():
                                                "normalize": {"mean": [0, 0], "std": [1, 1]}}})
     with pytest.raises(ConfigError, match=r"eval.data.*needs a 'task' section"):
         run_config_from_dict({**base, "eval": {"data": "val"}})
+
+
+def test_converted_and_resized_images_are_said_once_in_the_devices_line(tmp_path):
+    """Issue 63 item 7: RGB photos in a grey task, and photos of another size under task.resize,
+    were converted and resized silently; the device's one line (check-data, start) now says so."""
+    from edge_agent.own_data import describe
+
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "dog").mkdir()
+    for i in range(3):
+        PIL.fromarray(np.full((8, 8, 3), 200, np.uint8), "RGB").save(tmp_path / "cat" / f"{i}.png")
+        PIL.fromarray(np.zeros((16, 16), np.uint8), "L").save(tmp_path / "dog" / f"{i}.png")
+    t = task(input_shape=[1, 8, 8], resize=[8, 8])
+    d = load_local(tmp_path, t)
+    line = describe(d, t)
+    assert "converted to L: 3 RGB image(s)" in line, line
+    assert "resized to 8x8 (task.resize): 3 of 16x16" in line, line
+    plain = tmp_path / "plain"
+    (plain / "cat").mkdir(parents=True)
+    PIL.fromarray(np.zeros((8, 8), np.uint8), "L").save(plain / "cat" / "0.png")
+    assert load_local(plain, t).notes == []                       # nothing done, nothing said

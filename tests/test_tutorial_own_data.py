@@ -35,6 +35,8 @@ def test_every_command_of_the_tutorial_runs_and_ends_with_an_accurate_exported_m
     assert "Traceback" not in out and "same shard" not in out, out[-6000:]
     # step 4: each device fits; the nano's corrupt file is named
     assert out.count("fits the run") == 3 and "broken.png" in out
+    # step 5: the simulation says which folder each simulated device read
+    assert re.search(r"sim-000 \(rpi4\): \S*devices/pi-1\n", out) and re.search(r"sim-002 \(jetson-nano\): \S*devices/nano", out)
     assert re.search(r"loaded \d+ samples from devices/pi-2 \(images\): .*three 0, four \d+", out), out[-4000:]
     # step 7: the exported model classifies the server's photos as the coordinator measured
     metrics = (tmp_path / "runs" / "photos" / "metrics.jsonl").read_text().splitlines()

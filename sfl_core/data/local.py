@@ -77,6 +77,8 @@ class DeviceData:
     train: Split
     val: Optional[Split] = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was done to readable files (images converted to the run's channels, resized)."""
 
     def summary(self, task: TaskConfig) -> dict[str, Any]:
         """JSON-ready: what ``check-data`` prints and the agent logs at start."""
@@ -85,15 +87,31 @@ class DeviceData:
                 "train_samples": len(self.train),
                 "val": dict(zip(task.classes, self.val.label_counts(task.num_classes))) if self.val else None,
                 "val_samples": len(self.val) if self.val else 0,
-                "skipped": len(self.skipped), "skipped_files": [f"{p}: {why}" for p, why in self.skipped[:MAX_NAMED]]}
+                "skipped": len(self.skipped), "skipped_files": [f"{p}: {why}" for p, why in self.skipped[:MAX_NAMED]],
+                "notes": list(self.notes)}
 
 
 class _Skips:
-    """Collects unreadable files; with ``fail`` the first one ends the load."""
+    """Collects unreadable files (with ``fail`` the first one ends the load), and what was done
+    to the readable ones silently otherwise: images of another mode converted, images resized."""
 
     def __init__(self, bad_files: str):
         self.fail = bad_files == "fail"
         self.items: list[tuple[str, str]] = []
+        self.modes: dict[str, int] = {}
+        self.resized: dict[tuple[int, int], int] = {}
+
+    def notes(self, task: TaskConfig) -> list[str]:
+        """One phrase per kind of change, for the device's one line (check-data and start)."""
+        out = []
+        target = IMAGE_MODES.get(task.input_shape[0]) if task.input_shape else None
+        converted = {m: n for m, n in self.modes.items() if m != target}
+        if converted and target is not None:
+            out.append(f"converted to {target}: " + ", ".join(f"{n} {m} image(s)" for m, n in sorted(converted.items())))
+        if self.resized:
+            sizes = ", ".join(f"{n} of {w}x{h}" for (w, h), n in sorted(self.resized.items()))
+            out.append(f"resized to {task.input_shape[2]}x{task.input_shape[1]} (task.resize): {sizes}")
+        return out
 
     def __call__(self, where: str, why: str) -> None:
         if self.fail:
@@ -137,11 +155,11 @@ def load_local(path: str | Path, task: TaskConfig, bad_files: str = "skip") -> D
     reader: Callable[..., tuple[Split, Optional[Split]]] = {
         "images": _image_folder, "arrays": _arrays, "table": _tables, "huggingface": _huggingface}[kind]
     train, val = reader(Path(str(path)).expanduser() if kind != "huggingface" else str(path), task, skips)
-    if len(train) == 0:
-        named = "; ".join(f"{p}: {why}" for p, why in skips.items[:MAX_NAMED])
-        raise DatasetError(f"{path}: no usable training sample" + (f" ({len(skips.items)} skipped: {named})"
-                                                                    if named else ""))
-    return DeviceData(str(path), kind, train, val, skips.items)
+    if len(train) == 0:   # one line an operator reads: the count and the first file, not all of them
+        first = f"{skips.items[0][0]}: {skips.items[0][1]}" if skips.items else ""
+        raise DatasetError(f"{path}: no usable training sample" + (f" ({len(skips.items)} skipped, the first {first})"
+                                                                    if first else ""))
+    return DeviceData(str(path), kind, train, val, skips.items, skips.notes(task))
 
 
 def survey(path: str | Path, limit: int = 200) -> dict[str, Any]:
@@ -248,7 +266,7 @@ def _read_image(path: Path | str, task: TaskConfig, skips: _Skips, source: Any =
         raise DatasetError(f"{path}: the run's images have {channels} channels; image folders hold 1 (grey), "
                            f"3 (RGB) or 4 (RGBA)")
     try:
-        arr = read_image(path if source is None else source, channels)
+        arr = read_image(path if source is None else source, channels, skips.modes)
     except unreadable_image_errors() as exc:
         skips(str(path), f"unreadable image ({exc})")
         return None
@@ -257,6 +275,8 @@ def _read_image(path: Path | str, task: TaskConfig, skips: _Skips, source: Any =
         if task.resize is None:
             raise DatasetError(f"{path}: image is {x.shape[2]}x{x.shape[1]} (width x height), the run's inputs are "
                                f"{width}x{height}; resize it, or set task.resize in the run config")
+        size = (int(x.shape[2]), int(x.shape[1]))
+        skips.resized[size] = skips.resized.get(size, 0) + 1
         x = _resize(x, (height, width))
     return x
 

@@ -263,15 +263,18 @@ IMAGE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 """Pillow's mode for a model's input channels (grey, RGB, RGBA)."""
 
 
-def read_image(source: Any, channels: int) -> np.ndarray:
+def read_image(source: Any, channels: int, modes: dict[str, int] | None = None) -> np.ndarray:
     """One image as raw ``(C, H, W)`` pixels, converted to ``channels`` as torchvision's
     ``ImageFolder`` converts (``convert('RGB')``): what training reads and ``predict --raw``
     reads alike. ``source``: a path or a file object. Check ``channels`` against
-    :data:`IMAGE_MODES` first; a bad file raises one of :func:`unreadable_image_errors`."""
+    :data:`IMAGE_MODES` first; a bad file raises one of :func:`unreadable_image_errors`.
+    ``modes``: counts of the files' own Pillow modes, kept where given (what was converted)."""
     from PIL import Image
 
     with Image.open(source) as im:
         im.load()
+        if modes is not None:
+            modes[im.mode] = modes.get(im.mode, 0) + 1
         arr = np.asarray(im.convert(IMAGE_MODES[channels]))
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 

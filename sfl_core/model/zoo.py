@@ -20,6 +20,7 @@ feed zeros and consume no randomness).
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -674,4 +675,33 @@ def as_split_model(name: str, module: Any, input_shape: tuple[int, ...], num_cla
         raise ValueError(f"model {name!r}: needs at least two blocks (nn.Module each) to split between, got "
                          f"{len(blocks)}")
     n = len(blocks)
-    return SplitModel(name, blocks, range(1, n), max(1, n // 2), input_shape, num_classes, block_names=names)
+    return SplitModel(name, blocks, range(1, n), default_cut(blocks, input_shape), input_shape, num_classes,
+                      block_names=names)
+
+
+def default_cut(blocks: Sequence[nn.Module], input_shape: tuple[int, ...]) -> int:
+    """The default split of a user's model: the block boundary nearest the middle of the model
+    that comes right after a reduction (the activation there is smaller than at the boundary
+    before: a pooling or strided layer), else the middle one. Why: in a flat ``nn.Sequential``
+    (one layer per block) the middle can fall between a ReLU and its MaxPool, and a device would
+    then send four times the bytes of the cut one layer later, for the same compute."""
+    n = len(blocks)
+    middle = max(1, n // 2)
+    sizes = []
+    modes = [(m, m.training) for b in blocks for m in b.modules()]
+    try:
+        for b in blocks:
+            b.eval()
+        with torch.no_grad():
+            x = torch.zeros(1, *input_shape)
+            for b in blocks[:-1]:
+                x = b(x)
+                sizes.append(x.numel())
+    except Exception:   # the user's code: the plain middle, and building reports any real problem
+        return middle
+    finally:
+        for m, training in modes:
+            m.training = training
+    previous = [math.prod(input_shape)] + sizes[:-1]
+    reduced = [s for s in range(1, n) if sizes[s - 1] < previous[s - 1]]
+    return min(reduced, key=lambda s: (abs(s - middle), s)) if reduced else middle
