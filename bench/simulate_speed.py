@@ -100,7 +100,9 @@ def deployed(root: Path, fleet: list[dict[str, Any]], args: Any, seed: int) -> d
                 p.wait()
     wall = time.perf_counter() - t0
     if any(codes):
-        raise SystemExit(f"deployed run failed (exit codes {codes}); see {root / f'deployed-{seed}.log'}")
+        logs.close()
+        raise SystemExit(f"deployed run failed (exit codes {codes}):\n"
+                         + (root / f"deployed-{seed}.log").read_text()[-3000:])
     return {"wall_s": wall, "final": final_accuracy(out)}
 
 

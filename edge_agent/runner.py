@@ -110,6 +110,16 @@ RETRY_BACKOFF_S = (5.0, 10.0, 20.0, 40.0, 60.0)
 """Seconds between unanswered link probes, then every 60 s for as long as the agent runs: a
 coordinator that restarts (and dies again, and restarts) finds its agents still there."""
 
+_CONFIGURATION_REFUSALS = ("not authori", "bad user name", "certificate", "ssl", "tls")
+
+
+def refused_by_configuration(reason: str) -> bool:
+    """Whether a broker connection failed on something only a person can fix (credentials, a
+    certificate), not on the broker being unreachable for now."""
+    reason = reason.lower()
+    return any(word in reason for word in _CONFIGURATION_REFUSALS)
+
+
 REGISTER_AGAIN_PREFIX = "not registered"
 """A ``reject`` whose reason starts so asks a registered agent to register again."""
 
@@ -166,7 +176,7 @@ class AgentRunner:
 
     # ================================================================ lifecycle
     def run(self) -> int:
-        self.link.connect(timeout=30)
+        self._connect()
         try:
             self._note("starting")
             self._announce_online()
@@ -193,6 +203,24 @@ class AgentRunner:
             self.link.close()
             if self.rejections.total:
                 log.warning("rejected %d message(s) in this run: %s", self.rejections.total, self.rejections.counts())
+
+    def _connect(self) -> None:
+        """Connect to the broker, again after a backoff for as long as we run while it cannot be
+        reached (a device that boots before the broker, or the coordinator's embedded one); a
+        broker that refuses our credentials or certificate is a configuration error, raised."""
+        attempt = 0
+        while True:
+            try:
+                self.link.connect(timeout=30)
+                return
+            except ConnectionError as exc:
+                if refused_by_configuration(str(exc).split(f"{self.link.url}: ", 1)[-1]):
+                    raise
+                pause = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                attempt += 1
+                log.warning("%s: trying again in %.0f s", exc, pause)
+                if self._stop.wait(pause):
+                    raise AgentStopped() from None
 
     def stop(self) -> None:
         """Stop the agent (SIGTERM's handler calls it in the main thread): every wait ends at

@@ -152,6 +152,7 @@ class MqttLink:
         try:
             self._client.connect(self.address.host, self.address.port, keepalive=self._keepalive)
         except (OSError, ValueError) as exc:  # refused, DNS, TLS handshake, timeout
+            self._client.disconnect()   # back to "closed": paho refuses a new timeout while it thinks it connects
             raise ConnectionError(f"cannot reach MQTT broker at {self.url}: {exc}") from exc
         self._client.loop_start()
         self._loop_running = True
