@@ -186,8 +186,10 @@ def main() -> None:
                            ["phase", "seconds", "share"],
                            [[k, v, v / phases["total"]] for k, v in phases.items()])
     name = "simulate_speed" + ("-quick" if args.quick else "")
-    path = common.write_result(Path(args.out), name, {"config": common.config_record(args), "results": results,
-                                                      "phases": phases})
+    path = common.write_result(Path(args.out), name, {
+        "config": common.config_record(args),
+        "reference": "deployed: sfl-coord serve (embedded broker) and one sfl-agent start per device, this host",
+        "results": results, "phases": phases})
     print(f"wrote {path}")
 
 

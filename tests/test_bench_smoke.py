@@ -131,6 +131,17 @@ def test_own_data_quick(tmp_path: Path) -> None:
     assert [r["method"] for r in doc["summary"]] == ["central", "FedAvg", "SFL", "auto"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not FASHION.is_dir(), reason="needs the Fashion-MNIST idx files (SFL_DATASETS)")
+def test_simulate_speed_quick(tmp_path: Path) -> None:
+    """The bench runs the same config simulated and deployed (real processes) and records both."""
+    doc = _run("simulate_speed.py", tmp_path)
+    run = doc["results"][0]
+    for way in ("simulated", "deployed"):
+        assert run[way]["wall_s"] > 0 and 0 <= run[way]["final"] <= 1, run
+    assert run["ratio"] == pytest.approx(run["simulated"]["wall_s"] / run["deployed"]["wall_s"])
+
+
 def test_identical_quick_writes_a_reference_and_finds_the_same_run_identical(tmp_path: Path) -> None:
     ref = tmp_path / "ref.json"
     for mode in ("--write", "--check"):
