@@ -88,7 +88,7 @@ def deployed(root: Path, fleet: list[dict[str, Any]], args: Any, seed: int) -> d
                               "--listen", f"127.0.0.1:{port}"], stdout=logs, stderr=subprocess.STDOUT,
                              cwd=common.REPO_ROOT)
     agents = [subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", d["profile"], "--broker",
-                                f"mqtt://127.0.0.1:{port}", "--run", f"speed-deployed", "--agent-id", d["device"],
+                                f"mqtt://127.0.0.1:{port}", "--run", "speed-deployed", "--agent-id", d["device"],
                                 "--data", str(root / d["device"]), "--coordinator-key", key],
                                stdout=logs, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT) for d in fleet]
     try:

@@ -100,6 +100,16 @@ def logs(tmp_path: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("*.log")))
 
 
+def wait_rounds(tmp_path: Path, rounds: int, coord: subprocess.Popen, timeout: float) -> None:
+    """Until ``rounds`` trained rounds are in the metrics (round 0, the untrained model, aside);
+    fails with the logs if the coordinator exits first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    path = tmp_path / "out" / "metrics.jsonl"
+    while not path.exists() or len(metrics(tmp_path)) < rounds + 1:
+        assert time.monotonic() < deadline and coord.poll() is None, logs(tmp_path)
+        time.sleep(0.1)
+
+
 def wait_log(path: Path, text: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import PROFILES, REPO, finish, logs, metrics, start_agents, start_coord, write_config
+from helpers import PROFILES, REPO, finish, logs, metrics, start_agents, start_coord, wait_rounds, write_config
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -35,10 +35,7 @@ def test_a_stopped_agent_leaves_its_round_at_once_and_a_training_one_says_how_it
     agents = start_agents(url, run, tmp_path, n=2, extra={i: ["--status-file", str(tmp_path / f"a{i}.json")]
                                                           for i in range(2)})
     try:
-        deadline = time.monotonic() + 150
-        while not (tmp_path / "out" / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:
-            assert time.monotonic() < deadline and coord.poll() is None, logs(tmp_path)
-            time.sleep(0.1)
+        wait_rounds(tmp_path, 1, coord, 150)
         time.sleep(1.0)                                                  # inside round 2
         agents[1].send_signal(signal.SIGTERM)
         live = _status("--status-file", str(tmp_path / "a0.json"))

@@ -5,7 +5,6 @@ and a device that stays busy without answering."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,8 @@ import pytest
 from coordinator.mqtt_transport import MqttTransport
 from sfl_core.wire import protocol, signing
 from sfl_core.wire.protocol import COORDINATOR_ID, Message
-from helpers import PROFILES, REPO, coordinator_key, finish, logs, metrics, start_agents, start_coord, wait_log, write_config
+from helpers import (PROFILES, REPO, coordinator_key, finish, logs, metrics, start_agents, start_coord, wait_log,
+                     wait_rounds, write_config)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -121,10 +121,7 @@ def test_a_lying_seq_locks_nobody_out_in_either_direction(mosquitto, tmp_path):
     agents = start_agents(url, run, tmp_path, n=1, emulate=False)
     liar = _publisher(mosquitto.port, "liar")
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "out" / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:
-            assert time.monotonic() < deadline and coord.poll() is None, logs(tmp_path)
-            time.sleep(0.2)
+        wait_rounds(tmp_path, 1, coord, 120)
         up = Message("evaluation", run, "a0", {"loss": 0.0, "correct": 0, "count": 0, "compute_s": 0.0},
                      round=99, seq=HUGE_SEQ)
         down = Message("gradients", run, COORDINATOR_ID, {"g": {}}, round=99, seq=HUGE_SEQ)
@@ -283,10 +280,7 @@ def test_a_restarted_agent_leaves_its_old_round_at_once(mosquitto, tmp_path):
     agents = start_agents(url, run, tmp_path, n=2)
     again = None
     try:
-        deadline = time.monotonic() + 150
-        while not (tmp_path / "out" / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:
-            assert time.monotonic() < deadline and coord.poll() is None, logs(tmp_path)
-            time.sleep(0.1)
+        wait_rounds(tmp_path, 1, coord, 150)
         time.sleep(1.0)                                             # inside round 2
         agents[1].kill()
         agents[1].wait()

@@ -14,6 +14,7 @@ from cli.agent.app import app, console, tell, use_config_file
 from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
 
 if TYPE_CHECKING:
+    from sfl_core.privacy import AgentPrivacy
     from sfl_core.transport.broker_url import BrokerAddress
     from sfl_core.wire.signing import Trust
 
@@ -33,6 +34,25 @@ def _privacy(nopeek: float, activation_noise: Optional[str], withhold_labels: bo
                         withhold_labels=withhold_labels,
                         label_protection=parse("--label-protection", label_protection, LabelProtection),
                         dp_sgd=parse("--dp-sgd", dp_sgd, DpSgd))
+
+
+def _start_settings(config: Optional[Path]) -> dict:
+    """What ``start --config FILE`` would read from ``config`` ({} without one); exit 2 with one
+    line on a bad file. ``check-data`` and ``status`` read the same file as ``start``."""
+    from edge_agent.settings import command_option_specs, load_settings_file
+    from sfl_core.config.run import ConfigError
+
+    if config is None:
+        return {}
+    start_cmd = typer.main.get_command(app).commands["start"]   # type: ignore[attr-defined]
+    specs = command_option_specs(start_cmd.params, exclude={"config"},
+                                 path_options={"data", "trust_file", "model_file", "status_file"},
+                                 maybe_path_options={"profile"})
+    try:
+        return load_settings_file(config, specs)
+    except ConfigError as exc:
+        tell(str(exc))
+        raise typer.Exit(2)
 
 
 def trust_problem(trust: "Trust", run: str, address: "BrokerAddress") -> Optional[str]:
@@ -220,7 +240,6 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
     import json as json_mod
 
     from edge_agent.own_data import describe, load_for_task
-    from edge_agent.settings import command_option_specs, load_settings_file
     from sfl_core.config.run import ConfigError
     from sfl_core.data.builtin import DatasetError
     from sfl_core.data.local import survey
@@ -229,17 +248,7 @@ def check_data(config: Optional[Path] = typer.Option(None, "--config", "-c", hel
     if fmt not in ("text", "json"):
         tell(f"--format {fmt}: expected text or json")
         raise typer.Exit(2)
-    settings: dict = {}
-    if config is not None:
-        start_cmd = typer.main.get_command(app).commands["start"]   # type: ignore[attr-defined]
-        specs = command_option_specs(start_cmd.params, exclude={"config"},
-                                     path_options={"data", "trust_file", "model_file", "status_file"},
-                                     maybe_path_options={"profile"})
-        try:
-            settings = load_settings_file(config, specs)
-        except ConfigError as exc:
-            tell(str(exc))
-            raise typer.Exit(2)
+    settings = _start_settings(config)
     path = data or settings.get("data")
     files = [str(f) for f in model_file] or list(settings.get("model_file") or [])
     if not path:
@@ -285,24 +294,12 @@ def status(config: Optional[Path] = typer.Option(None, "--config", "-c", help="T
     batch, steps, loss, bytes, seconds). Exit status 2 when there is no status to show."""
     import json as json_mod
 
-    from edge_agent.settings import command_option_specs, load_settings_file
     from edge_agent.status import default_status_file, describe, read_status
-    from sfl_core.config.run import ConfigError
 
     if fmt not in ("text", "json"):
         tell(f"--format {fmt}: expected text or json")
         raise typer.Exit(2)
-    settings: dict = {}
-    if config is not None:
-        start_cmd = typer.main.get_command(app).commands["start"]   # type: ignore[attr-defined]
-        specs = command_option_specs(start_cmd.params, exclude={"config"},
-                                     path_options={"data", "trust_file", "model_file", "status_file"},
-                                     maybe_path_options={"profile"})
-        try:
-            settings = load_settings_file(config, specs)
-        except ConfigError as exc:
-            tell(str(exc))
-            raise typer.Exit(2)
+    settings = _start_settings(config)
     chosen = status_file or settings.get("status_file")
     name = agent_id or settings.get("agent_id")
     if chosen:
