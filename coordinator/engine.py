@@ -358,13 +358,15 @@ class RoundEngine:
         if self.clock.virtual or not self.cfg.round_deadline or not agents:
             return None
         try:
-            predicted = max(timing.price_option(self.cfg, self.costs[ra.assignment.split], ra.assignment.codec,
-                                                self.registry.agents[a], ratio=1.0, width=ra.assignment.width,
-                                                split_agents=split_agents).time(ra.assignment.batch_size)
-                            for a, ra in agents.items())
+            times = {a: timing.price_option(self.cfg, self.costs[ra.assignment.split], ra.assignment.codec,
+                                            self.registry.agents[a], ratio=1.0, width=ra.assignment.width,
+                                            split_agents=split_agents).time(ra.assignment.batch_size)
+                     for a, ra in agents.items()}
         except (KeyError, ValueError, ZeroDivisionError):
             return None
-        return self._now() + max(self.cfg.round_deadline_min_s, self.cfg.round_deadline * predicted)
+        for a, t in times.items():   # an agent predicted to compute long between messages may stay busy as long
+            agents[a].busy_limit_s = max(self.cfg.busy_timeout_s, self.cfg.round_deadline * t)
+        return self._now() + max(self.cfg.round_deadline_min_s, self.cfg.round_deadline * max(times.values()))
 
     def shutdown_agents(self, reason: str) -> None:
         """Tell every known agent to stop (the run finished)."""

@@ -68,6 +68,9 @@ class RoundAgent:
     instance: str = ""
     """The agent process that holds this round (its status's ``instance``; "" in a simulation):
     another process of the same id ends its membership (:meth:`FleetSession.dispatch`)."""
+    busy_limit_s: float = 0.0
+    """How long it may stay busy without answering (0: ``busy_timeout_s``); the engine raises it
+    for an agent whose own step is predicted to take longer (a whole model trained on a board)."""
     bytes_up: int = 0
     bytes_down: int = 0
     labels_withheld: bool = False
@@ -311,9 +314,10 @@ class FleetSession:
                     self.drop(agents, a, "still training at the round's deadline (stragglers: "
                                          f"{self.cfg.stragglers})")
                     self.late.append(a)
-                elif not self.virtual and now - ra.last_sent_at > self.cfg.busy_timeout_s:
+                elif not self.virtual and now - ra.last_sent_at > (ra.busy_limit_s or self.cfg.busy_timeout_s):
                     # its heartbeats say busy, yet nothing it owes has come since we asked
-                    self.drop(agents, a, f"busy for {self.cfg.busy_timeout_s:g} s without answering")
+                    self.drop(agents, a, f"busy for {ra.busy_limit_s or self.cfg.busy_timeout_s:g} s without "
+                                         f"answering")
                     self.stalled.append(a)
                 else:
                     continue

@@ -117,7 +117,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('round_deadline_min_s',
      'the shortest round deadline, in seconds.'),
     ('busy_timeout_s',
-     "an agent whose heartbeats say busy while nothing it owes the round arrives for this long is dropped (a device that computes forever stalls nobody)."),
+     "an agent whose heartbeats say busy while nothing it owes the round arrives for this long is dropped (a device that computes forever stalls nobody); an agent predicted to need longer between its messages (round_deadline x its predicted round, e.g. a whole model trained on a board) is given that instead."),
     ('stragglers',
      "what a deadline does with the agents still training: continue (drop them, the round goes on with the rest) | replan (drop them and plan the round again without them). Each is counted in the metrics (stragglers)."),
     ('min_completed',
