@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -85,6 +85,8 @@ class AgentOptions:
     """Where the run's key is pinned across restarts (``--trust-file``); None: in memory."""
     trust_first_use: bool = False
     """Without a key given or pinned: believe the first signed run description (``--trust-first-use``)."""
+    progress: Optional[Callable[[int, int, int], None]] = None
+    """Called with (round, steps done, steps) as training goes (a terminal's live line)."""
     status_file: Optional[str] = None
     """Where this agent keeps its status for ``sfl-agent status`` (None: :func:`default_status_file`)."""
     model_files: tuple[str, ...] = ()
@@ -465,6 +467,7 @@ class AgentRunner:
                     self._publish(reply)
                     if reply.type == "weights":
                         self._round_done(reply)
+                self._show_progress(replies)
             except (wire.WireError, ValueError) as exc:
                 self.rejections.reject("invalid", f"{msg.type} (round {msg.round} step {msg.step}): {exc}")
             finally:
@@ -484,6 +487,14 @@ class AgentRunner:
         log.info("%s", summary.line())
         self._note("waiting for a round", round=weights.round, rounds_done=self.core.rounds_done,
                    last_round=asdict(summary))
+
+    def _show_progress(self, replies: list[Message]) -> None:
+        """The terminal's live line: steps whose activations went out (all of them once the weights did)."""
+        a = self.core.assignment if self.core is not None else None
+        if self.o.progress is None or a is None or not replies:
+            return
+        done = a.tau if any(r.type == "weights" for r in replies) else max(0, self.core.step)
+        self.o.progress(self.core.round, done, a.tau)
 
     def _note(self, state: str, **fields) -> None:
         problem = self.status.set(state, **fields)

@@ -136,3 +136,30 @@ def _ago(seconds: float) -> str:
 
 def _size(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+class TerminalProgress:
+    """A live line on a terminal while the device trains: the round, the step of the round's
+    steps, and the last round's figures; the log lines scroll above it. Only where standard
+    error is a terminal (``sfl-agent start`` decides); a journal gets the per-round lines alone."""
+
+    def __init__(self, console: Any):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), console=console, transient=True)
+        self._task: Optional[Any] = None
+
+    def __enter__(self) -> "TerminalProgress":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.stop()
+
+    def show(self, round_: int, steps_done: int, steps: int) -> None:
+        """Round ``round_``: ``steps_done`` of its ``steps`` steps trained."""
+        description = f"round {round_}"
+        if self._task is None:
+            self._task = self._progress.add_task(description, total=steps)
+        self._progress.update(self._task, description=description, completed=steps_done, total=steps)

@@ -67,3 +67,49 @@ def test_a_stopped_agent_leaves_its_round_at_once_and_a_training_one_says_how_it
     assert doc["state"] == "stopped" and doc["last_round"]["steps"] == 30 and doc["last_round"]["bytes_up"] > 0
     missing = _status("--status-file", str(tmp_path / "nobody.json"))
     assert missing.returncode == 2 and "no status file" in missing.stderr + missing.stdout
+
+
+def test_on_a_terminal_the_agent_shows_its_rounds_steps_live(mosquitto, tmp_path):
+    """An agent whose standard error is a terminal (a pseudo-terminal here, as a person's shell
+    gives it) shows a live line of the round's steps, with the per-round lines above it."""
+    import os
+    import threading
+
+    run, url = "tty", mosquitto.url
+    config = write_config(tmp_path, run, fleet=[{"profile": PROFILES[2], "count": 1}], rounds=2, local_iters=20)
+    coord = start_coord(config, tmp_path, "--broker", url)
+    master, slave = os.openpty()
+    key = __import__("helpers").coordinator_key(tmp_path / "out")
+    agent = subprocess.Popen([sys.executable, "-m", "cli.agent", "start", "--profile", PROFILES[2], "--broker", url,
+                              "--run", run, "--agent-id", "a0", "--coordinator-key", key,
+                              "--status-file", str(tmp_path / "a0.json")],
+                             stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
+                             env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "160"})
+    os.close(slave)
+    screen = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert finish([coord, agent], 180) == [0, 0], logs(tmp_path) + screen.decode(errors="replace")
+    finally:
+        for p in (coord, agent):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join(timeout=5)
+        os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))
+    assert re.search(r"round 1 .*\d+/20", text), text[-3000:]          # the live line: round, steps of 20
+    assert "round 2 done: split 2, batch 16, 20 steps" in text, text[-3000:]
+    assert "Traceback" not in text

@@ -206,8 +206,21 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    live = None
+    if console.is_terminal:   # a person watching: a live line of the round's steps, the log above it
+        from rich.logging import RichHandler
+
+        from edge_agent.status import TerminalProgress
+        root = logging.getLogger()
+        root.handlers = [RichHandler(console=console, show_path=False, markup=False)]
+        live = TerminalProgress(console).__enter__()
+        runner.o.progress = live.show
     try:
-        code = runner.run()
+        try:
+            code = runner.run()
+        finally:
+            if live is not None:
+                live.__exit__(None, None, None)
     except AgentStopped:   # a service manager's stop: a clean exit, not a failure to restart from
         tell(f"agent {name}: stopped by a signal", style="yellow")
         code = 0
