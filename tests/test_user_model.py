@@ -58,3 +58,21 @@ def test_a_module_listing_its_blocks_and_anything_else(user_models):
     with pytest.raises(ValueError, match=r"model 'user_bad': its builder returned a Linear, not a SplitModel, an "
                                          r"nn.Sequential or a module with a 'blocks' list"):
         models.build_model("user_bad", (1, 8, 8), 10)
+
+
+def test_the_default_cut_of_a_flat_sequential_comes_after_a_reduction():
+    """Issue 63 item 7: the middle of a flat nn.Sequential fell between a ReLU and its MaxPool
+    (four times the bytes of the cut after the pool); the default now prefers the boundary
+    nearest the middle that follows a reduction, and keeps the middle where none does."""
+    from torch import nn
+
+    from sfl_core.model.zoo import as_split_model
+
+    flat = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
+    model = as_split_model("flat", flat, (1, 28, 28), 10)
+    assert model.default_split == 3                     # after the first MaxPool, not the middle (4)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert as_split_model("plain", plain, (8,), 4).default_split == 2   # no reduction: the middle
+    assert flat[0].training and flat[7].training          # the probe left the modules' modes as they were
