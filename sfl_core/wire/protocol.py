@@ -309,7 +309,7 @@ PROBE_AMPLIFICATION = 16
 """A link probe's answer is at most this many times the probe's own bytes (or
 :data:`PROBE_FREE_BYTES`): a coordinator must not turn a few bytes from anyone into megabytes
 on the broker. An agent timing its downlink pads its probe accordingly."""
-PROBE_FREE_BYTES = 4096
+PROBE_FREE_BYTES = 256
 """Answer bytes any probe may ask for, whatever it paid."""
 MAX_PROBE_REPLY = 4 * 2**20
 
