@@ -95,7 +95,8 @@ def test_trust_comes_from_a_key_given_or_pinned_and_first_use_needs_an_authentic
     anonymous, device = parse_broker_url("mqtt://127.0.0.1:1883"), parse_broker_url("mqtts://pi-1@broker:8883")
     assert "no coordinator key" in trust_problem(signing.Trust(), "r", anonymous)
     assert "does not authenticate" in trust_problem(signing.Trust(first_use=True), "r", anonymous)
-    assert trust_problem(signing.Trust(first_use=True), "r", device) is None
+    assert "needs --trust-file" in trust_problem(signing.Trust(first_use=True), "r", device)
+    assert trust_problem(signing.Trust(trust_file=tmp_path / "t.json", first_use=True), "r", device) is None
     assert trust_problem(signing.Trust(coord.public), "r", anonymous) is None
     no_first_use = signing.Trust()
     assert "no key is trusted" in no_first_use.decide("r", forger.public)

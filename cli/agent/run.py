@@ -69,6 +69,9 @@ def trust_problem(trust: "Trust", run: str, address: "BrokerAddress") -> Optiona
         return (f"--trust-first-use on {address.url()}, which does not authenticate this device (no user name, no "
                 f"client certificate): anyone on it could publish the first run description; give "
                 f"--coordinator-key instead")
+    if trust.trust_file is None:
+        return ("--trust-first-use needs --trust-file: the key seen first must be kept, or a restart would "
+                "believe whatever description it sees first again")
     return None
 
 
@@ -123,7 +126,8 @@ def start(config: Optional[Path] = typer.Option(None, "--config", "-c", is_eager
                                                     "here (JSON, run id -> key): pinned by --trust-first-use, and "
                                                     "followed by every later start."),
           trust_first_use: bool = typer.Option(False, "--trust-first-use", help="Without --coordinator-key: "
-                                               "believe the first signed run description seen and pin its key. "
+                                               "believe the first signed run description seen and pin its key in "
+                                               "--trust-file (required with it). "
                                                "Only on a broker that authenticates devices (credentials or a "
                                                "client certificate) and confines them with an ACL: elsewhere "
                                                "anyone could publish the first description."),
