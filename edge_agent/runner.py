@@ -109,8 +109,9 @@ class ContractError(AgentError):
 
 
 RETRY_BACKOFF_S = (5.0, 10.0, 20.0, 40.0, 60.0)
-"""Seconds between unanswered link probes, then every 60 s for as long as the agent runs: a
-coordinator that restarts (and dies again, and restarts) finds its agents still there."""
+"""Seconds before the next try at a broker that cannot be reached, or after an unanswered link
+probe; then every 60 s for as long as the agent runs: a device that boots before its broker,
+or a coordinator that restarts (and dies again, and restarts), finds its agents still there."""
 
 _CONFIGURATION_REFUSALS = ("not authori", "bad user name", "certificate", "ssl", "tls")
 

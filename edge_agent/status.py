@@ -77,7 +77,7 @@ class StatusFile:
             setattr(self, k, v)
         self.updated = time.time()
         doc = {k: v for k, v in asdict(self).items() if k != "path"}
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = self.path.with_name(f"{self.path.name}.{self.pid}.tmp")   # two processes of one id: no clash
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
