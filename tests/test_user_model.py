@@ -39,7 +39,8 @@ def user_models():
 
 def test_a_plain_sequential_trains_split_at_every_boundary(tmp_path, user_models):
     m = models.build_model("user_seq", (1, 8, 8), 10)
-    assert m.num_blocks == 6 and m.split_points == (1, 2, 3, 4, 5) and m.default_split == 3
+    # the default cut follows the Linear that reduces 1,024 features to 64 (not the middle, 3)
+    assert m.num_blocks == 6 and m.split_points == (1, 2, 3, 4, 5) and m.default_split == 4
     assert m.block_names[0] == "0:Conv2d"
     costs = model_costs("user_seq", (1, 8, 8), 10)
     assert costs[3].activation_shape == (1024,) and costs[3].client_flops > 0
