@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import yaml
 
 import common  # noqa: E402  (puts the repo root on sys.path)
+from brokers import free_port  # noqa: E402
 from own_data import CLASSES, write_fleet  # noqa: E402
 
 from sfl_core.data.builtin import _read_mnist_dir  # noqa: E402
@@ -62,12 +62,6 @@ def run_config(root: Path, fleet: list[dict[str, Any]], args: Any, seed: int, na
     path = root / f"{name}-{seed}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def final_accuracy(out: Path) -> float:

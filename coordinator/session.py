@@ -23,6 +23,7 @@ from typing import Any, Callable, Collection, Dict, Optional
 from coordinator.registry import Registry
 from coordinator.transport import Transport
 from sfl_core import liveness
+from sfl_core.rate_limit import TokenBuckets
 from sfl_core.config.run import RunConfig
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
@@ -138,8 +139,8 @@ class FleetSession:
         """Registered agents whose own process said offline (its heartbeats do not revive it)."""
         self._present: dict[str, str] = {}
         """Agents whose last status said online (registered or not yet), oldest first, bounded."""
-        self._tokens = float(max(cfg.num_agents, cfg.min_agents or 0, 10))
-        self._tokens_at = time.monotonic()
+        self._new_ids = TokenBuckets(float(max(cfg.num_agents, cfg.min_agents or 0, 10)), cfg.register_rate_per_s)
+        """New agent ids taken, all together (one bucket): ``register_rate_per_s``, burst the fleet size."""
         self.deadline: Optional[float] = None
         """When the round's training must be over, on the liveness clock (None: no deadline);
         the engine sets it from the plan (``round_deadline``)."""
@@ -452,15 +453,10 @@ class FleetSession:
         never trained, then refuses; and over MQTT an id must have measured its link against
         us (a link probe) first, as every agent does before it registers.
         """
-        now = time.monotonic()
-        burst = float(max(self.cfg.num_agents, self.cfg.min_agents or 0, 10))
-        self._tokens = min(burst, self._tokens + (now - self._tokens_at) * self.cfg.register_rate_per_s)
-        self._tokens_at = now
-        if self._tokens < 1.0:
+        if not self._new_ids.take(""):
             self.rejections.reject("rate_limited", f"registration of {agent}: more than "
                                    f"{self.cfg.register_rate_per_s:g} new agents per second", level=logging.INFO)
             return False
-        self._tokens -= 1.0
         probed = self.transport.probed
         if probed is not None and agent not in probed:
             self.rejections.reject("unprobed", f"registration of {agent}: it never measured its link to us")
