@@ -2,7 +2,7 @@
 
 A re-layout (moving modules, splitting packages, renaming) must not change a single metric.
 This script runs the shipped run configs (``profiles/runs/*.yaml``, ``--rounds`` each, in
-simulation) and one paper-bench setting (``bench/paper.py <paper> --quick``), and keeps each
+simulation), each training option on the demo's fleet (:data:`OPTION_RUNS`) and one paper-bench setting (``bench/paper.py <paper> --quick``), and keeps each
 run's metrics history (the paper setting: six methods of ``mixed``, two rounds each) with
 the fields that measure *this host* removed (``wall_s``, and each
 agent's ``compute_s`` and ``server_s``: host seconds, different on every run). Everything
@@ -88,6 +88,43 @@ def shipped_runs(work: Path, rounds: int, only: str | None = None) -> Iterator[t
         yield f"runs/{path.name}", read_history(work / path.stem)
 
 
+OPTION_RUNS: dict[str, dict[str, Any]] = {
+    "scaffold": {"drift": "scaffold"},
+    "fedprox": {"drift": {"kind": "fedprox", "mu": 0.1}},
+    "scaffold-per-agent": {"drift": "scaffold", "strategy": "sfl", "server_mode": "per_agent"},
+    "fedprox-per-agent": {"drift": {"kind": "fedprox", "mu": 0.1}, "strategy": "sfl", "server_mode": "per_agent"},
+    "server-momentum": {"server_opt": {"kind": "momentum", "lr": 1.0, "beta1": 0.5}},
+    "server-adam": {"server_opt": {"kind": "adam", "lr": 0.01}},
+    "model-ema": {"model_ema": 0.8},
+    "norm-federated": {"norm_stats": {"mode": "federated", "every": 2, "agents": 2}},
+    "norm-frozen-local": {"norm_stats": {"freeze_after": 1, "local": True}},
+    "calibrated-loss": {"loss": "calibrated", "calibration_tau": 0.5},
+    "all-options": {"drift": "scaffold", "server_opt": {"kind": "momentum", "beta1": 0.5}, "model_ema": 0.8,
+                    "norm_stats": "federated", "eval": {"federated_every": 2}},
+}
+"""The training options beside the methods, each on the demo's fleet with a BatchNorm model (so
+the statistics options act): a refactoring of the option seam must leave every one unchanged."""
+
+
+def option_runs(work: Path, rounds: int) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    import yaml
+
+    from simulation import run_simulation
+    from sfl_core.config.run import run_config_from_dict
+
+    path = default_profiles_dir() / "runs" / "demo.yaml"
+    base = yaml.safe_load(path.read_text())
+    base.update(model="vgg_mini:width=0.5", rounds=rounds)
+    if (common.DATASETS_DIR / base["data"]["dataset"]).is_dir():
+        base["data"] = {**base["data"], "root": str(common.DATASETS_DIR / base["data"]["dataset"])}
+    for name, extra in OPTION_RUNS.items():
+        cfg = run_config_from_dict({**base, **extra, "run": f"opt-{name}", "output_dir": str(work / f"opt-{name}")},
+                                   f"option run {name}", base_dir=path.parent)
+        run_simulation(cfg, quiet=True)
+        print(f"ran option {name}", flush=True)
+        yield f"options/{name}", read_history(work / f"opt-{name}")
+
+
 PAPER_METHODS = ("FedAvg", "SFL fastest", "S2FL+MB", "FM+BR", "FedFC mixed", "auto")
 """Of the paper setting (bench/configs/mixed.yaml): every method family once."""
 
@@ -117,6 +154,7 @@ def main() -> int:
             runs = dict(shipped_runs(work, 1, only="demo"))
         else:
             runs = dict(shipped_runs(work, args.rounds))
+            runs.update(option_runs(work, args.rounds))
             runs.update(paper_runs(work, args.paper, args.data))
     digests = {name: hashlib.sha256(json.dumps(h, sort_keys=True).encode()).hexdigest()[:16]
                for name, h in runs.items()}

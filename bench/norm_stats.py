@@ -28,9 +28,9 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 from coordinator import state as checkpoint  # noqa: E402
 from coordinator.export import rebuild_model  # noqa: E402
-from coordinator.model_ema import delivered_weights  # noqa: E402
 from sfl_core.data.builtin import Dataset, load_dataset  # noqa: E402
-from sfl_core.server_opt import split_state  # noqa: E402
+from sfl_core.option_registry import delivered_weights  # noqa: E402
+from sfl_core.options.base import split_state  # noqa: E402
 
 
 def has_batch_norm(model: nn.Module) -> bool:

@@ -34,7 +34,7 @@ from coordinator.engine import RoundEngine
 from coordinator.run_lock import RunLock, RunLocked
 from coordinator.server_trainer import pick_device
 from coordinator.transport import LocalTransport
-from sfl_core import liveness
+from sfl_core import liveness, option_registry
 from sfl_core.config.run import RunConfig
 from sfl_core.data.builtin import Dataset, DatasetError, load_dataset
 from sfl_core.methods import build_method
@@ -177,10 +177,8 @@ def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dic
         # do not know the field, refuse the description; smaller fleets keep it as it was)
         body["heartbeat_idle_s"] = liveness.idle_heartbeat_s(cfg.num_agents)
     body.update(user_model_fields(cfg.model))
-    if cfg.norm_stats.mode == "federated":   # an agent that cannot run statistics passes does not join
-        body["norm_stats"] = {"every": cfg.norm_stats.every}
-    if cfg.drift.kind != "none":   # likewise: an agent that ignores the correction would drift unnoticed
-        body["drift"] = {"kind": cfg.drift.kind}
+    for option in option_registry.wanted(cfg):   # an agent that cannot honour an option does not join
+        body.update(option.run_info(cfg))
     if fingerprinted(cfg):
         body["architecture"] = architecture(build_model(cfg.model, data.input_shape, data.num_classes))
     if cfg.task is not None:

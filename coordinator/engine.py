@@ -17,12 +17,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from coordinator import evaluation, norm_pass, shard_round
+from coordinator import evaluation, shard_round
 from coordinator import state as ckpt
 from coordinator.clock import Clock
 from coordinator.export import describe_model, restore_widths, run_model
-from coordinator.model_ema import ModelAverage
-from coordinator.pricing import price_norm_pass, price_round
+from coordinator.pricing import price_phase, price_round
 from coordinator.registry import Registry
 from coordinator.round_record import round_record
 from coordinator.server_trainer import ServerTrainer
@@ -31,19 +30,18 @@ from coordinator.session import DeadlinePassed, Event, FleetSession, RoundAgent
 from coordinator.transport import Transport
 from coordinator.uploads import decode_activations, decode_logit_gradients
 from coordinator.validation import ValidationSet, evaluation_batch
-from sfl_core import norm_stats, timing
+from sfl_core import timing
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
 from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
-from sfl_core.drift import ControlVariates
 from sfl_core.methods import build_method
 from sfl_core.methods.base import RoundPlan
 from sfl_core.model.accounting import model_costs, split_note
 from sfl_core.model.bottleneck import bottleneck_shape, covered_width, slice_state
 from sfl_core.model.fingerprint import architecture, digest, fingerprinted
 from sfl_core.model.zoo import SplitModel, build_model
-from sfl_core.server_opt import ServerOptimizer, averaged_names, from_config, split_state
-from sfl_core.timing import norm_pass_agents
+from sfl_core.option_registry import build_options
+from sfl_core.options.base import PhaseAgent, ServerTerms, split_state
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import SPLIT_TRAINING, WHOLE_MODEL, Assignment
@@ -100,14 +98,10 @@ class RoundEngine:
         for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
             self.model.check_split(s)
         self.method = build_method(cfg, self.model, self.costs)
-        so = cfg.server_opt
-        self.server_opt: Optional[ServerOptimizer] = from_config(so.kind, so.lr, so.beta1, so.beta2, so.tau)
+        self.options = build_options(cfg, self.model)   # the training options (sfl_core.options), in hook order
         self._round_start: dict[str, torch.Tensor] = {}
-        self._server_corrections: dict[str, dict[str, torch.Tensor]] = {}   # this round's, per agent
+        self._terms = ServerTerms()   # what the options asked of this round's server copies
         self._round_wall0 = time.monotonic()   # when the current round began, on this host
-        self.variates: Optional[ControlVariates] = ControlVariates() if cfg.drift.kind == "scaffold" else None
-        self._pass_stats: dict[str, torch.Tensor] = {}   # norm_stats: federated: the last pass's statistics
-        self.average: Optional[ModelAverage] = ModelAverage(cfg.model_ema) if cfg.model_ema else None
         self._latest_width: dict[str, int] = {}          # "split/agent" -> the agent's latest bottleneck width there
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
                                     loss=self.method.server_loss(),
@@ -209,12 +203,11 @@ class RoundEngine:
             r = doc["round"]
             plan, agents = shard_round.follow(self.shards, self.transport, self.model, doc, self._now)
             mine = list(agents)
-            corrections = {a: wire.decode_state(body, self._server_params(plan.splits[a], plan.widths.get(a, 0)))
+            corrections = {a: wire.decode_state(body, self.server_params(plan.splits[a], plan.widths.get(a, 0)))
                            for a, body in doc["corrections"].items()}
             self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
-                                    lr=doc["lr"], population_counts=doc["population"],
-                                    freeze_norm=norm_stats.frozen(self.cfg.norm_stats.freeze_after, r),
-                                    corrections=corrections, prox_mu=doc["prox_mu"])
+                                    lr=doc["lr"], population_counts=doc["population"], frozen_norms=doc["frozen_norms"],
+                                    corrections=corrections, proximal=doc["proximal"])
             losses = self._train_steps(r, agents, mine)
             log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r,
                      ", ".join(mine) or "-", f"{losses[-1]:.4f}" if losses else "-")
@@ -277,31 +270,26 @@ class RoundEngine:
         population = {a: i.label_counts for a, i in self.registry.agents.items()}
         # agents holding the whole model train locally and only send weights (FedAvg, or auto's choice)
         split_agents = [a for a, ra in agents.items() if not ra.assignment.whole_model]
-        self._server_corrections = self._copy_corrections(plan, agents, split_agents)
-        prox_mu = self._copies_prox_mu(plan, split_agents)
+        terms = self._terms = ServerTerms()
+        for option in self.options:
+            option.server_terms(self, r, plan, split_agents, {a: ra.assignment for a, ra in agents.items()}, terms)
         mine = shard_round.lead(self.shards, self.transport, self.model, r, plan, agents, split_agents,
                                 label_counts=label_counts, population=population, lr=self.cfg.lr * decay,
-                                corrections={a: wire.encode_state(c, self.cfg.zstd_level)
-                                             for a, c in self._server_corrections.items()}, prox_mu=prox_mu) \
-            if self.shards is not None else split_agents
-        frozen = norm_stats.frozen(self.cfg.norm_stats.freeze_after, r)
+                                terms=terms, encode=self.encode_state) if self.shards is not None else split_agents
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
                                 lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population,
-                                freeze_norm=frozen, corrections=self._server_corrections, prox_mu=prox_mu)
+                                frozen_norms=terms.frozen_norms, corrections=terms.corrections, proximal=terms.proximal)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         assigns: list[tuple[RoundAgent, Message]] = []
         for a, ra in agents.items():
             key = (ra.assignment.split, ra.assignment.width)
             if key not in bodies:
-                bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
+                bodies[key] = self.encode_state(self.client_state(*key))
             body = ra.assignment.to_body(bodies[key])
             if self.cfg.task is not None and self.normalization is not None:
                 body["normalize"] = self.normalization.to_wire()
-            body.update(self._drift_fields(a, *key))
-            if frozen:
-                body["freeze_norm"] = True
-            if self.cfg.norm_stats.local:
-                body["local_norm"] = True
+            for option in self.options:
+                body.update(option.assign_fields(self, r, a, *key))
             assigns.append((ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
                                         seq=protocol.next_seq())))
         self.session.send_many(assigns)
@@ -406,52 +394,48 @@ class RoundEngine:
                           for a in latest}
                 pair.infer_width = min(pair.width, covered_width(latest, counts, population))
 
+    def option(self, kind: type) -> Any:
+        """The run's option of class ``kind`` (None if the config leaves it off)."""
+        return next((o for o in self.options if isinstance(o, kind)), None)
+
+    # ================================================================ what the options use (RoundContext)
     @property
-    def _parameter_names(self) -> set[str]:
+    def fleet(self) -> dict[str, Any]:
+        """Every registered agent's info."""
+        return self.registry.agents
+
+    @property
+    def parameter_names(self) -> set[str]:
         return {name for name, _ in self.model.named_parameters()}
 
-    def _drift_fields(self, agent: str, split: int, width: int) -> dict[str, Any]:
-        """What an assignment adds for drift correction (:mod:`sfl_core.drift`): FedProx's μ, or
-        SCAFFOLD's ``c − cᵢ`` for the parameters of the agent's client portion."""
-        drift = self.cfg.drift
-        if drift.kind == "fedprox":
-            return {"prox_mu": drift.mu}
-        if drift.kind == "scaffold":
-            held = {k: v for k, v in self._client_state(split, width).items() if k in self._parameter_names}
-            return {"correction": wire.encode_state(self.variates.correction(agent, held), self.cfg.zstd_level)}
-        return {}
+    def encode_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return wire.encode_state(state, self.cfg.zstd_level)
 
-    def _copy_corrections(self, plan: RoundPlan, agents: dict[str, RoundAgent],
-                          split_agents: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """SCAFFOLD's ``c − cᵢ`` for each split agent's server layers, where the round trains
-        one server copy per agent and averages them; none where a copy trains on the merged rows
-        of several agents (:mod:`sfl_core.drift`)."""
-        if self.variates is None or not self._copies_per_agent(plan, split_agents):
-            return {}
-        return {a: self.variates.correction(a, self._server_params(agents[a].assignment.split,
-                                                                   agents[a].assignment.width))
-                for a in split_agents}
+    def reject(self, why: str) -> None:
+        self.session.rejections.reject("invalid", why)
 
-    def _copies_prox_mu(self, plan: RoundPlan, split_agents: list[str]) -> float:
-        """FedProx's μ for the server copies where the round trains one per agent (else 0)."""
-        per_agent = self.cfg.drift.kind == "fedprox" and self._copies_per_agent(plan, split_agents)
-        return self.cfg.drift.mu if per_agent else 0.0
+    def log(self, text: str, *, warning: bool = False) -> None:
+        (log.warning if warning else log.info)(text)
 
-    @staticmethod
-    def _copies_per_agent(plan: RoundPlan, split_agents: list[str]) -> bool:
-        """Whether the round trains a server copy for each agent, several of them, which
-        aggregation averages like client portions (SplitFed v1)."""
-        copies = [[a for a in g if a in split_agents] for g in plan.groups]
-        copies = [c for c in copies if c]
-        return len(copies) > 1 and all(len(c) == 1 for c in copies)
+    def exchange(self, r: int, step: int, requests: dict[str, tuple[Assignment, str, dict[str, Any]]],
+                 reply: str) -> tuple[dict[str, Message], dict[str, PhaseAgent]]:
+        now = self._now()
+        asked = {a: RoundAgent(a, assignment, last_heard=now, last_sent_at=now)
+                 for a, (assignment, _type, _body) in requests.items()}
+        for a, (_assignment, mtype, body) in requests.items():
+            if self.cfg.task is not None and self.normalization is not None:
+                body["normalize"] = self.normalization.to_wire()
+            self.session.send(asked[a], Message(mtype, self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
+                                                step=step, seq=protocol.next_seq()))
+        return self.session.collect(asked, reply, r, step, only=list(asked)), dict(asked)
 
-    def _server_params(self, split: int, width: int) -> dict[str, torch.Tensor]:
+    def server_params(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """The parameters a server copy trains for an agent of this split and bottleneck width."""
         state = self.model.server_state(split)
         state = {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
-        return {k: v for k, v in state.items() if k in self._parameter_names}
+        return {k: v for k, v in state.items() if k in self.parameter_names}
 
-    def _client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
+    def client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
         state = self.model.client_state(split)
         return {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
@@ -511,9 +495,13 @@ class RoundEngine:
         wall seconds (what a wall clock charges); the record's ``wall_s`` is the whole round on this
         host, aggregation and evaluation included, and ``eval_s`` the evaluation's part."""
         done, fed_losses = self._aggregate(plan, agents, uploads)
-        pass_agents, pass_wall_s = self._norm_stats_pass(r, agents, done)
-        if self.average is not None:
-            self.average.update(self.model.state_dict())
+        phases = {}
+        for option in self.options:   # a phase of its own after aggregation (a statistics pass)
+            phase = option.phase(self, r, {a: agents[a].assignment for a in done if a in agents})
+            if phase is not None:
+                phases[option.SECTION.KEY] = phase
+        for option in self.options:
+            option.after_round(self, r)
         eval0 = time.monotonic()
         accuracy, test_loss = self.evaluate() if self._evaluates(r) else (None, None)
         eval_s = time.monotonic() - eval0
@@ -523,13 +511,13 @@ class RoundEngine:
         self.method.observe(observed)
         round_s = self.clock.end_round(list(times.values()), wall_s)
         self.method.record(r, times, plan.splits, round_s)
-        pass_record = None
-        if pass_agents is not None:   # a second phase: it starts once the slowest agent's weights are in
-            pass_record = price_norm_pass(r, self.clock, self.costs, self.registry.agents, pass_agents,
-                                          samples=self.cfg.norm_stats.batches * self.cfg.batch_size,
-                                          server_flops=self.cfg.server_flops)
-            pass_record["time_s"] = self.clock.end_round(pass_record.pop("times").values(), pass_wall_s)
-            round_s += pass_record["time_s"]
+        phase_records = {}
+        for key, phase in phases.items():   # each starts once the slowest agent's weights are in
+            rec = price_phase(r, self.clock, self.costs, self.registry.agents, phase.agents,
+                              samples=phase.samples, server_flops=self.cfg.server_flops)
+            rec["time_s"] = self.clock.end_round(rec.pop("times").values(), phase.wall_s)
+            round_s += rec["time_s"]
+            phase_records[key] = rec
         train_loss = (sum(losses) / len(losses)) if losses else (sum(fed_losses) / len(fed_losses) if fed_losses else None)
         federated = self._federated_evaluation(r, agents, done)
         record = round_record(
@@ -537,17 +525,15 @@ class RoundEngine:
             elapsed_s=self.clock.elapsed, virtual=self.clock.virtual,
             wall_s=time.monotonic() - self._round_wall0, eval_s=eval_s, times=times,
             per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
-            federated=federated, method_metrics=self.method.round_metrics(), norm_pass=pass_record)
+            federated=federated, method_metrics=self.method.round_metrics(), phases=phase_records)
         if self.session.late or self.session.stalled:
             record["stragglers"] = {"policy": self.cfg.stragglers, "late": sorted(set(self.session.late)),
                                     "busy": sorted(set(self.session.stalled))}
         self.history.append(record)
         self.session.prune()   # silent agents that never trained stay out of the checkpoint
         ckpt.append_metrics(self.out_dir, record)
-        ckpt.save(self.out_dir, {**self.model.state_dict(),
-                                 **(self.server_opt.state_tensors() if self.server_opt is not None else {}),
-                                 **(self.variates.state_tensors() if self.variates is not None else {}),
-                                 **(self.average.state_tensors() if self.average is not None else {})},
+        ckpt.save(self.out_dir, {**self.model.state_dict(), **{k: t for o in self.options
+                                                               for k, t in o.state_tensors().items()}},
                   self._checkpoint_state(r), encoded={"registry": self.registry.to_json_text()})
         self.on_event("round_end", record)
         return record
@@ -564,7 +550,7 @@ class RoundEngine:
         for a, msg in uploads.items():
             split, width = agents[a].assignment.split, agents[a].assignment.width
             if (split, width) not in held:
-                held[split, width] = self._client_state(split, width)
+                held[split, width] = self.client_state(split, width)
             try:
                 clients[a] = wire.decode_state(msg.body["weights"], held[split, width])
             except wire.WireError as exc:
@@ -581,91 +567,17 @@ class RoundEngine:
         need = self._needed(len(plan.splits))
         if len(done) < need:
             raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")
-        if self.variates is not None and clients:
-            self.variates.update(self._round_start, {a: {k: v for k, v in st.items() if k in self._parameter_names}
-                                                     for a, st in clients.items()},
-                                 {a: (agents[a].assignment.lr, agents[a].assignment.tau, agents[a].assignment.momentum)
-                                  for a in clients},
-                                 fleet_size=len(self.registry.agents), full=self.model.state_dict())
-            corrected = [a for a in clients if a in self._server_corrections]
-            if corrected:   # each agent's server copy stepped with its c − cᵢ: its cᵢ learns from it
-                self.variates.update(self._round_start,
-                                     {a: {k: v for k, v in servers[a].items() if k in self._parameter_names}
-                                      for a in corrected},
-                                     {a: self.server.member_steps(a) for a in corrected},
-                                     fleet_size=len(self.registry.agents), full=self.model.state_dict(),
-                                     stepped_with={a: self._server_corrections[a] for a in corrected})
+        for option in self.options:
+            option.observe_updates(self, self._round_start, clients, servers,
+                                   {a: agents[a].assignment for a in done}, self._terms, self.server.member_steps)
         if clients:
             copy_of = {a: i for i, g in enumerate(plan.groups) for a in g}
             avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
                                     server_groups=copy_of if plan.server_once else None)
-            if self.server_opt is not None:   # averaged parameters step; buffers stay averaged
-                avg = self.server_opt.step(self._round_start, avg,
-                                           averaged_names(clients, servers, copy_of, self._parameter_names))
+            for option in self.options:
+                avg = option.transform_average(self, self._round_start, avg, clients, servers, copy_of)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         return done, fed_losses
-
-    def _norm_stats_pass(self, r: int, agents: dict[str, RoundAgent], done: list[str]
-                         ) -> tuple[Optional[dict[str, RoundAgent]], float]:
-        """``norm_stats: federated``: after aggregation, the asked agents run local batches through
-        the new global client portion and report their BatchNorm layers' input moments and the
-        activations; the server adds its portion's moments and the global statistics are set
-        (:mod:`sfl_core.norm_stats`). Returns the pass's own book-keeping per agent (bytes,
-        response times: a phase of its own for the clock) and its wall seconds; (None, 0) in a
-        round without a pass. An agent that does not answer is dropped as in any step; without
-        any valid answer the averaged statistics stay."""
-        ns = self.cfg.norm_stats
-        if ns.mode != "federated" or not norm_stats.batch_norm_layers(self.model):
-            return None, 0.0
-        if norm_stats.frozen(ns.freeze_after, r):   # no agent or server copy changed the statistics
-            return None, 0.0
-        if r % ns.every:   # between passes, the last pass's statistics describe the model better than averages
-            if self._pass_stats:
-                self.model.load_state_dict(self._pass_stats, strict=False)
-            return None, 0.0
-        t0 = time.monotonic()
-        asked = norm_pass_agents(self.cfg, self.costs, self.registry.agents,
-                                 {a: (agents[a].assignment.split, agents[a].assignment.codec, agents[a].assignment.width)
-                                  for a in done if a in agents})
-        now = self._now()
-        step = self.cfg.local_iters + 1   # after federated evaluation's step
-        pass_agents = {a: RoundAgent(a, agents[a].assignment, last_heard=now, last_sent_at=now) for a in asked}
-        bodies: dict[tuple[int, int], dict] = {}
-        for a, ra in pass_agents.items():
-            key = (ra.assignment.split, ra.assignment.width)
-            if key not in bodies:
-                bodies[key] = wire.encode_state(self._client_state(*key), self.cfg.zstd_level)
-            body = norm_pass.request_body(self.cfg.model, *key, bodies[key], batches=ns.batches,
-                                          batch_size=self.cfg.batch_size, codec=ra.assignment.codec,
-                                          zstd_level=self.cfg.zstd_level,
-                                          activation_shape=ra.assignment.activation_shape)
-            if self.cfg.task is not None and self.normalization is not None:
-                body["normalize"] = self.normalization.to_wire()
-            self.session.send(ra, Message("norm_pass", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
-                                          step=step, seq=protocol.next_seq()))
-        replies = self.session.collect(pass_agents, "norm_sums", r, step, only=asked)
-        parts = []
-        samples = ns.batches * self.cfg.batch_size
-        for a, msg in replies.items():
-            split = pass_agents[a].assignment.split
-            try:
-                moments, x = norm_pass.check_reply(msg.body, self.model, split, samples,
-                                                   pass_agents[a].assignment.activation_shape)
-            except wire.WireError as exc:
-                self.session.rejections.reject("invalid", f"normalisation statistics from {a}: {exc}")
-                continue
-            parts.append(moments)
-            if x is not None:
-                t1 = time.monotonic()
-                parts.append(norm_pass.server_moments(self.model, split, x, self.cfg.batch_size))
-                pass_agents[a].server_s = time.monotonic() - t1
-        if parts:
-            layers = norm_stats.apply(self.model, norm_stats.combine(parts))
-            self._pass_stats = norm_stats.running_stats(self.model)
-            log.info("round %d: BatchNorm statistics of %d layer(s) from %d agent(s)", r, len(layers), len(replies))
-        else:
-            log.warning("round %d: no agent returned valid normalisation statistics; the averaged ones stay", r)
-        return {a: pass_agents[a] for a in replies}, time.monotonic() - t0
 
     def _checkpoint_state(self, r: int) -> dict[str, Any]:
         """The run state saved with the model after round ``r`` (what ``--resume`` reads), all but
@@ -722,31 +634,29 @@ class RoundEngine:
 
     def delivered_model(self) -> SplitModel:
         """The model the run delivers (evaluated, exported): the global model, or with
-        ``model_ema`` its average over rounds (:mod:`coordinator.model_ema`) on a copy of it."""
-        if self.average is None or not self.average.tensors:
-            return self.model
-        averaged = copy.deepcopy(self.model)   # the same bottleneck widths; training keeps the original
-        averaged.load_state_dict(self.average.state(self.model.state_dict()))
-        return averaged
+        the state a training option delivers instead (``model_ema``'s average over rounds) on a copy of it."""
+        for option in self.options:
+            state = option.delivered(self.model)
+            if state is not None:
+                delivered = copy.deepcopy(self.model)   # the same bottleneck widths; training keeps the original
+                delivered.load_state_dict(state)
+                return delivered
+        return self.model
 
     def _resume(self, model_state: dict[str, torch.Tensor], st: dict[str, Any]) -> None:
         """Continue after the checkpoint's round. Everything is checked before anything on disk
         changes: a checkpoint that does not fit this run is a CheckpointError naming the file."""
         path = self.out_dir / ckpt.MODEL_FILE
         ckpt.check_fits(path, st, model=self.cfg.model, run_id=self.cfg.run_id, rounds=self.cfg.rounds)
-        model_state, optimiser_state = split_state(model_state)
+        model_state, own_state = split_state(model_state)
         ckpt.check_tensors(path, model_state, self.model.state_dict(), model=self.cfg.model)
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))
             self.method.load_json(st)
-            if self.server_opt is not None:   # a checkpoint from before it was switched on: it starts afresh
-                self.server_opt.load_state_tensors(optimiser_state)
-            if self.variates is not None:     # likewise
-                self.variates.load_state_tensors(optimiser_state)
-            if self.average is not None:      # likewise
-                self.average.load_state_tensors(optimiser_state)
             restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
+            for option in self.options:   # a checkpoint from before one was switched on: it starts afresh
+                option.load_state(own_state, st["round"], self.model)
             self._latest_width = {str(k): int(v) for k, v in (st.get("latest_widths") or {}).items()}
             if self.cfg.task is not None and st.get("normalize") is not None:
                 self._standardise(Normalization.from_wire(st["normalize"], self.cfg.task.input_shape[0],
@@ -755,8 +665,6 @@ class RoundEngine:
         except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise ckpt.CheckpointError(f"{path}: does not fit this run's model {self.cfg.model!r} ({first})") from None
-        if self.cfg.norm_stats.mode == "federated" and st["round"] >= self.cfg.norm_stats.every:
-            self._pass_stats = norm_stats.running_stats(self.model)   # what the rounds between passes keep
         history = ckpt.read_metrics(self.out_dir)   # a corrupted metrics file stops us here, untouched
         self.clock.restore(elapsed)
         self.start_round = st["round"] + 1

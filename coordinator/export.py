@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from coordinator import state as ckpt
-from coordinator.model_ema import delivered_weights
 from sfl_core.method_registry import prepare_model
 from sfl_core.model.accounting import model_costs
 from sfl_core.model.onnx_export import export_onnx
 from sfl_core.model.user_models import describe_source, register_described
 from sfl_core.model.zoo import SplitModel, build_model
-from sfl_core.server_opt import split_state
+from sfl_core.option_registry import delivered_weights
+from sfl_core.options.base import split_state
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
@@ -89,7 +89,7 @@ def load_global_model(run_dir: Path, config: Optional[Path] = None) -> tuple[Spl
         raise ExportError(f"no run directory {run_dir}")
     try:
         weights, st = ckpt.load(run_dir)
-        weights = delivered_weights(*split_state(weights))   # the average over rounds, where the run kept one
+        weights = delivered_weights(*split_state(weights))   # e.g. the average over rounds, where the run kept one
     except ckpt.CheckpointError as exc:   # missing, torn, corrupted, foreign: one line naming the file
         raise ExportError(str(exc)) from None
     info = st.get("model_info")

@@ -27,7 +27,8 @@ from sfl_core.transport.mqtt_link import MqttLink
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.protocol import COORDINATOR_ID, Message
-from sfl_core.wire.signing import SIGNED_TYPES, Signer
+from sfl_core.wire import signing
+from sfl_core.wire.signing import Signer
 
 log = logging.getLogger("sfl.coord.mqtt")
 
@@ -204,7 +205,7 @@ class MqttTransport:
         owner: list[int] = []      # pieces[i] belongs to messages[owner[i]]
         sizes = []
         for i, (agent_id, msg) in enumerate(messages):
-            if msg.type in SIGNED_TYPES:
+            if msg.type in signing.SIGNED_TYPES:
                 self.signer.sign(msg)
             payload = msg.encode()
             sizes.append(len(payload))

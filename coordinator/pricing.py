@@ -18,7 +18,7 @@ from sfl_core.methods.base import AgentRound
 from sfl_core.model.accounting import SplitCost
 from sfl_core.wire.protocol import Message
 
-__all__ = ["price_round", "price_norm_pass"]
+__all__ = ["price_round", "price_phase"]
 
 
 def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Mapping[str, AgentInfo],
@@ -69,9 +69,9 @@ def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Map
     return per_agent, times, observed
 
 
-def price_norm_pass(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Mapping[str, AgentInfo],
-                    agents: Mapping[str, RoundAgent], *, samples: int, server_flops: float) -> dict[str, Any]:
-    """Price round ``r``'s statistics pass (``norm_stats: federated``) for the agents that answered:
+def price_phase(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Mapping[str, AgentInfo],
+                agents: Mapping[str, RoundAgent], *, samples: int, server_flops: float) -> dict[str, Any]:
+    """Price round ``r``'s phase after aggregation (an option's: a statistics pass) for the agents that answered:
     its download and upload, ``samples`` forward passes on the agent and on the server (a third
     of a training step's FLOPs each). Returns the pass's ``times`` per agent (a phase of the
     round of its own), its agents, bytes and slowest agent's parts. Adds to each agent's totals."""

@@ -37,10 +37,11 @@ def round_record(r: int, *, accuracy: Optional[float], test_loss: Optional[float
                  times: Mapping[str, float],
                  per_agent: dict[str, dict[str, Any]], plan: RoundPlan, done: list[str],
                  rejected: dict[str, int], federated: Optional[dict[str, Any]],
-                 method_metrics: dict[str, Any], norm_pass: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 method_metrics: dict[str, Any], phases: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     """Round ``r``'s record: accuracy and losses, times by the run's clock, bytes, who was selected
     and who completed, per agent what it did, what was rejected, and what the method adds.
-    ``norm_pass``: the round's statistics pass (``norm_stats: federated``), its bytes in the totals."""
+    ``phases``: the round's phases after aggregation by the option that ran them (a statistics
+    pass under ``norm_stats``), their bytes in the totals."""
     record = {
         "round": r, "accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
         "round_time_s": round(round_s, 4), "elapsed_s": round(elapsed_s, 4),
@@ -54,10 +55,10 @@ def round_record(r: int, *, accuracy: Optional[float], test_loss: Optional[float
     }
     if federated is not None:
         record["federated"] = federated
-    if norm_pass is not None:
-        record["norm_stats"] = norm_pass
-        record["bytes_up"] += norm_pass["bytes_up"]
-        record["bytes_down"] += norm_pass["bytes_down"]
+    for key, phase in (phases or {}).items():
+        record[key] = phase
+        record["bytes_up"] += phase["bytes_up"]
+        record["bytes_down"] += phase["bytes_down"]
     record.update(method_metrics)
     record.update(privacy_summary(per_agent))
     return record

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from coordinator import host_copies
-from sfl_core import norm_stats
-from sfl_core.drift import StepTerms, leading_block
+from sfl_core.model.norm_layers import freeze
+from sfl_core.step_terms import StepTerms, leading_block
 from sfl_core.losses import LossSpec, logit_calibrated_ce, n2w_loss, under_represented_classes, w2n_loss
 from sfl_core.model.zoo import SplitModel
 
@@ -73,12 +73,12 @@ class _Group:
         self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
         self.lr, self.momentum = lr, momentum
         self.steps = 0
-        self.drift = StepTerms([])
+        self.terms = StepTerms([])
 
-    def correct(self, correction: Mapping[str, torch.Tensor] | None, prox_mu: float,
+    def correct(self, correction: Mapping[str, torch.Tensor] | None, proximal: float,
                 device: torch.device) -> None:
         """Step with SCAFFOLD's ``c − cᵢ`` of the copy's one member (each tensor a leading block
-        of a parameter: a bottleneck slice) and FedProx's ``μ (w − x)`` (:class:`sfl_core.drift.StepTerms`)."""
+        of a parameter: a bottleneck slice) and FedProx's ``μ (w − x)`` (:class:`sfl_core.step_terms.StepTerms`)."""
         name_of = {id(p): n for n, p in self.model.named_parameters()}
         terms = []
         for p in self.params:
@@ -88,13 +88,13 @@ class _Group:
                 term[leading_block(term, tuple(correction[name].shape))] = correction[name].float().cpu()
                 term = term.to(device, p.dtype)
             terms.append((p, term))
-        self.drift = StepTerms(terms, prox_mu)
+        self.terms = StepTerms(terms, proximal)
 
     def step(self) -> None:
         """One optimiser step (the drift correction added to the gradients first)."""
         if self.opt is None:
             return
-        self.drift.apply()
+        self.terms.apply()
         self.opt.step()
         self.steps += 1
 
@@ -129,9 +129,9 @@ class ServerTrainer:
                     label_counts: Mapping[str, Sequence[int]] | None = None,
                     lr: float | None = None, sequential: bool = False,
                     population_counts: Mapping[str, Sequence[int]] | None = None,
-                    freeze_norm: bool = False,
+                    frozen_norms: bool = False,
                     corrections: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
-                    prox_mu: float = 0.0) -> None:
+                    proximal: float = 0.0) -> None:
         """Fresh copies of the current global model, one per group (optimiser state too, like the agents).
 
         ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
@@ -139,24 +139,24 @@ class ServerTrainer:
         round's learning rate (default: the trainer's). ``sequential`` is SplitFed v2: a group's
         copy takes one optimiser step per member, in turn, instead of one on the merged batch.
         ``population_counts`` (every registered agent's label counts) is BDKS's global data set;
-        default: the round's bottlenecked agents (:meth:`_under_represented`). ``freeze_norm``:
+        default: the round's bottlenecked agents (:meth:`_under_represented`). ``frozen_norms``:
         the copies' BatchNorm layers normalise with the model's statistics and keep them
-        (:func:`sfl_core.norm_stats.freeze`). ``corrections``: SCAFFOLD's ``c − cᵢ`` for the server
-        layers of agents that have a copy of their own (:mod:`sfl_core.drift`).
-        ``prox_mu``: FedProx's μ for every copy (0: none).
+        (:func:`sfl_core.model.norm_layers.freeze`). ``corrections``: SCAFFOLD's ``c − cᵢ`` for the server
+        layers of agents that have a copy of their own (:mod:`sfl_core.options.drift`).
+        ``proximal``: FedProx's μ for every copy (0: none).
         """
         self._sequential = sequential
         lr = self.lr if lr is None else lr
         self._groups = [_Group(self.model, g, splits, lr, self.momentum) for g in groups if g]
-        if freeze_norm:
+        if frozen_norms:
             for group in self._groups:
-                norm_stats.freeze(group.model)
+                freeze(group.model)
         corrections = corrections or {}
         for group in self._groups:
             mine = [a for a in group.members if a in corrections]
             if mine and len(group.members) > 1:
                 raise ValueError(f"SCAFFOLD corrects a server copy that trains for one agent; {mine} share one")
-            group.correct(corrections[mine[0]] if mine else None, prox_mu, self.device)
+            group.correct(corrections[mine[0]] if mine else None, proximal, self.device)
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
         needs_counts = self.loss.kind == "calibrated" or self.loss.bdks
@@ -418,7 +418,7 @@ class ServerTrainer:
 
     def member_steps(self, agent_id: str) -> tuple[float, int, float]:
         """``(η, K, m)`` of the copy that trained for ``agent_id``: its learning rate, the steps
-        it took this round and its momentum (SCAFFOLD's update, :mod:`sfl_core.drift`)."""
+        it took this round and its momentum (a correction term's update, :mod:`sfl_core.options.drift`)."""
         group = self._group_of[agent_id]
         return group.lr, group.steps, group.momentum
 

@@ -32,6 +32,8 @@ from sfl_core.wire.protocol import Message
 
 log = logging.getLogger("sfl.coord")
 
+FLEET_TYPES = frozenset({"register", "probe", "heartbeat", "status"})
+"""What an agent sends about itself; every other type it sends answers a round's request."""
 RETRY_S = 5.0
 """Seconds after which the last message to an agent that reports itself idle is sent again."""
 MAX_RESENDS = 3
@@ -290,7 +292,7 @@ class FleetSession:
                 if msg.type == "weights" and kind != "weights" and msg.sender in agents \
                         and msg.sender not in expected:
                     self._early_weights(msg, agents[msg.sender], r)
-                elif msg.type in ("activations", "logit_grads", "weights", "evaluation", "norm_sums"):
+                elif msg.type not in FLEET_TYPES:   # a reply the round (or an option's phase) owes
                     self._training_message(msg, agents, kind, r, k, got)
                 elif msg.type == "heartbeat" and ra is not None and msg.sender in expected and msg.sender not in got:
                     self._maybe_resend(agents, ra, msg)

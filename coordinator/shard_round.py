@@ -18,6 +18,7 @@ from coordinator.session import RoundAgent
 from coordinator.transport import Transport
 from sfl_core.methods.base import RoundPlan
 from sfl_core.model.zoo import SplitModel
+from sfl_core.options.base import ServerTerms
 from sfl_core.wire.assignment import Assignment
 
 log = logging.getLogger("sfl.coord")
@@ -27,11 +28,11 @@ __all__ = ["lead", "follow", "counters", "merge_counters"]
 
 def lead(shards: ServerShards, transport: Transport, model: SplitModel, r: int, plan: RoundPlan,
          agents: dict[str, RoundAgent], split_agents: list[str], *, label_counts: dict, population: dict,
-         lr: float, corrections: dict[str, Any], prox_mu: float) -> list[str]:
+         lr: float, terms: ServerTerms, encode: Callable[[dict], dict]) -> list[str]:
     """The leader's start of a round: share out the split agents, broadcast the plan and the
-    model, wait for every worker; returns the leader's own agents. ``corrections``: the server
-    copies' encoded SCAFFOLD corrections per agent and ``prox_mu`` their FedProx μ (every rank
-    steps every copy with them)."""
+    model, wait for every worker; returns the leader's own agents. ``terms``: what the training
+    options ask of the server copies (every rank steps every copy with them; ``encode`` puts the
+    corrections on the wire)."""
     if plan.sequential:
         raise RuntimeError("server workers cannot share a sequential server (server_mode: sequential): "
                            "it trains on one agent after another")
@@ -42,8 +43,9 @@ def lead(shards: ServerShards, transport: Transport, model: SplitModel, r: int, 
         "assignments": {a: agents[a].assignment.to_body({}) for a in split_agents},
         "groups": plan.groups, "splits": plan.splits, "widths": plan.widths,
         "infer_widths": {k: pair.infer_width for k, pair in model.bottlenecks.items()},
-        "label_counts": label_counts, "population": population, "corrections": corrections,
-        "prox_mu": prox_mu})
+        "label_counts": label_counts, "population": population,
+        "corrections": {a: encode(c) for a, c in terms.corrections.items()}, "proximal": terms.proximal,
+        "frozen_norms": terms.frozen_norms})
     shards.broadcast_model(model)
     shards.barrier()
     log.info("round %d: server workers' agents: %s", r, "; ".join(

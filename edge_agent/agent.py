@@ -19,11 +19,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from sfl_core import norm_stats
-from sfl_core.drift import StepTerms
+from sfl_core import option_registry
 from sfl_core.data.preprocessing import Normalization
 from sfl_core.model.accounting import model_costs
 from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.step_terms import StepTerms
 from sfl_core.privacy import (
     AgentPrivacy,
     clip_and_noise,
@@ -104,8 +104,8 @@ class AgentCore:
         self._scaled = data.x if standardise else None
         self._scaled_held_out = held_out.x if standardise and held_out is not None else None
         self._evaluated: tuple[int, int] = (-1, -1)       # (round, seq) of the last evaluate answered
-        self._norm_passed: tuple[int, int] = (-1, -1)     # (round, seq) of the last norm_pass answered
-        self._norm_sampler = BatchSampler(len(data), seed + 104729)   # leaves the training batches as they are
+        self._seed = seed
+        self._streams: dict[int, BatchSampler] = {}      # an option's batches (a stream each: training's stay)
         self.normalization: Optional[Normalization] = None
         self.input_shape = tuple(input_shape)
         self._sampler = BatchSampler(len(data), seed)
@@ -117,10 +117,10 @@ class AgentCore:
         self._assign: Optional[Assignment] = None
         self._client: Optional[torch.nn.Module] = None
         self._opt: Optional[torch.optim.Optimizer] = None
-        self._drift = StepTerms([])   # drift correction's gradient terms (sfl_core.drift)
-        self._local_norm = False
-        self._own_norm: dict[str, torch.Tensor] = {}
-        """FedBN (``assign.local_norm``): this device's BatchNorm layers from its last round."""
+        self._terms = StepTerms([])   # what the training options add to every step's gradients
+        self._options = [d for d in (o.device() for o in option_registry.option_classes()) if d is not None]
+        """Each training option's part on this device (sfl_core.options), kept across rounds."""
+        self._handlers = {t: h for d in self._options for t, h in d.handles().items()}
         self._out: Optional[torch.Tensor] = None
         self.privacy = privacy
         self._leak: Optional[torch.Tensor] = None        # NoPeek's weighted distance correlation, this step
@@ -149,8 +149,8 @@ class AgentCore:
             return self._on_logits(msg)
         if msg.type == "evaluate":
             return self._on_evaluate(msg)
-        if msg.type == "norm_pass":
-            return self._on_norm_pass(msg)
+        if msg.type in self._handlers:   # a training option's own request (a statistics pass)
+            return self._handlers[msg.type](self, msg)
         log.debug("agent %s ignores %s", self.agent_id, msg.type)
         return []
 
@@ -178,37 +178,20 @@ class AgentCore:
         client = model.client(a.split)
         state = wire.decode_state(msg.body["weights"], {k: v.cpu() for k, v in model.client_state(a.split).items()})
         model.load_state_dict(state, strict=False)
-        self._local_norm = bool(msg.body.get("local_norm"))
-        if self._local_norm:   # FedBN: our own normalisation layers replace the global ones we hold
-            model.load_state_dict({k: v for k, v in self._own_norm.items()
-                                   if k in state and state[k].shape == v.shape}, strict=False)
         self._assign, self._client = a, client
         self._client.train()
-        if msg.body.get("freeze_norm"):
-            norm_stats.freeze(self._client)
+        extra: dict[int, torch.Tensor] = {}
+        for option in self._options:   # the assignment's fields were range-checked with the schema
+            extra.update({id(p): t for p, t in option.on_assign(msg.body, model, a.split, client, state)})
         self._opt = torch.optim.SGD(client.parameters(), lr=a.lr, momentum=a.momentum)
-        self._drift = self._drift_terms(msg.body, model, a.split)
+        keys = set(model.client_keys(a.split))
+        self._terms = StepTerms([(p, extra.get(id(p))) for n, p in model.named_parameters() if n in keys],
+                                sum(option.proximal(msg.body) for option in self._options))
         self._flops_per_sample = model_costs(a.model, self.input_shape, self.data.num_classes)[a.split].client_flops
         self.round, self.step, self._compute_s, self._assign_seq = msg.round, -1, 0.0, msg.seq
         if a.whole_model:
             return self._remember([self._train_locally()])
         return self._remember([self._forward_next()])
-
-    def _drift_terms(self, body: dict, model: SplitModel, split: int) -> StepTerms:
-        """What each local step adds to the client portion's gradients (:mod:`sfl_core.drift`):
-        FedProx's ``μ (w − x)`` with ``x`` the weights just received; SCAFFOLD's ``c − cᵢ``
-        arrives whole."""
-        keys = set(model.client_keys(split))
-        params = {n: p for n, p in model.named_parameters() if n in keys}
-        mu = 0.0
-        if "prox_mu" in body:
-            mu = body["prox_mu"]
-            if not 0 <= mu <= 100:   # also rejects NaN
-                raise wire.WireError(f"assign.prox_mu: {mu} outside [0, 100]")
-        c: dict[str, torch.Tensor] = {}
-        if "correction" in body:
-            c = wire.decode_state(body["correction"], {n: p.detach().cpu() for n, p in params.items()})
-        return StepTerms([(p, c[n].to(self.device) if n in c else None) for n, p in params.items()], mu)
 
     def _standardise(self, constants: Optional[dict]) -> None:
         """Standardise our inputs with the run's constants (once; again only if they change)."""
@@ -280,7 +263,7 @@ class AgentCore:
             torch.autograd.backward([self._out, self._leak], [g, None])
         else:
             self._out.backward(g)
-        self._drift.apply()   # drift correction (sfl_core.drift)
+        self._terms.apply()   # the training options' terms (drift correction)
         self._opt.step()
         self._out, self._leak, self._x = None, None, None
         self._charge(self._flops_per_sample * g.shape[0] * 2 / 3, time.perf_counter() - t0)
@@ -355,7 +338,7 @@ class AgentCore:
             else:
                 loss = F.cross_entropy(self._client(x), y)
                 loss.backward()
-            self._drift.apply()   # drift correction (sfl_core.drift)
+            self._terms.apply()   # the training options' terms (drift correction)
             self._opt.step()
             self._charge(self._flops_per_sample * len(idx), time.perf_counter() - t0)
             total += loss.item()
@@ -368,8 +351,8 @@ class AgentCore:
         model = self._model(self._assign.model, self._assign.split, self._assign.width)
         self._assign_done()
         trained = model.client_state(self._assign.split)
-        if self._local_norm:
-            self._own_norm.update(norm_stats.local_entries(model, trained))
+        for option in self._options:
+            option.on_trained(model, trained)
         body = {
             "weights": wire.encode_state(trained, self._assign.zstd_level),
             "num_samples": len(self.data),
@@ -426,46 +409,34 @@ class AgentCore:
                                                        "count": count, "compute_s": time.perf_counter() - t0})
         return self._remember([reply])
 
-    # ------------------------------------------------------------------ federated normalisation statistics
-    def _on_norm_pass(self, msg: Message) -> list[Message]:
-        """``norm_stats: federated``: run local batches through the new global client portion
-        without training and report its BatchNorm layers' input moments and the activations
-        (:mod:`sfl_core.norm_stats`). No label leaves; activation noise applies as in training."""
-        if (msg.round, msg.seq) == self._norm_passed or msg.round < self._norm_passed[0]:
-            return self._resend()
-        b = msg.body
-        self._standardise(b.get("normalize"))
-        for key, hi in (("batches", 64), ("batch_size", 4096), ("split", 10_000), ("width", 1 << 20)):
-            if not 0 <= b[key] <= hi or (key in ("batches", "batch_size") and b[key] < 1):
-                raise wire.WireError(f"norm_pass.{key}: {b[key]} is out of range")
-        wire.check_codec(b["codec"])
-        model = self._model(b["model"], b["split"], b["width"])
-        model.check_split(b["split"])
-        whole = b["split"] == model.num_blocks
-        state = wire.decode_state(b["weights"], {k: v.cpu() for k, v in model.client_state(b["split"]).items()})
-        model.load_state_dict(state, strict=False)
-        t0 = time.perf_counter()
-        xs = [self.data.x[self._norm_sampler.next(b["batch_size"])] for _ in range(b["batches"])]
-        moments, outs = norm_stats.collect(model, model.client(b["split"]), xs)
-        seconds = time.perf_counter() - t0
-        samples = b["batches"] * b["batch_size"]
-        flops = model_costs(b["model"], self.input_shape, self.data.num_classes)[b["split"]].client_flops * samples / 3
-        compute_s = self._compute_hook(flops, seconds) if self._compute_hook is not None else seconds
-        x = None
-        if not whole:
-            out = torch.cat(outs)
-            if tuple(out.shape[1:]) != tuple(b["activation_shape"]):
-                raise wire.WireError(f"norm_pass.activation_shape {b['activation_shape']} does not match this "
-                                     f"model's client output {tuple(out.shape[1:])}")
-            if self.privacy.activation_noise is not None:
-                out = clip_and_noise(out, self.privacy.activation_noise, self._noise_gen)
-            x = wire.encode_tensor(out, b["codec"], b["zstd_level"])
-        tensors, counts = norm_stats.to_wire_state(moments)
-        self._norm_passed = (msg.round, msg.seq)
-        reply = Message("norm_sums", self.run_id, self.agent_id, round=msg.round, step=msg.step,
-                        seq=protocol.next_seq(), body={"moments": wire.encode_state(tensors, b["zstd_level"]),
-                                                       "counts": counts, "x": x, "compute_s": compute_s})
-        return self._remember([reply])
+    def option(self, kind: type) -> Any:
+        """This device's part of a training option, of class ``kind``."""
+        return next((o for o in self._options if isinstance(o, kind)), None)
+
+    # ------------------------------------------------------------------ what options use (DeviceContext)
+    @property
+    def noise_generator(self) -> torch.Generator:
+        return self._noise_gen
+
+    def standardise(self, constants: Optional[dict]) -> None:
+        self._standardise(constants)
+
+    def model(self, name: str, split: int, width: int) -> SplitModel:
+        return self._model(name, split, width)
+
+    def batch(self, stream: int, batch_size: int) -> torch.Tensor:
+        if stream not in self._streams:
+            self._streams[stream] = BatchSampler(len(self.data), self._seed + stream)
+        return self._streams[stream].next(batch_size)
+
+    def compute_seconds(self, flops: float, seconds: float) -> float:
+        return self._compute_hook(flops, seconds) if self._compute_hook is not None else seconds
+
+    def resend(self) -> list[Message]:
+        return self._resend()
+
+    def remember(self, replies: list[Message]) -> list[Message]:
+        return self._remember(replies)
 
     def _model(self, name: str, split: int, width: int) -> SplitModel:
         """The model structure for an assignment (a bottleneck of ``width`` at ``split`` if width > 0)."""

@@ -23,6 +23,7 @@ says so first).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 BUSY_HEARTBEAT_S = 2.0
 """An agent's heartbeat interval while it works for the coordinator (and a small fleet's always)."""
@@ -30,9 +31,18 @@ IDLE_BEATS_PER_S = 50.0
 """Heartbeats per second the coordinator budgets for its whole idle fleet."""
 MAX_IDLE_HEARTBEAT_S = 120.0
 """The longest idle interval: presence then rests on the broker's last will."""
-WORK_TYPES = frozenset({"assign", "gradients", "logits", "evaluate", "norm_pass"})
-"""Coordinator messages that start or continue a round's work: after one, an agent beats every
-:data:`BUSY_HEARTBEAT_S` for an idle interval (its silence is then what drops it from the round)."""
+_CORE_WORK = frozenset({"assign", "gradients", "logits", "evaluate"})
+
+
+def __getattr__(name: str) -> Any:
+    """``WORK_TYPES``: coordinator messages that start or continue a round's work, the core's
+    and the training options' requests: after one, an agent beats every
+    :data:`BUSY_HEARTBEAT_S` for an idle interval (its silence is then what drops it from the round)."""
+    if name != "WORK_TYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from sfl_core.wire import protocol   # the options' messages are read on first use
+    value = globals()[name] = _CORE_WORK | protocol.OPTION_COORD_TYPES   # read once
+    return value
 MISSED_BEATS = 3
 """Idle heartbeats an agent may miss before its silence counts as absence."""
 

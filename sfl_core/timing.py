@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import special
 
-from sfl_core import drift
+from sfl_core import option_registry
 from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
 from sfl_core.wire.codec import nominal_ratio
 
@@ -307,8 +307,9 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
     registration measurements (compute seconds per sample at that cut, link rates) where it
     measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (the
     codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
-    gradients (and momentum, and drift correction's copy) plus every client activation and its
-    gradient per sample. Under SCAFFOLD the download carries the correction as well.
+    gradients (and momentum, and what the training options hold: drift correction's copy) plus
+    every client activation and its gradient per sample; the download carries what the options
+    add (SCAFFOLD's correction).
     A cut (not the whole model) pays the coordinator's :func:`step_overhead_s` for a round of
     ``split_agents`` split agents at ``per_agent_step_s`` (default: the run's
     ``agent_step_overhead_s``). The planners (auto), ``sfl-coord plan`` and every method's
@@ -316,13 +317,14 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
     ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
     seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
-    copies = (3 if cfg.momentum > 0 else 2) + drift.portions_held(cfg.drift.kind)
+    options = option_registry.wanted(cfg)
+    copies = (3 if cfg.momentum > 0 else 2) + sum(o.portions_held(cfg) for o in options)
     whole = cost.activation_bytes == 0   # the whole model on the agent: weights only, no per-step exchange
     h = cfg.agent_step_overhead_s if per_agent_step_s is None else per_agent_step_s
     return option_for(
         split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
         server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
-        weight_bytes_down=cost.client_param_bytes * drift.portions_down(cfg.drift.kind),
+        weight_bytes_down=cost.client_param_bytes * (1 + sum(o.portions_down(cfg) for o in options)),
         activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
         server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
         downlink_bytes_per_s=downlink_rate(info),
@@ -330,42 +332,6 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
         compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
         mem_per_sample=2 * cost.client_activation_bytes, width=width,
         coordinator_s=0.0 if whole else step_overhead_s(h, steps=cfg.local_iters, split_agents=split_agents))
-
-
-def predict_norm_pass(cfg: "RunConfig", cost: "SplitCost", info: "AgentInfo", *, ratio: float) -> tuple[float, float]:
-    """One agent's statistics pass (``norm_stats: federated``) by the time model: its client
-    portion down, ``batches × batch_size`` forward passes (a third of a training step's FLOPs)
-    on the agent and on the server, those activations up (``ratio``: their bytes on the wire
-    over fp32). The seconds and bytes (what the virtual clock charges for the pass, as a
-    phase after the round's slowest agent)."""
-    samples = cfg.norm_stats.batches * cfg.batch_size
-    seconds = compute_s_per_sample(info, cost.split)
-    speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
-    up = samples * cost.activation_bytes * ratio
-    t = agent_round_time(client_flops=cost.client_flops * samples / 3, server_flops=cost.server_flops * samples / 3,
-                         bytes_up=up, bytes_down=cost.client_param_bytes, client_flops_per_s=speed,
-                         server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
-                         downlink_bytes_per_s=downlink_rate(info), latency_s=info.profile.latency_s, messages=2)
-    return t.total_s, up + cost.client_param_bytes
-
-
-def norm_pass_agents(cfg: "RunConfig", costs: "Mapping[int, SplitCost]", infos: "Mapping[str, AgentInfo]",
-                     plans: "Mapping[str, tuple[int, str, int]]") -> list[str]:
-    """Who runs a round's statistics pass: every agent of ``plans`` (agent -> its split, codec
-    and bottleneck width this round, in round order), or the ``norm_stats.agents`` whose pass
-    :func:`predict_norm_pass` prices shortest: a pass lasts as long as its slowest agent."""
-    ids = list(plans)
-    k = cfg.norm_stats.agents
-    if not k or k >= len(ids):
-        return ids
-
-    def seconds(a: str) -> float:
-        split, codec, width = plans[a]
-        cost = costs[split]
-        channels = cost.activation_shape[0] if cost.activation_shape else 1
-        return predict_norm_pass(cfg, cost, infos[a], ratio=wire_fraction(nominal_ratio(codec), width, channels))[0]
-    chosen = set(sorted(ids, key=seconds)[:k])
-    return [a for a in ids if a in chosen]
 
 
 def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:

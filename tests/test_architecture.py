@@ -107,12 +107,14 @@ def test_there_are_no_import_loops():
 # Lowest first. A module may import its own layer and the ones below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sfl_core base", ("sfl_core.version", "sfl_core.console", "sfl_core.plugins", "sfl_core.extras", "sfl_core.privacy",
-                       "sfl_core.aggregation", "sfl_core.server_opt", "sfl_core.drift", "sfl_core.norm_stats", "sfl_core.losses", "sfl_core.estimates", "sfl_core.label_mix", "sfl_core.liveness", "sfl_core.rate_limit",
-                       "sfl_core.transport", "sfl_core.wire", "sfl_core.method_registry")),
+                       "sfl_core.aggregation", "sfl_core.step_terms", "sfl_core.losses", "sfl_core.estimates",
+                       "sfl_core.label_mix", "sfl_core.liveness", "sfl_core.rate_limit",
+                       "sfl_core.transport", "sfl_core.wire", "sfl_core.method_registry", "sfl_core.option_registry")),
     ("sfl_core model and data", ("sfl_core.model", "sfl_core.data.builtin", "sfl_core.data.partition",
                                  "sfl_core.data.preprocessing")),
     ("sfl_core config", ("sfl_core.config",)),
     ("sfl_core fleet and time", ("sfl_core.fleet", "sfl_core.timing", "sfl_core.data.local")),
+    ("sfl_core training options", ("sfl_core.options",)),
     ("sfl_core methods", ("sfl_core.methods",)),
     ("coordinator", ("coordinator",)),
     ("edge_agent", ("edge_agent",)),
@@ -223,6 +225,66 @@ def test_the_mention_check_would_see_a_leak(tmp_path):
     assert [h for h in _method_mentions(leak, "sfl_core/methods/heterosfl/x.py") if ".hetero" in h] == []
 
 
+# --------------------------------------------------------------- each training option in its own place
+
+OPTION_HOMES = {   # an option's section key, wire names and kinds -> where they may be used
+    **{name: "sfl_core/options/drift/" for name in ("drift", "scaffold", "fedprox", "prox_mu", "variates")},
+    **{name: "sfl_core/options/server_opt/" for name in ("server_opt", "fedavgm", "fedadam", "fedyogi")},
+    **{name: "sfl_core/options/norm_stats/" for name in ("norm_stats", "norm_pass", "norm_sums", "freeze_norm",
+                                                          "local_norm", "fedbn", "fixbn")},
+    **{name: "sfl_core/options/model_ema/" for name in ("model_ema", "ema")},
+}
+OPTION_REGISTRATION = "sfl_core/option_registry.py"
+
+
+def _option_mentions(path: Path, rel: str = "") -> list[str]:
+    """Code in ``path`` that names a training option: an import of its folder, an attribute or
+    a string that is one of its names (its section key, its assignment fields and messages,
+    its kinds). Docstrings and comments may cite the papers."""
+    rel = rel or str(path.relative_to(REPO))
+    tree = ast.parse(path.read_text())
+    docs = _docstrings(tree)
+
+    def foreign(name: str) -> bool:
+        home = OPTION_HOMES.get(name.lower())
+        return home is not None and not rel.startswith(home) and rel != OPTION_REGISTRATION
+
+    hits = []
+    for n in ast.walk(tree):
+        where = f"{rel}:{getattr(n, 'lineno', '?')}"
+        if isinstance(n, ast.Attribute) and foreign(n.attr):
+            hits.append(f"{where}: .{n.attr}")
+        elif isinstance(n, ast.Name) and foreign(n.id):
+            hits.append(f"{where}: {n.id}")
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs and foreign(n.value):
+            hits.append(f"{where}: {n.value!r}")
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+            for m in mods:
+                parts = m.split(".")
+                if m.startswith("sfl_core.options.") and len(parts) > 2 and foreign(parts[2]):
+                    hits.append(f"{where}: imports {m}")
+    return hits
+
+
+def test_nothing_outside_an_options_folder_names_it():
+    """The engine, the wire core, the agent core, the config core and the time model run every
+    option through its hooks and never name one."""
+    hits = [h for p in sorted(MODULES.values()) for h in _option_mentions(p)]
+    assert hits == []
+
+
+def test_the_option_check_would_see_a_leak(tmp_path):
+    """Not vacuous: an engine that reads drift's section, sends a FedBN field or imports the
+    statistics pass is caught; the same code in the option's own folder is not."""
+    leak = tmp_path / "probe.py"
+    leak.write_text('from sfl_core.options.norm_stats import exchange\n'
+                    'def f(cfg, body):\n    body["local_norm"] = True\n    return cfg.drift.kind\n')
+    hits = sorted(h.split(": ", 1)[1] for h in _option_mentions(leak, "coordinator/engine.py"))
+    assert hits == sorted([".drift", "'local_norm'", "imports sfl_core.options.norm_stats"])
+    assert [h for h in _option_mentions(leak, "sfl_core/options/drift/x.py") if ".drift" in h] == []
+
+
 # --------------------------------------------------------------- a new method is one folder
 
 def _own_method_snippet() -> str:
@@ -264,4 +326,50 @@ def test_a_method_with_its_own_config_keys_is_one_module_and_its_registration(tm
         unregister_method("alternate")
         unregister_section("alternate")
         sys.modules.pop("own_method_example", None)
+        sys.path.remove(str(tmp_path))
+
+
+# --------------------------------------------------------------- a new training option is one module
+
+def _own_option_snippet() -> str:
+    text = (REPO / "docs" / "how-to" / "own-option.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    return next(b for b in blocks if "register_option" in b)
+
+
+def test_a_training_option_is_one_module_and_its_registration(tmp_path):
+    """The how-to's example, run as written: its section is validated and documented like any
+    core key, and through a simulation it changes nothing at eta 1 and the training at eta 0.5."""
+    from sfl_core.config.fields import ConfigError
+    from sfl_core.config.reference import documented
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.option_registry import unregister_option
+    from simulation import run_simulation
+
+    (tmp_path / "own_option_example.py").write_text(_own_option_snippet())   # as a user's module would be
+    sys.path.insert(0, str(tmp_path))
+    try:
+        example = importlib.import_module("own_option_example")
+        base = {"fleet": [{"profile": "s2fl-low-low", "count": 2}], "model": "small_cnn", "strategy": "sfl",
+                "rounds": 2, "local_iters": 2, "batch_size": 8, "eval_samples": 64}
+        assert run_config_from_dict({**base, "server_step": 0.5}).sections["server_step"].eta == 0.5
+        assert run_config_from_dict(base).sections["server_step"].eta == 1.0          # its default
+        with pytest.raises(ConfigError, match=r"field 'server_step\.eta': expected a positive number"):
+            run_config_from_dict({**base, "server_step": -1})
+        with pytest.raises(ConfigError, match=r"field 'server_step\.et': unknown key; did you mean 'eta'"):
+            run_config_from_dict({**base, "server_step": {"et": 2}})
+        assert ("server_step.eta", "the step size (1 = plain averaging)") in documented()
+
+        def run(name: str, eta: float):
+            cfg = run_config_from_dict({**base, "server_step": eta, "output_dir": str(tmp_path / name)})
+            history, engine = run_simulation(cfg, device="cpu")
+            return [(r["accuracy"], r["train_loss"]) for r in history], engine
+        plain, _ = run("plain", 1.0)
+        same, engine = run("same", 1.0)
+        half, halved = run("half", 0.5)
+        assert same == plain and engine.option(example.ServerStep) is None
+        assert halved.option(example.ServerStep) is not None and half[2] != plain[2]
+    finally:
+        unregister_option("server_step")
+        sys.modules.pop("own_option_example", None)
         sys.path.remove(str(tmp_path))

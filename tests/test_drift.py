@@ -18,9 +18,11 @@ from edge_agent.agent import AgentCore, BatchSampler, LocalData
 from sfl_core.config.fields import ConfigError
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
 from coordinator.server_trainer import ServerTrainer
-from sfl_core.drift import STATE_PREFIX, ControlVariates, effective_steps
+from sfl_core.options.drift.config import DriftConfig
+from sfl_core.options.drift.option import Drift
+from sfl_core.options.drift.variates import STATE_PREFIX, ControlVariates, effective_steps
 from sfl_core.model.zoo import build_model
-from sfl_core.server_opt import split_state
+from sfl_core.options.base import split_state
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import WHOLE_MODEL, Assignment
@@ -130,8 +132,8 @@ def test_a_bad_correction_or_mu_is_refused():
 
 def test_the_config_takes_one_word():
     base = {"run": "r", "model": "small_cnn", "fleet": [{"profile": "rpi4", "count": 2}]}
-    assert run_config_from_dict({**base, "drift": "scaffold"}).drift.kind == "scaffold"
-    assert run_config_from_dict({**base, "drift": {"kind": "fedprox", "mu": 0.1}}).drift.mu == 0.1
+    assert run_config_from_dict({**base, "drift": "scaffold"}).sections["drift"].kind == "scaffold"
+    assert run_config_from_dict({**base, "drift": {"kind": "fedprox", "mu": 0.1}}).sections["drift"].mu == 0.1
     with pytest.raises(ConfigError, match="drift.kind"):
         run_config_from_dict({**base, "drift": "feddyn"})
     with pytest.raises(ConfigError, match="drift.mu"):
@@ -141,14 +143,15 @@ def test_the_config_takes_one_word():
 def _run(tmp_path, kind: str, rounds: int = 2, name: str = "", **kw):
     cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
     cfg = dataclasses.replace(cfg, rounds=rounds, strategy="sfl", split=2, local_iters=4,
-                              output_dir=str(tmp_path / (name or kind)), drift=dataclasses.replace(cfg.drift, kind=kind))
+                              output_dir=str(tmp_path / (name or kind)))
+    cfg = DriftConfig.of(cfg).replace_in(cfg, kind=kind)
     return run_simulation(cfg, device="cpu", **kw)
 
 
 def test_scaffold_through_the_engine_costs_one_client_portion_down_and_resumes(tmp_path):
     plain, _ = _run(tmp_path, "none")
     scaffold, engine = _run(tmp_path, "scaffold")
-    client_bytes = sum(v.numel() * 4 for k, v in engine.model.client_state(2).items() if k in engine._parameter_names)
+    client_bytes = sum(v.numel() * 4 for k, v in engine.model.client_state(2).items() if k in engine.parameter_names)
     for a, b in zip(plain[2:], scaffold[2:]):   # round 1's c − cᵢ is all zeros: zstd sends next to nothing
         extra = b["bytes_down"] - a["bytes_down"]
         n = len(b["completed"])
@@ -159,23 +162,23 @@ def test_scaffold_through_the_engine_costs_one_client_portion_down_and_resumes(t
     model_state, own = split_state(tensors)
     assert any(k.startswith(f"{STATE_PREFIX}c/") for k in own) and not any(k.startswith("@") for k in model_state)
     _, resumed = _run(tmp_path, "scaffold", resume=True)   # nothing left to train: the state as loaded
-    assert set(resumed.variates.c) == set(engine.variates.c) and set(resumed.variates.ci) == set(engine.variates.ci)
-    for k, v in engine.variates.c.items():
-        assert torch.equal(resumed.variates.c[k], v), k
+    assert set(resumed.option(Drift).variates.c) == set(engine.option(Drift).variates.c) and set(resumed.option(Drift).variates.ci) == set(engine.option(Drift).variates.ci)
+    for k, v in engine.option(Drift).variates.c.items():
+        assert torch.equal(resumed.option(Drift).variates.c[k], v), k
 
 
 def test_fedprox_through_the_engine_at_mu_0_is_plain_training_and_pulls_towards_x_above(tmp_path):
     def engine(name: str, kind: str, mu: float = 0.01):
         cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
         cfg = dataclasses.replace(cfg, rounds=1, strategy="sfl", split=2, local_iters=4,
-                                  output_dir=str(tmp_path / name),
-                                  drift=dataclasses.replace(cfg.drift, kind=kind, mu=mu))
+                                  output_dir=str(tmp_path / name))
+        cfg = DriftConfig.of(cfg).replace_in(cfg, kind=kind, mu=mu)
         return run_simulation(cfg, device="cpu")[1]
 
     plain, zero, strong = engine("plain", "none"), engine("mu0", "fedprox", 0.0), engine("mu5", "fedprox", 5.0)
     for k, v in plain.model.state_dict().items():
         assert torch.equal(zero.model.state_dict()[k], v), k
-    client = [k for k in plain.model.client_keys(2) if k in plain._parameter_names]
+    client = [k for k in plain.model.client_keys(2) if k in plain.parameter_names]
 
     def moved(e) -> float:   # how far the round took the client portion from where it began
         return sum(float(((e.model.state_dict()[k] - e._round_start[k]) ** 2).sum()) for k in client)
@@ -210,8 +213,8 @@ def test_the_time_model_prices_what_each_correction_adds_to_a_device():
 def _engine(tmp_path, name: str, strategy: str, server_mode: str, kind: str = "scaffold", rounds: int = 3):
     cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
     cfg = dataclasses.replace(cfg, rounds=rounds, strategy=strategy, split=2, local_iters=4, server_mode=server_mode,
-                              codec="fp32", output_dir=str(tmp_path / name),
-                              drift=dataclasses.replace(cfg.drift, kind=kind))
+                              codec="fp32", output_dir=str(tmp_path / name))
+    cfg = DriftConfig.of(cfg).replace_in(cfg, kind=kind)
     return run_simulation(cfg, device="cpu")[1]
 
 
@@ -224,11 +227,11 @@ def test_scaffold_on_one_server_copy_per_agent_is_scaffold_on_the_whole_model(tm
     sfl = _engine(tmp_path, "sfl", "sfl", "per_agent")
     for k, v in fedavg.model.state_dict().items():
         torch.testing.assert_close(sfl.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
-    params = sfl._parameter_names
-    for a, mine in sfl.variates.ci.items():
-        assert set(mine) == params == set(fedavg.variates.ci[a]), a
+    params = sfl.parameter_names
+    for a, mine in sfl.option(Drift).variates.ci.items():
+        assert set(mine) == params == set(fedavg.option(Drift).variates.ci[a]), a
         for k, v in mine.items():
-            torch.testing.assert_close(v, fedavg.variates.ci[a][k], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(v, fedavg.option(Drift).variates.ci[a][k], rtol=1e-4, atol=1e-5)
 
 
 def test_fedprox_on_one_server_copy_per_agent_is_fedprox_on_the_whole_model(tmp_path):
@@ -236,8 +239,8 @@ def test_fedprox_on_one_server_copy_per_agent_is_fedprox_on_the_whole_model(tmp_
     fedavg = _engine(tmp_path, "fedavg", "fedavg", "per_agent", kind="fedprox")
     sfl = _engine(tmp_path, "sfl", "sfl", "per_agent", kind="fedprox")
     merged = _engine(tmp_path, "merged", "sfl", "merged", kind="fedprox", rounds=1)
-    assert all(g.drift.prox_mu == 0 for g in merged.server._groups)
-    assert sfl.cfg.drift.mu > 0 and all(g.drift.prox_mu == sfl.cfg.drift.mu for g in sfl.server._groups)
+    assert all(g.terms.proximal == 0 for g in merged.server._groups)
+    assert DriftConfig.of(sfl.cfg).mu > 0 and all(g.terms.proximal == DriftConfig.of(sfl.cfg).mu for g in sfl.server._groups)
     for k, v in fedavg.model.state_dict().items():
         torch.testing.assert_close(sfl.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
 
@@ -246,9 +249,9 @@ def test_one_merged_server_copy_steps_without_a_correction(tmp_path):
     """Nothing averages a copy that trained on every row: it gets no correction, and the
     agents' ``cᵢ`` cover their client portions only."""
     merged = _engine(tmp_path, "merged", "sfl", "merged", rounds=2)
-    assert merged._server_corrections == {}
-    client = {k for k in merged.model.client_keys(2) if k in merged._parameter_names}
-    assert merged.variates.ci and all(set(mine) == client for mine in merged.variates.ci.values())
+    assert merged._terms.corrections == {}
+    client = {k for k in merged.model.client_keys(2) if k in merged.parameter_names}
+    assert merged.option(Drift).variates.ci and all(set(mine) == client for mine in merged.option(Drift).variates.ci.values())
 
 
 def test_a_server_copy_of_one_agent_steps_with_that_agents_correction():
@@ -311,13 +314,13 @@ def test_s2fl_groups_train_on_merged_rows_and_take_no_correction(tmp_path):
     }
     _, prox = run_simulation(run_config_from_dict({**common, "output_dir": str(tmp_path / "prox"),
                                                    "drift": {"kind": "fedprox", "mu": 0.1}}), device="cpu")
-    assert prox.server._groups and all(g.drift.prox_mu == 0 for g in prox.server._groups)
+    assert prox.server._groups and all(g.terms.proximal == 0 for g in prox.server._groups)
     history, engine = run_simulation(run_config_from_dict({**common, "output_dir": str(tmp_path / "s2"),
                                                            "drift": "scaffold"}), device="cpu")
     groups = history[-1]["groups"]
     assert sorted(len(g) for g in groups) == [2, 2]
-    assert engine._server_corrections == {}
-    client = {k for k in engine.model.client_keys(3) if k in engine._parameter_names}
-    assert engine.variates.ci and all(set(mine) == client for mine in engine.variates.ci.values())
+    assert engine._terms.corrections == {}
+    client = {k for k in engine.model.client_keys(3) if k in engine.parameter_names}
+    assert engine.option(Drift).variates.ci and all(set(mine) == client for mine in engine.option(Drift).variates.ci.values())
     for a, b in groups:
-        assert any(not torch.allclose(engine.variates.ci[a][k], engine.variates.ci[b][k]) for k in client)
+        assert any(not torch.allclose(engine.option(Drift).variates.ci[a][k], engine.option(Drift).variates.ci[b][k]) for k in client)

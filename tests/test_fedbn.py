@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from edge_agent.agent import AgentCore, LocalData
-from sfl_core import norm_stats
+from sfl_core.options.norm_stats import stats as norm_stats
+from sfl_core.options.norm_stats.config import NormStatsConfig
+from sfl_core.options.norm_stats.option import NormStatsOnDevice
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
 from sfl_core.model.zoo import build_model
 from sfl_core.wire import codec as wire
@@ -39,8 +41,8 @@ def test_a_device_keeps_its_batch_norm_layers_scale_shift_and_statistics():
     assert all(torch.equal(kept[k], state[k]) and kept[k] is not state[k] for k in kept)
     assert norm_stats.local_entries(build_model("small_cnn:norm=none", SHAPE, 10), {"x": torch.zeros(1)}) == {}
     base = {"run": "r", "model": "small_cnn", "fleet": [{"profile": "rpi4", "count": 2}]}
-    assert run_config_from_dict({**base, "norm_stats": {"local": True}}).norm_stats.local is True
-    assert run_config_from_dict(base).norm_stats.local is False
+    assert run_config_from_dict({**base, "norm_stats": {"local": True}}).sections["norm_stats"].local is True
+    assert run_config_from_dict(base).sections["norm_stats"].local is False
 
 
 def _assign(model, seq: int, local: bool) -> Message:
@@ -102,14 +104,14 @@ def test_through_the_engine_devices_keep_their_own_layers_and_the_global_ones_ar
     def run(name, local):
         cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
         cfg = dataclasses.replace(cfg, rounds=3, model=MODEL, strategy="fedavg", local_iters=3,
-                                  output_dir=str(tmp_path / name),
-                                  norm_stats=dataclasses.replace(cfg.norm_stats, local=local))
+                                  output_dir=str(tmp_path / name))
+        cfg = NormStatsConfig.of(cfg).replace_in(cfg, local=local)
         return run_simulation(cfg, device="cpu")
     shared, plain = run("plain", False)
     history, engine = run("local", True)
     cores = engine.transport.agents
-    kept = {a: core._own_norm for a, core in cores.items() if core._own_norm}
-    assert len(kept) >= 2 and not any(core._own_norm for core in plain.transport.agents.values())
+    kept = {a: core.option(NormStatsOnDevice).own for a, core in cores.items() if core.option(NormStatsOnDevice).own}
+    assert len(kept) >= 2 and not any(core.option(NormStatsOnDevice).own for core in plain.transport.agents.values())
     glob = engine.model.state_dict()
     weight = next(k for k in next(iter(kept.values())) if k.endswith("weight"))
     mine = [v[weight] for v in kept.values()]

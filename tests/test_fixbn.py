@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from edge_agent.agent import AgentCore, BatchSampler, LocalData
-from sfl_core import norm_stats
+from sfl_core.options.norm_stats import stats as norm_stats
+from sfl_core.options.norm_stats.config import NormStatsConfig
 from sfl_core.config.fields import ConfigError
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
 from sfl_core.model.zoo import build_model
@@ -33,7 +34,7 @@ def test_rounds_after_the_exploration_are_frozen_and_zero_never_freezes():
     assert [norm_stats.frozen(2, r) for r in (1, 2, 3, 4)] == [False, False, True, True]
     assert not any(norm_stats.frozen(0, r) for r in range(1, 10))
     base = {"run": "r", "model": "small_cnn", "fleet": [{"profile": "rpi4", "count": 2}]}
-    assert run_config_from_dict({**base, "norm_stats": {"freeze_after": 5}}).norm_stats.freeze_after == 5
+    assert run_config_from_dict({**base, "norm_stats": {"freeze_after": 5}}).sections["norm_stats"].freeze_after == 5
     with pytest.raises(ConfigError, match="norm_stats.freeze_after"):
         run_config_from_dict({**base, "norm_stats": {"freeze_after": -1}})
 
@@ -114,8 +115,8 @@ def test_the_flag_must_be_a_boolean():
 def _run(tmp_path, name: str, rounds: int, **norm):
     cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
     cfg = dataclasses.replace(cfg, rounds=rounds, model=MODEL, strategy="sfl", local_iters=3, split=2,
-                              output_dir=str(tmp_path / name),
-                              norm_stats=dataclasses.replace(cfg.norm_stats, **norm))
+                              output_dir=str(tmp_path / name))
+    cfg = NormStatsConfig.of(cfg).replace_in(cfg, **norm)
     return run_simulation(cfg, device="cpu")
 
 
@@ -159,6 +160,6 @@ def test_the_plan_prices_the_pass_only_before_the_freeze(tmp_path):
         return {r.method: r for r in preview(cfg, model, costs, fleet_of(cfg, [[1] * 10] * 3))}
 
     always, quarter = rows()["SFL"], rows(freeze_after=10)["SFL"]
-    assert always.norm_pass_s > 0
-    assert quarter.norm_pass_s == pytest.approx(always.norm_pass_s / 4)
-    assert always.round_s - quarter.round_s == pytest.approx(always.norm_pass_s * 3 / 4)
+    assert always.phase_s > 0
+    assert quarter.phase_s == pytest.approx(always.phase_s / 4)
+    assert always.round_s - quarter.round_s == pytest.approx(always.phase_s * 3 / 4)

@@ -18,10 +18,12 @@ import torch
 from coordinator import evaluation
 from coordinator import state as ckpt
 from coordinator.export import load_global_model
-from coordinator.model_ema import STATE_PREFIX, ModelAverage, delivered_weights
+from sfl_core.options.model_ema.average import STATE_PREFIX, ModelAverage, delivered_weights
+from sfl_core.options.model_ema.config import ModelEmaConfig
+from sfl_core.options.model_ema.option import ModelEma
 from sfl_core.config.fields import ConfigError
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
-from sfl_core.server_opt import split_state
+from sfl_core.options.base import split_state
 from simulation import run_simulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -73,13 +75,13 @@ def test_the_config_refuses_a_decay_outside_0_1(bad):
     with pytest.raises(ConfigError, match="model_ema"):
         run_config_from_dict({"run": "x", "fleet": [{"profile": "rpi4", "count": 1}], "model_ema": bad}, "run.yaml")
     assert run_config_from_dict({"run": "x", "fleet": [{"profile": "rpi4", "count": 1}], "model_ema": 0.8},
-                                "run.yaml").model_ema == 0.8
+                                "run.yaml").sections["model_ema"].decay == 0.8
 
 
 def _demo(tmp_path: Path, name: str, rounds: int, decay: float = 0.5, **kw):
     cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
-    return dataclasses.replace(cfg, rounds=rounds, output_dir=str(tmp_path / name), model_ema=decay,
-                               strategy="sfl", **kw)   # auto plans for the rounds left: stepwise would differ
+    cfg = dataclasses.replace(cfg, rounds=rounds, output_dir=str(tmp_path / name), strategy="sfl", **kw)
+    return ModelEmaConfig.of(cfg).replace_in(cfg, decay=decay)   # auto plans for the rounds left: stepwise would differ
 
 
 def test_through_the_engine_the_run_delivers_the_average_of_its_rounds_models(tmp_path, monkeypatch):
@@ -125,7 +127,7 @@ def test_a_resumed_run_continues_the_average(tmp_path, monkeypatch):
     for k, t in after.items():
         if t.is_floating_point():
             expected = 0.5 * before[STATE_PREFIX + k] + 0.5 * t
-            assert torch.allclose(again.average.tensors[k], expected, atol=1e-6), k
+            assert torch.allclose(again.option(ModelEma).average.tensors[k], expected, atol=1e-6), k
 
 
 def test_federated_evaluation_scores_the_average(tmp_path, monkeypatch):
@@ -141,7 +143,7 @@ def test_federated_evaluation_scores_the_average(tmp_path, monkeypatch):
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, federated_every=1))
     _, engine = run_simulation(cfg, device="cpu")
     assert len(sent) == 2
-    averaged = engine.average.state(engine.model.state_dict())
+    averaged = engine.option(ModelEma).average.state(engine.model.state_dict())
     assert all(torch.equal(sent[-1][k], averaged[k].cpu()) for k in averaged)
     assert any(not torch.equal(sent[-1][k], v) for k, v in engine.model.state_dict().items()
                if v.is_floating_point())

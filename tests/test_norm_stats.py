@@ -14,13 +14,14 @@ import json
 import pytest
 import torch
 
-from coordinator import norm_pass
 from edge_agent.agent import AgentCore, BatchSampler, LocalData
-from sfl_core import norm_stats
+from sfl_core.options.norm_stats import stats as norm_stats
 from sfl_core.config.fields import ConfigError
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
 from sfl_core.model.zoo import build_model
-from sfl_core.norm_stats import Moments
+from sfl_core.options.norm_stats import exchange as norm_pass
+from sfl_core.options.norm_stats.config import NormStatsConfig
+from sfl_core.options.norm_stats.stats import Moments
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.protocol import Message
@@ -166,8 +167,8 @@ def test_every_bad_answer_is_refused_with_its_reason():
 
 def test_the_config_takes_one_word_and_refuses_what_cannot_work():
     base = {"run": "r", "model": "small_cnn", "fleet": [{"profile": "rpi4", "count": 2}]}
-    assert run_config_from_dict({**base, "norm_stats": "federated"}).norm_stats.mode == "federated"
-    assert run_config_from_dict(base).norm_stats.mode == "averaged"
+    assert run_config_from_dict({**base, "norm_stats": "federated"}).sections["norm_stats"].mode == "federated"
+    assert run_config_from_dict(base).sections["norm_stats"].mode == "averaged"
     with pytest.raises(ConfigError, match="norm_stats.mode"):
         run_config_from_dict({**base, "norm_stats": "recomputed"})
     with pytest.raises(ConfigError, match="norm_stats.batches"):
@@ -179,8 +180,8 @@ def test_the_config_takes_one_word_and_refuses_what_cannot_work():
 def _run(tmp_path, mode: str, strategy: str = "sfl", **extra):
     cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
     cfg = dataclasses.replace(cfg, rounds=2, model=MODEL, strategy=strategy, local_iters=5,
-                              output_dir=str(tmp_path / f"{mode}-{strategy}"),
-                              norm_stats=dataclasses.replace(cfg.norm_stats, mode=mode, **extra), split=2)
+                              output_dir=str(tmp_path / f"{mode}-{strategy}"), split=2)
+    cfg = NormStatsConfig.of(cfg).replace_in(cfg, mode=mode, **extra)
     return run_simulation(cfg, device="cpu")
 
 
@@ -227,7 +228,7 @@ def test_the_plan_prices_the_pass_as_the_simulation_charges_it(tmp_path):
     model = build_model(cfg.model, engine.input_shape, 10)
     costs = model_costs(cfg.model, engine.input_shape, 10)
     rows = {r.method: r for r in preview(cfg, model, costs, fleet_of(cfg, [[1] * 10] * 4))}
-    assert rows["SFL"].norm_pass_s == pytest.approx(history[1]["norm_stats"]["time_s"], rel=0.1)
+    assert rows["SFL"].phase_s == pytest.approx(history[1]["norm_stats"]["time_s"], rel=0.1)
     assert rows["SFL"].round_s == pytest.approx(history[1]["round_time_s"], rel=0.1)
 
 

@@ -21,7 +21,10 @@ from coordinator import state as ckpt
 from coordinator.export import load_global_model
 from sfl_core.config.fields import ConfigError
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict
-from sfl_core.server_opt import STATE_PREFIX, ServerOptimizer, averaged_names, split_state
+from sfl_core.options.base import split_state
+from sfl_core.options.server_opt.config import ServerOptConfig
+from sfl_core.options.server_opt.option import ServerOpt
+from sfl_core.options.server_opt.optimiser import STATE_PREFIX, ServerOptimizer, averaged_names
 from simulation import run_simulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -80,7 +83,7 @@ def _demo(tmp_path: Path, name: str, rounds: int = 3, **server_opt):
     cfg = load_run_config(default_profiles_dir() / "runs" / "demo.yaml")
     cfg = dataclasses.replace(cfg, rounds=rounds, output_dir=str(tmp_path / name))   # auto: resumes to the bit
     if server_opt:
-        cfg = dataclasses.replace(cfg, server_opt=dataclasses.replace(cfg.server_opt, **server_opt))
+        cfg = ServerOptConfig.of(cfg).replace_in(cfg, **server_opt)
     return cfg
 
 
@@ -108,13 +111,13 @@ def test_a_resumed_run_continues_the_optimisers_state(tmp_path):
     out = Path(first.output_dir)
     tensors, st = ckpt.load(out)
     saved = {k: t for k, t in tensors.items() if k.startswith(STATE_PREFIX)}
-    assert saved and set(saved) == set(engine.server_opt.state_tensors())
+    assert saved and set(saved) == set(engine.option(ServerOpt).optimiser.state_tensors())
     bare = tmp_path / "bare"
     shutil.copytree(out, bare)
     ckpt.save(bare, {k: t for k, t in tensors.items() if not k.startswith(STATE_PREFIX)}, st)
 
     _, again = run_simulation(dataclasses.replace(first, rounds=2), device="cpu", resume=True)   # nothing to train
-    assert all(torch.equal(again.server_opt.state_tensors()[k], t) for k, t in saved.items())
+    assert all(torch.equal(again.option(ServerOpt).optimiser.state_tensors()[k], t) for k, t in saved.items())
     with_state = _history(dataclasses.replace(first, rounds=3), resume=True)
     without = _history(dataclasses.replace(first, rounds=3, output_dir=str(bare)), resume=True)
     assert with_state[:3] == without[:3] and with_state[3]["test_loss"] != without[3]["test_loss"]

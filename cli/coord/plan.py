@@ -102,14 +102,14 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     per_round = cfg.per_round or n
     table = Table(title=f"{cfg.run_id}: {cfg.model}, {n} agents, {per_round} per round, "
                         f"{cfg.local_iters} steps of batch {cfg.batch_size} (predicted by the time model)")
-    stats = cfg.norm_stats.mode == "federated"
-    for col in ("method", "round s", f"vs {ref.method}", "MB per round", "waiting s") + (("of which stats pass s",)
-                                                                                        if stats else ()):
+    phases = any(r.phase_s for r in rows)   # a training option's phase after aggregation (a statistics pass)
+    for col in ("method", "round s", f"vs {ref.method}", "MB per round", "waiting s") + (("of which phases s",)
+                                                                                        if phases else ()):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in rows:
         table.add_row(r.method, f"{r.round_s:.3g}", f"{r.round_s / ref.round_s:.2f}x" if ref.round_s else "-",
                       f"{r.bytes_per_round / 1e6:.3g}", f"{r.waiting_s:.3g}",
-                      *((f"{r.norm_pass_s:.3g}",) if stats else ()))
+                      *((f"{r.phase_s:.3g}",) if phases else ()))
     Console().print(table)
     for method in method_classes():     # what each method has to say about its plan
         for text, style in getattr(method, "plan_notes", lambda *_: [])(cfg, model, costs, rows):

@@ -153,7 +153,8 @@ class Section:
     """A field that is not a YAML key but holds the keys :meth:`gathered_keys` names (the run
     config's ``sections``: one YAML key per method section); :meth:`gather` fills it."""
     SHORTHAND: ClassVar[str] = ""
-    """The field a bare string stands for (``drift: scaffold`` is ``{kind: scaffold}``); "": none."""
+    """The field a bare value stands for (``drift: scaffold`` is ``{kind: scaffold}``, ``model_ema: 0.8``
+    is ``{decay: 0.8}``); "": none."""
 
     @classmethod
     def gathered_keys(cls) -> list[str]:
@@ -174,7 +175,7 @@ class Section:
             if cls.GATHERED and data.kwargs and not data.args:
                 return ArgsKwargs((), cls.gather(dict(data.kwargs)))
             return data
-        if cls.SHORTHAND and isinstance(data, str):
+        if cls.SHORTHAND and not isinstance(data, (Mapping, list, tuple)):
             data = {cls.SHORTHAND: data}
         if not isinstance(data, Mapping):
             raise PydanticCustomError("config", "{message}", {

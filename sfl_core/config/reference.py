@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sfl_core.config import run as config
-from sfl_core.method_registry import sections
+from sfl_core.config.run import sections
 
 PREAMBLE = (
     "Configuration reference (every key is optional unless marked; unknown keys are errors).",
@@ -136,45 +136,6 @@ FIELDS: tuple[tuple[str, str], ...] = (
      "server-side training loss: ce (cross-entropy) | calibrated (FedLC logit calibration, Zhang et al. 2022: logit z_c - tau * n_c^(-1/4) with n_c the row's agent's count of class c; counters label skew)."),
     ('calibration_tau',
      'calibration strength tau >= 0 (0 = plain cross-entropy).'),
-    ('model_ema',
-     "decay d in [0, 1) of an exponential moving average of the global model over rounds, the model the run delivers: a <- d a + (1 - d) x after each round's aggregation (and statistics pass), BatchNorm statistics averaged with the weights; the average is scored on the validation set, sent for federated evaluation and exported, while training goes on from the global model x; it damps the round-to-round swings of label-skewed rounds (docs/methods/server-optimisers.md); kept on the coordinator, nothing more crosses the wire; 0 = off."),
-    ('server_opt',
-     "how the round's aggregated client portion (and server layers averaged over several server copies: one per agent or per group) becomes the new global one (docs/methods/server-optimisers.md): the server optimiser steps along the difference between the aggregate and the round's starting model; nothing more crosses the wire."),
-    ('server_opt.kind',
-     'none (plain aggregation) | momentum (FedAvgM, Hsu et al. 2019) | adam (FedAdam, Reddi et al. 2021) | yogi (FedYogi, Reddi et al. 2021).'),
-    ('server_opt.lr',
-     'server learning rate eta > 0; momentum with lr 1 and beta1 0 is plain aggregation; adam and yogi want about 0.01-0.1.'),
-    ('server_opt.beta1',
-     'momentum beta1 in [0, 1) (FedAvgM\'s beta; adam\'s and yogi\'s first moment).'),
-    ('server_opt.beta2',
-     'second-moment decay beta2 in [0, 1) (adam, yogi).'),
-    ('server_opt.tau',
-     'adaptivity tau > 0 (adam, yogi): the floor of the denominator; the second moment starts at tau^2.'),
-    ('norm_stats',
-     "where the global model's BatchNorm statistics come from (docs/methods/norm-stats.md); 'norm_stats: federated' is short for {mode: federated}."),
-    ('norm_stats.mode',
-     'averaged (with the weights, as FedAvg does) | federated (after aggregation the devices run local batches through the new client portion without training and report each BatchNorm layer\'s input moments and the activations; the coordinator adds its server portion\'s and sets the global statistics; costs a download, forward passes and an upload per asked device, charged by the time model).'),
-    ('norm_stats.every',
-     'a statistics pass every k rounds; the rounds between keep the last pass\'s statistics (federated).'),
-    ('norm_stats.agents',
-     "how many of the round's completed agents run the pass, those whose pass the time model prices shortest; 0 = all of them (federated)."),
-    ('norm_stats.batches',
-     'local batches of batch_size each asked agent runs, 1-64 (federated).'),
-    ('norm_stats.freeze_after',
-     'after this many rounds, every BatchNorm layer, on the devices and the server, normalises with the '
-     "global model's statistics and stops updating them (FixBN; with federated, the last pass's, and no "
-     'pass runs after the freeze); 0 = never.'),
-    ('norm_stats.local',
-     "FedBN (Li et al. 2021): each device keeps the BatchNorm layers of its client portion (scale, shift, "
-     "statistics) from its last round instead of the global ones it receives; the global model's, averaged "
-     "(or the pass's statistics with federated), are for evaluation, export and a device's first round; "
-     "kept in the agent's memory (a restarted agent starts again from the global ones)."),
-    ('drift',
-     "drift correction for the client portions, and for the server copies of server_mode per_agent (one per agent, averaged) (docs/methods/drift.md); 'drift: scaffold' is short for {kind: scaffold}."),
-    ('drift.kind',
-     'none | fedprox (Li et al. 2020: each local step adds mu (w - x) to the gradient, x the received client portion) | scaffold (Karimireddy et al. 2020: each local step adds c - c_i; the coordinator keeps every c_i and sends c - c_i with the assignment, one more client portion down per round).'),
-    ('drift.mu',
-     "FedProx's mu >= 0."),
     ('privacy',
      "what the agents keep back and the defenses they apply to what they send (docs/methods/privacy.md). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise, --withhold-labels, --label-protection, --dp-sgd) and declares them when it registers. Each round's metrics record them."),
     ('privacy.nopeek',
@@ -193,9 +154,8 @@ section. Each method documents its own section (``DOCS`` of its config class).""
 SECTIONS_BEFORE = "privacy"
 """The methods' sections are listed just before this core key."""
 
-_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "server_opt", "norm_stats",
-               "drift", "privacy")
-"""Sections (a method's section is one too), and the required keys: no default shown."""
+_NO_DEFAULT = ("data", "fleet", "task", "task.classes", "task.input_shape", "eval", "privacy")
+"""Sections (a method's or an option's section is one too), and the required keys: no default shown."""
 _RULE = "# " + "=" * 76 + " run config"
 _END = "# " + "=" * 86
 
@@ -204,9 +164,7 @@ def accepted_keys() -> set[str]:
     """Every key path the run-config loader accepts."""
     to_yaml = {attr: key for key, attr in config.RunConfig.YAML_KEYS.items()}
     keys = {to_yaml.get(f.name, f.name) for f in dataclasses.fields(config.RunConfig) if f.name != "sections"}
-    parts = {"data": config.DataConfig, "task": config.TaskConfig, "eval": config.EvalConfig,
-             "server_opt": config.ServerOptConfig, "norm_stats": config.NormStatsConfig,
-             "drift": config.DriftConfig, **sections(),
+    parts = {"data": config.DataConfig, "task": config.TaskConfig, "eval": config.EvalConfig, **sections(),
              "privacy": config.PrivacyConfig}
     for section, cls in parts.items():
         keys |= {section} | {f"{section}.{f.name}" for f in dataclasses.fields(cls)}

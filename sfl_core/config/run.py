@@ -61,10 +61,9 @@ from sfl_core.config.values import (
     optional,
 )
 from sfl_core.data.partition import SCHEMES
-from sfl_core.method_registry import DEFAULT_STRATEGY, sections, strategies
+from sfl_core import method_registry, option_registry
+from sfl_core.method_registry import DEFAULT_STRATEGY, strategies
 from sfl_core.privacy import ActivationNoise, AgentPrivacy, DpSgd, LabelProtection, require_accountant
-from sfl_core.drift import KINDS as DRIFT_KINDS
-from sfl_core.server_opt import KINDS as SERVER_OPTIMISER_KINDS
 from sfl_core.wire.codec import CODECS, TOPK_PATTERN, is_codec
 from sfl_core.wire.protocol import check_id
 
@@ -100,6 +99,12 @@ PARTITIONS = SCHEMES
 """How the training set is split over agents (docs/methods/data-heterogeneity.md)."""
 MAX_CAPACITY_CHANGES = 1000
 """Most entries of a profile's ``capacity`` schedule (a received profile is bounded too)."""
+
+
+def sections() -> dict[str, Any]:
+    """Every section a run config reads beside its core keys: the methods', then the training
+    options', by YAML key."""
+    return {**method_registry.sections(), **option_registry.sections()}
 
 
 # ------------------------------------------------------------------------ field checks
@@ -454,57 +459,6 @@ def task_from_wire(d: Any, source: str = "run_info.task") -> TaskConfig:
 
 
 @dataclass(frozen=True, config=STRICT)
-class ServerOptConfig(Section):
-    """How the aggregated client portion becomes the new global one (docs/methods/server-optimisers.md):
-    plain aggregation, or a server optimiser stepping along the aggregate's difference."""
-
-    kind: Annotated[str, checked(one_of(*SERVER_OPTIMISER_KINDS))] = "none"
-    lr: Annotated[float, POSITIVE_NUMBER] = 1.0
-    beta1: Annotated[float, UNIT_OPEN] = 0.9
-    beta2: Annotated[float, UNIT_OPEN] = 0.99
-    tau: Annotated[float, POSITIVE_NUMBER] = 1e-3
-
-
-@dataclass(frozen=True, config=STRICT)
-class NormStatsConfig(Section):
-    """Where the global model's BatchNorm statistics come from (docs/methods/norm-stats.md):
-    averaged with the weights, or recomputed by the devices after aggregation (``federated``).
-    ``norm_stats: federated`` is short for ``{mode: federated}``."""
-
-    SHORTHAND: ClassVar[str] = "mode"
-
-    mode: Annotated[str, checked(one_of("averaged", "federated"))] = "averaged"
-    every: Annotated[int, POSITIVE_INTEGER] = 1
-    """A statistics pass every k rounds (the rounds between keep the last pass's statistics)."""
-    agents: Annotated[int, NONNEG_INTEGER] = 0
-    """How many of the round's completed agents run the pass, those whose pass the time model
-    prices shortest (0: all of them)."""
-    batches: Annotated[int, checked(integer_in(1, 64, "an integer from 1 to 64"))] = 1
-    """Local batches (of ``batch_size``) each asked agent runs through the new client portion."""
-    freeze_after: Annotated[int, NONNEG_INTEGER] = 0
-    """After this many rounds, BatchNorm layers train with the global statistics, frozen (FixBN;
-    with ``federated``, the last pass's); 0: never."""
-    local: Annotated[bool, BOOLEAN] = False
-    """FedBN: each device keeps its own BatchNorm layers of its client portion from one round to
-    the next; the global model's (averaged, or the pass's statistics) are for evaluation, export
-    and a device's first round."""
-
-
-
-@dataclass(frozen=True, config=STRICT)
-class DriftConfig(Section):
-    """Drift correction for the client portions and the averaged server copies
-    (docs/methods/drift.md): FedProx's proximal term or SCAFFOLD's control variates. ``drift: scaffold`` is short for ``{kind: scaffold}``."""
-
-    SHORTHAND: ClassVar[str] = "kind"
-
-    kind: Annotated[str, checked(one_of(*DRIFT_KINDS))] = "none"
-    mu: Annotated[float, checked(nonneg_number)] = 0.01
-    """FedProx's μ: each local step adds μ (w − x) to the gradient."""
-
-
-
-@dataclass(frozen=True, config=STRICT)
 class EvalConfig(Section):
     """Where the global model is scored (docs/data.md): the server's own validation data, and
     the devices' held-out splits (federated evaluation)."""
@@ -584,9 +538,6 @@ class RunConfig(Section):
     """Devices train on their own data (sfl-agent start --data PATH) under this contract; None: the
     built-in data set of ``data``, partitioned over the agents (simulations and benchmarks)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
-    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
-    norm_stats: NormStatsConfig = field(default_factory=NormStatsConfig)
-    drift: DriftConfig = field(default_factory=DriftConfig)
     fleet: tuple[FleetEntry, ...] = ()
     rounds: Annotated[int, POSITIVE_INTEGER] = 5
     per_round: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents selected per round; None = all
@@ -603,9 +554,6 @@ class RunConfig(Section):
     lr_decay: Annotated[float, checked(number_in(0.0, hi=1.0, what="a number in (0, 1]"))] = 1.0
     """Learning rate of round r (from 1) = lr x lr_decay^(r-1), agents and server alike."""
     momentum: Annotated[float, UNIT_OPEN] = 0.0
-    model_ema: Annotated[float, UNIT_OPEN] = 0.0
-    """Decay d of the average over rounds of the global model that the run delivers (evaluates,
-    exports): a <- d a + (1 - d) x after each round (:mod:`coordinator.model_ema`); 0: off."""
     local_iters: Annotated[int, POSITIVE_INTEGER] = 10  # tau
     codec: Annotated[str, checked(_codec)] = "fp32"
     zstd_level: Annotated[int, checked(integer_in(0, 22, what="an integer from 0 (no compression) to 22"))] = 3
@@ -641,8 +589,9 @@ class RunConfig(Section):
     loss: Annotated[str, checked(one_of(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods/heterosfl.md)
     calibration_tau: Annotated[float, AT_LEAST_0] = 1.0    # calibration strength tau of the calibrated loss
     sections: Mapping[str, Any] = field(default_factory=lambda: {k: s() for k, s in sections().items()})
-    """Each method's own section by YAML key (``s2fl:``, ``hetero:``, ...: the classes registered in
-    :mod:`sfl_core.method_registry`); read one with ``SectionClass.of(cfg)``."""
+    """Each method's and training option's own section by YAML key (``s2fl:``, ``drift:``, ...:
+    the classes registered in :mod:`sfl_core.method_registry` and :mod:`sfl_core.option_registry`);
+    read one with ``SectionClass.of(cfg)``."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     GATHERED: ClassVar[str] = "sections"
@@ -659,7 +608,7 @@ class RunConfig(Section):
         given.update({key: data.pop(key) for key in registered if key in data})
         for key in given:
             if key not in registered:
-                raise invalid(key, f"no method registers a section {key!r} (known: {', '.join(registered)})")
+                raise invalid(key, f"no method or option registers a section {key!r} (known: {', '.join(registered)})")
         data["sections"] = {key: given[key] if isinstance(given.get(key), section) else
                             read_section(section, key, given.get(key)) for key, section in registered.items()}
         return data
@@ -696,9 +645,6 @@ class RunConfig(Section):
         if self.eval.data is not None and self.task is None:
             raise invalid("eval.data", "a validation set of your own needs a 'task' section (its class names "
                                        "map folders and labels to indices)")
-        if self.norm_stats.mode == "federated" and self.privacy.dp_sgd is not None:
-            raise invalid("norm_stats.mode", "federated statistics are not covered by DP-SGD's accounting: "
-                                             "use 'averaged' with privacy.dp_sgd")
         n = self.num_agents
         if n and self.min_agents is not None and self.min_agents > n:
             raise invalid("min_agents", f"expected at most the fleet size {n}, got {self.min_agents!r}")
@@ -851,7 +797,7 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         elif f.name == "sections":
             out.update({key: {g.name: _plain(getattr(s, g.name)) for g in fields(s)} for key, s in value.items()})
             continue
-        elif f.name in ("data", "eval", "server_opt", "norm_stats", "drift", "privacy"):
+        elif f.name in ("data", "eval", "privacy"):
             value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
         elif f.name == "fleet":
             value = [{"profile": e.profile, "count": e.count, **({"data": e.data} if e.data else {})} for e in value]

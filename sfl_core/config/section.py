@@ -1,4 +1,5 @@
-"""The base of a method's own run-config section (``s2fl:``, ``hetero:``, ``mergesfl:``, ``auto:``).
+"""The base of a method's own run-config section (``s2fl:``, ``hetero:``, ``mergesfl:``, ``auto:``),
+and of a training option's (``drift:``, ``norm_stats:``: :class:`OptionSection`).
 
 A method that has settings of its own declares them in its folder
 (``sfl_core/methods/<method>/config.py``) as a frozen pydantic dataclass deriving from
@@ -13,7 +14,8 @@ own arguments, as each strategy of Flower does in its constructor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from sfl_core.config.fields import Section
 
@@ -44,7 +46,17 @@ class MethodSection(Section):
         ``sfl_core.config.fields.invalid("<key>.<field>", message)`` for the first one broken."""
         return None
 
+    def replace_in(self, run: "RunConfig", **changes: Any) -> "RunConfig":
+        """``run`` with this section's ``changes`` (validated as a file's would be)."""
+        return dataclasses.replace(run, sections={**run.sections, self.KEY: dataclasses.replace(self, **changes)})
+
     def neutral(self: S) -> S:
         """This section with the method's own switches off (the common ground ``sfl-coord plan``
         compares the methods from)."""
         return self
+
+
+class OptionSection(MethodSection):
+    """A training option's section of the run config (``drift:``, ``norm_stats:``, ...): the same
+    machinery as a method's, registered in :mod:`sfl_core.option_registry` and read with
+    ``OptionClass.of(cfg)``; ``neutral`` is the option off."""

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from sfl_core import drift, timing
+from sfl_core import option_registry, timing
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo
 from sfl_core.method_registry import method_classes
@@ -46,12 +46,13 @@ class MethodPreview:
     phase: str = ""
     strategy: str = ""
     """The ``strategy:`` of the run config this row was planned from."""
-    norm_pass_s: float = 0.0
-    """Of ``round_s``, the statistics pass (``norm_stats: federated``), spread over its ``every`` rounds."""
+    phase_s: float = 0.0
+    """Of ``round_s``, the phases after aggregation that training options add (a statistics pass),
+    spread over the rounds that have one."""
 
     def to_json(self) -> dict[str, Any]:
         return {"method": self.method, "round_s": self.round_s, "bytes_per_round": self.bytes_per_round,
-                "waiting_s": self.waiting_s, "phase": self.phase, "norm_pass_s": self.norm_pass_s,
+                "waiting_s": self.waiting_s, "phase": self.phase, "phase_s": self.phase_s,
                 "agents": {a: dataclasses.asdict(x) for a, x in self.agents.items()}}
 
 
@@ -108,28 +109,19 @@ def _planned_round(variant: RunConfig, method: Any, costs: Mapping[int, SplitCos
         opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width,
                            split_agents=len(selected))
         ratio = wire_fraction(nominal_ratio(codec), width, channels)
-        portions = 1 + drift.portions_down(variant.drift.kind)    # weights up, and down with any correction
+        # weights up, and down with what the options add (a correction)
+        portions = 2 + sum(o.portions_down(variant) for o in option_registry.wanted(variant))
         traffic = portions * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
         rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)
     times = [x.time_s for x in rows.values()]
-    pass_s, pass_bytes = _norm_pass(variant, costs, agents, rows)
+    pass_s, pass_bytes = _phases(variant, costs, agents, rows)
     return (timing.round_time(times) + pass_s, sum(x.bytes for x in rows.values()) + pass_bytes,
             timing.waiting_time(times), rows, plan.phase, pass_s)
 
-def _norm_pass(cfg: RunConfig, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
-               rows: Mapping[str, PlannedAgent]) -> tuple[float, float]:
-    """The statistics pass a round adds (its slowest asked agent; bytes of all), per round: a
-    pass every ``every`` rounds costs ``1/every`` of it, and only the rounds before a freeze
-    (``freeze_after``) have one. (0, 0) without ``norm_stats: federated``."""
-    ns = cfg.norm_stats
-    if ns.mode != "federated":
-        return 0.0, 0.0
-    asked = timing.norm_pass_agents(cfg, costs, agents, {a: (x.split, x.codec, x.width) for a, x in rows.items()})
-    priced = []
-    for a in asked:
-        x, cost = rows[a], costs[rows[a].split]
-        channels = cost.activation_shape[0] if cost.activation_shape else 1
-        priced.append(timing.predict_norm_pass(cfg, cost, agents[a],
-                                               ratio=wire_fraction(nominal_ratio(x.codec), x.width, channels)))
-    share = (min(ns.freeze_after, cfg.rounds) / cfg.rounds if ns.freeze_after else 1.0) / ns.every
-    return max((t for t, _ in priced), default=0.0) * share, sum(b for _, b in priced) * share
+def _phases(cfg: RunConfig, costs: Mapping[int, SplitCost], agents: Mapping[str, AgentInfo],
+            rows: Mapping[str, PlannedAgent]) -> tuple[float, float]:
+    """The phases after aggregation the run's training options add (a statistics pass), per
+    round: seconds and bytes (:meth:`~sfl_core.options.base.RoundOption.phase_cost`)."""
+    plans = {a: (x.split, x.codec, x.width) for a, x in rows.items()}
+    priced = [o.phase_cost(cfg, costs, agents, plans) for o in option_registry.wanted(cfg)]
+    return sum(t for t, _ in priced), sum(b for _, b in priced)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
 
 SPLIT_TRAINING = "sfl"
 """The agent trains its client portion step by step with the server (activations up, gradients down)."""
@@ -70,6 +71,7 @@ class Assignment:
             raise bad("width", f"{body['width']} must be >= 0 (0 = no bottleneck)")
         if not 0 <= body["zstd_level"] <= 22:
             raise bad("zstd_level", "must be in 0..22")
+        protocol.check_option_fields(body)   # what the run's training options add
         shape = body["activation_shape"]
         if len(shape) > 6 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
             raise bad("activation_shape", f"bad shape {shape}")

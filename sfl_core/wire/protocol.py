@@ -69,7 +69,7 @@ def agent_from_topic(topic: str) -> str:
 
 # type -> {field: python type(s)}; every listed field is required, others are rejected.
 _NUM = (int, float)
-SCHEMAS: dict[str, dict[str, Any]] = {
+_CORE_SCHEMAS: dict[str, dict[str, Any]] = {
     # agent -> coordinator
     "register": {"index": int, "profile": dict, "measured": dict, "label_counts": list,
                  "num_samples": int, "emulate": bool, "resume": dict},
@@ -79,9 +79,6 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "weights": {"weights": dict, "num_samples": int, "compute_s": _NUM, "loss": _NUM},
     "heartbeat": {"state": str},
     "evaluation": {"loss": _NUM, "correct": int, "count": int, "compute_s": _NUM},
-    # norm_stats: federated: per BatchNorm layer <layer>.mean/<layer>.m2 tensors and counts, and the
-    # activations of the same passes (null where the agent holds the whole model)
-    "norm_sums": {"moments": dict, "counts": dict, "x": (dict, type(None)), "compute_s": _NUM},
     "status": {"online": bool, "instance": str},   # instance: which process of that agent id
     # coordinator -> agent
     "accepted": {"message": str},
@@ -95,9 +92,6 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "shutdown": {"reason": str},
     # federated evaluation (eval.federated_every): the global model, scored on the agent's held-out split
     "evaluate": {"model": str, "weights": dict, "bottlenecks": list},
-    # norm_stats: federated (sfl_core.norm_stats): the new global client portion, run without training
-    "norm_pass": {"model": str, "split": int, "width": int, "weights": dict, "batches": int, "batch_size": int,
-                  "codec": str, "zstd_level": int, "activation_shape": list},
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
                  "splits": list, "partition": dict, "num_agents": int,
                  "coordinator": dict,   # {"key": Ed25519 public key (32 bytes), "instance": str}
@@ -105,36 +99,32 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "coordinator_status": {"online": bool, "instance": str},   # sfl/R/coordinator, retained + last will
 }
 # type -> {field: python type(s)} that may be present: what newer agents add (older ones omit it)
-OPTIONAL: dict[str, dict[str, Any]] = {
+_CORE_OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"privacy": dict,       # the agent's defenses (sfl_core.privacy.AgentPrivacy.describe)
                  "instance": str,       # the registering process (its status messages carry the same)
                  "channel_stats": dict,  # normalize: federated (sfl_core.data.preprocessing.ChannelStats)
                  "architecture": str},  # the agent's model fingerprint (sfl_core.model.fingerprint)
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
     "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
-               "normalize": dict,       # a task run's standardisation constants {mean, std}
-               "prox_mu": _NUM,         # drift: fedprox (sfl_core.drift)
-               "correction": dict,      # drift: scaffold: c - c_i for the client portion's parameters
-               "freeze_norm": bool,     # norm_stats.freeze_after: BatchNorm uses its statistics, frozen
-               "local_norm": bool},     # norm_stats.local (FedBN): keep the device's own BatchNorm layers
+               "normalize": dict},      # a task run's standardisation constants {mean, std}
+               # + each training option's own fields (sfl_core.options: ASSIGN_FIELDS)
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
-    "norm_pass": {"sig": bytes, "normalize": dict},
     "coordinator_status": {"pid": int, "host": str, "out_dir": str},   # for the operator's one line
     # a run on the devices' own data: its task contract (sfl_core.config.run.TaskConfig.to_wire), the
     # constants when already known, and the model's fingerprint (sfl_core.model.fingerprint)
     "run_info": {"task": dict, "normalize": dict, "architecture": list,
-                 "norm_stats": dict,   # {"every": k}: this run asks for statistics passes (norm_pass)
-                 "drift": dict,        # {"kind": fedprox|scaffold}: assignments carry prox_mu or correction
+                 # + each training option's own (sfl_core.options: RUN_INFO), e.g. {"drift": {"kind": ...}}:
+                 # an agent that does not know the option refuses the run
                  "heartbeat_idle_s": _NUM,   # idle agents beat this seldom (sfl_core.liveness)
                  # a user's model (sfl_core.model.user_models): a file each side installs (named, never sent),
                  # or a declarative layer list (data, validated by the agent)
                  "model_file": str, "model_function": str, "model_layers": list},
 }
-AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "evaluation", "norm_sums",
-                         "heartbeat", "status"})
-COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "evaluate", "norm_pass",
-                         "shutdown", "run_info"})
+_CORE_AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "evaluation",
+                               "heartbeat", "status"})
+_CORE_COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "evaluate",
+                               "shutdown", "run_info"})
 PEER_TYPES = frozenset({"coordinator_status"})
 """Between coordinators of one run (the liveness claim); agents never read it."""
 COORDINATOR_ID = "coordinator"
@@ -161,14 +151,65 @@ class Message:
                           "step": self.step, "body": self.body})
 
 
+class _Schemas:
+    """The core schemas with the training options' merged in (:mod:`sfl_core.option_registry`):
+    their assignment fields, their message types. Read on first use, after every import."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+
+    def load(self) -> None:
+        from sfl_core import option_registry   # the options import this module: read them late
+
+        schemas = {t: dict(f) for t, f in _CORE_SCHEMAS.items()}
+        optional = {t: dict(f) for t, f in _CORE_OPTIONAL.items()}
+        agent, coord = set(_CORE_AGENT_TYPES), set(_CORE_COORD_TYPES)
+        self.assign_checks = option_registry.assign_fields()
+        optional["assign"].update({name: f.types for name, f in self.assign_checks.items()})
+        optional["run_info"].update({key: dict for key in option_registry.run_info_keys()})
+        for mtype, (direction, fields) in option_registry.messages().items():
+            if mtype in schemas:
+                raise ValueError(f"an option's message type {mtype!r} is already a protocol message")
+            schemas[mtype] = dict(fields)
+            if direction == "coordinator":   # signed; it may carry the run's standardisation constants
+                coord.add(mtype)
+                optional[mtype] = {"sig": bytes, "normalize": dict}
+            else:
+                agent.add(mtype)
+        self.schemas, self.optional = schemas, optional
+        self.agent_types, self.coord_types = frozenset(agent), frozenset(coord)
+        self.option_coord_types = self.coord_types - _CORE_COORD_TYPES
+        self.loaded = True
+
+
+_schemas = _Schemas()
+
+
+def __getattr__(name: str) -> Any:
+    """``SCHEMAS``, ``OPTIONAL``, ``AGENT_TYPES``, ``COORD_TYPES``: the core's and the options';
+    ``OPTION_COORD_TYPES``: the options' requests to agents (a phase's: signed, and work)."""
+    attr = {"SCHEMAS": "schemas", "OPTIONAL": "optional", "AGENT_TYPES": "agent_types",
+            "COORD_TYPES": "coord_types", "OPTION_COORD_TYPES": "option_coord_types"}.get(name)
+    if attr is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _schemas.loaded:
+        _schemas.load()
+    value = globals()[name] = getattr(_schemas, attr)   # read once
+    return value
+
+
 def validate_body(mtype: str, body: dict[str, Any]) -> None:
-    schema = SCHEMAS.get(mtype)
+    """Every required field there with its type, nothing unknown; an option's assignment field
+    range-checked by the option's own rule."""
+    if not _schemas.loaded:
+        _schemas.load()
+    schema = _schemas.schemas.get(mtype)
     if schema is None:
         raise wire.WireError(f"unknown message type {mtype!r}")
     missing = [k for k in schema if k not in body]
     if missing:
         raise wire.WireError(f"{mtype}: missing field(s) {missing}")
-    optional = OPTIONAL.get(mtype, {})
+    optional = _schemas.optional.get(mtype, {})
     extra = [k for k in body if k not in schema and k not in optional]
     if extra:
         raise wire.WireError(f"{mtype}: unexpected field(s) {extra}")
@@ -178,6 +219,24 @@ def validate_body(mtype: str, body: dict[str, Any]) -> None:
             raise wire.WireError(f"{mtype}.{key}: expected {typ}, got bool")
         if not isinstance(val, typ):
             raise wire.WireError(f"{mtype}.{key}: expected {getattr(typ, '__name__', typ)}, got {type(val).__name__}")
+    if mtype == "assign":
+        check_option_fields(body)
+
+
+def check_option_fields(body: dict[str, Any]) -> None:
+    """The training options' fields of an assignment, each by its option's own rule (types and
+    ranges); :class:`wire.WireError` naming the first bad one."""
+    if not _schemas.loaded:
+        _schemas.load()
+    for key, f in _schemas.assign_checks.items():
+        if key not in body:
+            continue
+        if isinstance(body[key], bool) and f.types is not bool or not isinstance(body[key], f.types):
+            raise wire.WireError(f"assign.{key}: expected {getattr(f.types, '__name__', f.types)}, "
+                                 f"got {type(body[key]).__name__}")
+        why = f.check(body[key]) if f.check is not None else None
+        if why:
+            raise wire.WireError(f"assign.{key}: {why}")
 
 
 def decode(payload: bytes, *, run: str, max_bytes: int = wire.MAX_MESSAGE_BYTES,

@@ -41,8 +41,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from sfl_core.wire import codec as wire
 
-SIGNED_TYPES = frozenset({"run_info", "assign", "evaluate", "norm_pass", "shutdown"})
-"""Coordinator messages that change what an agent does: an agent follows them only when signed."""
+_CORE_SIGNED = frozenset({"run_info", "assign", "evaluate", "shutdown"})
+
+
+def __getattr__(name: str) -> Any:
+    """``SIGNED_TYPES``: coordinator messages that change what an agent does, the core's and the
+    training options' requests (:mod:`sfl_core.option_registry`); an agent follows them only
+    when signed."""
+    if name != "SIGNED_TYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from sfl_core.wire import protocol   # the options' messages are read on first use
+    value = globals()[name] = _CORE_SIGNED | protocol.OPTION_COORD_TYPES   # read once
+    return value
 KEY_FILE = "coordinator.key"
 PUBLIC_FILE = "coordinator.pub"
 

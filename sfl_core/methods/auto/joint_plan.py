@@ -231,7 +231,7 @@ def limit_skew(batches: Mapping[str, int], equal: Mapping[str, int], label_count
     total = sum(batches.values())
     blended = {a: (1 - hi_t) * batches[a] + hi_t * equal[a] for a in batches}
     out = {a: max(1, int(round(v))) for a, v in blended.items()}
-    drift = total - sum(out.values())
-    for a in sorted(out, key=lambda a: -blended[a])[:abs(drift)]:
-        out[a] += 1 if drift > 0 else -1 if out[a] > 1 else 0
+    rounding = total - sum(out.values())
+    for a in sorted(out, key=lambda a: -blended[a])[:abs(rounding)]:
+        out[a] += 1 if rounding > 0 else -1 if out[a] > 1 else 0
     return out

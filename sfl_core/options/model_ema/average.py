@@ -92,5 +92,5 @@ def delivered_weights(model: Mapping[str, torch.Tensor],
                       own_state: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """The weights a run delivers from its checkpoint: the model's, with the average's in their
     place when the run kept one (``own_state``: the checkpoint's ``@`` tensors,
-    :func:`sfl_core.server_opt.split_state`)."""
+    :func:`sfl_core.options.base.split_state`)."""
     return _overlay(_unprefixed(own_state or {}), model)

@@ -45,10 +45,10 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["KINDS", "STATE_PREFIX", "effective_steps", "leading_block", "portions_down", "portions_held", "StepTerms",
-           "ControlVariates"]
+from sfl_core.step_terms import leading_block
 
-KINDS = ("none", "fedprox", "scaffold")
+__all__ = ["STATE_PREFIX", "effective_steps", "ControlVariates"]
+
 STATE_PREFIX = "@drift/"
 """Checkpoint tensor names of the control variates start with this: no module parameter can."""
 
@@ -59,51 +59,6 @@ def effective_steps(tau: int, momentum: float) -> float:
     if momentum == 0:
         return float(tau)
     return sum((1 - momentum ** k) / (1 - momentum) for k in range(1, tau + 1))
-
-
-def portions_down(kind: str) -> int:
-    """Client portions a device downloads per round: its weights, and under SCAFFOLD the
-    correction ``c − cᵢ``, of the same shape (the time model prices both)."""
-    return 2 if kind == "scaffold" else 1
-
-
-def portions_held(kind: str) -> int:
-    """Copies of the client portion a device holds beside its weights and gradients while it
-    trains: FedProx's ``x`` or SCAFFOLD's ``c − cᵢ`` (one), none without drift correction."""
-    return 0 if kind == "none" else 1
-
-
-def leading_block(t: torch.Tensor, shape: Tuple[int, ...]) -> Tuple[slice, ...]:
-    """The leading block of ``t`` of ``shape`` (a HeteroSFL agent holds the first ``width`` encoder rows)."""
-    return tuple(slice(0, d) for d in shape)
-
-
-class StepTerms:
-    """What drift correction adds to the gradients of every local step, on a device's client
-    portion or on a server copy: SCAFFOLD's ``c − cᵢ`` and FedProx's ``μ (w − x)``, with ``x``
-    the weights as the round began (kept as a term ``−μ x`` plus ``μ w`` at step time).
-
-    Args:
-        params: each parameter with its SCAFFOLD correction (``None``: none), in order.
-        prox_mu: FedProx's μ (0: no proximal term).
-    """
-
-    def __init__(self, params: Sequence[Tuple[torch.nn.Parameter, Optional[torch.Tensor]]], prox_mu: float = 0.0):
-        self.prox_mu = float(prox_mu)
-        self.params = [p for p, _ in params]
-        self.terms = [(p, -self.prox_mu * p.detach().clone()) for p in self.params] if self.prox_mu else []
-        self.terms += [(p, c) for p, c in params if c is not None]
-
-    @torch.no_grad()
-    def apply(self) -> None:
-        """Add the terms to the gradients about to be stepped (a parameter without one gets them alone)."""
-        for p, extra in self.terms:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.add_(extra)
-        if self.prox_mu:
-            for p in self.params:
-                p.grad.add_(p, alpha=self.prox_mu)
 
 
 class ControlVariates:

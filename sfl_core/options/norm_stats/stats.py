@@ -36,6 +36,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from sfl_core.model.norm_layers import batch_norm_layers, freeze
+
 __all__ = ["Moments", "batch_norm_layers", "frozen", "freeze", "collect", "combine", "apply", "running_stats",
            "to_wire_state", "from_wire_state", "expected_layers"]
 
@@ -64,11 +66,6 @@ class Moments:
         return Moments(n, mean, m2)
 
 
-def batch_norm_layers(model: nn.Module) -> dict[str, nn.modules.batchnorm._BatchNorm]:
-    """Every BatchNorm layer of ``model`` by its name in ``model`` (the names all parts share)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
-
-
 def local_entries(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The entries of ``state`` (names as in ``model``) that belong to its BatchNorm layers:
     scale, shift and running statistics, which a device keeps for itself under FedBN.
@@ -91,14 +88,6 @@ def frozen(freeze_after: int, r: int) -> bool:
     them on every device and on the server removes that mismatch, and the model is trained with
     exactly the normalisation it is evaluated with."""
     return 0 < freeze_after < r
-
-
-def freeze(module: nn.Module) -> nn.Module:
-    """Every BatchNorm layer of ``module`` (already in train mode) normalises with its running
-    statistics and stops updating them; its scale and shift still train."""
-    for layer in batch_norm_layers(module).values():
-        layer.eval()
-    return module
 
 
 @torch.no_grad()

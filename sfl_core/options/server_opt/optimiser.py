@@ -33,9 +33,9 @@ from typing import Dict, Hashable, Iterable, Mapping, Optional
 
 import torch
 
-__all__ = ["KINDS", "ServerOptimizer", "STATE_PREFIX", "averaged_names", "from_config", "split_state"]
+__all__ = ["KINDS", "ServerOptimizer", "STATE_PREFIX", "averaged_names", "from_config"]
 
-KINDS = ("none", "momentum", "adam", "yogi")
+from sfl_core.options.server_opt.config import KINDS
 STATE_PREFIX = "@server_opt/"
 """Checkpoint tensor names of the optimiser's state start with this: no module parameter can."""
 
@@ -119,13 +119,6 @@ def averaged_names(client_states: Mapping[str, Mapping[str, torch.Tensor]],
             if k not in client_states.get(a, {}):
                 copies.setdefault(k, set()).add(copy_of.get(a, a))
     return sorted((held | {k for k, c in copies.items() if len(c) > 1}) & names)
-
-
-def split_state(tensors: Mapping[str, torch.Tensor]) -> "tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]":
-    """A checkpoint's tensors as (the model's, the coordinator's own state: this optimiser's and
-    SCAFFOLD's control variates, every name starting with ``@``, which no module name can)."""
-    model = {k: t for k, t in tensors.items() if not k.startswith("@")}
-    return model, {k: t for k, t in tensors.items() if k.startswith("@")}
 
 
 def from_config(kind: str, lr: float, beta1: float, beta2: float, tau: float) -> Optional[ServerOptimizer]:

@@ -1,4 +1,4 @@
-"""The coordinator's side of ``norm_stats: federated`` (:mod:`sfl_core.norm_stats`): what a
+"""The coordinator's side of ``norm_stats: federated`` (:mod:`sfl_core.options.norm_stats.stats`): what a
 statistics pass asks of a device, how its answer is checked, and the server portion's share.
 
 A device's answer is untrusted input like any other: the layers must be exactly its client
@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from sfl_core import norm_stats
 from sfl_core.model.zoo import SplitModel
-from sfl_core.norm_stats import Moments
+from sfl_core.options.norm_stats import stats as norm_stats
+from sfl_core.options.norm_stats.stats import Moments
 from sfl_core.wire import codec as wire
 
 __all__ = ["request_body", "check_reply", "server_moments"]

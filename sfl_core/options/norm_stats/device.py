@@ -1,0 +1,65 @@
+"""The device's side of a statistics pass (``norm_pass``, :mod:`.option`): run local batches
+through the new global client portion without training and report its BatchNorm layers' input
+moments and the activations. No label leaves; activation noise applies as in training."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sfl_core.model.accounting import model_costs
+from sfl_core.options.norm_stats import stats as norm_stats
+from sfl_core.privacy import clip_and_noise
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
+from sfl_core.wire.protocol import Message
+
+if TYPE_CHECKING:
+    from sfl_core.options.base import DeviceContext
+    from sfl_core.options.norm_stats.option import NormStatsOnDevice
+
+__all__ = ["answer_pass"]
+
+SAMPLER_SEED = 104729
+"""The pass draws its batches from a stream of its own (the training batches stay as they are)."""
+LIMITS = (("batches", 1, 64), ("batch_size", 1, 4096), ("split", 0, 10_000), ("width", 0, 1 << 20))
+
+
+def answer_pass(state: "NormStatsOnDevice", agent: "DeviceContext", msg: Message) -> list[Message]:
+    if (msg.round, msg.seq) == state.passed or msg.round < state.passed[0]:
+        return agent.resend()
+    b: dict[str, Any] = msg.body
+    agent.standardise(b.get("normalize"))
+    for key, lo, hi in LIMITS:
+        if not lo <= b[key] <= hi:
+            raise wire.WireError(f"norm_pass.{key}: {b[key]} is out of range")
+    wire.check_codec(b["codec"])
+    model = agent.model(b["model"], b["split"], b["width"])
+    model.check_split(b["split"])
+    whole = b["split"] == model.num_blocks
+    state_dict = wire.decode_state(b["weights"], {k: v.cpu() for k, v in model.client_state(b["split"]).items()})
+    model.load_state_dict(state_dict, strict=False)
+    t0 = time.perf_counter()
+    xs = [agent.data.x[agent.batch(SAMPLER_SEED, b["batch_size"])] for _ in range(b["batches"])]
+    moments, outs = norm_stats.collect(model, model.client(b["split"]), xs)
+    seconds = time.perf_counter() - t0
+    samples = b["batches"] * b["batch_size"]
+    flops = model_costs(b["model"], agent.input_shape, agent.data.num_classes)[b["split"]].client_flops * samples / 3
+    compute_s = agent.compute_seconds(flops, seconds)
+    x = None
+    if not whole:
+        out = torch.cat(outs)
+        if tuple(out.shape[1:]) != tuple(b["activation_shape"]):
+            raise wire.WireError(f"norm_pass.activation_shape {b['activation_shape']} does not match this "
+                                 f"model's client output {tuple(out.shape[1:])}")
+        if agent.privacy.activation_noise is not None:
+            out = clip_and_noise(out, agent.privacy.activation_noise, agent.noise_generator)
+        x = wire.encode_tensor(out, b["codec"], b["zstd_level"])
+    tensors, counts = norm_stats.to_wire_state(moments)
+    state.passed = (msg.round, msg.seq)
+    reply = Message("norm_sums", agent.run_id, agent.agent_id, round=msg.round, step=msg.step,
+                    seq=protocol.next_seq(), body={"moments": wire.encode_state(tensors, b["zstd_level"]),
+                                                   "counts": counts, "x": x, "compute_s": compute_s})
+    return agent.remember([reply])

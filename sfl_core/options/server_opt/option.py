@@ -1,0 +1,46 @@
+"""A server optimiser as a training option (``server_opt: {kind: momentum | adam | yogi}``): the
+round's average becomes the new global model through
+:class:`~sfl_core.options.server_opt.optimiser.ServerOptimizer`. Averaged parameters step;
+buffers stay averaged. Nothing more crosses the wire; its moments are checkpointed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Mapping
+
+import torch
+
+from sfl_core.options.base import RoundContext, RoundOption
+from sfl_core.options.server_opt.config import ServerOptConfig
+from sfl_core.options.server_opt.optimiser import STATE_PREFIX, ServerOptimizer, averaged_names
+
+if TYPE_CHECKING:
+    from sfl_core.config.run import RunConfig
+    from sfl_core.model.zoo import SplitModel
+
+__all__ = ["ServerOpt"]
+
+
+class ServerOpt(RoundOption):
+    SECTION: ClassVar[type[ServerOptConfig]] = ServerOptConfig
+    STATE_PREFIX = STATE_PREFIX
+
+    @classmethod
+    def wanted(cls, cfg: "RunConfig") -> bool:
+        return bool(cls.settings(cfg).on)
+
+    def __init__(self, cfg: "RunConfig", model: "SplitModel"):
+        super().__init__(cfg, model)
+        so = self.section
+        self.optimiser = ServerOptimizer(so.kind, so.lr, so.beta1, so.beta2, so.tau)
+
+    def transform_average(self, ctx: RoundContext, start: Mapping[str, torch.Tensor],
+                          average: dict[str, torch.Tensor], clients: Mapping[str, Mapping[str, torch.Tensor]],
+                          servers: Mapping[str, Mapping[str, torch.Tensor]],
+                          copy_of: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        return self.optimiser.step(start, average, averaged_names(clients, servers, copy_of, ctx.parameter_names))
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.optimiser.state_tensors()
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], last_round: int, model: "SplitModel") -> None:
+        self.optimiser.load_state_tensors(tensors)
