@@ -2,8 +2,9 @@
 
 A re-layout (moving modules, splitting packages, renaming) must not change a single metric.
 This script runs the shipped run configs (``profiles/runs/*.yaml``, ``--rounds`` each, in
-simulation), each training option on the demo's fleet (:data:`OPTION_RUNS`) and one paper-bench setting (``bench/paper.py <paper> --quick``), and keeps each
-run's metrics history (the paper setting: six methods of ``mixed``, two rounds each) with
+simulation), each training option on the demo's fleet (:data:`OPTION_RUNS`) and two paper-bench settings (``bench/paper.py <paper> --quick``), and keeps each
+run's metrics history (the paper settings: six methods of ``mixed`` and the two recipes of
+``noniid`` that use every training option) with
 the fields that measure *this host* removed (``wall_s``, and each
 agent's ``compute_s`` and ``server_s``: host seconds, different on every run). Everything
 else — accuracies, losses, virtual times, bytes, plans, assignments — must be identical:
@@ -125,16 +126,20 @@ def option_runs(work: Path, rounds: int) -> Iterator[tuple[str, list[dict[str, A
         yield f"options/{name}", read_history(work / f"opt-{name}")
 
 
-PAPER_METHODS = ("FedAvg", "SFL fastest", "S2FL+MB", "FM+BR", "FedFC mixed", "auto")
-"""Of the paper setting (bench/configs/mixed.yaml): every method family once."""
+PAPER_METHODS = {
+    "mixed": ("FedAvg", "SFL fastest", "S2FL+MB", "FM+BR", "FedFC mixed", "auto"),
+    "noniid": ("MergeSFL+stats+scaffold+adam, per agent, EMA", "SFL-v2+all, split 1, EMA"),
+}
+"""Of each paper setting (bench/configs/<paper>.yaml): the mixed fleet's every method family once,
+and the label-skewed fleet's recipes that switch every training option on."""
 
 
 def paper_runs(work: Path, paper: str, data: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     import paper as paper_bench
 
-    paper_bench.main([paper, "--quick", "--work", str(work / "paper"), "--out", str(work / "paper-out"),
-                      "--data", data, "--methods", *PAPER_METHODS])
-    for run_dir in sorted(p.parent for p in (work / "paper").glob("*/metrics.jsonl")):
+    paper_bench.main([paper, "--quick", "--work", str(work / paper), "--out", str(work / "paper-out"),
+                      "--data", data, "--methods", *PAPER_METHODS[paper]])
+    for run_dir in sorted(p.parent for p in (work / paper).glob("*/metrics.jsonl")):
         yield f"paper/{paper}/{run_dir.name}", read_history(run_dir)
 
 
@@ -143,7 +148,8 @@ def main() -> int:
     p.add_argument("--write", type=Path, help="record the histories here (the reference)")
     p.add_argument("--check", type=Path, help="compare with this reference")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--paper", default="mixed", help="the paper-bench setting to include (bench/configs/)")
+    p.add_argument("--paper", nargs="*", default=list(PAPER_METHODS), choices=list(PAPER_METHODS),
+                   help="the paper-bench settings to include (bench/configs/)")
     args = p.parse_args()
     if (args.write is None) == (args.check is None):
         raise SystemExit("give exactly one of --write REF.json or --check REF.json")
@@ -155,7 +161,8 @@ def main() -> int:
         else:
             runs = dict(shipped_runs(work, args.rounds))
             runs.update(option_runs(work, args.rounds))
-            runs.update(paper_runs(work, args.paper, args.data))
+            for paper in args.paper:
+                runs.update(paper_runs(work, paper, args.data))
     digests = {name: hashlib.sha256(json.dumps(h, sort_keys=True).encode()).hexdigest()[:16]
                for name, h in runs.items()}
     if args.write is not None:

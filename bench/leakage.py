@@ -238,7 +238,8 @@ def run_one(job: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     }
     cfg = run_config_from_dict(_merge(base, overrides))
     history, engine = run_simulation(cfg, device="cpu", quiet=True)
-    width = cfg.hetero.widths[0] if cfg.hetero.widths else 0   # a HeteroSFL bottleneck, one group
+    hetero = cfg.sections["hetero"]
+    width = hetero.widths[0] if hetero.widths else 0   # a HeteroSFL bottleneck, one group
     data = engine_data(a)
     pre = data.preprocessing
     victim = next(iter(engine.transport.agents.values())).data

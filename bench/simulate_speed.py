@@ -45,8 +45,8 @@ from sfl_core.data.builtin import _read_mnist_dir  # noqa: E402
 PHASES = {
     "agents' steps": ("edge_agent/agent.py", "handle"),
     "server steps": ("coordinator/server_trainer.py", "step"),
-    "evaluation": ("coordinator/engine.py", "evaluate"),
-    "federated evaluation": ("coordinator/engine.py", "_federated_evaluation"),
+    "evaluation": ("coordinator/scoring.py", "evaluate"),
+    "federated evaluation": ("coordinator/scoring.py", "_federated_evaluation"),
     "reading the devices' data": ("simulation/inprocess.py", "build_fleet"),
 }
 """Functions whose cumulative time is a phase of a simulation (file suffix, function name)."""

@@ -55,7 +55,7 @@ def _command(prog: str, name: str, cmd: Any) -> list[str]:
 def render() -> str:
     lines = list(HEADER)
     for prog, app in (("sfl-coord", coord_app), ("sfl-agent", agent_app)):
-        group = typer.main.get_command(app)
+        group: Any = typer.main.get_command(app)   # a click Group: it lists its commands
         lines += [f"## `{prog}`", "", (group.help or "").strip(), ""]
         ctx = typer.Context(group, info_name=prog)
         for name in group.list_commands(ctx):

@@ -190,7 +190,7 @@ def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dic
 
 
 def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, resume: Resume = False,
-          device: str = "auto", quiet: bool = False, on_broker: Optional[Callable[[str, str], None]] = None,
+          device: str = "auto", quiet: bool = False, on_broker: Optional[Callable[["str | BrokerAddress", str], None]] = None,
           listen: str = "127.0.0.1:0", insecure_listen: bool = False,
           console: Optional[Console] = None, signing_key: Optional[Path] = None,
           observers: Optional[list[Any]] = None) -> tuple[list[dict], RoundEngine]:
@@ -219,6 +219,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     if problem:
         raise RunError(problem)
     if shards is not None and not shards.leader:
+        assert broker is not None   # cannot_share: server workers need a broker all of them reach
         return _serve_shard(cfg, broker, data, shards)
     out = output_dir(cfg)
     lock = lock_run(out, cfg.run_id)
@@ -242,7 +243,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
                 console.print(f"WARNING: the embedded broker listens on {host} without TLS or authentication "
                               f"(--insecure-listen): anyone on that network can read and inject this run's "
                               f"messages", style="bold yellow", markup=False)
-        transport_args = dict(signer=signer, where={"pid": os.getpid(), "host": socket.gethostname(),
+        transport_args: dict[str, Any] = dict(signer=signer, where={"pid": os.getpid(), "host": socket.gethostname(),
                                                     "out_dir": str(out.resolve())})
         display = RunDisplay(cfg.rounds, console=console, quiet=quiet)
         events = _Events([display, *(observers or [])])

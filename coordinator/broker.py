@@ -155,7 +155,7 @@ def _broker_class() -> type:
     class _Broker(Broker):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._subscriptions = _SnapshotDict(self._subscriptions)
+            self._subscriptions = _SnapshotDict(self._subscriptions)  # type: ignore[has-type]
 
         async def _publish_retained_messages_for_subscription(self, subscription: Any, session: Any) -> None:
             subscribers = self._subscriptions.get(subscription[0], ())

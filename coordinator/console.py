@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TaskID
 from rich.table import Table
 
 from coordinator.registry import Registry
@@ -21,7 +21,7 @@ class RunDisplay:
         self.quiet = quiet
         self.total = total_rounds
         self._progress: Optional[Progress] = None
-        self._task = None
+        self._task: Optional[TaskID] = None
 
     def __enter__(self) -> "RunDisplay":
         if not self.quiet:
@@ -42,6 +42,8 @@ class RunDisplay:
         if self._progress is None:
             return
         p, t = self._progress, self._task
+        if t is None:
+            return
         if event == "waiting":
             p.update(t, status=f"waiting for agents: {data['registered']}/{data['needed']}")
         elif event == "registered":

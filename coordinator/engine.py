@@ -9,7 +9,7 @@ replays and resends are the fleet session's (:mod:`coordinator.session`).
 
 from __future__ import annotations
 
-import copy
+import functools
 import logging
 import time
 from pathlib import Path
@@ -17,31 +17,36 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from coordinator import evaluation, shard_round
+from coordinator import shard_round
 from coordinator import state as ckpt
 from coordinator.clock import Clock
-from coordinator.export import describe_model, restore_widths, run_model
+from coordinator.deadline import round_deadline
+from coordinator.export import run_model
+from coordinator.option_host import OptionHost
 from coordinator.pricing import price_phase, price_round
 from coordinator.registry import Registry
 from coordinator.round_record import round_record
+from coordinator.run_state import RunState
+from coordinator.scoring import Scoring
 from coordinator.server_trainer import ServerTrainer
 from coordinator.server_workers import GradReducer, ServerShards
 from coordinator.session import DeadlinePassed, Event, FleetSession, RoundAgent
+from coordinator.task_normalization import NoStatistics, TaskNormalization
 from coordinator.transport import Transport
 from coordinator.uploads import decode_activations, decode_logit_gradients
 from coordinator.validation import ValidationSet, evaluation_batch
-from sfl_core import timing
+from coordinator.widths import widen_bottlenecks
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
-from sfl_core.data.preprocessing import ChannelStats, Normalization, preprocessing_record
+from sfl_core.data.preprocessing import Normalization
 from sfl_core.methods import build_method
 from sfl_core.methods.base import RoundPlan
 from sfl_core.model.accounting import model_costs, split_note
-from sfl_core.model.bottleneck import bottleneck_shape, covered_width, slice_state
+from sfl_core.model.bottleneck import bottleneck_shape, slice_state
 from sfl_core.model.fingerprint import architecture, digest, fingerprinted
 from sfl_core.model.zoo import SplitModel, build_model
 from sfl_core.option_registry import build_options
-from sfl_core.options.base import PhaseAgent, ServerTerms, split_state
+from sfl_core.options.base import ServerTerms
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import SPLIT_TRAINING, WHOLE_MODEL, Assignment
@@ -62,7 +67,7 @@ class RoundFailed(RuntimeError):
     checkpointed (a restart with ``--resume`` continues)."""
 
 
-class RoundEngine:
+class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
     def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
                  device: torch.device | str = "cpu", on_event: Optional[Event] = None,
@@ -145,8 +150,11 @@ class RoundEngine:
         """
         self.session.wait_for_agents()
         if self.cfg.task is not None and self.normalization is None:
-            self._federated_normalization()
-        notes = self.method.notes(len(self.registry.agents))
+            try:
+                self._federated_normalization()
+            except NoStatistics as exc:
+                raise RoundFailed(str(exc)) from None
+        notes: list[Optional[str]] = list(self.method.notes(len(self.registry.agents)))
         notes += [split_note(self.costs, s, self.input_shape) for s in self.method.configured_splits]
         for note in filter(None, notes):
             log.info(note)
@@ -160,40 +168,6 @@ class RoundEngine:
             self.shards.broadcast(None)   # the server workers stop
             self.shards.close()
         return self.history
-
-    @property
-    def normalization(self) -> Optional[Normalization]:
-        """A task run's standardisation constants (None until known); a built-in data set comes standardised."""
-        return self.validation.normalization
-
-    def known_normalization(self) -> Optional[dict[str, list[float]]]:
-        """The constants as the run description carries them, if known before the fleet registers."""
-        return self.normalization.to_wire() if self.normalization is not None and self.cfg.task is not None else None
-
-    def _standardise(self, norm: Normalization) -> None:
-        """Adopt the run's constants: the validation set is standardised with them and the model
-        records them (what ``sfl-agent predict --raw`` applies)."""
-        task = self.cfg.task
-        assert task is not None
-        self.validation.standardise(norm)
-        self.preprocessing = preprocessing_record(task.scale, norm, task.resize,
-                                                  None if task.resize else task.input_shape, task.classes)
-
-    def _federated_normalization(self) -> None:
-        """``normalize: federated``: combine the registered agents' channel statistics, once,
-        before round 1, and publish them in the run description (a late joiner, and a resumed
-        run, use the same constants; every assignment carries them as well)."""
-        parts = {a: s for a, s in self.registry.channel_stats.items()
-                 if a in self.registry.agents and self.registry.agents[a].registered}
-        if not parts:
-            raise RoundFailed("normalize: federated, but no registered agent sent its channel statistics")
-        norm = ChannelStats.combine(parts.values())
-        self._standardise(norm)
-        self.transport.amend_run_info(normalize=norm.to_wire())   # a deployment: the run description says it too
-        text = (f"standardisation from {len(parts)} agent(s), {sum(p.count for p in parts.values())} values per "
-                f"channel: mean {[round(m, 4) for m in norm.mean]}, std {[round(v, 4) for v in norm.std]}")
-        log.info(text)
-        self.on_event("notice", {"text": text})
 
     def serve_shard(self) -> None:
         """A server worker other than the leader: train the rows of this rank's agents, round after
@@ -258,7 +232,7 @@ class RoundEngine:
         wall0 = self._round_wall0 = time.monotonic()
         selected, batches = self.method.select(r, online, self.registry.agents, self.select(r, online))
         plan = self.method.plan(r, selected, self.registry.agents)
-        self._widen_bottlenecks(plan)
+        widen_bottlenecks(self.model, plan, self._latest_width, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
         decay = self.cfg.lr_decay ** max(0, r - 1)
@@ -293,7 +267,8 @@ class RoundEngine:
             assigns.append((ra, Message("assign", self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
                                         seq=protocol.next_seq())))
         self.session.send_many(assigns)
-        self.session.deadline = self._deadline(agents, len(split_agents))
+        self.session.deadline = round_deadline(self.cfg, self.costs, self.registry.agents, agents, len(split_agents),
+                                               now=self._now()) if not self.clock.virtual else None
         # server workers step together even in a round without split agents (each step is a collective)
         losses = self._train_steps(r, agents, mine) if split_agents or self.shards is not None else []
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
@@ -318,11 +293,11 @@ class RoundEngine:
                     agents[a].labels_withheld = True
             for a in [a for a, b in batches.items() if b is None]:
                 self.session.drop(agents, a, "sent invalid activations")
-                del batches[a]
-            if not batches and self.shards is None:
+            valid = {a: b for a, b in batches.items() if b is not None}
+            if not valid and self.shards is None:
                 break
             t0 = time.monotonic()
-            grads, loss = self.server.step(batches, lambda z, r=r, k=k: self._exchange_logits(agents, z, r, k))
+            grads, loss = self.server.step(valid, functools.partial(self._exchange_logits, agents, r=r, k=k))
             dt = time.monotonic() - t0
             if self.server.last_rows:
                 losses.append(loss)
@@ -337,24 +312,6 @@ class RoundEngine:
             self.session.send_many(replies)
             self.on_event("step", {"round": r, "step": k + 1, "of": self.cfg.local_iters, "loss": loss})
         return losses
-
-    def _deadline(self, agents: dict[str, RoundAgent], split_agents: int) -> Optional[float]:
-        """When a deployed round's training must be over: ``round_deadline`` times the time model's
-        prediction for its slowest agent (from what each measured, at the fp32 wire size: an upper
-        bound), never under ``round_deadline_min_s``. A simulation's clock is the time model
-        itself, so it has none."""
-        if self.clock.virtual or not self.cfg.round_deadline or not agents:
-            return None
-        try:
-            times = {a: timing.price_option(self.cfg, self.costs[ra.assignment.split], ra.assignment.codec,
-                                            self.registry.agents[a], ratio=1.0, width=ra.assignment.width,
-                                            split_agents=split_agents).time(ra.assignment.batch_size)
-                     for a, ra in agents.items()}
-        except (KeyError, ValueError, ZeroDivisionError):
-            return None
-        for a, t in times.items():   # an agent predicted to compute long between messages may stay busy as long
-            agents[a].busy_limit_s = max(self.cfg.busy_timeout_s, self.cfg.round_deadline * t)
-        return self._now() + max(self.cfg.round_deadline_min_s, self.cfg.round_deadline * max(times.values()))
 
     def shutdown_agents(self, reason: str) -> None:
         """Tell every known agent to stop (the run finished)."""
@@ -372,74 +329,6 @@ class RoundEngine:
         return self.method.uniform_sample(r, online)
 
     # ================================================================ internals
-    def _widen_bottlenecks(self, plan: RoundPlan) -> None:
-        """The width the full model runs each bottleneck at (evaluation, export, and the rows of
-        agents cut before the pair): the widest whose channels were trained on every class
-        (:func:`sfl_core.model.bottleneck.covered_width`, from each agent's latest width there).
-        Channels nobody trained are never used (auto may give every agent a narrow width;
-        HeteroSFL starts at its widest), nor channels only a group blind to some classes trained.
-        Rows cut before the pair pass it at that width too, so every row reaches the server's
-        later layers through the same channels (tried: giving them the full width stalled
-        training in the test fleet, the later layers then see two different distributions)."""
-        if not self.model.bottlenecks:
-            return
-        for a, w in plan.widths.items():
-            if w and self.model.bottleneck(plan.splits[a]) is not None:
-                self._latest_width[f"{plan.splits[a]}/{a}"] = w
-        population = [sum(c) for c in zip(*(i.label_counts for i in self.registry.agents.values() if i.label_counts))]
-        for s, pair in self.model.bottlenecks.items():
-            latest = {k.split("/", 1)[1]: w for k, w in self._latest_width.items() if k.split("/", 1)[0] == s}
-            if latest:
-                counts = {a: self.registry.agents[a].label_counts if a in self.registry.agents else []
-                          for a in latest}
-                pair.infer_width = min(pair.width, covered_width(latest, counts, population))
-
-    def option(self, kind: type) -> Any:
-        """The run's option of class ``kind`` (None if the config leaves it off)."""
-        return next((o for o in self.options if isinstance(o, kind)), None)
-
-    # ================================================================ what the options use (RoundContext)
-    @property
-    def fleet(self) -> dict[str, Any]:
-        """Every registered agent's info."""
-        return self.registry.agents
-
-    @property
-    def parameter_names(self) -> set[str]:
-        return {name for name, _ in self.model.named_parameters()}
-
-    def encode_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return wire.encode_state(state, self.cfg.zstd_level)
-
-    def reject(self, why: str) -> None:
-        self.session.rejections.reject("invalid", why)
-
-    def log(self, text: str, *, warning: bool = False) -> None:
-        (log.warning if warning else log.info)(text)
-
-    def exchange(self, r: int, step: int, requests: dict[str, tuple[Assignment, str, dict[str, Any]]],
-                 reply: str) -> tuple[dict[str, Message], dict[str, PhaseAgent]]:
-        now = self._now()
-        asked = {a: RoundAgent(a, assignment, last_heard=now, last_sent_at=now)
-                 for a, (assignment, _type, _body) in requests.items()}
-        for a, (_assignment, mtype, body) in requests.items():
-            if self.cfg.task is not None and self.normalization is not None:
-                body["normalize"] = self.normalization.to_wire()
-            self.session.send(asked[a], Message(mtype, self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
-                                                step=step, seq=protocol.next_seq()))
-        return self.session.collect(asked, reply, r, step, only=list(asked)), dict(asked)
-
-    def server_params(self, split: int, width: int) -> dict[str, torch.Tensor]:
-        """The parameters a server copy trains for an agent of this split and bottleneck width."""
-        state = self.model.server_state(split)
-        state = {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
-        return {k: v for k, v in state.items() if k in self.parameter_names}
-
-    def client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
-        """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
-        state = self.model.client_state(split)
-        return {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
-
     def _assignment(self, split: int, width: int = 0, codec: str | None = None,
                     batch: int | None = None, lr_scale: float = 1.0) -> Assignment:
         cost = self.costs[split]
@@ -578,96 +467,3 @@ class RoundEngine:
                 avg = option.transform_average(self, self._round_start, avg, clients, servers, copy_of)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         return done, fed_losses
-
-    def _checkpoint_state(self, r: int) -> dict[str, Any]:
-        """The run state saved with the model after round ``r`` (what ``--resume`` reads), all but
-        the registry, which the checkpoint adds as the text it keeps encoded."""
-        return {
-            "round": r, "rounds": self.cfg.rounds, "elapsed_s": self.clock.elapsed, "model": self.cfg.model,
-            "run": self.cfg.run_id,
-            "strategy": self.cfg.strategy,
-            **self.method.to_json(),
-            **({"latest_widths": dict(self._latest_width)} if self._latest_width else {}),
-            "model_info": describe_model(self.model, self._dataset_name(), self.preprocessing),  # lets `sfl-coord export` rebuild it
-            **({"normalize": self.normalization.to_wire()} if self.cfg.task is not None and self.normalization else {})}
-
-    def _federated_evaluation(self, r: int, agents: dict[str, RoundAgent], done: list[str]) -> Optional[dict[str, Any]]:
-        """Every ``eval.federated_every`` rounds the round's completed agents score the new global
-        model on their held-out splits (:mod:`coordinator.evaluation`; None in other rounds). An
-        agent that does not answer is dropped as in any step."""
-        every = self.cfg.eval.federated_every
-        if not every or r % every or not done:
-            return None
-        body = evaluation.request_body(self.delivered_model(), self.cfg.model, self.cfg.zstd_level,
-                                       self.normalization if self.cfg.task is not None else None)
-        step = self.cfg.local_iters   # after the round's last training step
-        asked = [a for a in done if a in agents]
-        for a in asked:
-            self.session.send(agents[a], Message("evaluate", self.cfg.run_id, protocol.COORDINATOR_ID, body,
-                                                 round=r, step=step, seq=protocol.next_seq()))
-        replies = self.session.collect(agents, "evaluation", r, step, only=asked)
-        return evaluation.summarise(replies, lambda why: self.session.rejections.reject("invalid", why))
-
-    def _dataset_name(self) -> str:
-        return "local" if self.cfg.task is not None else self.cfg.data.dataset
-
-    def _record_initial(self) -> None:
-        """Round 0: the untrained model's accuracy, so curves start at time zero."""
-        eval0 = time.monotonic()
-        accuracy, test_loss = self.evaluate()
-        eval_s = time.monotonic() - eval0
-        record = {"round": 0, "accuracy": accuracy, "test_loss": test_loss, "train_loss": None,
-                  "round_time_s": 0.0, "elapsed_s": 0.0, "clock": "virtual" if self.clock.virtual else "wall",
-                  "wall_s": round(eval_s, 4), "eval_s": round(eval_s, 4), "waiting_s": 0.0, "bytes_up": 0, "bytes_down": 0, "selected": [],
-                  "completed": [], "groups": [], "phase": "initial", "agents": {}}
-        self.history.append(record)
-        ckpt.append_metrics(self.out_dir, record)
-
-    def _evaluates(self, r: int) -> bool:
-        """Round ``r`` is scored on the server's validation set: every ``eval_every`` rounds and the last."""
-        return r % self.cfg.eval_every == 0 or r >= self.cfg.rounds
-
-    def evaluate(self) -> tuple[Optional[float], Optional[float]]:
-        """Accuracy and mean loss of the model the run delivers on the server's validation set
-        (None, None without one: a task run whose server holds no validation data)."""
-        return self.validation.evaluate(self.delivered_model(), self.device, self._eval_batch)
-
-    def delivered_model(self) -> SplitModel:
-        """The model the run delivers (evaluated, exported): the global model, or with
-        the state a training option delivers instead (``model_ema``'s average over rounds) on a copy of it."""
-        for option in self.options:
-            state = option.delivered(self.model)
-            if state is not None:
-                delivered = copy.deepcopy(self.model)   # the same bottleneck widths; training keeps the original
-                delivered.load_state_dict(state)
-                return delivered
-        return self.model
-
-    def _resume(self, model_state: dict[str, torch.Tensor], st: dict[str, Any]) -> None:
-        """Continue after the checkpoint's round. Everything is checked before anything on disk
-        changes: a checkpoint that does not fit this run is a CheckpointError naming the file."""
-        path = self.out_dir / ckpt.MODEL_FILE
-        ckpt.check_fits(path, st, model=self.cfg.model, run_id=self.cfg.run_id, rounds=self.cfg.rounds)
-        model_state, own_state = split_state(model_state)
-        ckpt.check_tensors(path, model_state, self.model.state_dict(), model=self.cfg.model)
-        try:
-            self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
-            self.registry.load_totals(st.get("registry", {}))
-            self.method.load_json(st)
-            restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
-            for option in self.options:   # a checkpoint from before one was switched on: it starts afresh
-                option.load_state(own_state, st["round"], self.model)
-            self._latest_width = {str(k): int(v) for k, v in (st.get("latest_widths") or {}).items()}
-            if self.cfg.task is not None and st.get("normalize") is not None:
-                self._standardise(Normalization.from_wire(st["normalize"], self.cfg.task.input_shape[0],
-                                                          "checkpoint normalize"))
-            elapsed = float(st.get("elapsed_s", 0.0))
-        except (RuntimeError, TypeError, KeyError, ValueError, AttributeError) as exc:
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            raise ckpt.CheckpointError(f"{path}: does not fit this run's model {self.cfg.model!r} ({first})") from None
-        history = ckpt.read_metrics(self.out_dir)   # a corrupted metrics file stops us here, untouched
-        self.clock.restore(elapsed)
-        self.start_round = st["round"] + 1
-        ckpt.truncate_metrics(self.out_dir, st["round"])
-        self.history = [m for m in history if m["round"] <= st["round"]]
-        log.info("resuming %s after round %d", self.cfg.run_id, st["round"])

@@ -23,7 +23,8 @@ def request_body(model: SplitModel, name: str, zstd_level: int, norm: Optional[N
     """An ``evaluate`` body: the whole global model, its bottlenecks and the run's constants."""
     body: dict[str, Any] = {
         "model": name, "weights": wire.encode_state(model.state_dict(), zstd_level),
-        "bottlenecks": [[int(s), int(p.width), int(p.infer_width)] for s, p in model.bottlenecks.items()]}
+        "bottlenecks": [[int(s), int(p.width), int(p.infer_width)]  # type: ignore[arg-type]
+                        for s, p in model.bottlenecks.items()]}
     if norm is not None:
         body["normalize"] = norm.to_wire()
     return body

@@ -38,7 +38,8 @@ def describe_model(model: SplitModel, dataset: Optional[str] = None,
         "dataset": dataset, "preprocessing": preprocessing or None,
         "classes": (preprocessing or {}).get("classes"),
         **describe_source(model.name),
-        "bottlenecks": [{"split": int(s), "width": int(p.width), "infer_width": int(p.infer_width)}
+        "bottlenecks": [{"split": int(s), "width": int(p.width),  # type: ignore[arg-type]  # Bottleneck
+                         "infer_width": int(p.infer_width)}  # type: ignore[arg-type]
                         for s, p in model.bottlenecks.items()],
     }
 
@@ -113,7 +114,7 @@ def export_run(run_dir: Path, out: Path, split: Optional[int] = None,
     """Export the run's global model (``split=None``) or its client portion ``blocks[:split]``
     (with the encoder of a bottleneck at ``split``) to ``out``; return the sidecar."""
     model, st = load_global_model(run_dir, config)
-    module = model
+    module: Any = model   # the whole model, or its client portion
     if split is not None:
         try:
             model.check_split(split)
@@ -124,8 +125,9 @@ def export_run(run_dir: Path, out: Path, split: Optional[int] = None,
     info = st.get("model_info") or {}
     extra = {"run": st.get("run"), "round": st.get("round"), "dataset": info.get("dataset"),
              "preprocessing": info.get("preprocessing"), "num_blocks": model.num_blocks}
-    if split is not None and model.bottleneck(split) is not None:
-        extra["bottleneck_width"] = model.bottleneck(split).width
+    pair = model.bottleneck(split) if split is not None else None
+    if pair is not None:
+        extra["bottleneck_width"] = pair.width
     return export_onnx(module, out, input_shape=model.input_shape, model_name=model.name,
                        num_classes=model.num_classes, split=split, class_names=info.get("classes"), output_kind="logits" if whole else "activations",
                        extra=extra)

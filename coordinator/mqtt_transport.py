@@ -55,7 +55,7 @@ def _worker_address(url: "str | BrokerAddress", rank: int) -> BrokerAddress:
 
 
 class MqttTransport:
-    def __init__(self, url: str, run_id: str, *, max_bytes: int = wire.MAX_MESSAGE_BYTES,
+    def __init__(self, url: "str | BrokerAddress", run_id: str, *, max_bytes: int = wire.MAX_MESSAGE_BYTES,
                  chunk_bytes: int = wire.CHUNK_BYTES, publish_timeout_s: float = 10.0, worker: int = 0,
                  signer: Optional[Signer] = None, claim_s: float = 3.0, where: Optional[dict[str, Any]] = None):
         """``worker``: the rank of a server worker other than the leader

@@ -67,7 +67,7 @@ class _Group:
         # layer of the server side (the rows of members cut before it pass it encode and decode)
         for key, pair in self.model.bottlenecks.items():
             if int(key) >= self.first:
-                params += list((pair.decoder if int(key) == self.first else pair).parameters())
+                params += list((pair.decoder if int(key) == self.first else pair).parameters())  # type: ignore[union-attr]
         self.params = params
         self.buffers = [b for blk in self.model.blocks[self.first:] for b in blk.buffers()]
         self.opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None
@@ -181,7 +181,8 @@ class ServerTrainer:
         out = {}
         for w in sorted(set(self._widths.values()))[1:]:
             group = sum(self._counts[a] for a, v in self._widths.items() if v == w)
-            out[w] = under_represented_classes(group.tolist(), everyone.tolist(), self.loss.theta, relative=True)
+            out[w] = under_represented_classes(group.tolist(), everyone.tolist(),  # type: ignore[union-attr]
+                                               self.loss.theta, relative=True)
         return out
 
     def stage(self, batch: Batch) -> Batch:
@@ -309,15 +310,16 @@ class ServerTrainer:
         labelled = [a for a in order if labels[a] is not None]
         withheld = [a for a in order if labels[a] is None]
         if not withheld:
-            y = torch.cat([host_copies.to_device(labels[a], self.device) for a in order])
+            y = torch.cat([host_copies.to_device(labels[a], self.device) for a in order])  # type: ignore[arg-type]
             loss = self._loss(group, order, inputs, logits, y)
             loss.backward()
             return loss.detach()
-        outputs, grads = [], []
+        outputs: list[torch.Tensor] = []
+        grads: list[Optional[torch.Tensor]] = []
         total = torch.zeros((), device=logits.device)
         if labelled:
             idx = torch.cat([torch.arange(*rows[a], device=logits.device) for a in labelled])
-            y = torch.cat([host_copies.to_device(labels[a], self.device) for a in labelled])
+            y = torch.cat([host_copies.to_device(labels[a], self.device) for a in labelled])  # type: ignore[arg-type]
             part = self._loss(group, labelled, inputs, logits[idx], y) * (idx.numel() / n)
             outputs.append(part)
             grads.append(None)
@@ -388,7 +390,9 @@ class ServerTrainer:
         copies: BatchNorm's running statistics are what evaluation and the aggregated model use,
         and they must describe the wide path's activations, not the narrow sub-bottleneck's.
         (Restoring the buffers in place after the pass would break backward, which saves them.)"""
-        h = group.model.bottleneck(group.first).decode(z)
+        pair = group.model.bottleneck(group.first)
+        assert pair is not None   # a narrow pass decodes the pair at the group's cut
+        h = pair.decode(z)
         for blk in group.model.blocks[group.first:]:
             scratch = {k: b.clone() for k, b in blk.named_buffers()}
             h = torch.func.functional_call(blk, scratch, (h,)) if scratch else blk(h)

@@ -539,7 +539,7 @@ class FleetSession:
                 # our last message: send it again, before 'accepted' (the agent refuses older seqs after it)
                 self.transport.send(msg.sender, ra.last_sent)
                 ra.last_sent_at = self._now()
-            elif ra is not None:
+            elif ra is not None and agents is not None:
                 self.drop(agents, msg.sender, "re-registered mid-round (restarted)")
             # a benchmark run's shard index means something; a device training on its own data has none
             shard = f", shard {info.index} of the partition" if self.cfg.task is None else ""
@@ -547,12 +547,14 @@ class FleetSession:
             self.on_event("registered", {"agent": msg.sender, "online": self._online_count()})
         elif msg.type == "status":
             ra = agents.get(msg.sender) if agents is not None else None
-            if ra is not None and ra.instance and msg.body["online"] and msg.body["instance"] != ra.instance:
+            if agents is None or ra is None:
+                pass
+            elif ra.instance and msg.body["online"] and msg.body["instance"] != ra.instance:
                 # a new process of this agent: the one that held the round is gone (or a duplicate
                 # start that will exit); waiting for the old one's replies would cost the round
                 # its resends and timeouts
                 self.drop(agents, msg.sender, f"restarted (process {msg.body['instance']} replaced {ra.instance})")
-            elif ra is not None and ra.instance and not msg.body["online"] and msg.body["instance"] == ra.instance:
+            elif ra.instance and not msg.body["online"] and msg.body["instance"] == ra.instance:
                 # the process holding the round left: a clean stop says so as it goes, a crash
                 # through its last will once the broker misses it; nothing more will come from it
                 self.drop(agents, msg.sender, "left (its process said it is offline)")
@@ -570,11 +572,11 @@ class FleetSession:
             self.on_event("status", {"agent": msg.sender, "online": msg.body["online"]})
         elif msg.type == "heartbeat":
             self.registry.seen(msg.sender)
-            info = self.registry.agents.get(msg.sender)
-            if info is not None and info.registered and not info.online and msg.sender not in self._gone:
+            known = self.registry.agents.get(msg.sender)
+            if known is not None and known.registered and not known.online and msg.sender not in self._gone:
                 # alive, though its retained online status never reached us (RabbitMQ hands retained
                 # messages only to exact-topic subscriptions): its heartbeats say it is present
-                info.online = True
+                known.online = True
         elif msg.sender not in self.registry.agents:
             self.rejections.reject("unknown_sender", f"{msg.type} from unknown agent {msg.sender}")
         else:

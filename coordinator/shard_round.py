@@ -61,7 +61,7 @@ def follow(shards: ServerShards, transport: Transport, model: SplitModel, doc: d
     plan = RoundPlan(splits={a: int(s) for a, s in doc["splits"].items()}, groups=doc["groups"],
                      widths={a: int(w) for a, w in doc["widths"].items()})
     for key, width in doc["infer_widths"].items():   # the leader's, resumed or widened
-        model.bottlenecks[key].infer_width = int(width)
+        model.bottlenecks[key].infer_width = int(width)  # type: ignore[assignment]  # a Bottleneck
     mine = [a for a, rank in doc["owners"].items() if rank == shards.rank]
     transport.follow(set(mine))
     shards.barrier()

@@ -18,11 +18,15 @@ from sfl_core.wire.protocol import Message, Rejections
 class Transport(Protocol):
     not_mine: frozenset[str]
     """Agents another server worker serves: their step messages are not for this process."""
-    rejections: Optional[Rejections]
-    """Messages the transport refused before the engine saw them (undecodable, spoofed), by reason."""
-    probed: Optional[Mapping[str, None]]
-    """Agents that measured their link against us (a registration must follow a probe); None:
-    the transport does not probe, every registration may be taken."""
+
+    @property
+    def rejections(self) -> Optional[Rejections]:
+        """Messages the transport refused before the engine saw them (undecodable, spoofed), by reason."""
+
+    @property
+    def probed(self) -> Optional[Mapping[str, None]]:
+        """Agents that measured their link against us (a registration must follow a probe); None:
+        the transport does not probe, every registration may be taken."""
 
     def send(self, agent_id: str, msg: Message) -> int:
         """Deliver ``msg`` to one agent; return the bytes it took on the wire."""

@@ -79,7 +79,7 @@ class ValidationSet:
         try:
             if self._channels_last is not False and device.type == "cpu" and self.x.dim() == 4:
                 with torch.no_grad():
-                    reordered = copy.deepcopy(model).to(memory_format=torch.channels_last)
+                    reordered = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
                 try:
                     scores = _score(reordered, *self._on(device, torch.channels_last), batch_size)
                     self._channels_last = True

@@ -335,7 +335,7 @@ class FleetPage(_Served):
         except ckpt.CheckpointError as exc:
             history, problem = [], str(exc)
         else:
-            problem = None
+            problem = None  # type: ignore[assignment]
         saved = _read_json(self.out_dir / ckpt.STATE_FILE) or {}
         engine = self.engine
         if engine is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -360,7 +360,7 @@ class AgentCore:
             "loss": loss,
         }
         eps = self.epsilon()
-        if eps is not None:
+        if eps is not None and self.privacy.dp_sgd is not None:
             body["epsilon"] = eps
             log.info("DP-SGD after round %d: epsilon %.3g at delta %g (%d steps)", self.round, eps,
                      self.privacy.dp_sgd.delta, sum(self.dp_steps.values()))

@@ -48,4 +48,4 @@ class Emulator:
         time.sleep((nbytes / self.profile.link_bytes_per_s + self.profile.latency_s) * self.slowdown)
 
     def downlink(self, nbytes: int) -> None:
-        time.sleep((nbytes / self.profile.downlink_bytes_per_s + self.profile.latency_s) * self.slowdown)
+        time.sleep((nbytes / self.profile.downlink + self.profile.latency_s) * self.slowdown)

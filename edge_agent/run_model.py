@@ -64,18 +64,20 @@ def run_config_for_device(path: Path, model_files: Sequence[str]) -> tuple[RunCo
     if ref is None:
         cfg = run_config_from_dict(raw, str(path), base_dir=path.parent)
         return cfg, {"model": cfg.model, **user_model_fields(cfg.model)}
+    assert isinstance(model, str)   # ref matched it
     name, rest = Path(ref["path"]).name, model.strip()[len(ref["path"]):]
     theirs = None
     coordinator_file = path.parent / ref["path"]
     if coordinator_file.is_file():                # the coordinator's build, as the run will describe it
         coordinator = run_config_from_dict(raw, str(path), base_dir=path.parent)
-        shape = coordinator.task.input_shape if coordinator.task is not None else None
-        if shape is not None:
-            theirs = architecture(build_model(coordinator.model, tuple(shape), coordinator.task.num_classes))
+        if coordinator.task is not None:
+            theirs = architecture(build_model(coordinator.model, tuple(coordinator.task.input_shape),
+                                              coordinator.task.num_classes))
     mine = next((Path(f) for f in model_files if Path(f).name == name), None)
     if mine is None:
         resolve_agent_model(name, ref["func"], model_files)      # raises: what to install, and how
-    cfg = run_config_from_dict({**raw, "model": str(Path(mine).resolve()) + rest}, str(path), base_dir=path.parent)
+        raise AssertionError("unreachable")
+    cfg = run_config_from_dict({**raw, "model": str(mine.resolve()) + rest}, str(path), base_dir=path.parent)
     body = {"model": cfg.model, "model_file": name, "model_function": ref["func"]}
     if theirs is not None:
         body["architecture"] = theirs

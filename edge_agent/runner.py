@@ -423,7 +423,7 @@ class AgentRunner:
         a crash) and knows us only from its checkpoint, so register again; the round that was in
         flight restarts with its new assignment. Shard and measurements stay unless the run changed."""
         log.info("the coordinator announced run %s again (restarted): registering again", self.o.run_id)
-        if _task(info.body) != _task(self._joined.body):
+        if self._joined is None or _task(info.body) != _task(self._joined.body):
             self.core = self._build_core(info)
             self._measured = self._measure(info)
         else:   # the new coordinator process answers only agents that measured the link against it
@@ -450,7 +450,7 @@ class AgentRunner:
                 if msg.type == "reject" and msg.body["reason"].startswith(REGISTER_AGAIN_PREFIX):
                     log.warning("the coordinator forgot us while we were silent: registering again")
                     self._measured = {**self._measured, **measure_link(self._probe)}
-                    self._register(self._joined, self._measured, again=True)
+                    self._register(self._joined or self._run_info, self._measured, again=True)  # type: ignore[arg-type]
                 elif msg.type == "reject":
                     log.warning("coordinator rejected us: %s", msg.body["reason"])
                 continue
@@ -492,7 +492,7 @@ class AgentRunner:
     def _show_progress(self, replies: list[Message]) -> None:
         """The terminal's live line: steps whose activations went out (all of them once the weights did)."""
         a = self.core.assignment if self.core is not None else None
-        if self.o.progress is None or a is None or not replies:
+        if self.o.progress is None or a is None or self.core is None or not replies:
             return
         done = a.tau if any(r.type == "weights" for r in replies) else max(0, self.core.step)
         self.o.progress(self.core.round, done, a.tau)
@@ -574,7 +574,8 @@ class AgentRunner:
                                            + (f" (it would change {changes})" if changes else "") + "; refused")
                 return False
             if changes:
-                level = logging.INFO if _only_constants_added(self._run_info.body, msg.body) else logging.WARNING
+                level = logging.INFO if self._run_info is not None and _only_constants_added(self._run_info.body, msg.body) \
+                    else logging.WARNING
                 log.log(level, "the run description of run %s changed, signed by our coordinator: %s",
                         self.o.run_id, changes)
             return True

@@ -35,6 +35,7 @@ from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 from sfl_core.config.fields import (
     STRICT,
     ConfigError,
+    Fail,
     Section,
     checked,
     invalid,
@@ -67,7 +68,7 @@ class OptionSpec:
 # ------------------------------------------------------------------------ pure checking
 
 
-def _convert_scalar(kind: str, value: Any, fail: Any) -> Any:
+def _convert_scalar(kind: str, value: Any, fail: Fail) -> Any:
     """One value of an option of ``kind``; YAML types are checked strictly (3.5 is no integer)."""
     if kind == "bool":
         if not isinstance(value, bool):

@@ -11,33 +11,35 @@ import the other way would be a loop), exactly as installed plugins are found: b
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 from sfl_core.plugins import load_entry_points
 
-if TYPE_CHECKING:
-    from sfl_core.config.run import RunConfig
-    from sfl_core.config.section import MethodSection
-    from sfl_core.methods.base import Layer, Method
-    from sfl_core.model.accounting import SplitCost
-    from sfl_core.model.zoo import SplitModel
-
-    MethodFactory = Callable[[RunConfig, SplitModel, Mapping[int, SplitCost]], Method]
+# The run config reads this table, and every method reads the run config: the types handed
+# out here (a RunConfig, a SplitModel, a Method) are named Any, since importing them, even for
+# a type checker, would make a loop (tests/test_architecture.py checks there is none).
+RunConfig = Any
+SplitModel = Any
+SplitCost = Any
+Method = Any
+Layer = Any
+MethodSection = Any
+MethodFactory = Callable[..., Any]
 
 ENTRY_POINT_GROUP = "sfl_edge.methods"
 DEFAULT_STRATEGY = "auto"
 """What ``strategy:`` is when a run config leaves it out: the joint planner."""
 
-_BASES: dict[str, Union[str, "MethodFactory"]] = {
+_BASES: dict[str, Union[str, MethodFactory]] = {
     "sfl": "sfl_core.methods.sfl:SFL",          # one cut for everybody, or FedFC's cut per profile
     "fedavg": "sfl_core.methods.fedavg:FedAvg",
     "s2fl": "sfl_core.methods.s2fl.method:S2FL",
     "auto": "sfl_core.methods.auto.method:Auto",
 }
-_LAYERS: list[Union[str, "type[Layer]"]] = ["sfl_core.methods.heterosfl.method:HeteroSFL",
+_LAYERS: list[Union[str, type[Layer]]] = ["sfl_core.methods.heterosfl.method:HeteroSFL",
                                             "sfl_core.methods.mergesfl.method:MergeSFL"]
 """Applied in this order, innermost first: MergeSFL's selection sees HeteroSFL's plan underneath."""
-_SECTIONS: dict[str, Union[str, "type[MethodSection]"]] = {
+_SECTIONS: dict[str, Union[str, type[MethodSection]]] = {
     "s2fl": "sfl_core.methods.s2fl.config:S2flConfig",
     "mergesfl": "sfl_core.methods.mergesfl.config:MergeSflConfig",
     "hetero": "sfl_core.methods.heterosfl.config:HeteroConfig",
@@ -55,7 +57,7 @@ def _resolve(ref: Union[str, Any]) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def register_method(strategy: str, factory: "MethodFactory") -> None:
+def register_method(strategy: str, factory: MethodFactory) -> None:
     """Make ``strategy: <name>`` in a run config build ``factory(cfg, model, costs)``."""
     _BASES[strategy] = factory
 
@@ -65,7 +67,7 @@ def unregister_method(strategy: str) -> None:
     _BASES.pop(strategy, None)
 
 
-def register_section(section: "type[MethodSection]") -> None:
+def register_section(section: type[MethodSection]) -> None:
     """Make the run config accept ``section.KEY:`` and validate it with ``section`` (a plugin
     method's own settings). Register it before any run config is read."""
     if not section.KEY or not section.KEY.isidentifier():
@@ -78,7 +80,7 @@ def unregister_section(key: str) -> None:
     _SECTIONS.pop(key, None)
 
 
-def sections() -> "dict[str, type[MethodSection]]":
+def sections() -> dict[str, type[MethodSection]]:
     """Every method config section by YAML key, built-in ones first."""
     strategies()    # an entry-point plugin registers its section when it loads
     for key, ref in list(_SECTIONS.items()):
@@ -105,13 +107,13 @@ def strategies() -> tuple[str, ...]:
     return tuple(_BASES)
 
 
-def register_layer(layer: "type[Layer]") -> None:
+def register_layer(layer: type[Layer]) -> None:
     """Apply ``layer`` to every run whose config it :meth:`~Layer.wanted` (after the built-in layers)."""
     if layer not in _LAYERS:
         _LAYERS.append(layer)
 
 
-def prepare_model(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, SplitCost]") -> "SplitModel":
+def prepare_model(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> SplitModel:
     """The run's global model as its method trains it: the base method's and each wanted
     layer's :meth:`~sfl_core.methods.base.Method.prepare_model` applied to ``model``."""
     for method in (base_method(cfg.strategy), *_wanted_layers(cfg)):
@@ -119,12 +121,12 @@ def prepare_model(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, Sp
     return model
 
 
-def _wanted_layers(cfg: "RunConfig") -> list[Any]:
+def _wanted_layers(cfg: RunConfig) -> list[Any]:
     """The registered layers ``cfg`` asks for, innermost first."""
     return [layer for layer in map(_resolve, _LAYERS) if layer.wanted(cfg)]
 
 
-def build_method(cfg: "RunConfig", model: "SplitModel", costs: "Mapping[int, SplitCost]") -> "Method":
+def build_method(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> Method:
     """The run's method: its strategy's base, wrapped in every layer its config asks for."""
     if cfg.strategy not in strategies():
         raise ValueError(f"strategy {cfg.strategy!r}: no such method; known: {sorted(_BASES)}")

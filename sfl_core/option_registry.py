@@ -12,26 +12,29 @@ The order is the order the engine runs their hooks in.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 from sfl_core.plugins import load_entry_points
 
-if TYPE_CHECKING:
-    from sfl_core.config.run import RunConfig
-    from sfl_core.config.section import OptionSection
-    from sfl_core.model.zoo import SplitModel
-    from sfl_core.options.base import AssignField, RoundOption
+# The run config and the wire protocol read this table, and every option reads them: the types
+# handed out here are named Any, since importing them, even for a type checker, would make a
+# loop (tests/test_architecture.py checks there is none).
+RunConfig = Any
+SplitModel = Any
+RoundOption = Any
+OptionSection = Any
+AssignField = Any
 
 ENTRY_POINT_GROUP = "sfl_edge.options"
 
-_OPTIONS: dict[str, Union[str, "type[RoundOption]"]] = {
+_OPTIONS: dict[str, Union[str, type[RoundOption]]] = {
     "drift": "sfl_core.options.drift.option:Drift",
     "server_opt": "sfl_core.options.server_opt.option:ServerOpt",
     "norm_stats": "sfl_core.options.norm_stats.option:NormStats",
     "model_ema": "sfl_core.options.model_ema.option:ModelEma",
 }
 """YAML key of the option's section -> its class."""
-_SECTIONS: dict[str, Union[str, "type[OptionSection]"]] = {
+_SECTIONS: dict[str, Union[str, type[OptionSection]]] = {
     "drift": "sfl_core.options.drift.config:DriftConfig",
     "server_opt": "sfl_core.options.server_opt.config:ServerOptConfig",
     "norm_stats": "sfl_core.options.norm_stats.config:NormStatsConfig",
@@ -48,7 +51,7 @@ def _resolve(ref: Union[str, Any]) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def register_option(option: "type[RoundOption]") -> None:
+def register_option(option: type[RoundOption]) -> None:
     """Make a run config accept ``option.SECTION.KEY:`` and the engine run ``option`` where it is
     :meth:`~sfl_core.options.base.RoundOption.wanted`. Register it before any run config is read."""
     key = option.SECTION.KEY
@@ -68,7 +71,7 @@ def _load_plugins() -> None:
     load_entry_points(ENTRY_POINT_GROUP, lambda _name, option: register_option(option), _OPTIONS, "option")
 
 
-def sections() -> "dict[str, type[OptionSection]]":
+def sections() -> dict[str, type[OptionSection]]:
     """Every option's config section by YAML key."""
     _load_plugins()
     for key, ref in list(_SECTIONS.items()):
@@ -76,7 +79,7 @@ def sections() -> "dict[str, type[OptionSection]]":
     return dict(_SECTIONS)   # type: ignore[arg-type]
 
 
-def option_classes() -> "list[type[RoundOption]]":
+def option_classes() -> list[type[RoundOption]]:
     """Every registered option, in hook order."""
     _load_plugins()
     for key, ref in list(_OPTIONS.items()):
@@ -84,17 +87,17 @@ def option_classes() -> "list[type[RoundOption]]":
     return list(_OPTIONS.values())   # type: ignore[arg-type]
 
 
-def wanted(cfg: "RunConfig") -> "list[type[RoundOption]]":
+def wanted(cfg: RunConfig) -> list[type[RoundOption]]:
     """The options ``cfg`` switches on."""
     return [o for o in option_classes() if o.wanted(cfg)]
 
 
-def build_options(cfg: "RunConfig", model: "SplitModel") -> "list[RoundOption]":
+def build_options(cfg: RunConfig, model: SplitModel) -> list[RoundOption]:
     """The run's options, built once (the engine holds them for the run)."""
     return [o(cfg, model) for o in wanted(cfg)]
 
 
-def assign_fields() -> "dict[str, AssignField]":
+def assign_fields() -> dict[str, AssignField]:
     """Every field an option may add to an assignment, by wire name."""
     out: dict[str, AssignField] = {}
     for o in option_classes():
@@ -116,7 +119,7 @@ def run_info_keys() -> list[str]:
     return [k for o in option_classes() for k in o.RUN_INFO]
 
 
-def delivered_weights(model: "dict[str, Any]", own: "dict[str, Any]") -> "dict[str, Any]":
+def delivered_weights(model: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     """The weights a run delivers from its checkpoint: the model's (``model``), as each option
     would replace them from its own checkpointed state (``own``: the ``@`` tensors); an option
     the run did not use finds none of its state and changes nothing."""

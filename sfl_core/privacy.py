@@ -363,10 +363,10 @@ class AgentPrivacy:
             raise ValueError("nopeek: expected a number")
         if not isinstance(d.get("withhold_labels", False), bool):
             raise ValueError("withhold_labels: expected true or false")
-        opt = {k: parse(d[k]) for k, parse in (("activation_noise", ActivationNoise.parse),
-                                                ("label_protection", LabelProtection.parse),
-                                                ("dp_sgd", DpSgd.parse)) if k in d}
-        return cls(nopeek=float(nopeek), withhold_labels=d.get("withhold_labels", False), **opt)
+        return cls(nopeek=float(nopeek), withhold_labels=d.get("withhold_labels", False),
+                   activation_noise=ActivationNoise.parse(d["activation_noise"]) if "activation_noise" in d else None,
+                   label_protection=LabelProtection.parse(d["label_protection"]) if "label_protection" in d else None,
+                   dp_sgd=DpSgd.parse(d["dp_sgd"]) if "dp_sgd" in d else None)
 
     def describe(self) -> dict:
         """What a run's metrics record of these defenses (what the agent tells the coordinator)."""

@@ -41,4 +41,5 @@ class StepTerms:
             p.grad.add_(extra)
         if self.proximal:
             for p in self.params:
+                assert p.grad is not None   # given one above
                 p.grad.add_(p, alpha=self.proximal)

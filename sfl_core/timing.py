@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,6 @@ from torch import special
 
 from sfl_core import option_registry
 from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
-from sfl_core.wire.codec import nominal_ratio
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig

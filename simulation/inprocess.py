@@ -98,7 +98,8 @@ class SimAgent:
     """Its held-out split (a task run), for federated evaluation."""
 
     def core(self, run_id: str, device: str | torch.device = "cpu") -> AgentCore:
-        held_out = LocalData(self.x_val, self.y_val, self.num_classes) if self.x_val is not None else None
+        held_out = LocalData(self.x_val, self.y_val, self.num_classes) \
+            if self.x_val is not None and self.y_val is not None else None
         return AgentCore(self.agent_id, run_id, LocalData(self.x, self.y, self.num_classes), self.input_shape,
                          seed=self.seed, device=device, privacy=self.privacy, standardise=self.standardise,
                          held_out=held_out)

@@ -118,7 +118,7 @@ def build_ray_fleet(cfg: RunConfig, data: Dataset, address: Optional[str] = None
     groups = [agents[i::n] for i in range(n)]
     from sfl_core.model.user_models import describe_source
     handles = [actor.remote(cfg.run_id, group, user_model=describe_source(cfg.model)) for group in groups]
-    ray.get([h.ready.remote() for h in handles])   # actors up and holding their shards
+    ray.get([h.ready.remote() for h in handles])  # type: ignore[attr-defined]  # actors up and holding their shards
     hosts = {a.agent_id: h for h, group in zip(handles, groups) for a in group}
     transport = RayTransport(cfg.run_id, hosts)
     for msg in registrations:

@@ -25,6 +25,7 @@ from coordinator.api import (
 from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine
 from coordinator.server_trainer import pick_device
+from coordinator.transport import Transport
 from sfl_core.config.run import RunConfig
 from sfl_core.data.builtin import Dataset, DatasetError
 from simulation.clock import VirtualClock
@@ -59,7 +60,7 @@ def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tup
     if ray is not None:
         from simulation.ray_fleet import build_ray_fleet
         try:
-            transport = build_ray_fleet(cfg, data, None if ray == "local" else ray, ray_workers)
+            transport: Transport = build_ray_fleet(cfg, data, None if ray == "local" else ray, ray_workers)
         except RuntimeError as exc:
             raise RunError(str(exc)) from exc
     else:

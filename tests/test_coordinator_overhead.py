@@ -108,13 +108,13 @@ def test_auto_learns_the_overhead_from_a_longer_measured_round_and_keeps_it_in_t
     beyond = 0.09                                # the round lasted 90 ms past its slowest agent
     method.record(2, times, {a: p.option.split for a, p in plan.agents.items()}, max(times.values()) + beyond)
     seen = beyond / (cfg.local_iters * len(times))
-    assert method.overhead_s == pytest.approx((1 - cfg.auto.smoothing) * seen, rel=1e-3)
+    assert method.overhead_s == pytest.approx((1 - cfg.sections["auto"].smoothing) * seen, rel=1e-3)
     assert method.last["measured_round_s"] == pytest.approx(max(times.values()) + beyond, abs=1e-4)
     method.jitter = {a: 0.003 for a in times}
     state = method.to_json()
     method.overhead_s, method.jitter = 0.0, {}
     method.load_json(state)
-    assert method.overhead_s == pytest.approx((1 - cfg.auto.smoothing) * seen, rel=1e-3)
+    assert method.overhead_s == pytest.approx((1 - cfg.sections["auto"].smoothing) * seen, rel=1e-3)
     assert method.jitter == {a: 0.003 for a in times}
     # with jitter measured, the prediction adds the lock-step slack of the plan's agents
     assert method._predicted(plan) > plan.round_s

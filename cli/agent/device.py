@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -93,7 +93,9 @@ def _write_detected_profile(model: str, shape: tuple, batch_size: int, secs: dic
                         subscriptions=[topic])
         try:
             mqtt.connect(timeout=15)
-            link = measure_broker_echo(lambda b: mqtt.publish(topic, b, qos=0), echoes)
+            def send(b: bytes) -> None:
+                mqtt.publish(topic, b, qos=0)
+            link = measure_broker_echo(send, echoes)
         except (ConnectionError, TimeoutError, OSError) as exc:
             tell(f"--broker {address.url()}: {exc}")
             raise typer.Exit(1)
@@ -190,8 +192,8 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows[:max(show, 0)]:
-        table.add_row(str(r["row"]), str(r["class"]), r["predicted"], f"{r['probability']:.4f}",
-                      *((r["true"],) if truth is not None else ()))
+        table.add_row(str(r["row"]), str(r["class"]), str(r["predicted"]), f"{r['probability']:.4f}",
+                      *((str(r["true"]),) if truth is not None else ()))
     Console().print(table)
     if len(rows) > show:
         console.print(f"... {len(rows) - max(show, 0)} more row(s); --output writes them all")
@@ -204,7 +206,8 @@ def predict(model: Path = typer.Argument(..., help="An .onnx file from `sfl-coor
         against = labels_file if labels_file is not None else f"the class folders of {inputs}"
         console.print(f"accuracy: {accuracy:.4f} ({hits}/{len(truth)} against {against})")
     if output is not None:
-        doc = {"model": str(model), "inputs": str(inputs), "model_info": predictor.meta, "predictions": rows}
+        doc: dict[str, Any] = {"model": str(model), "inputs": str(inputs), "model_info": predictor.meta,
+                               "predictions": rows}
         if truth is not None:
             doc.update(labels=str(labels_file) if labels_file is not None else "class folders", accuracy=accuracy)
         output.write_text(json.dumps(doc, indent=1) + "\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -20,12 +20,15 @@ from sfl_core.methods import build_method
 from sfl_core.model.accounting import model_costs
 from sfl_core.version import version_option
 
+if TYPE_CHECKING:
+    from coordinator.web import WebAccess
+
 
 class _Commands(TyperGroup):
     """``--resume`` alone means resume, ``--resume auto`` resume-or-start: click has no option
     that takes a value only sometimes, so the one token is rewritten before parsing."""
 
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]
         out: list[str] = []
         for i, a in enumerate(args):
             if a == "--resume":

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -25,6 +25,9 @@ from coordinator.engine import RoundEngine, RoundFailed
 from coordinator.server_workers import cannot_share, launch_workers
 from sfl_core.config.run import RunConfig, default_profiles_dir
 from simulation import run_simulation
+
+if TYPE_CHECKING:
+    from coordinator.web import WebAccess
 
 DEMO_CONFIG = "runs/demo.yaml"
 
@@ -50,7 +53,7 @@ def _observers(cfg: RunConfig, metrics: Optional[str], dashboard: Optional[str],
     from coordinator.web import WebError, start_dashboard, start_metrics
 
     scheme = "https" if access.tls else "http"
-    observers = []
+    observers: list[Any] = []
     try:
         if metrics:
             observers.append(start_metrics(metrics, cfg, access))
@@ -240,12 +243,12 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     procs: list[subprocess.Popen] = []
     logs_dir = output_dir(cfg) / "agent-logs"
 
-    def launch(broker_url: str, coordinator_key: str) -> None:
+    def launch(broker_url: Any, coordinator_key: str) -> None:   # the demo's embedded broker: a URL
         logs_dir.mkdir(parents=True, exist_ok=True)
         from sfl_core.model.user_models import model_source
         source = model_source(cfg.model)
         for i, (profile, own) in enumerate(zip(cfg.agent_profiles(), cfg.agent_data())):
-            cmd = [sys.executable, "-m", "cli.agent", "start", "--profile", profile, "--broker", broker_url,
+            cmd = [sys.executable, "-m", "cli.agent", "start", "--profile", profile, "--broker", str(broker_url),
                    "--run", cfg.run_id, "--agent-id", f"agent-{i}", "--emulate", "--coordinator-key", coordinator_key]
             if own is not None:     # a task run: each agent its own data
                 cmd += ["--data", own]

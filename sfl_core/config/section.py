@@ -48,7 +48,8 @@ class MethodSection(Section):
 
     def replace_in(self, run: "RunConfig", **changes: Any) -> "RunConfig":
         """``run`` with this section's ``changes`` (validated as a file's would be)."""
-        return dataclasses.replace(run, sections={**run.sections, self.KEY: dataclasses.replace(self, **changes)})
+        changed = dataclasses.replace(self, **changes)  # type: ignore[type-var]  # a pydantic dataclass
+        return dataclasses.replace(run, sections={**run.sections, self.KEY: changed})
 
     def neutral(self: S) -> S:
         """This section with the method's own switches off (the common ground ``sfl-coord plan``

@@ -152,8 +152,9 @@ def load_local(path: str | Path, task: TaskConfig, bad_files: str = "skip") -> D
     """Read the device data at ``path`` under ``task`` (see the module docstring)."""
     kind = describe_kind(path)
     skips = _Skips(bad_files)
-    reader: Callable[..., tuple[Split, Optional[Split]]] = {
-        "images": _image_folder, "arrays": _arrays, "table": _tables, "huggingface": _huggingface}[kind]
+    readers: dict[str, Callable[..., tuple[Split, Optional[Split]]]] = {
+        "images": _image_folder, "arrays": _arrays, "table": _tables, "huggingface": _huggingface}
+    reader = readers[kind]
     train, val = reader(Path(str(path)).expanduser() if kind != "huggingface" else str(path), task, skips)
     if len(train) == 0:   # one line an operator reads: the count and the first file, not all of them
         first = f"{skips.items[0][0]}: {skips.items[0][1]}" if skips.items else ""
@@ -347,7 +348,7 @@ def _array_split(x: np.ndarray, y: np.ndarray, xname: str, yname: str, task: Tas
         raise DatasetError(f"{xname}: samples are {tuple(x.shape[1:])}, the run's inputs are {shape}")
     labels = _labels(y, len(x), yname, task)
     t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).div_(task.scale)
-    if resized:
+    if resized and task.resize is not None:
         t = torch.nn.functional.interpolate(t, size=tuple(task.resize), mode="bilinear", align_corners=False)
     return Split(t, labels)
 

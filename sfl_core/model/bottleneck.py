@@ -13,14 +13,14 @@ Shapes: image activations ``(C, H, W)`` use 1x1 ``Conv2d``; sequences ``(C, L)``
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
-def _layer(dims: int, cin: int, cout: int) -> nn.Module:
+def _layer(dims: int, cin: int, cout: int) -> Union[nn.Conv2d, nn.Conv1d, nn.Linear]:
     if dims == 3:
         return nn.Conv2d(cin, cout, kernel_size=1)
     if dims == 2:
@@ -61,13 +61,15 @@ class Bottleneck(nn.Module):
         enc = self.encoder.weight.view(self.width, -1)         # (width, channels)
         nn.init.orthogonal_(enc)
         self.decoder.weight.copy_(enc.t().reshape(self.decoder.weight.shape))
-        self.encoder.bias.zero_()
-        self.decoder.bias.zero_()
+        for layer in (self.encoder, self.decoder):   # every _layer has a bias
+            assert layer.bias is not None
+            layer.bias.zero_()
 
     def encode(self, h: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """The first ``width`` encoder channels (all of them by default)."""
         w = self.width if width is None else width
         enc = self.encoder
+        assert enc.bias is not None
         if isinstance(enc, nn.Linear):
             return F.linear(h, enc.weight[:w], enc.bias[:w])
         conv = F.conv2d if isinstance(enc, nn.Conv2d) else F.conv1d

@@ -90,7 +90,7 @@ def register_file_model(path: str | Path, func: str) -> str:
                              f"{type(exc).__name__}: {exc}") from None
         return module
 
-    register_model(name, build, norms=False, replace=True)
+    register_model(name, build, norms=False, replace=True)  # type: ignore[arg-type]  # the zoo cuts a plain module
     _SOURCES[name] = (str(path), func)
     return name
 
@@ -161,7 +161,7 @@ LAYERS: dict[str, dict[str, Any]] = {
 def _layer_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
     """``relu`` | ``{conv: 16}`` | ``{conv: {out: 16, kernel: 5}}`` -> (kind, full options)."""
     if isinstance(entry, str):
-        kind, opts = entry, {}
+        kind, opts = entry, {}  # type: ignore[var-annotated]
     elif isinstance(entry, dict) and len(entry) == 1:
         kind, opts = next(iter(entry.items()))
         if kind not in LAYERS:
@@ -285,7 +285,7 @@ def register_layers(spec: Any) -> str:
               ) -> nn.Module:
         return build_layers(blocks, input_shape, num_classes)
 
-    register_model(name, build, norms=False, replace=True)
+    register_model(name, build, norms=False, replace=True)  # type: ignore[arg-type]  # the zoo cuts a plain module
     _LAYER_SPECS[name] = spec
     return name
 

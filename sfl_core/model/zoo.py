@@ -117,7 +117,8 @@ class SplitModel(nn.Module):
         return pair
 
     def bottleneck(self, s: int) -> Bottleneck | None:
-        return self.bottlenecks[str(int(s))] if str(int(s)) in self.bottlenecks else None
+        pair = self.bottlenecks[str(int(s))] if str(int(s)) in self.bottlenecks else None
+        return pair if isinstance(pair, Bottleneck) else None
 
     def client(self, s: int) -> nn.Sequential:
         """``blocks[:s]`` (plus the encoder of a bottleneck at ``s``), sharing module objects.
@@ -127,21 +128,25 @@ class SplitModel(nn.Module):
         self.check_split(s)
         parts: list[nn.Module] = []
         for i, block in enumerate(self.blocks[: int(s)]):
-            if self.bottleneck(i) is not None:
-                parts.append(self.bottleneck(i))
+            earlier = self.bottleneck(i)
+            if earlier is not None:
+                parts.append(earlier)
             parts.append(block)
-        if self.bottleneck(s) is not None:
-            parts.append(Encoder(self.bottleneck(s)))
+        pair = self.bottleneck(s)
+        if pair is not None:
+            parts.append(Encoder(pair))
         return nn.Sequential(*parts)
 
     def server(self, s: int) -> nn.Sequential:
         """``blocks[s:]`` (after the decoder of a bottleneck at ``s``); empty for ``s == num_blocks``.
         A pair at a later cut runs whole inside this portion (see :meth:`client`)."""
         self.check_split(s)
-        parts: list[nn.Module] = [Decoder(self.bottleneck(s))] if self.bottleneck(s) is not None else []
+        pair = self.bottleneck(s)
+        parts: list[nn.Module] = [Decoder(pair)] if pair is not None else []
         for i in range(int(s), self.num_blocks):
-            if i > int(s) and self.bottleneck(i) is not None:
-                parts.append(self.bottleneck(i))
+            later = self.bottleneck(i) if i > int(s) else None
+            if later is not None:
+                parts.append(later)
             parts.append(self.blocks[i])
         return nn.Sequential(*parts)
 
@@ -280,7 +285,7 @@ def _conv_bn_relu(cin: int, cout: int, shape: tuple[int, ...], *, pool: bool, no
     layers: dict[str, nn.Module] = {
         "conv": nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=not has_norm),
     }
-    if has_norm:
+    if norm is not None and has_norm:
         layers["bn"] = _norm(norm, cout)
     layers["relu"] = nn.ReLU(inplace=False)
     if pool and _can_downsample(shape):

@@ -95,9 +95,14 @@ class Phase:
 class RoundContext(Protocol):
     """What an option's hooks may use of the round engine (the engine implements it)."""
 
-    cfg: "RunConfig"
-    model: "SplitModel"
-    costs: Mapping[int, "SplitCost"]
+    @property
+    def cfg(self) -> "RunConfig": ...
+
+    @property
+    def model(self) -> "SplitModel": ...
+
+    @property
+    def costs(self) -> Mapping[int, "SplitCost"]: ...
 
     @property
     def fleet(self) -> Mapping[str, "AgentInfo"]: ...

@@ -21,6 +21,8 @@ and amqtt stops waiting for the PUBACK after 5 s.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import logging
 import socket
 import threading
@@ -190,7 +192,7 @@ class MqttLink:
             acked = threading.Event()
             with self._sub_lock:   # the acknowledgement's callback waits until acked is filed
                 rc, mid = self._client.subscribe(topic, qos=_SUB_QOS)
-                if timeout is not None and rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                if timeout is not None and rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
                     self._sub_acks[mid] = acked
             if timeout is not None and not acked.wait(timeout):
                 log.warning("MQTT subscription to %s not acknowledged within %.0f s", topic, timeout)
@@ -234,7 +236,8 @@ class MqttLink:
         for topic, payload in messages:
             if isinstance(payload, memoryview):
                 payload = payload.tobytes()
-            info = self._client.publish(topic, payload, qos=qos, retain=retain)
+            info: Optional[mqtt.MQTTMessageInfo] = self._client.publish(topic, payload, qos=qos, retain=retain)
+            assert info is not None
             if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:  # cannot happen with an unlimited queue
                 log.error("MQTT publish to %s refused: outgoing queue full", topic)
                 info = None
@@ -251,11 +254,11 @@ class MqttLink:
         # 3.1.1, 4.6), so once the last is acknowledged the others are too and this thread
         # wakes once per burst, not once per message.
         for i in reversed(range(len(messages))):
-            info = infos[i]
-            if info is None:
+            sent = infos[i]
+            if sent is None:
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done[i] = self._wait_published(info, left, wait_offline)
+            done[i] = self._wait_published(sent, left, wait_offline)
             if not done[i] and (wait_offline or self._ready.is_set()):   # else: queued; sent after the reconnect
                 topic, payload = messages[i]
                 log.warning("MQTT publish to %s (%d bytes) not acknowledged within %.1f s (connected=%s)",
@@ -375,6 +378,6 @@ class MqttLink:
     def _handle_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         self._note_thread()
         try:
-            self._on_message_cb(msg.topic, msg.payload)
+            self._on_message_cb(msg.topic, bytes(msg.payload))
         except Exception:  # noqa: BLE001 - a bad message must not kill paho's thread
             log.exception("MQTT message handler failed for topic %s", msg.topic)

@@ -179,7 +179,7 @@ def encode_tensor(t: torch.Tensor, codec: str = "fp32", zstd_level: int = 3) -> 
 def _plain_map(name: str, dims: list[int], raw: np.ndarray, zstd_level: int) -> dict[str, Any]:
     """``raw``: the little-endian values, contiguous; compressed straight from their buffer."""
     z = zstd_level > 0
-    data = _compressor(zstd_level).compress(raw) if z else raw.tobytes()
+    data = _compressor(zstd_level).compress(raw) if z else raw.tobytes()  # type: ignore[arg-type]  # a buffer
     return {"dtype": name, "shape": dims, "z": z, "data": data}
 
 
@@ -479,7 +479,8 @@ def unpack(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]
         if key not in env:
             raise WireError(f"message lacks field {key!r}")
         if not isinstance(env[key], typ) or isinstance(env[key], bool) and typ is int:
-            raise WireError(f"field {key!r} has type {type(env[key]).__name__}, expected {typ.__name__}")
+            raise WireError(f"field {key!r} has type {type(env[key]).__name__}, "
+                            f"expected {getattr(typ, '__name__', typ)}")
     if env["v"] != PROTOCOL_VERSION:
         raise VersionError(env["v"], env["type"])
     return env

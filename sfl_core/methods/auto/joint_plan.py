@@ -200,7 +200,7 @@ def _trim(caps: Mapping[str, int], total: int, lo: int) -> dict[str, int]:
 
 # ---------------------------------------------------------------- label mix of the merged batch
 
-def label_skew(batches: Mapping[str, int], label_counts: Mapping[str, Sequence[float]],
+def label_skew(batches: Mapping[str, float], label_counts: Mapping[str, Sequence[float]],
                target: np.ndarray) -> float:
     """KL divergence (nats) of the merged batch's expected label mix from ``target``."""
     mix = np.zeros_like(target, dtype=float)

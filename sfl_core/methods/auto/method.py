@@ -41,6 +41,7 @@ from sfl_core.config.run import RunConfig
 from sfl_core.estimates import scale_lr
 from sfl_core.fleet import AgentInfo, fleet_of
 from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, priorities
+from sfl_core.methods.auto.config import AutoConfig
 from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
 from sfl_core.model.accounting import SplitCost
@@ -64,14 +65,14 @@ class Auto(Method):
         mine = next((r for r in rows if r.strategy == "auto"), None)
         auto_cfg = variants(cfg, model, costs)["auto"]
         widths = decide_widths(auto_cfg, model, costs)
-        if auto_cfg.auto.widths:      # what auto decided (widths: auto), or the widths listed
-            notes.append((widths.why or f"bottleneck: widths {list(auto_cfg.auto.widths)}", "red"))
+        if AutoConfig.of(auto_cfg).widths:      # what auto decided (widths: auto), or the widths listed
+            notes.append((widths.why or f"bottleneck: widths {list(AutoConfig.of(auto_cfg).widths or ())}", "red"))
         rival = min((r for r in rows if r is not mine), key=lambda r: r.round_s, default=None)
         if mine is not None and rival is not None and rival.round_s < mine.round_s:
             hint = ""
             if any(x.width for x in rival.agents.values()) and not widths.widths:
                 how = ("list widths in auto.widths, or lower auto.min_bottleneck_values"
-                       if auto_cfg.auto.widths == "auto" else "set auto.widths (auto, or a list)")
+                       if AutoConfig.of(auto_cfg).widths == "auto" else "set auto.widths (auto, or a list)")
                 hint = f" Its bottleneck is one of auto's options: {how} (docs/methods/auto.md)."
             notes.append((f"{rival.method}'s round is predicted {mine.round_s / rival.round_s:.2f}x shorter "
                           f"than auto's.{hint}", "yellow"))
@@ -86,7 +87,7 @@ class Auto(Method):
         if widths:
             pair = model.add_bottleneck(cfg.split or model.default_split, max(widths))
             channels = pair.activation_shape[0]
-            pair.infer_width = min((w for w in widths if within_bottleneck(w, channels, cfg.auto.max_bottleneck)),
+            pair.infer_width = min((w for w in widths if within_bottleneck(w, channels, AutoConfig.of(cfg).max_bottleneck)),
                                    default=pair.width)
 
     @classmethod
@@ -101,7 +102,7 @@ class Auto(Method):
 
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         super().__init__(cfg, model, costs)
-        a = cfg.auto
+        a = AutoConfig.of(cfg)
         cands = tuple(a.candidates or _default_candidates(cfg, model))
         for s in cands:
             model.check_split(s)
@@ -164,8 +165,8 @@ class Auto(Method):
         whole = " (or the whole model)" if self.model.num_blocks in self.candidates else ""
         widths = f", bottleneck width {list(self.widths)} at split {self.bottleneck_at}" if self.widths else ""
         return [f"auto: plans split {cuts}{whole}, codec {list(self.codecs)}{widths} and batch "
-                f"{self.cfg.auto.min_batch}..{self.max_batch} per agent each round; "
-                f"selection: {self.cfg.auto.selection}"] + ([self.decision.why] if self.decision.why else [])
+                f"{AutoConfig.of(self.cfg).min_batch}..{self.max_batch} per agent each round; "
+                f"selection: {AutoConfig.of(self.cfg).selection}"] + ([self.decision.why] if self.decision.why else [])
 
     # ----------------------------------------------------------------- the round
     def choices(self) -> list[tuple[int, str, int]]:
@@ -181,7 +182,7 @@ class Auto(Method):
             else:
                 channels = self.costs[s].activation_shape[0]
                 out += [(s, codec, w) for codec in self.codecs for w in self.widths
-                        if within_bottleneck(w, channels, self.cfg.auto.max_bottleneck)]
+                        if within_bottleneck(w, channels, AutoConfig.of(self.cfg).max_bottleneck)]
         return out
 
     def options(self, agent_id: str, info: AgentInfo, *, scaled: bool = True, split_agents: int = 1) -> list[Option]:
@@ -205,7 +206,7 @@ class Auto(Method):
                    by_mix: bool = False) -> JointPlan:
         """The round's assignment for ``selected`` (no side effects: ``sfl-coord plan`` calls it too).
         ``by_mix``: label-mix selection chose ``selected`` out of more online agents."""
-        a = self.cfg.auto
+        a = AutoConfig.of(self.cfg)
         epsilon = label_mix_bound(a.epsilon, by_mix)
         options, memory = self._priced(selected, agents)
         total = len(selected) * self.cfg.batch_size
@@ -226,13 +227,13 @@ class Auto(Method):
         option (before any measurement): how slow the fleet's slowest agent is, whatever batch
         regulation could later move away from it."""
         options, memory = self._priced(list(agents), agents, scaled=False)
-        return plan_round(options, memory, total=len(agents) * self.cfg.batch_size, lo=self.cfg.auto.min_batch,
+        return plan_round(options, memory, total=len(agents) * self.cfg.batch_size, lo=AutoConfig.of(self.cfg).min_batch,
                           hi=self.max_batch, regulate=False).round_s
 
     def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
                default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
         chosen = default
-        self.by_mix = self.cfg.auto.selection == "kl" and len(default) < len(online)
+        self.by_mix = AutoConfig.of(self.cfg).selection == "kl" and len(default) < len(online)
         if self.by_mix:
             chosen = select_by_label_mix(online, agents, len(default), seed=self.cfg.seed * 100_003 + r)
         plan = self.joint_plan(chosen, agents, by_mix=self.by_mix)
@@ -270,7 +271,7 @@ class Auto(Method):
     # ----------------------------------------------------------------- what comes back
     def observe(self, rounds: Sequence[AgentRound]) -> None:
         super().observe(rounds)
-        alpha = self.cfg.auto.smoothing
+        alpha = AutoConfig.of(self.cfg).smoothing
         self.measured = {a.agent_id: (a.compute_s, a.transfer_s, a.step_jitter_s) for a in rounds}
         for a in rounds:
             if a.step_jitter_s > 0:
@@ -327,7 +328,7 @@ class Auto(Method):
                             {a: self.measured[a][2] for a in split if a in self.measured})
         beyond = round_s - max(explained.values()) - slack - self._phases_excess(plan)
         seen = max(0.0, round(beyond / (self.cfg.local_iters * len(split)), 6))
-        alpha = self.cfg.auto.smoothing
+        alpha = AutoConfig.of(self.cfg).smoothing
         self.overhead_s = alpha * self.overhead_s + (1 - alpha) * seen
 
     def _cut(self, plan: JointPlan) -> dict[str, Any]:
@@ -449,10 +450,10 @@ def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCo
     judged on the run config's fleet (its profiles; a run whose agents bring their own profiles
     has none to judge, and gets no bottleneck). A pure function of the config, so the model
     builder, the engine and ``sfl-coord plan`` agree, and a resumed run decides the same."""
-    a = cfg.auto
+    a = AutoConfig.of(cfg)
     if cfg.strategy != "auto" or not a.widths:
         return WidthsDecision(())
-    if a.widths != "auto":
+    if not isinstance(a.widths, str):   # a list of widths, not "auto"
         return WidthsDecision(tuple(sorted(set(a.widths))))
     agents = fleet_of(cfg)
     if not agents:
@@ -466,8 +467,8 @@ def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCo
         return WidthsDecision((), f"bottleneck: off (at split {b} no width narrower than the {shape[0]} channels "
                                   f"sends the {a.min_bottleneck_values} values per sample of auto.min_bottleneck_values)")
     cuts = tuple(s for s in (a.candidates or ()) if s <= b) or None
-    without = Auto(dataclasses.replace(cfg, auto=dataclasses.replace(a, widths=None)), model, costs)
-    with_ = Auto(dataclasses.replace(cfg, auto=dataclasses.replace(a, widths=widths, candidates=cuts)), model, costs)
+    without = Auto(a.replace_in(cfg, widths=None), model, costs)
+    with_ = Auto(a.replace_in(cfg, widths=widths, candidates=cuts), model, costs)
     t0, t1 = (m.equal_batch_round_s(agents) for m in (without, with_))
     gain = t0 / t1 if t1 > 0 else 1.0
     if gain >= WIDTHS_PAY:

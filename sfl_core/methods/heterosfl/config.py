@@ -28,10 +28,11 @@ if TYPE_CHECKING:
 def _rate_list(v: Any, fail: Fail) -> tuple[float, ...] | None:
     if v is None:
         return None
-    nums = [number(x) for x in v] if isinstance(v, (list, tuple)) else None
-    if not nums or any(x is None or x <= 0 for x in nums) or any(b <= a for a, b in zip(nums, nums[1:])):
+    nums = [number(x) for x in v] if isinstance(v, (list, tuple)) else []
+    rates = [float(x) for x in nums if x is not None]
+    if not nums or len(rates) != len(nums) or any(x <= 0 for x in rates) or any(b <= a for a, b in zip(rates, rates[1:])):
         fail("a strictly ascending list of positive rates in bytes/s, or null")
-    return tuple(float(x) for x in nums)
+    return tuple(rates)
 
 
 @dataclass(frozen=True, config=STRICT)

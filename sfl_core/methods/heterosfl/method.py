@@ -45,16 +45,16 @@ class HeteroSFL(Layer):
         channels = costs[split].activation_shape[0] if costs[split].activation_shape else 0
         if channels <= 1:
             return {}
-        return {"HeteroSFL": replace(base, strategy="sfl", split=split,
-                                     hetero=replace(HeteroConfig.of(base), width=channels, groups=2))}
+        return {"HeteroSFL": HeteroConfig.of(base).replace_in(replace(base, strategy="sfl", split=split),
+                                                               width=channels, groups=2)}
 
     @staticmethod
     def wanted(cfg: RunConfig) -> bool:
-        return cfg.hetero.width is not None or cfg.hetero.codecs is not None
+        return HeteroConfig.of(cfg).width is not None or HeteroConfig.of(cfg).codecs is not None
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
         plan = self.inner.plan(r, selected, agents)
-        h = self.cfg.hetero
+        h = HeteroConfig.of(self.cfg)
         groups, indices = self.link_groups(selected, agents)
         if h.width is not None:
             plan = replace(plan, widths=self.widths(groups, indices, agents))
@@ -65,7 +65,7 @@ class HeteroSFL(Layer):
     def link_groups(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> tuple[list[list[str]], list[int]]:
         """The round's agents by uplink rate, slowest group first, with each group's index into
         the configured per-group lists (empty groups are dropped, so indices can skip)."""
-        h = self.cfg.hetero
+        h = HeteroConfig.of(self.cfg)
         rates = {a: uplink_rate(agents[a]) for a in selected}
         groups = group_by_link_rate(rates, groups=h.groups, thresholds=h.thresholds)
         if h.thresholds:   # a group's index is the threshold interval its members' rates fall in
@@ -77,7 +77,7 @@ class HeteroSFL(Layer):
     def widths(self, groups: list[list[str]], indices: list[int], agents: Mapping[str, AgentInfo]) -> dict[str, int]:
         """Bottleneck width per agent: the configured width of its group, or widths proportional to
         the groups' rates (the slowest member sets a group's pace), the fastest at full width."""
-        h = self.cfg.hetero
+        h = HeteroConfig.of(self.cfg)
         assert h.width is not None
         group_rates = [min(uplink_rate(agents[a]) for a in g) for g in groups]
         fixed = [h.widths[i] for i in indices] if h.widths else None

@@ -601,9 +601,9 @@ def plan_merge_round(states: Mapping[str, AgentState], label_dists: Mapping[str,
         raise ValueError(f"batch_cap ({batch_cap}) must be >= max_batch ({max_batch}): Eq. 9 already gives D")
     regulated = regulate_batches(states, max_batch, tau=tau, min_batch=min_batch)
     q = population_distribution(label_dists) if target is None else distribution("target", target)
-    sel = select_workers(label_dists, regulated, bytes_per_sample, budget, participation, target=q,
+    sel = select_workers(label_dists, regulated, bytes_per_sample, budget, participation, target=q,  # type: ignore[arg-type]
                          seed=seed, **ga)  # type: ignore[arg-type]
-    tuned = tune_batches(sel.agents, regulated, label_dists, epsilon, states, target=q, max_batch=batch_cap,
+    tuned = tune_batches(sel.agents, regulated, label_dists, epsilon, states, target=q, max_batch=batch_cap,  # type: ignore[arg-type]
                          min_batch=min_batch)
     final = fill_budget(tuned.batches, bytes_per_sample, budget, max_batch=batch_cap, min_batch=min_batch)
     k = kl(mixed_distribution(sel.agents, final, label_dists), q)

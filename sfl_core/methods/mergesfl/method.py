@@ -39,7 +39,7 @@ class MergeControl:
         ``states``: where the per-agent (μ, β) live (the run's :class:`~sfl_core.fleet.FleetEstimates`
         ``rates``; updated in place)."""
         self.cfg = cfg
-        self.m = cfg.mergesfl
+        self.m = MergeSflConfig.of(cfg)
         self.cost = cost
         self.states: dict[str, AgentState] = {} if states is None else states
         self.ingress: list[list[int]] = []
@@ -213,8 +213,7 @@ class MergeSFL(Layer):
     @classmethod
     def preview_variants(cls, base: RunConfig, model: SplitModel,
                          costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
-        return {"MergeSFL": replace(base, strategy="sfl",
-                                    mergesfl=replace(MergeSflConfig.of(base), regulate=True, select=True))}
+        return {"MergeSFL": MergeSflConfig.of(base).replace_in(replace(base, strategy="sfl"), regulate=True, select=True)}
 
     def __init__(self, inner: Method):
         super().__init__(inner)
@@ -223,7 +222,7 @@ class MergeSFL(Layer):
 
     @staticmethod
     def wanted(cfg: RunConfig) -> bool:
-        return cfg.mergesfl.regulate or cfg.mergesfl.select
+        return MergeSflConfig.of(cfg).regulate or MergeSflConfig.of(cfg).select
 
     def notes(self, pool: int) -> list[str]:
         return [self.control.describe(pool), *self.inner.notes(pool)]

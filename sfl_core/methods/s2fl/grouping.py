@@ -224,9 +224,9 @@ def _improve(groups: list[list[str]], counts: dict[str, np.ndarray], max_passes:
     for _ in range(max_passes):
         improved = False
         for gi in range(len(members)):
-            ids = np.array(members[gi])
+            inside = np.array(members[gi])
             outside = np.flatnonzero(member_of != gi)
-            delta = mat[outside][None, :, :] - mat[ids][:, None, :]          # (|g|, |out|, C): b in, a out
+            delta = mat[outside][None, :, :] - mat[inside][:, None, :]       # (|g|, |out|, C): b in, a out
             other = member_of[outside]                                       # group of each outside agent
             new_g = _dists(totals[gi] + delta)
             new_o = _dists(totals[other][None, :, :] - delta)
@@ -234,7 +234,7 @@ def _improve(groups: list[list[str]], counts: dict[str, np.ndarray], max_passes:
             ai, bj = np.unravel_index(int(np.argmax(gain)), gain.shape)
             if gain[ai, bj] <= _EPS:
                 continue
-            a, b, go = int(ids[ai]), int(outside[bj]), int(other[bj])
+            a, b, go = int(inside[ai]), int(outside[bj]), int(other[bj])
             members[gi][ai] = b
             members[go][members[go].index(b)] = a
             member_of[a], member_of[b] = go, gi

@@ -41,7 +41,7 @@ class S2FL(Method):
 
     def __init__(self, cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]):
         super().__init__(cfg, model, costs)
-        cands = cfg.s2fl.candidates or candidate_splits(cfg.model)
+        cands = S2flConfig.of(cfg).candidates or candidate_splits(cfg.model)
         for s in cands:
             model.check_split(s)
         self._candidates: tuple[int, ...] = tuple(cands)
@@ -52,7 +52,7 @@ class S2FL(Method):
 
     def notes(self, pool: int) -> list[str]:
         k, per_round = len(self.candidates), self.cfg.per_round
-        if self.cfg.s2fl.sliding and per_round and per_round < pool:
+        if S2flConfig.of(self.cfg).sliding and per_round and per_round < pool:
             return [f"s2fl: warm-up rounds 1-{k} train every registered agent ({pool}), not per_round "
                     f"({per_round}), so the time table has each agent at each candidate split; about "
                     f"{pool / per_round:.1f}x a round's bytes in those {k} rounds"]
@@ -61,10 +61,10 @@ class S2FL(Method):
     def selects_everyone(self, r: int) -> bool:
         """The warm-up sends each candidate split to every device (not only the round's
         selection), so the time table holds a measurement for every agent and split."""
-        return self.cfg.s2fl.sliding and warmup_split(r, self.candidates) is not None
+        return S2flConfig.of(self.cfg).sliding and warmup_split(r, self.candidates) is not None
 
     def plan(self, r: int, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> RoundPlan:
-        s2 = self.cfg.s2fl
+        s2 = S2flConfig.of(self.cfg)
         if not s2.sliding:
             splits, phase = {a: self.candidates[-1] for a in selected}, "fixed (largest candidate)"
         else:

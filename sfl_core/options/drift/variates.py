@@ -41,7 +41,7 @@ groups with their members' mean correction was measured: it cost accuracy, docs/
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 

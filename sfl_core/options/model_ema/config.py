@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic.dataclasses import dataclass
 from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
-from sfl_core.config.fields import STRICT, checked, invalid
+from sfl_core.config.fields import STRICT
 from sfl_core.config.section import OptionSection
 from sfl_core.config.values import UNIT_OPEN
 
 
 if TYPE_CHECKING:
-    from sfl_core.config.run import RunConfig
+    pass
 
 
 @dataclass(frozen=True, config=STRICT)

@@ -1,15 +1,18 @@
-"""The device's side of a statistics pass (``norm_pass``, :mod:`.option`): run local batches
-through the new global client portion without training and report its BatchNorm layers' input
-moments and the activations. No label leaves; activation noise applies as in training."""
+"""The BatchNorm statistics option on the device (:mod:`.option`): FixBN's frozen layers, FedBN's
+own layers, and the statistics pass (``norm_pass``): run local batches through the new global
+client portion without training and report its BatchNorm layers' input moments and the
+activations. No label leaves; activation noise applies as in training."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
 from sfl_core.model.accounting import model_costs
+from sfl_core.model.norm_layers import freeze
+from sfl_core.options.base import DeviceOption
 from sfl_core.options.norm_stats import stats as norm_stats
 from sfl_core.privacy import clip_and_noise
 from sfl_core.wire import codec as wire
@@ -17,10 +20,10 @@ from sfl_core.wire import protocol
 from sfl_core.wire.protocol import Message
 
 if TYPE_CHECKING:
+    from sfl_core.model.zoo import SplitModel
     from sfl_core.options.base import DeviceContext
-    from sfl_core.options.norm_stats.option import NormStatsOnDevice
 
-__all__ = ["answer_pass"]
+__all__ = ["NormStatsOnDevice", "answer_pass"]
 
 SAMPLER_SEED = 104729
 """The pass draws its batches from a stream of its own (the training batches stay as they are)."""
@@ -63,3 +66,31 @@ def answer_pass(state: "NormStatsOnDevice", agent: "DeviceContext", msg: Message
                     seq=protocol.next_seq(), body={"moments": wire.encode_state(tensors, b["zstd_level"]),
                                                    "counts": counts, "x": x, "compute_s": compute_s})
     return agent.remember([reply])
+
+
+class NormStatsOnDevice(DeviceOption):
+    """FixBN freezes the client portion's BatchNorm layers; FedBN keeps this device's own layers
+    from one round to the next (in memory: a restarted agent starts from the global ones); a
+    statistics pass runs the new client portion over local batches without training."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, torch.Tensor] = {}
+        self.local = False
+        self.passed: tuple[int, int] = (-1, -1)    # (round, seq) of the last norm_pass answered
+
+    def on_assign(self, fields: Mapping[str, Any], model: "SplitModel", split: int, client: torch.nn.Module,
+                  weights: Mapping[str, torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        self.local = bool(fields.get("local_norm"))
+        if self.local:   # our own normalisation layers replace the global ones we hold
+            model.load_state_dict({k: v for k, v in self.own.items()
+                                   if k in weights and weights[k].shape == v.shape}, strict=False)
+        if fields.get("freeze_norm"):
+            freeze(client)
+        return []
+
+    def on_trained(self, model: "SplitModel", state: Mapping[str, torch.Tensor]) -> None:
+        if self.local:
+            self.own.update(norm_stats.local_entries(model, state))
+
+    def handles(self) -> Mapping[str, Callable[..., Any]]:
+        return {"norm_pass": lambda agent, msg: answer_pass(self, agent, msg)}

@@ -13,17 +13,16 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
 from sfl_core import timing
-from sfl_core.model.norm_layers import freeze
 from sfl_core.options.base import AssignField, DeviceOption, Phase, RoundContext, RoundOption, ServerTerms
 from sfl_core.options.norm_stats import exchange
 from sfl_core.options.norm_stats import stats as norm_stats
 from sfl_core.options.norm_stats.config import NormStatsConfig
-from sfl_core.options.norm_stats.device import answer_pass
+from sfl_core.options.norm_stats.device import NormStatsOnDevice
 from sfl_core.wire.codec import nominal_ratio
 
 if TYPE_CHECKING:
@@ -153,13 +152,13 @@ class NormStats(RoundOption):
         bodies: dict[tuple[int, int], dict] = {}
         requests = {}
         for a in asked:
-            x = done[a]
-            if (x.split, x.width) not in bodies:
-                bodies[x.split, x.width] = ctx.encode_state(ctx.client_state(x.split, x.width))
-            requests[a] = (x, "norm_pass", exchange.request_body(
-                cfg.model, x.split, x.width, bodies[x.split, x.width], batches=ns.batches,
-                batch_size=cfg.batch_size, codec=x.codec, zstd_level=cfg.zstd_level,
-                activation_shape=x.activation_shape))
+            d = done[a]
+            if (d.split, d.width) not in bodies:
+                bodies[d.split, d.width] = ctx.encode_state(ctx.client_state(d.split, d.width))
+            requests[a] = (d, "norm_pass", exchange.request_body(
+                cfg.model, d.split, d.width, bodies[d.split, d.width], batches=ns.batches,
+                batch_size=cfg.batch_size, codec=d.codec, zstd_level=cfg.zstd_level,
+                activation_shape=d.activation_shape))
         step = cfg.local_iters + self.STEP_AFTER_ROUND
         replies, agents = ctx.exchange(r, step, requests, "norm_sums")
         parts = []
@@ -193,31 +192,3 @@ class NormStats(RoundOption):
     @classmethod
     def device(cls) -> DeviceOption:
         return NormStatsOnDevice()
-
-
-class NormStatsOnDevice(DeviceOption):
-    """FixBN freezes the client portion's BatchNorm layers; FedBN keeps this device's own layers
-    from one round to the next (in memory: a restarted agent starts from the global ones); a
-    statistics pass runs the new client portion over local batches without training."""
-
-    def __init__(self) -> None:
-        self.own: dict[str, torch.Tensor] = {}
-        self.local = False
-        self.passed: tuple[int, int] = (-1, -1)    # (round, seq) of the last norm_pass answered
-
-    def on_assign(self, fields: Mapping[str, Any], model: "SplitModel", split: int, client: torch.nn.Module,
-                  weights: Mapping[str, torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        self.local = bool(fields.get("local_norm"))
-        if self.local:   # our own normalisation layers replace the global ones we hold
-            model.load_state_dict({k: v for k, v in self.own.items()
-                                   if k in weights and weights[k].shape == v.shape}, strict=False)
-        if fields.get("freeze_norm"):
-            freeze(client)
-        return []
-
-    def on_trained(self, model: "SplitModel", state: Mapping[str, torch.Tensor]) -> None:
-        if self.local:
-            self.own.update(norm_stats.local_entries(model, state))
-
-    def handles(self) -> Mapping[str, Callable[..., Any]]:
-        return {"norm_pass": lambda agent, msg: answer_pass(self, agent, msg)}

@@ -147,6 +147,7 @@ def apply(model: nn.Module, moments: Mapping[str, Moments]) -> list[str]:
     layers = batch_norm_layers(model)
     for name, m in moments.items():
         layer = layers[name]
+        assert layer.running_mean is not None and layer.running_var is not None   # tracked: batch_norm_layers
         layer.running_mean.copy_(m.mean.to(layer.running_mean))
         layer.running_var.copy_(m.variance.to(layer.running_var))
     return sorted(moments)
@@ -177,4 +178,5 @@ def expected_layers(model: nn.Module, portion: nn.Module) -> dict[str, int]:
     """The BatchNorm layers of ``portion`` (names as in ``model``) and their channel counts:
     what a device's report must hold, exactly."""
     names = {id(m): n for n, m in batch_norm_layers(model).items()}
-    return {names[id(m)]: int(m.num_features) for m in portion.modules() if id(m) in names}
+    return {names[id(m)]: int(m.num_features) for m in portion.modules()   # type: ignore[arg-type]
+            if id(m) in names}

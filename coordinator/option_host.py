@@ -1,0 +1,88 @@
+"""What the round engine offers the training options' hooks (:class:`sfl_core.options.base.RoundContext`):
+the fleet, the model's portions as an agent and a server copy hold them, the wire, and a phase
+of requests and replies run like any step (an agent that does not answer is dropped)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+import torch
+
+from coordinator.session import RoundAgent
+from sfl_core.model.bottleneck import slice_state
+from sfl_core.options.base import PhaseAgent, RoundOption
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
+from sfl_core.wire.assignment import Assignment
+from sfl_core.wire.protocol import Message
+
+if TYPE_CHECKING:
+    from coordinator.registry import Registry
+    from coordinator.session import FleetSession
+    from sfl_core.config.run import RunConfig
+    from sfl_core.data.preprocessing import Normalization
+    from sfl_core.model.zoo import SplitModel
+
+log = logging.getLogger("sfl.coord")
+
+
+class OptionHost:
+    """The engine's side of the option seam (a part of :class:`coordinator.engine.RoundEngine`)."""
+
+    cfg: "RunConfig"
+    model: "SplitModel"
+    registry: "Registry"
+    session: "FleetSession"
+    options: list[RoundOption]
+    _now: Callable[[], float]
+
+    if TYPE_CHECKING:   # the engine's (coordinator.task_normalization)
+        @property
+        def normalization(self) -> Optional["Normalization"]: ...
+
+    def option(self, kind: type) -> Any:
+        """The run's option of class ``kind`` (None if the config leaves it off)."""
+        return next((o for o in self.options if isinstance(o, kind)), None)
+
+    @property
+    def fleet(self) -> dict[str, Any]:
+        """Every registered agent's info."""
+        return self.registry.agents
+
+    @property
+    def parameter_names(self) -> set[str]:
+        return {name for name, _ in self.model.named_parameters()}
+
+    def encode_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return wire.encode_state(state, self.cfg.zstd_level)
+
+    def reject(self, why: str) -> None:
+        self.session.rejections.reject("invalid", why)
+
+    def log(self, text: str, *, warning: bool = False) -> None:
+        (log.warning if warning else log.info)(text)
+
+    def exchange(self, r: int, step: int, requests: Mapping[str, tuple[Assignment, str, dict[str, Any]]],
+                 reply: str) -> tuple[dict[str, Message], dict[str, PhaseAgent]]:
+        now = self._now()
+        asked = {a: RoundAgent(a, assignment, last_heard=now, last_sent_at=now)
+                 for a, (assignment, _type, _body) in requests.items()}
+        for a, (_assignment, mtype, body) in requests.items():
+            if self.cfg.task is not None and self.normalization is not None:
+                body["normalize"] = self.normalization.to_wire()
+            self.session.send(asked[a], Message(mtype, self.cfg.run_id, protocol.COORDINATOR_ID, body, round=r,
+                                                step=step, seq=protocol.next_seq()))
+        return self.session.collect(asked, reply, r, step, only=list(asked)), dict(asked)
+
+    def server_params(self, split: int, width: int) -> dict[str, torch.Tensor]:
+        """The parameters a server copy trains for an agent of this split and bottleneck width."""
+        state = self.model.server_state(split)
+        state = {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
+        return {k: v for k, v in state.items() if k in self.parameter_names}
+
+    def client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
+        """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
+        state = self.model.client_state(split)
+        return {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
+

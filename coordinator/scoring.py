@@ -1,0 +1,75 @@
+"""How the engine scores the model the run delivers: on the server's validation set, and on the
+devices' held-out splits (federated evaluation, :mod:`coordinator.evaluation`)."""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from coordinator import evaluation
+from coordinator.session import RoundAgent
+from sfl_core.model.zoo import SplitModel
+from sfl_core.wire import protocol
+from sfl_core.wire.protocol import Message
+
+if TYPE_CHECKING:
+    from coordinator.session import FleetSession
+    from coordinator.validation import ValidationSet
+    from sfl_core.config.run import RunConfig
+    from sfl_core.data.preprocessing import Normalization
+    from sfl_core.options.base import RoundOption
+
+
+class Scoring:
+    """Evaluation (a part of :class:`coordinator.engine.RoundEngine`)."""
+
+    cfg: "RunConfig"
+    model: SplitModel
+    options: "list[RoundOption]"
+    session: "FleetSession"
+    validation: "ValidationSet"
+    device: torch.device
+    _eval_batch: int
+
+    if TYPE_CHECKING:   # the engine's (coordinator.task_normalization)
+        @property
+        def normalization(self) -> Optional["Normalization"]: ...
+
+    def _federated_evaluation(self, r: int, agents: dict[str, RoundAgent], done: list[str]) -> Optional[dict[str, Any]]:
+        """Every ``eval.federated_every`` rounds the round's completed agents score the new global
+        model on their held-out splits (:mod:`coordinator.evaluation`; None in other rounds). An
+        agent that does not answer is dropped as in any step."""
+        every = self.cfg.eval.federated_every
+        if not every or r % every or not done:
+            return None
+        body = evaluation.request_body(self.delivered_model(), self.cfg.model, self.cfg.zstd_level,
+                                       self.normalization if self.cfg.task is not None else None)
+        step = self.cfg.local_iters   # after the round's last training step
+        asked = [a for a in done if a in agents]
+        for a in asked:
+            self.session.send(agents[a], Message("evaluate", self.cfg.run_id, protocol.COORDINATOR_ID, body,
+                                                 round=r, step=step, seq=protocol.next_seq()))
+        replies = self.session.collect(agents, "evaluation", r, step, only=asked)
+        return evaluation.summarise(replies, lambda why: self.session.rejections.reject("invalid", why))
+
+    def _evaluates(self, r: int) -> bool:
+        """Round ``r`` is scored on the server's validation set: every ``eval_every`` rounds and the last."""
+        return r % self.cfg.eval_every == 0 or r >= self.cfg.rounds
+
+    def evaluate(self) -> tuple[Optional[float], Optional[float]]:
+        """Accuracy and mean loss of the model the run delivers on the server's validation set
+        (None, None without one: a task run whose server holds no validation data)."""
+        return self.validation.evaluate(self.delivered_model(), self.device, self._eval_batch)
+
+    def delivered_model(self) -> SplitModel:
+        """The model the run delivers (evaluated, exported): the global model, or with
+        the state a training option delivers instead (``model_ema``'s average over rounds) on a copy of it."""
+        for option in self.options:
+            state = option.delivered(self.model)
+            if state is not None:
+                delivered = copy.deepcopy(self.model)   # the same bottleneck widths; training keeps the original
+                delivered.load_state_dict(state)
+                return delivered
+        return self.model
