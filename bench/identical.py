@@ -2,7 +2,8 @@
 
 A re-layout (moving modules, splitting packages, renaming) must not change a single metric.
 This script runs the shipped run configs (``profiles/runs/*.yaml``, ``--rounds`` each, in
-simulation), each training option on the demo's fleet (:data:`OPTION_RUNS`) and two paper-bench settings (``bench/paper.py <paper> --quick``), and keeps each
+simulation), each training option on the demo's fleet (:data:`OPTION_RUNS`) and two
+paper-bench settings (``bench/paper.py <paper> --quick``), and keeps each
 run's metrics history (the paper settings: six methods of ``mixed`` and the two recipes of
 ``noniid`` that use every training option) with
 the fields that measure *this host* removed (``wall_s``, and each

@@ -188,7 +188,7 @@ def capture(engine, cfg, split: int, width: int, x: torch.Tensor, y: torch.Tenso
                            privacy=privacy)
     steps = math.ceil(len(x) / batch)
     a = dataclasses.replace(engine._assignment(split, width), batch_size=batch, tau=steps, lr=1e-9, momentum=0.0)
-    state = {k: v.cpu() for k, v in engine._client_state(split, width).items()}
+    state = {k: v.cpu() for k, v in engine.client_state(split, width).items()}
     seq = protocol.Sequencer(start=1)
 
     def coord(mtype: str, body: dict, step: int = 0) -> protocol.Message:

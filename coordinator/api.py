@@ -38,6 +38,7 @@ from sfl_core import liveness, option_registry
 from sfl_core.config.run import RunConfig
 from sfl_core.data.builtin import Dataset, DatasetError, load_dataset
 from sfl_core.methods import build_method
+from sfl_core.methods.base import Method
 from sfl_core.model.accounting import model_costs
 from sfl_core.model.fingerprint import architecture, fingerprinted
 from sfl_core.model.user_models import user_model_fields
@@ -161,12 +162,13 @@ def _parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None) -> dict:
+def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None, method: Optional[Method] = None) -> dict:
     """What agents read first. A run on the devices' own data adds its task contract, the
     standardisation constants when already known (given, or restored by ``--resume``), and
     its model's fingerprint."""
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
-    method = build_method(cfg, model, model_costs(cfg.model, data.input_shape, data.num_classes))
+    if method is None:   # the engine's, where it is built already
+        model = build_model(cfg.model, data.input_shape, data.num_classes)
+        method = build_method(cfg, model, model_costs(cfg.model, data.input_shape, data.num_classes))
     splits = method.splits_to_time()   # the split points the agents should time: the ones they can be assigned
     body = {"model": cfg.model, "dataset": cfg.data.dataset if cfg.task is None else "local",
             "input_shape": list(data.input_shape), "num_classes": data.num_classes, "splits": splits,
@@ -279,7 +281,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
                 obs.attach(engine)
         if on_broker is not None:
             on_broker(broker, public)
-        transport.publish_run_info(run_info_body(cfg, data, engine.known_normalization()))
+        transport.publish_run_info(run_info_body(cfg, data, engine.known_normalization(), engine.method))
         with display:
             history = engine.run()
         finished = True

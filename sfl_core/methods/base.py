@@ -47,6 +47,11 @@ class RoundPlan:
     """FedFC Alg. 3: a group's server copy counts once in the layer-wise average, not once per member."""
 
 
+def resolved_split(cfg: RunConfig, model: SplitModel) -> int:
+    """The run's one cut: its ``split``, else the model's default (the one place that decides it)."""
+    return cfg.split or model.default_split
+
+
 def split_plan(cfg: RunConfig, splits: Mapping[str, int], phase: str, **extra: Any) -> RoundPlan:
     """A plan whose server side follows ``cfg.server_mode`` (merged: one copy for all; per_agent:
     one copy each; sequential: one copy, agent after agent) and ``cfg.server_weight``."""
@@ -166,7 +171,7 @@ class Method:
 
     def splits_to_time(self) -> list[int]:
         """The split points the agents should time at registration: the ones they can be assigned."""
-        return list(self.candidates) or [self.cfg.split or self.model.default_split]
+        return list(self.candidates) or [resolved_split(self.cfg, self.model)]
 
     def notes(self, pool: int) -> list[str]:
         """Lines a run starts with (what a user must know about how the method reads the config)."""

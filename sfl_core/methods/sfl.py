@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 
 from sfl_core.config.run import RunConfig, load_profile
 from sfl_core.fleet import AgentInfo
-from sfl_core.methods.base import Method, RoundPlan, split_plan
+from sfl_core.methods.base import Method, RoundPlan, split_plan, resolved_split
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
 from sfl_core.timing import fleet_round_time
@@ -47,7 +47,7 @@ class SFL(Method):
 
     @property
     def split(self) -> int:
-        return self.cfg.split or self.model.default_split
+        return resolved_split(self.cfg, self.model)
 
     @property
     def configured_splits(self) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ from sfl_core.fleet import AgentInfo, fleet_of
 from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, priorities
 from sfl_core.methods.auto.config import AutoConfig
 from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
-from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan
+from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan, resolved_split
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel, candidate_splits
 from sfl_core.timing import Option, lockstep_phases_s, lockstep_slack_s, price_option
@@ -85,7 +85,7 @@ class Auto(Method):
         agents train wider ones)."""
         widths = decide_widths(cfg, model, costs).widths
         if widths:
-            pair = model.add_bottleneck(cfg.split or model.default_split, max(widths))
+            pair = model.add_bottleneck(resolved_split(cfg, model), max(widths))
             channels = pair.activation_shape[0]
             pair.infer_width = min((w for w in widths if within_bottleneck(w, channels, AutoConfig.of(cfg).max_bottleneck)),
                                    default=pair.width)
@@ -146,7 +146,7 @@ class Auto(Method):
         """The candidate cuts with a bottleneck at the run's split: that cut and the earlier ones.
         (An agent cut later would have to run the pair inside its own portion; agents hold a
         bottleneck only where they cut. The whole model is then never an option either.)"""
-        b = self.bottleneck_at = self.cfg.split or self.model.default_split
+        b = self.bottleneck_at = resolved_split(self.cfg, self.model)
         channels = self.costs[b].activation_shape[0]
         if self.widths[-1] > channels:
             raise ValueError(f"auto.widths: {self.widths[-1]} is wider than the {channels} channels at split {b}")
@@ -458,7 +458,7 @@ def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCo
     agents = fleet_of(cfg)
     if not agents:
         return WidthsDecision((), "bottleneck: off (no fleet in the run config to judge it on)")
-    b = cfg.split or model.default_split
+    b = resolved_split(cfg, model)
     if b >= model.num_blocks:
         return WidthsDecision(())
     shape = costs[b].activation_shape
@@ -482,7 +482,7 @@ def _default_candidates(cfg: RunConfig, model: SplitModel) -> tuple[int, ...]:
     try:
         return candidate_splits(cfg.model)
     except ValueError:
-        return (cfg.split or model.default_split,)
+        return (resolved_split(cfg, model),)
 
 
 def select_by_label_mix(online: Sequence[str], agents: Mapping[str, AgentInfo], k: int, *, seed: int) -> list[str]:

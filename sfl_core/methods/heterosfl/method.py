@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.losses import LossSpec
-from sfl_core.methods.base import Layer, RoundPlan
+from sfl_core.methods.base import Layer, RoundPlan, resolved_split
 from sfl_core.methods.heterosfl.config import HeteroConfig
 from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 from sfl_core.model.accounting import SplitCost
@@ -29,7 +29,7 @@ class HeteroSFL(Layer):
         nobody trains the channels past the widest, so the full model is evaluated without them."""
         h = HeteroConfig.of(cfg)
         if h.width is not None:
-            pair = model.add_bottleneck(cfg.split or model.default_split, h.width)
+            pair = model.add_bottleneck(resolved_split(cfg, model), h.width)
             pair.infer_width = max(h.widths) if h.widths else h.width
 
     def server_loss(self) -> LossSpec:
@@ -41,7 +41,7 @@ class HeteroSFL(Layer):
     def preview_variants(cls, base: RunConfig, model: SplitModel,
                          costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
         """Two link-rate groups at the run's split, the full width being the cut's channels."""
-        split = base.split or model.default_split
+        split = resolved_split(base, model)
         channels = costs[split].activation_shape[0] if costs[split].activation_shape else 0
         if channels <= 1:
             return {}

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 from sfl_core.config.run import DeviceProfile, RunConfig
 from sfl_core.estimates import AgentState
 from sfl_core.fleet import AgentInfo, uplink_rate
-from sfl_core.methods.base import AgentRound, Layer, Method
+from sfl_core.methods.base import AgentRound, Layer, Method, resolved_split
 from sfl_core.methods.mergesfl import control as mergesfl
 from sfl_core.methods.mergesfl.config import MergeSflConfig
 from sfl_core.model.accounting import SplitCost
@@ -217,7 +217,7 @@ class MergeSFL(Layer):
 
     def __init__(self, inner: Method):
         super().__init__(inner)
-        self.control = MergeControl(self.cfg, self.costs[self.cfg.split or self.model.default_split],
+        self.control = MergeControl(self.cfg, self.costs[resolved_split(self.cfg, self.model)],
                                     states=self.fleet.rates)
 
     @staticmethod
