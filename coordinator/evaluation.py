@@ -15,16 +15,16 @@ from sfl_core.data.preprocessing import Normalization
 from sfl_core.model.zoo import SplitModel
 from sfl_core.wire import codec as wire
 from sfl_core.wire.protocol import Message
+from sfl_core.wire.requests import EvaluateRequest
 
 __all__ = ["request_body", "summarise"]
 
 
 def request_body(model: SplitModel, name: str, zstd_level: int, norm: Optional[Normalization]) -> dict[str, Any]:
     """An ``evaluate`` body: the whole global model, its bottlenecks and the run's constants."""
-    body: dict[str, Any] = {
-        "model": name, "weights": wire.encode_state(model.state_dict(), zstd_level),
-        "bottlenecks": [[int(s), int(p.width), int(p.infer_width)]  # type: ignore[arg-type]
-                        for s, p in model.bottlenecks.items()]}
+    body = EvaluateRequest(name, wire.encode_state(model.state_dict(), zstd_level),
+                           tuple((int(s), int(p.width), int(p.infer_width))  # type: ignore[arg-type]
+                                 for s, p in model.bottlenecks.items())).to_body()
     if norm is not None:
         body["normalize"] = norm.to_wire()
     return body

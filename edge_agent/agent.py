@@ -37,6 +37,7 @@ from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import Assignment
 from sfl_core.wire.protocol import Message
+from sfl_core.wire.requests import EvaluateRequest
 
 log = logging.getLogger("sfl.agent")
 
@@ -381,16 +382,13 @@ class AgentCore:
         if (msg.round, msg.seq) == self._evaluated or msg.round < self._evaluated[0]:
             return self._resend()
         self._standardise(msg.body.get("normalize"))
-        pairs = msg.body["bottlenecks"]
-        if len(pairs) > 8 or not all(isinstance(p, list) and len(p) == 3 and all(isinstance(v, int) and
-                                     not isinstance(v, bool) and v >= 1 for v in p) for p in pairs):
-            raise wire.WireError("evaluate.bottlenecks: expected up to 8 [split, width, infer_width] lists")
+        request = EvaluateRequest.from_body(msg.body)
         torch.manual_seed(0)   # structure only; the weights come with the message
-        model = build_model(msg.body["model"], self.input_shape, self.data.num_classes)
-        for split, width, infer_width in pairs:
+        model = build_model(request.model, self.input_shape, self.data.num_classes)
+        for split, width, infer_width in request.bottlenecks:
             model.check_split(split)
             model.add_bottleneck(split, width).infer_width = min(width, infer_width)
-        state = wire.decode_state(msg.body["weights"], {k: v for k, v in model.state_dict().items()})
+        state = wire.decode_state(request.weights, {k: v for k, v in model.state_dict().items()})
         model.load_state_dict(state)
         model.to(self.device).eval()
         t0 = time.perf_counter()

@@ -14,6 +14,7 @@ from sfl_core.model.accounting import model_costs
 from sfl_core.model.norm_layers import freeze
 from sfl_core.options.base import DeviceOption
 from sfl_core.options.norm_stats import stats as norm_stats
+from sfl_core.options.norm_stats.exchange import PassRequest
 from sfl_core.privacy import clip_and_noise
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
@@ -27,43 +28,38 @@ __all__ = ["NormStatsOnDevice", "answer_pass"]
 
 SAMPLER_SEED = 104729
 """The pass draws its batches from a stream of its own (the training batches stay as they are)."""
-LIMITS = (("batches", 1, 64), ("batch_size", 1, 4096), ("split", 0, 10_000), ("width", 0, 1 << 20))
 
 
 def answer_pass(state: "NormStatsOnDevice", agent: "DeviceContext", msg: Message) -> list[Message]:
     if (msg.round, msg.seq) == state.passed or msg.round < state.passed[0]:
         return agent.resend()
-    b: dict[str, Any] = msg.body
-    agent.standardise(b.get("normalize"))
-    for key, lo, hi in LIMITS:
-        if not lo <= b[key] <= hi:
-            raise wire.WireError(f"norm_pass.{key}: {b[key]} is out of range")
-    wire.check_codec(b["codec"])
-    model = agent.model(b["model"], b["split"], b["width"])
-    model.check_split(b["split"])
-    whole = b["split"] == model.num_blocks
-    state_dict = wire.decode_state(b["weights"], {k: v.cpu() for k, v in model.client_state(b["split"]).items()})
+    agent.standardise(msg.body.get("normalize"))
+    req = PassRequest.from_body(msg.body)
+    model = agent.model(req.model, req.split, req.width)
+    model.check_split(req.split)
+    whole = req.split == model.num_blocks
+    state_dict = wire.decode_state(req.weights, {k: v.cpu() for k, v in model.client_state(req.split).items()})
     model.load_state_dict(state_dict, strict=False)
     t0 = time.perf_counter()
-    xs = [agent.data.x[agent.batch(SAMPLER_SEED, b["batch_size"])] for _ in range(b["batches"])]
-    moments, outs = norm_stats.collect(model, model.client(b["split"]), xs)
+    xs = [agent.data.x[agent.batch(SAMPLER_SEED, req.batch_size)] for _ in range(req.batches)]
+    moments, outs = norm_stats.collect(model, model.client(req.split), xs)
     seconds = time.perf_counter() - t0
-    samples = b["batches"] * b["batch_size"]
-    flops = model_costs(b["model"], agent.input_shape, agent.data.num_classes)[b["split"]].client_flops * samples / 3
+    samples = req.batches * req.batch_size
+    flops = model_costs(req.model, agent.input_shape, agent.data.num_classes)[req.split].client_flops * samples / 3
     compute_s = agent.compute_seconds(flops, seconds)
     x = None
     if not whole:
         out = torch.cat(outs)
-        if tuple(out.shape[1:]) != tuple(b["activation_shape"]):
-            raise wire.WireError(f"norm_pass.activation_shape {b['activation_shape']} does not match this "
+        if tuple(out.shape[1:]) != req.activation_shape:
+            raise wire.WireError(f"norm_pass.activation_shape {list(req.activation_shape)} does not match this "
                                  f"model's client output {tuple(out.shape[1:])}")
         if agent.privacy.activation_noise is not None:
             out = clip_and_noise(out, agent.privacy.activation_noise, agent.noise_generator)
-        x = wire.encode_tensor(out, b["codec"], b["zstd_level"])
+        x = wire.encode_tensor(out, req.codec, req.zstd_level)
     tensors, counts = norm_stats.to_wire_state(moments)
     state.passed = (msg.round, msg.seq)
     reply = Message("norm_sums", agent.run_id, agent.agent_id, round=msg.round, step=msg.step,
-                    seq=protocol.next_seq(), body={"moments": wire.encode_state(tensors, b["zstd_level"]),
+                    seq=protocol.next_seq(), body={"moments": wire.encode_state(tensors, req.zstd_level),
                                                    "counts": counts, "x": x, "compute_s": compute_s})
     return agent.remember([reply])
 

@@ -9,7 +9,8 @@ fixed. An answer that fails is rejected and left out; the statistics then come f
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -18,19 +19,54 @@ from sfl_core.options.norm_stats import stats as norm_stats
 from sfl_core.options.norm_stats.stats import Moments
 from sfl_core.wire import codec as wire
 
-__all__ = ["request_body", "check_reply", "server_moments"]
+__all__ = ["PassRequest", "request_body", "check_reply", "server_moments"]
 
 MAX_ELEMENTS_PER_SAMPLE = 1 << 24
 """A layer's count per sample is its spatial size: far below this for any model that fits a device."""
 
 
+@dataclass(frozen=True)
+class PassRequest:
+    """A ``norm_pass``: the new global client portion (encoded once per split and width) and how
+    many local batches of what size to run through it; the activations go back in ``codec``."""
+
+    model: str
+    split: int
+    width: int
+    weights: dict[str, Any]
+    batches: int
+    batch_size: int
+    codec: str
+    zstd_level: int
+    activation_shape: tuple[int, ...]
+
+    LIMITS: ClassVar[tuple[tuple[str, int, int], ...]] = (
+        ("batches", 1, 64), ("batch_size", 1, 4096), ("split", 0, 10_000), ("width", 0, 1 << 20), ("zstd_level", 0, 22))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"model": self.model, "split": int(self.split), "width": int(self.width), "weights": self.weights,
+                "batches": int(self.batches), "batch_size": int(self.batch_size), "codec": self.codec,
+                "zstd_level": int(self.zstd_level), "activation_shape": [int(d) for d in self.activation_shape]}
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> "PassRequest":
+        """Range-check every field (the protocol schema did the types)."""
+        for key, lo, hi in cls.LIMITS:
+            if not lo <= b[key] <= hi:
+                raise wire.WireError(f"norm_pass.{key}: {b[key]} is out of range")
+        wire.check_codec(b["codec"])
+        shape = b["activation_shape"]
+        if len(shape) > 6 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise wire.WireError(f"norm_pass.activation_shape: bad shape {shape}")
+        return cls(b["model"], b["split"], b["width"], b["weights"], b["batches"], b["batch_size"], b["codec"],
+                   b["zstd_level"], tuple(shape))
+
+
 def request_body(model_name: str, split: int, width: int, weights: dict[str, Any], *, batches: int,
                  batch_size: int, codec: str, zstd_level: int, activation_shape: tuple[int, ...]) -> dict[str, Any]:
-    """A ``norm_pass`` body: the new global client portion (encoded once per split and width) and
-    how many local batches to run through it."""
-    return {"model": model_name, "split": int(split), "width": int(width), "weights": weights,
-            "batches": int(batches), "batch_size": int(batch_size), "codec": codec, "zstd_level": int(zstd_level),
-            "activation_shape": [int(d) for d in activation_shape]}
+    """A ``norm_pass`` body (:class:`PassRequest`)."""
+    return PassRequest(model_name, split, width, weights, batches, batch_size, codec, zstd_level,
+                       tuple(activation_shape)).to_body()
 
 
 def check_reply(body: dict[str, Any], model: SplitModel, split: int, samples: int,
