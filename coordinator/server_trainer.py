@@ -17,9 +17,9 @@ mean loss, which keeps a client learning rate meaning the same whatever the grou
 HeteroSFL (docs/methods/heterosfl.md) adds to that: a bottlenecked member's rows pass the first ``width``
 input channels of the group's decoder before they join (rows that joined earlier pass the
 whole pair, encode and decode, as in the full model's forward); the loss may be logit-calibrated
-per member (each row scored against its own agent's label counts); and with BDKS every
-member wider than the round's narrowest width also runs its rows through the narrower
-sub-bottlenecks, so the wide and narrow paths teach each other (:func:`_bdks_terms`).
+per member (each row scored against its own agent's label counts); and the method may add a
+term of its own to the loss (``LossSpec.term``: HeteroSFL's BDKS, whose narrow passes run
+through :meth:`ServerTrainer._server_forward`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from coordinator import host_copies
 from sfl_core.model.norm_layers import freeze
 from sfl_core.step_terms import StepTerms, leading_block
-from sfl_core.losses import LossSpec, logit_calibrated_ce, n2w_loss, under_represented_classes, w2n_loss
+from sfl_core.losses import LossSpec, logit_calibrated_ce
 from sfl_core.model.zoo import SplitModel
 
 if TYPE_CHECKING:
@@ -119,7 +119,6 @@ class ServerTrainer:
         self._group_of: dict[str, _Group] = {}
         self._widths: dict[str, int] = {}
         self._counts: dict[str, torch.Tensor] = {}
-        self._under: dict[int, list[int]] = {}
         self._sequential = False
         self.last_rows = 0
         """Rows the last :meth:`step` trained on (every server worker's, with a reducer)."""
@@ -135,11 +134,11 @@ class ServerTrainer:
         """Fresh copies of the current global model, one per group (optimiser state too, like the agents).
 
         ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
-        their registered label counts, needed by the calibrated loss and by BDKS; ``lr`` this
+        their registered label counts, needed by the calibrated loss and by a method's loss term; ``lr`` this
         round's learning rate (default: the trainer's). ``sequential`` is SplitFed v2: a group's
         copy takes one optimiser step per member, in turn, instead of one on the merged batch.
-        ``population_counts`` (every registered agent's label counts) is BDKS's global data set;
-        default: the round's bottlenecked agents (:meth:`_under_represented`). ``frozen_norms``:
+        ``population_counts`` (every registered agent's label counts) is handed to the method's
+        loss term (BDKS's global data set). ``frozen_norms``:
         the copies' BatchNorm layers normalise with the model's statistics and keep them
         (:func:`sfl_core.model.norm_layers.freeze`). ``corrections``: SCAFFOLD's ``c − cᵢ`` for the server
         layers of agents that have a copy of their own (:mod:`sfl_core.options.drift`).
@@ -159,31 +158,13 @@ class ServerTrainer:
             group.correct(corrections[mine[0]] if mine else None, proximal, self.device)
         self._group_of = {a: g for g in self._groups for a in g.members}
         self._widths = {a: w for a, w in (widths or {}).items() if w}
-        needs_counts = self.loss.kind == "calibrated" or self.loss.bdks
+        term = self.loss.term
+        needs_counts = self.loss.kind == "calibrated" or (term is not None and term.needs_counts)
         if needs_counts and label_counts is None:
             raise ValueError(f"loss {self.loss} needs the agents' label counts")
         self._counts = {a: torch.as_tensor(c, dtype=torch.float64) for a, c in (label_counts or {}).items()}
-        self._under = self._under_represented(population_counts) if self.loss.bdks else {}
-
-    def _under_represented(self, population: Mapping[str, Sequence[int]] | None = None) -> dict[int, list[int]]:
-        """BDKS's class set R for each width ``w`` wider than the round's narrowest (HeteroSFL §4.2):
-        the classes whose share in the data of this round's width-``w`` members is below θ times
-        their share in the global data set (label proportions, :func:`under_represented_classes`).
-
-        The paper's "global dataset" is everybody's data: ``population`` (every registered
-        agent's label counts; the round's agents are part of it). Without it, the round's
-        bottlenecked agents stand in for the population."""
-        if not self._widths:
-            return {}
-        pool = {a: torch.as_tensor(c, dtype=torch.float64) for a, c in (population or {}).items()}
-        pool.update({a: self._counts[a] for a in self._widths})
-        everyone = sum(pool.values())
-        out = {}
-        for w in sorted(set(self._widths.values()))[1:]:
-            group = sum(self._counts[a] for a, v in self._widths.items() if v == w)
-            out[w] = under_represented_classes(group.tolist(), everyone.tolist(),  # type: ignore[union-attr]
-                                               self.loss.theta, relative=True)
-        return out
+        if term is not None:
+            term.begin_round(self._widths, self._counts, population_counts)
 
     def stage(self, batch: Batch) -> Batch:
         """``batch`` on the server's device, its copy queued rather than waited for: staged as soon
@@ -340,7 +321,7 @@ class ServerTrainer:
 
     def _loss(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
               logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean loss over the group's rows (in ``order``), plus the BDKS terms of the wide rows."""
+        """Mean loss over the group's rows (in ``order``), plus the method's term (BDKS's, of the wide rows)."""
         if self.loss.kind == "calibrated":
             counts = torch.cat([self._counts[a].expand(inputs[a].shape[0], -1) for a in order]).to(self.device)
             # a row's own class counts at least once, whatever the agent registered: never an infinite margin
@@ -348,44 +329,15 @@ class ServerTrainer:
             loss = logit_calibrated_ce(logits, y, counts, self.loss.tau)
         else:
             loss = F.cross_entropy(logits, y)
-        if self.loss.bdks and len(self._under) > 0:
-            loss = loss + self._bdks_terms(group, order, inputs, logits)
+        extra = self.loss.term.terms(order, inputs, logits, group.splits, group.first,
+                                     lambda z: self._server_forward(group, z)) if self.loss.term is not None else None
+        if extra is not None:
+            loss = loss + extra
         return loss
-
-    def _bdks_terms(self, group: _Group, order: Sequence[str], inputs: Mapping[str, torch.Tensor],
-                    logits: torch.Tensor) -> torch.Tensor:
-        """BDKS (paper Eq. 6-8, extended to k groups): for the rows of a member of width ``w``
-        wider than the round's narrowest ``w_1``, the narrower sub-bottlenecks ``w_j < w`` run
-        too (the first ``w_j`` channels of the same activations). The narrowest path, trained
-        on everybody's data, teaches the wide one the classes under-represented in width
-        ``w``'s group (N2W, weight α); each narrower path learns from the wide path's soft
-        labels (W2N). Terms are weighted by the rows' share of the batch, like the mean loss."""
-        widths = sorted(set(self._widths.values()))
-        n = logits.shape[0]
-        offsets, pos = {}, 0
-        for a in order:
-            offsets[a] = (pos, pos + inputs[a].shape[0])
-            pos += inputs[a].shape[0]
-        total = logits.new_zeros(())
-        for w, under in self._under.items():
-            members = [a for a in order if self._widths.get(a) == w]
-            if not members:
-                continue
-            if any(group.splits[a] != group.first for a in members):
-                raise ValueError("BDKS needs every bottlenecked member on one split")
-            rows = torch.cat([torch.arange(*offsets[a], device=logits.device) for a in members])
-            wide = logits[rows]
-            z = torch.cat([inputs[a] for a in members])
-            narrower = {p: self._server_forward(group, z[:, :p]) for p in widths if p < w}
-            term = self.loss.alpha * n2w_loss(wide, narrower[widths[0]], under)
-            for narrow in narrower.values():
-                term = term + w2n_loss(narrow, wide)
-            total = total + term * (rows.numel() / n)
-        return total
 
     def _server_forward(self, group: _Group, z: torch.Tensor) -> torch.Tensor:
         """Logits of bottleneck codes ``z`` at the group's first split (decoder slice, then the blocks):
-        a BDKS narrow pass. It trains like the wide pass (BatchNorm normalises with the batch's
+        a narrow pass of a method's loss term (BDKS). It trains like the wide pass (BatchNorm normalises with the batch's
         statistics, gradients reach the same parameters), but its buffer updates go to scratch
         copies: BatchNorm's running statistics are what evaluation and the aggregated model use,
         and they must describe the wide path's activations, not the narrow sub-bottleneck's.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,24 @@ class LossSpec:
 
     kind: str = "ce"          # ce | calibrated
     tau: float = 1.0          # calibration strength (calibrated only)
-    bdks: bool = False
-    alpha: float = 1.0        # weight of N2W in BDKS
-    theta: float = 0.1        # under-represented threshold of BDKS
+    term: Optional["ServerTerm"] = None
+    """A term the method adds to every server copy's loss (HeteroSFL's BDKS)."""
+
+
+class ServerTerm(Protocol):
+    """A method's term in the server's loss, run by the server trainer for each group's batch."""
+
+    needs_counts: bool
+    """It reads the agents' label counts (the trainer then requires them)."""
+
+    def begin_round(self, widths: Mapping[str, int], counts: Mapping[str, torch.Tensor],
+                    population: Optional[Mapping[str, Sequence[int]]] = None) -> None:
+        """The round's bottleneck widths and label counts (``population``: every registered agent's)."""
+
+    def terms(self, order: Sequence[str], inputs: Mapping[str, torch.Tensor], logits: torch.Tensor,
+              splits: Mapping[str, int], first: int,
+              forward: Callable[[torch.Tensor], torch.Tensor]) -> Optional[torch.Tensor]:
+        """The term for a group's batch; None: nothing this round."""
 
 
 def _counts_tensor(label_counts: Counts, logits: torch.Tensor) -> torch.Tensor:

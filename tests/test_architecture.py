@@ -169,6 +169,7 @@ def test_nothing_imports_the_command_line_package():
 METHOD_HOMES = {   # a method's names and config section -> where they may be used
     "s2fl": "sfl_core/methods/s2fl/",
     "heterosfl": "sfl_core/methods/heterosfl/", "hetero": "sfl_core/methods/heterosfl/",
+    "bdks": "sfl_core/methods/heterosfl/",
     "mergesfl": "sfl_core/methods/mergesfl/",
     "auto": "sfl_core/methods/auto/",
     "fedfc": "sfl_core/methods/sfl.py",

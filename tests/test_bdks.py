@@ -10,6 +10,7 @@ import torch
 
 from coordinator.server_trainer import ServerTrainer
 from sfl_core.losses import LossSpec
+from sfl_core.methods.heterosfl.bdks import Bdks
 from sfl_core.model.zoo import build_model
 
 
@@ -27,10 +28,10 @@ POPULATION = {**ROUND, "x": [0, 200, 0]}         # an agent not selected this ro
 
 
 def _under(population=None, theta=0.1) -> list[int]:
-    trainer = _trainer(LossSpec("calibrated", bdks=True, theta=theta))
+    trainer = _trainer(LossSpec("calibrated", term=Bdks(theta=theta)))
     kw = {} if population is None else {"population_counts": population}
     trainer.begin_round([["n", "w"]], {"n": 2, "w": 2}, widths={"n": 2, "w": 8}, label_counts=ROUND, **kw)
-    return trainer._under[8]
+    return trainer.loss.term.under[8]
 
 
 def test_r_compares_the_wide_groups_share_with_the_global_share():
@@ -78,9 +79,9 @@ def _run(spec: LossSpec):
 def test_narrow_passes_leave_batchnorm_running_statistics_to_the_wide_path():
     """A BDKS step leaves BatchNorm's running mean, variance and batch count exactly where the
     same step without BDKS (the wide pass over the merged batch only) leaves them."""
-    with_bdks, g_on = _run(LossSpec("calibrated", bdks=True, alpha=1.0, theta=0.5))
+    with_bdks, g_on = _run(LossSpec("calibrated", term=Bdks(alpha=1.0, theta=0.5)))
     without, g_off = _run(LossSpec("calibrated"))
-    assert with_bdks._under[8]      # the N2W term is active
+    assert with_bdks.loss.term.under[8]      # the N2W term is active
     on, off = with_bdks.member_state("w", 2), without.member_state("w", 2)
     stats = [k for k in on if k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
     assert len(stats) >= 9
@@ -95,7 +96,7 @@ def test_narrow_passes_leave_batchnorm_running_statistics_to_the_wide_path():
 def test_narrow_pass_logits_are_those_of_a_plain_training_forward():
     """Only the buffers are kept aside: the narrow pass normalises with its batch's statistics
     and computes what the module would in train mode."""
-    trainer = ServerTrainer(_bn_model(), lr=0.1, loss=LossSpec("ce", bdks=True))
+    trainer = ServerTrainer(_bn_model(), lr=0.1, loss=LossSpec("ce", term=Bdks()))
     trainer.begin_round([["w"]], {"w": 2}, widths={"w": 8}, label_counts={"w": [1] * 10})
     group = trainer._groups[0]
     reference = copy.deepcopy(group.model)
@@ -114,7 +115,7 @@ def test_narrow_pass_logits_are_those_of_a_plain_training_forward():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_narrow_passes_keep_running_statistics_on_the_gpu():
     trainer = ServerTrainer(_bn_model().cuda(), lr=0.1, device="cuda",
-                            loss=LossSpec("calibrated", bdks=True, theta=0.5))
+                            loss=LossSpec("calibrated", term=Bdks(theta=0.5)))
     trainer.begin_round([["n", "w"]], {"n": 2, "w": 2}, widths={"n": 2, "w": 8},
                         label_counts={"n": [3] * 10, "w": [3] * 5 + [0] * 5})
     trainer.step(_bn_batches())

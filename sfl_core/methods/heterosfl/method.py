@@ -16,6 +16,7 @@ from sfl_core.config.run import RunConfig
 from sfl_core.fleet import AgentInfo, uplink_rate
 from sfl_core.losses import LossSpec
 from sfl_core.methods.base import Layer, RoundPlan, resolved_split
+from sfl_core.methods.heterosfl.bdks import Bdks
 from sfl_core.methods.heterosfl.config import HeteroConfig
 from sfl_core.methods.heterosfl.groups import group_by_link_rate, widths_for_groups
 from sfl_core.model.accounting import SplitCost
@@ -35,7 +36,7 @@ class HeteroSFL(Layer):
     def server_loss(self) -> LossSpec:
         """The run's loss, with BDKS's distillation terms where ``hetero.bdks`` asks for them."""
         h = HeteroConfig.of(self.cfg)
-        return LossSpec(self.cfg.loss, self.cfg.calibration_tau, h.bdks, h.bdks_alpha, h.bdks_theta)
+        return LossSpec(self.cfg.loss, self.cfg.calibration_tau, Bdks(h.bdks_alpha, h.bdks_theta) if h.bdks else None)
 
     @classmethod
     def preview_variants(cls, base: RunConfig, model: SplitModel,
