@@ -3,7 +3,6 @@ training option (:mod:`sfl_core.options.norm_stats`) asks for it."""
 
 from __future__ import annotations
 
-import torch  # noqa: F401  (the layers are torch modules)
 from torch import nn
 
 __all__ = ["batch_norm_layers", "freeze"]

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from sfl_core.wire.assignment import Assignment
     from sfl_core.wire.protocol import Message
 
-__all__ = ["AssignField", "DeviceContext", "DeviceOption", "Phase", "RoundContext", "RoundOption", "ServerTerms", "split_state"]
+__all__ = ["AssignField", "DeviceContext", "DeviceOption", "Phase", "PhaseAgent", "RoundContext", "RoundOption",
+           "ServerTerms", "in_range", "split_state"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class AssignField:
     """None if the value is acceptable, else why not (``assign.<field>: <why>``)."""
 
 
-def number_in(lo: float, hi: float) -> Callable[[Any], Optional[str]]:
+def in_range(lo: float, hi: float) -> Callable[[Any], Optional[str]]:
     """A range check for :class:`AssignField` (NaN is out of every range)."""
     def check(v: Any) -> Optional[str]:
         return None if isinstance(v, (int, float)) and not math.isnan(v) and lo <= v <= hi else \

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Se
 
 import torch
 
-from sfl_core.options.base import AssignField, DeviceOption, RoundContext, RoundOption, ServerTerms, number_in
+from sfl_core.options.base import AssignField, DeviceOption, RoundContext, RoundOption, ServerTerms, in_range
 from sfl_core.options.drift.config import DriftConfig
 from sfl_core.options.drift.variates import STATE_PREFIX, ControlVariates
 from sfl_core.wire import codec as wire
@@ -41,7 +41,7 @@ def copies_per_agent(plan: "RoundPlan", split_agents: Sequence[str]) -> bool:
 class Drift(RoundOption):
     SECTION: ClassVar[type[DriftConfig]] = DriftConfig
     ASSIGN_FIELDS: ClassVar[Mapping[str, AssignField]] = {
-        "prox_mu": AssignField((int, float), number_in(0.0, MAX_MU)),   # FedProx's μ
+        "prox_mu": AssignField((int, float), in_range(0.0, MAX_MU)),   # FedProx's μ
         "correction": AssignField(dict),                                 # SCAFFOLD's c − cᵢ (encoded state)
     }
     RUN_INFO = ("drift",)
