@@ -109,7 +109,8 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
         self._round_wall0 = time.monotonic()   # when the current round began, on this host
         self._latest_width: dict[str, int] = {}          # "split/agent" -> the agent's latest bottleneck width there
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
-                                    loss=self.method.server_loss(),
+                                    loss=functools.reduce(lambda spec, o: o.server_loss(spec), self.options,
+                                                          self.method.server_loss()),
                                     reducer=GradReducer(shards) if shards is not None else None)
         self.session = FleetSession(cfg, transport, self.registry, virtual=clock.virtual, now=self._now,
                                     on_event=self.on_event, on_drop=self.server.drop,
@@ -218,8 +219,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
                           f"{r - 1} are checkpointed: restart with --resume")
 
     def _needed(self, selected: int) -> int:
-        """Completed agents a round needs to count: ``min_completed`` (default one), at most the
-        agents selected."""
+        """Completed agents a round needs to count: ``min_completed``, at most the agents selected."""
         return min(self.cfg.min_completed, max(selected, 1))
 
     def run_round(self, r: int) -> dict[str, Any]:

@@ -32,6 +32,7 @@ _OPTIONS: dict[str, Union[str, type[RoundOption]]] = {
     "server_opt": "sfl_core.options.server_opt.option:ServerOpt",
     "norm_stats": "sfl_core.options.norm_stats.option:NormStats",
     "model_ema": "sfl_core.options.model_ema.option:ModelEma",
+    "loss": "sfl_core.options.calibrated_loss.option:CalibratedLoss",
 }
 """YAML key of the option's section -> its class."""
 _SECTIONS: dict[str, Union[str, type[OptionSection]]] = {
@@ -39,6 +40,7 @@ _SECTIONS: dict[str, Union[str, type[OptionSection]]] = {
     "server_opt": "sfl_core.options.server_opt.config:ServerOptConfig",
     "norm_stats": "sfl_core.options.norm_stats.config:NormStatsConfig",
     "model_ema": "sfl_core.options.model_ema.config:ModelEmaConfig",
+    "loss": "sfl_core.options.calibrated_loss.config:LossConfig",
 }
 """YAML key -> the option's section class (a section module imports only the config's building
 blocks, so the run config may load it while it is itself being read)."""

@@ -248,6 +248,7 @@ OPTION_HOMES = {   # an option's section key, wire names and kinds -> where they
     **{name: "sfl_core/options/norm_stats/" for name in ("norm_stats", "norm_pass", "norm_sums", "freeze_norm",
                                                           "local_norm", "fedbn", "fixbn")},
     **{name: "sfl_core/options/model_ema/" for name in ("model_ema", "ema")},
+    **{name: "sfl_core/options/calibrated_loss/" for name in ("calibration_tau",)},
 }
 OPTION_REGISTRATION = "sfl_core/option_registry.py"
 
@@ -388,3 +389,14 @@ def test_a_training_option_is_one_module_and_its_registration(tmp_path):
         unregister_option("server_step")
         sys.modules.pop("own_option_example", None)
         sys.path.remove(str(tmp_path))
+
+
+def test_every_package_folder_is_a_package_the_wheel_ships():
+    """A folder of product modules without ``__init__.py``, or missing from pyproject's
+    ``packages``, would work from the checkout and be left out of the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(REPO).parts) for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+    assert sorted(f for f in folders if not (REPO / f.replace(".", "/") / "__init__.py").is_file()) == []
+    assert sorted(folders - listed) == []

@@ -132,10 +132,6 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'evaluate on the first N samples of the test set (faster rounds in big simulations); null = the whole test set.'),
     ('eval_every',
      "score the global model on the server's validation set every k rounds and after the last (the rounds between record accuracy null); each round's metrics give the seconds it took (eval_s)."),
-    ('loss',
-     "server-side training loss: ce (cross-entropy) | calibrated (FedLC logit calibration, Zhang et al. 2022: logit z_c - tau * n_c^(-1/4) with n_c the row's agent's count of class c; counters label skew)."),
-    ('calibration_tau',
-     'calibration strength tau >= 0 (0 = plain cross-entropy).'),
     ('privacy',
      "what the agents keep back and the defenses they apply to what they send (docs/methods/privacy.md). A simulation applies them to its in-process agents; a deployed agent takes them from its own sfl-agent start flags (--nopeek, --activation-noise, --withhold-labels, --label-protection, --dp-sgd) and declares them when it registers. Each round's metrics record them."),
     ('privacy.nopeek',
@@ -168,6 +164,7 @@ def accepted_keys() -> set[str]:
              "privacy": config.PrivacyConfig}
     for section, cls in parts.items():
         keys |= {section} | {f"{section}.{f.name}" for f in dataclasses.fields(cls)}
+        keys |= set(getattr(cls, "ALIASES", {}))   # a former core key, read into its section
     return keys
 
 
@@ -179,6 +176,8 @@ def documented() -> list[tuple[str, str]]:
         if path == SECTIONS_BEFORE:
             for key, section in sections().items():
                 out += [(f"{key}.{sub}" if sub else key, meaning) for sub, meaning in section.DOCS]
+                out += [(alias, f"the same as {key}.{name} (a top-level key of earlier run files)")
+                        for alias, name in section.ALIASES.items()]
         out.append((path, text))
     return out
 
@@ -210,7 +209,8 @@ def _entries() -> Iterator[tuple[str, str, str, str | None]]:
     """(path, key, meaning, default text or None) per documented key."""
     values = defaults()
     for path, text in documented():
-        default = None if path in _NO_DEFAULT or path in sections() else _value(values[path])
+        aliases = {alias for section in sections().values() for alias in section.ALIASES}
+        default = None if path in _NO_DEFAULT or path in sections() or path in aliases else _value(values[path])
         yield path, path.rsplit(".", 1)[-1], text, default
 
 

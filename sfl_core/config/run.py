@@ -94,9 +94,6 @@ __all__ = [
     "run_config_to_dict",
 ]
 
-LOSSES = ("ce", "calibrated")
-"""The server's loss: cross-entropy, or logit calibration (FedLC, as HeteroSFL uses it).
-Strategies are the methods' names (:func:`sfl_core.methods.strategies`)."""
 SERVER_MODES = ("merged", "per_agent", "sequential")
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1 (a server
 copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent)."""
@@ -172,8 +169,6 @@ class RunConfig(Section):
     """Score the global model on the server's validation set every this many rounds (and after
     the last); the rounds between record no accuracy. Evaluation is often most of a small
     simulation's time: each round's metrics say how much (``eval_s``)."""
-    loss: Annotated[str, checked(one_of(*LOSSES))] = "ce"   # ce | calibrated (FedLC logit calibration, docs/methods/heterosfl.md)
-    calibration_tau: Annotated[float, AT_LEAST_0] = 1.0    # calibration strength tau of the calibrated loss
     sections: Mapping[str, Any] = field(default_factory=lambda: {k: s() for k, s in sections().items()})
     """Each method's and training option's own section by YAML key (``s2fl:``, ``drift:``, ...:
     the classes registered in :mod:`sfl_core.method_registry` and :mod:`sfl_core.option_registry`);
@@ -184,7 +179,7 @@ class RunConfig(Section):
 
     @classmethod
     def gathered_keys(cls) -> list[str]:
-        return list(sections())
+        return [*sections(), *(alias for s in sections().values() for alias in s.ALIASES)]
 
     @classmethod
     def gather(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +187,13 @@ class RunConfig(Section):
         registered = sections()
         given = dict(data.pop("sections", None) or {})
         given.update({key: data.pop(key) for key in registered if key in data})
+        for key, section in registered.items():   # a former core key, now a field of its section
+            for alias, name in section.ALIASES.items():
+                if alias in data:
+                    mine = given.get(key)
+                    mine = {section.SHORTHAND: mine} if section.SHORTHAND and mine is not None and \
+                        not isinstance(mine, Mapping) else dict(mine or {})
+                    given[key] = {**mine, name: data.pop(alias)}
         for key in given:
             if key not in registered:
                 raise invalid(key, f"no method or option registers a section {key!r} (known: {', '.join(registered)})")

@@ -15,7 +15,7 @@ own arguments, as each strategy of Flower does in its constructor.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypeVar
 
 from sfl_core.config.fields import Section
 
@@ -35,6 +35,9 @@ class MethodSection(Section):
 
     KEY: ClassVar[str] = ""
     DOCS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    ALIASES: ClassVar[Mapping[str, str]] = {}
+    """Top-level YAML keys the section also reads, each as one of its fields (a key that was a
+    core key before the section existed: run files keep working)."""
 
     @classmethod
     def of(cls: type[S], run: "RunConfig") -> S:

@@ -213,7 +213,7 @@ class Method:
 
     def server_loss(self) -> LossSpec:
         """How the server scores the rows it trains on: the run's ``loss`` by default."""
-        return LossSpec(self.cfg.loss, self.cfg.calibration_tau)
+        return LossSpec()
 
     # ----------------------------------------------------------------- what comes back
     def observe(self, rounds: Sequence[AgentRound]) -> None:

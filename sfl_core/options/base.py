@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
     from sfl_core.config.section import OptionSection
     from sfl_core.fleet import AgentInfo
+    from sfl_core.losses import LossSpec
     from sfl_core.methods.base import RoundPlan
     from sfl_core.model.accounting import SplitCost
     from sfl_core.model.zoo import SplitModel
@@ -198,6 +199,10 @@ class RoundOption:
     def assign_fields(self, ctx: RoundContext, r: int, agent: str, split: int, width: int) -> dict[str, Any]:
         """The fields of :attr:`ASSIGN_FIELDS` this agent's assignment carries this round."""
         return {}
+
+    def server_loss(self, spec: "LossSpec") -> "LossSpec":
+        """The server's loss, as the method asked for it (``spec``) and this option changes it."""
+        return spec
 
     def observe_updates(self, ctx: RoundContext, start: Mapping[str, torch.Tensor],
                         clients: Mapping[str, Mapping[str, torch.Tensor]],

@@ -36,7 +36,7 @@ class HeteroSFL(Layer):
     def server_loss(self) -> LossSpec:
         """The run's loss, with BDKS's distillation terms where ``hetero.bdks`` asks for them."""
         h = HeteroConfig.of(self.cfg)
-        return LossSpec(self.cfg.loss, self.cfg.calibration_tau, Bdks(h.bdks_alpha, h.bdks_theta) if h.bdks else None)
+        return LossSpec(term=Bdks(h.bdks_alpha, h.bdks_theta) if h.bdks else None)
 
     @classmethod
     def preview_variants(cls, base: RunConfig, model: SplitModel,

@@ -1,0 +1,1 @@
+"""The server's calibrated loss (``loss: calibrated``): FedLC's logit calibration."""

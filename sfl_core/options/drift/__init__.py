@@ -1,0 +1,1 @@
+"""Drift correction (``drift:``): FedProx and SCAFFOLD, its section, hooks and control variates."""

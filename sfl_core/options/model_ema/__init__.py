@@ -1,0 +1,1 @@
+"""The delivered model average (``model_ema:``): an exponential moving average over rounds."""

@@ -1,0 +1,1 @@
+"""BatchNorm statistics (``norm_stats:``): federated statistics passes, FixBN, FedBN."""

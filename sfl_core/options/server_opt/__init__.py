@@ -1,0 +1,1 @@
+"""Server optimisers (``server_opt:``): FedAvgM, FedAdam, FedYogi on the aggregate."""
