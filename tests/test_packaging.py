@@ -105,7 +105,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 
 def test_profiles_dir_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """$SFL_PROFILES_DIR, else a source checkout's profiles/, else the installed sfl_profiles package."""
-    from sfl_core.config import run as config
+    from sfl_core.config import profiles as config
     monkeypatch.delenv("SFL_PROFILES_DIR", raising=False)
     assert (config.default_profiles_dir(), config.profiles_origin()) == (REPO / "profiles", "source checkout")
     # as installed from a wheel: no checkout around sfl_core, the package beside it

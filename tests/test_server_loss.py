@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from coordinator.server_trainer import ServerTrainer
 from sfl_core.losses import LossSpec
+from sfl_core.methods.heterosfl.bdks import Bdks
 from sfl_core.model.zoo import build_model
 
 
@@ -61,7 +62,7 @@ def test_bdks_changes_only_the_wide_members_gradient():
     """BDKS terms are functions of the wide rows only: the narrow member's gradient is the same
     with and without them, the wide member's differs, and every channel of its code gets one."""
     _, (g_off, _) = _step(LossSpec("calibrated"))
-    _, (g_on, _) = _step(LossSpec("calibrated", bdks=True, alpha=1.0, theta=0.5))
+    _, (g_on, _) = _step(LossSpec("calibrated", term=Bdks(alpha=1.0, theta=0.5)))
     torch.testing.assert_close(g_on["n"], g_off["n"])
     assert not torch.allclose(g_on["w"], g_off["w"])
     # W2N flows through the narrow sub-bottleneck: only the first 2 channels see the extra term
@@ -72,7 +73,7 @@ def test_bdks_changes_only_the_wide_members_gradient():
 def test_bdks_trains_the_decoder_and_server_blocks():
     model = _model()
     before = copy.deepcopy(model.state_dict())
-    trainer, _ = _step(LossSpec("calibrated", bdks=True), model=model)
+    trainer, _ = _step(LossSpec("calibrated", term=Bdks()), model=model)
     after = trainer.member_state("w", 2)
     for key in ("bottlenecks.2.decoder.weight", "blocks.3.linear.weight"):
         assert not torch.equal(after[key], before[key]), key
