@@ -21,6 +21,7 @@ import torch
 from torch import special
 
 from sfl_core import option_registry
+from sfl_core.wire.codec import nominal_ratio
 from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
 
 if TYPE_CHECKING:
@@ -337,3 +338,9 @@ def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:
     """Activation bytes on the wire over fp32: the codec's ratio, times ``width / channels`` where a
     bottleneck of ``width`` channels (0: none) crosses instead of the cut's ``channels``."""
     return codec_ratio * (width / channels if width else 1.0)
+
+
+def cut_wire_fraction(cost: "SplitCost", codec: str, width: int) -> float:
+    """:func:`wire_fraction` of ``codec``'s nominal ratio at the cut ``cost`` describes."""
+    channels = cost.activation_shape[0] if cost.activation_shape else 1
+    return wire_fraction(nominal_ratio(codec), width, channels)

@@ -22,7 +22,7 @@ from sfl_core.method_registry import method_classes
 from sfl_core.methods import build_method
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel
-from sfl_core.timing import price_option, wire_fraction
+from sfl_core.timing import price_option
 from sfl_core.wire.codec import nominal_ratio
 
 
@@ -104,11 +104,10 @@ def _planned_round(variant: RunConfig, method: Any, costs: Mapping[int, SplitCos
         cost = costs[split]
         codec = plan.codecs.get(a, variant.codec)
         width = plan.widths.get(a, 0)
-        channels = cost.activation_shape[0] if cost.activation_shape else 1
         batch = batches.get(a) or variant.batch_size
         opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width,
                            split_agents=len(selected))
-        ratio = wire_fraction(nominal_ratio(codec), width, channels)
+        ratio = timing.cut_wire_fraction(cost, codec, width)
         # weights up, and down with what the options add (a correction)
         portions = 2 + sum(o.portions_down(variant) for o in option_registry.wanted(variant))
         traffic = portions * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio

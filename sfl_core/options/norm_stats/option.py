@@ -23,7 +23,6 @@ from sfl_core.options.norm_stats import exchange
 from sfl_core.options.norm_stats import stats as norm_stats
 from sfl_core.options.norm_stats.config import NormStatsConfig
 from sfl_core.options.norm_stats.device import NormStatsOnDevice
-from sfl_core.wire.codec import nominal_ratio
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
@@ -55,11 +54,6 @@ def predict_pass(cfg: "RunConfig", cost: "SplitCost", info: "AgentInfo", *, rati
     return t.total_s, up + cost.client_param_bytes
 
 
-def _ratio(cost: "SplitCost", codec: str, width: int) -> float:
-    channels = cost.activation_shape[0] if cost.activation_shape else 1
-    return timing.wire_fraction(nominal_ratio(codec), width, channels)
-
-
 def pass_agents(cfg: "RunConfig", costs: Mapping[int, "SplitCost"], infos: Mapping[str, "AgentInfo"],
                 plans: Mapping[str, tuple[int, str, int]]) -> list[str]:
     """Who runs a round's statistics pass: every agent of ``plans`` (agent -> its split, codec
@@ -72,7 +66,7 @@ def pass_agents(cfg: "RunConfig", costs: Mapping[int, "SplitCost"], infos: Mappi
 
     def seconds(a: str) -> float:
         split, codec, width = plans[a]
-        return predict_pass(cfg, costs[split], infos[a], ratio=_ratio(costs[split], codec, width))[0]
+        return predict_pass(cfg, costs[split], infos[a], ratio=timing.cut_wire_fraction(costs[split], codec, width))[0]
     chosen = set(sorted(ids, key=seconds)[:k])
     return [a for a in ids if a in chosen]
 
@@ -114,8 +108,7 @@ class NormStats(RoundOption):
         ns = cls.settings(cfg)
         if not ns.federated:
             return 0.0, 0.0
-        priced = [predict_pass(cfg, costs[plans[a][0]], infos[a], ratio=_ratio(costs[plans[a][0]], plans[a][1],
-                                                                               plans[a][2]))
+        priced = [predict_pass(cfg, costs[plans[a][0]], infos[a], ratio=timing.cut_wire_fraction(costs[plans[a][0]], plans[a][1], plans[a][2]))
                   for a in pass_agents(cfg, costs, infos, plans)]
         share = (min(ns.freeze_after, cfg.rounds) / cfg.rounds if ns.freeze_after else 1.0) / ns.every
         return max((t for t, _ in priced), default=0.0) * share, sum(b for _, b in priced) * share

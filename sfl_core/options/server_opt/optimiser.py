@@ -29,11 +29,11 @@ server copy trained on every row is not an average, and its own optimiser alread
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, Iterable, Mapping, Optional
+from typing import Dict, Hashable, Iterable, Mapping
 
 import torch
 
-__all__ = ["KINDS", "ServerOptimizer", "STATE_PREFIX", "averaged_names", "from_config"]
+__all__ = ["KINDS", "ServerOptimizer", "STATE_PREFIX", "averaged_names"]
 
 from sfl_core.options.server_opt.config import KINDS
 STATE_PREFIX = "@server_opt/"
@@ -120,7 +120,3 @@ def averaged_names(client_states: Mapping[str, Mapping[str, torch.Tensor]],
                 copies.setdefault(k, set()).add(copy_of.get(a, a))
     return sorted((held | {k for k, c in copies.items() if len(c) > 1}) & names)
 
-
-def from_config(kind: str, lr: float, beta1: float, beta2: float, tau: float) -> Optional[ServerOptimizer]:
-    """The configured optimiser, or None for ``kind: none`` (plain aggregation)."""
-    return None if kind == "none" else ServerOptimizer(kind, lr, beta1, beta2, tau)
