@@ -32,6 +32,7 @@ from coordinator.clock import WallClock
 from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine
 from coordinator.run_lock import RunLock, RunLocked
+from coordinator.run_parts import RunParts
 from coordinator.server_trainer import pick_device
 from coordinator.transport import LocalTransport
 from sfl_core import liveness, option_registry
@@ -162,10 +163,12 @@ def _parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None, method: Optional[Method] = None) -> dict:
+def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None, method: Optional[Method] = None,
+                  model_architecture: Optional[list[str]] = None) -> dict:
     """What agents read first. A run on the devices' own data adds its task contract, the
     standardisation constants when already known (given, or restored by ``--resume``), and
-    its model's fingerprint."""
+    its model's fingerprint. A running engine hands its ``method`` and ``model_architecture``
+    (built once, when it started); without them they are built here."""
     if method is None:   # the engine's, where it is built already
         model = build_model(cfg.model, data.input_shape, data.num_classes)
         method = build_method(cfg, model, model_costs(cfg.model, data.input_shape, data.num_classes))
@@ -182,7 +185,8 @@ def run_info_body(cfg: RunConfig, data, normalize: Optional[dict] = None, method
     for option in option_registry.wanted(cfg):   # an agent that cannot honour an option does not join
         body.update(option.run_info(cfg))
     if fingerprinted(cfg):
-        body["architecture"] = architecture(build_model(cfg.model, data.input_shape, data.num_classes))
+        body["architecture"] = model_architecture or architecture(build_model(cfg.model, data.input_shape,
+                                                                              data.num_classes))
     if cfg.task is not None:
         body["task"] = {**cfg.task.to_wire(), "bad_files": cfg.data.bad_files}
         if normalize is not None:
@@ -195,7 +199,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
           device: str = "auto", quiet: bool = False, on_broker: Optional[Callable[["str | BrokerAddress", str], None]] = None,
           listen: str = "127.0.0.1:0", insecure_listen: bool = False,
           console: Optional[Console] = None, signing_key: Optional[Path] = None,
-          observers: Optional[list[Any]] = None) -> tuple[list[dict], RoundEngine]:
+          observers: Optional[list[Any]] = None, parts: Optional[RunParts] = None) -> tuple[list[dict], RoundEngine]:
     """Start (or connect to) a broker, announce the run, drive the rounds. Used by ``serve`` and ``demo``.
 
     Order matters to an operator: the run directory's lock first (a second coordinator of the
@@ -207,7 +211,8 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     keep it and wait for the restarted coordinator. ``observers``: event sinks with an
     optional ``attach(engine)`` (metrics exporter, live page). ``on_broker(url, key)``: called
     just before the run is announced, with the broker's URL and the coordinator's public key
-    (what the demo starts its agents with).
+    (what the demo starts its agents with). ``parts``: the model and method the caller built
+    while checking the config (:func:`coordinator.run_parts.build_parts`).
     """
     from coordinator.broker import EmbeddedBroker
     from coordinator.mqtt_transport import DuplicateCoordinatorError, MqttTransport
@@ -254,7 +259,8 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
         engine = RoundEngine(cfg, _Unconnected(), WallClock(), (data.x_test, data.y_test),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
                              device=shards.device if shards else pick_device(device), on_event=events,
-                             checkpoint=checkpoint, preprocessing=data.preprocessing, shards=shards)
+                             checkpoint=checkpoint, preprocessing=data.preprocessing, shards=shards,
+                             parts=parts)
         if broker is None:
             embedded = EmbeddedBroker(host=host, port=port).start()
             broker = embedded.url
@@ -281,7 +287,8 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
                 obs.attach(engine)
         if on_broker is not None:
             on_broker(broker, public)
-        transport.publish_run_info(run_info_body(cfg, data, engine.known_normalization(), engine.method))
+        transport.publish_run_info(run_info_body(cfg, data, engine.known_normalization(), engine.method,
+                                                     engine.architecture))
         with display:
             history = engine.run()
         finished = True

@@ -21,11 +21,11 @@ from coordinator import shard_round
 from coordinator import state as ckpt
 from coordinator.clock import Clock
 from coordinator.deadline import round_deadline
-from coordinator.export import run_model
 from coordinator.option_host import OptionHost
 from coordinator.pricing import price_phase, price_round
 from coordinator.registry import Registry
 from coordinator.round_record import round_record
+from coordinator.run_parts import RunParts, build_parts
 from coordinator.run_state import RunState
 from coordinator.scoring import Scoring
 from coordinator.server_trainer import ServerTrainer
@@ -39,12 +39,11 @@ from coordinator.widths import widen_bottlenecks
 from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
 from sfl_core.data.preprocessing import Normalization
-from sfl_core.methods import build_method
 from sfl_core.methods.base import RoundPlan
-from sfl_core.model.accounting import model_costs, split_note
+from sfl_core.model.accounting import split_note
 from sfl_core.model.bottleneck import bottleneck_shape, slice_state
-from sfl_core.model.fingerprint import architecture, digest, fingerprinted
-from sfl_core.model.zoo import SplitModel, build_model
+from sfl_core.model.fingerprint import digest
+from sfl_core.model.zoo import SplitModel
 from sfl_core.option_registry import build_options
 from sfl_core.options.base import ServerTerms
 from sfl_core.wire import codec as wire
@@ -72,12 +71,14 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
                  device: torch.device | str = "cpu", on_event: Optional[Event] = None,
                  checkpoint: Optional[tuple[dict[str, torch.Tensor], dict[str, Any]]] = None,
-                 preprocessing: Optional[dict[str, Any]] = None, shards: Optional[ServerShards] = None):
+                 preprocessing: Optional[dict[str, Any]] = None, shards: Optional[ServerShards] = None,
+                 parts: Optional[RunParts] = None):
         """``checkpoint``: what :func:`coordinator.state.load` read from ``out_dir``, to resume
         after its round (load it before starting anything, so a bad file stops nothing).
         ``preprocessing``: the data set's (``Dataset.preprocessing``), kept with the model.
         ``shards``: this process is one of several server workers (:mod:`coordinator.server_workers`);
-        the leader runs :meth:`run`, the others :meth:`serve_shard`."""
+        the leader runs :meth:`run`, the others :meth:`serve_shard`. ``parts``: the model and method
+        the caller built while checking the config (:func:`coordinator.run_parts.build_parts`)."""
         self.shards = shards
         self.preprocessing = preprocessing
         self.cfg = cfg
@@ -90,19 +91,16 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
         self.device = torch.device(device)
         self.on_event = on_event or (lambda _e, _d: None)
         self._now: Callable[[], float] = transport.live_time
-        torch.manual_seed(cfg.seed)
-        self.model: SplitModel = run_model(cfg, self.input_shape, num_classes).to(self.device)
+        parts = parts or build_parts(cfg, self.input_shape, num_classes)
+        torch.set_rng_state(parts.rng_state)   # the run draws on from where building its parts left off
+        self.model: SplitModel = parts.model.to(self.device)
+        self.costs, self.method, self.architecture = parts.costs, parts.method, parts.architecture
         task = cfg.task
         self.registry = Registry(num_classes, now=self._now,
                                  channels=task.input_shape[0] if task is not None and task.normalize == "federated"
                                  else None,
-                                 architecture=digest(architecture(build_model(cfg.model, self.input_shape, num_classes)))
-                                 if fingerprinted(cfg) else None)
-        self.costs = model_costs(cfg.model, self.input_shape, num_classes)
+                                 architecture=digest(self.architecture) if self.architecture is not None else None)
         self._eval_batch = evaluation_batch(max(c.activation_bytes for c in self.costs.values()), self.device)
-        for s in ([cfg.split] if cfg.split is not None else []) + list((cfg.profile_splits or {}).values()):
-            self.model.check_split(s)
-        self.method = build_method(cfg, self.model, self.costs)
         self.options = build_options(cfg, self.model)   # the training options (sfl_core.options), in hook order
         self._round_start: dict[str, torch.Tensor] = {}
         self._terms = ServerTerms()   # what the options asked of this round's server copies

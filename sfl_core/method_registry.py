@@ -36,14 +36,17 @@ _BASES: dict[str, Union[str, MethodFactory]] = {
     "s2fl": "sfl_core.methods.s2fl.method:S2FL",
     "auto": "sfl_core.methods.auto.method:Auto",
 }
-_LAYERS: list[Union[str, type[Layer]]] = ["sfl_core.methods.heterosfl.method:HeteroSFL",
+_LAYERS: list[Union[str, type[Layer]]] = ["sfl_core.methods.fedfc.method:FedFC",
+                                            "sfl_core.methods.heterosfl.method:HeteroSFL",
                                             "sfl_core.methods.mergesfl.method:MergeSFL"]
-"""Applied in this order, innermost first: MergeSFL's selection sees HeteroSFL's plan underneath."""
+"""Applied in this order, innermost first: FedFC's cuts under HeteroSFL's widths, and MergeSFL's
+selection sees both underneath."""
 _SECTIONS: dict[str, Union[str, type[MethodSection]]] = {
     "s2fl": "sfl_core.methods.s2fl.config:S2flConfig",
     "mergesfl": "sfl_core.methods.mergesfl.config:MergeSflConfig",
     "hetero": "sfl_core.methods.heterosfl.config:HeteroConfig",
     "auto": "sfl_core.methods.auto.config:AutoConfig",
+    "fedfc": "sfl_core.methods.fedfc.config:FedFcConfig",
 }
 """YAML key -> the method's section class (``sfl_core/methods/<method>/config.py``); a section
 module imports only :mod:`sfl_core.config.fields`, ``values`` and ``section``, never the run
@@ -124,6 +127,16 @@ def prepare_model(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCo
 def _wanted_layers(cfg: RunConfig) -> list[Any]:
     """The registered layers ``cfg`` asks for, innermost first."""
     return [layer for layer in map(_resolve, _LAYERS) if layer.wanted(cfg)]
+
+
+def one_split_conflict(cfg: RunConfig) -> Any:
+    """Why the run's method (its base or a layer it asks for) does not keep every agent at one
+    fixed cut, which a bottleneck needs; None when it does."""
+    for method in (base_method(cfg.strategy), *_wanted_layers(cfg)):
+        conflict = getattr(method, "one_split_conflict", lambda _cfg: None)(cfg)
+        if conflict:
+            return conflict
+    return None
 
 
 def build_method(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) -> Method:

@@ -24,6 +24,7 @@ from coordinator.api import (
 )
 from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine
+from coordinator.run_parts import RunParts
 from coordinator.server_trainer import pick_device
 from coordinator.transport import Transport
 from sfl_core.config.run import RunConfig
@@ -34,26 +35,27 @@ from simulation.inprocess import build_fleet
 
 def run_simulation(cfg: RunConfig, *, resume: Resume = False, device: str = "auto", quiet: bool = True,
                    console: Optional[Console] = None, ray: Optional[str] = None,
-                   ray_workers: Optional[int] = None) -> tuple[list[dict], RoundEngine]:
+                   ray_workers: Optional[int] = None, parts: Optional[RunParts] = None) -> tuple[list[dict], RoundEngine]:
     """The same engine as :func:`coordinator.api.serve`, with in-process agents and a virtual clock: real
     training on real data, times from the device profiles and the real encoded bytes.
 
     ``ray``: place the agents in Ray actors instead, ``"local"`` for a Ray started here, else
-    a cluster address (``ray_workers`` actors, default one per CPU); same results, in parallel."""
+    a cluster address (``ray_workers`` actors, default one per CPU); same results, in parallel.
+    ``parts``: the model and method the caller built while checking the config."""
     console = console or Console(stderr=True)
     data = run_dataset(cfg)
     out = output_dir(cfg)
     lock = lock_run(out, cfg.run_id)
     try:
         checkpoint = read_checkpoint(out, resume)
-        return _simulate(cfg, data, out, checkpoint, device, quiet, console, ray, ray_workers)
+        return _simulate(cfg, data, out, checkpoint, device, quiet, console, ray, ray_workers, parts)
     finally:
         lock.release()
 
 
 def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tuple[dict, dict]], device: str,
               quiet: bool, console: Console, ray: Optional[str],
-              ray_workers: Optional[int]) -> tuple[list[dict], RoundEngine]:
+              ray_workers: Optional[int], parts: Optional[RunParts] = None) -> tuple[list[dict], RoundEngine]:
     if checkpoint is None:
         set_aside_earlier_run(out, console)
     dev = pick_device(device)
@@ -76,7 +78,7 @@ def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tup
             engine = RoundEngine(cfg, transport, VirtualClock(), (data.x_test, data.y_test),
                                  input_shape=data.input_shape, num_classes=data.num_classes, out_dir=out,
                                  device=dev, on_event=display, checkpoint=checkpoint,
-                                 preprocessing=data.preprocessing)
+                                 preprocessing=data.preprocessing, parts=parts)
             history = engine.run()
     finally:
         close = getattr(transport, "close", None)

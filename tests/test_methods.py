@@ -13,7 +13,7 @@ from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.methods import build_method, register_method, strategies, unregister_method
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.methods.fedavg import FedAvg
-from sfl_core.methods.sfl import FedFC
+from sfl_core.methods.fedfc.method import FedFC
 from sfl_core.methods.heterosfl.method import HeteroSFL
 from sfl_core.methods.mergesfl.method import MergeSFL
 from sfl_core.methods.s2fl.method import S2FL
@@ -41,7 +41,7 @@ def test_strategy_picks_the_base_and_the_config_adds_layers(tmp_path):
     assert type(_method(_cfg(tmp_path, strategy="fedavg"))) is FedAvg
     assert type(_method(_cfg(tmp_path, strategy="s2fl"))) is S2FL
     fedfc = _method(_cfg(tmp_path, profile_splits={"s2fl-low-low": 1, "s2fl-high-high": 2}))
-    assert type(fedfc) is FedFC and fedfc.configured_splits == (1, 2)
+    assert type(fedfc) is FedFC and type(fedfc.inner) is SFL and fedfc.configured_splits == (1, 2)
     both = _method(_cfg(tmp_path, hetero={"width": 8, "widths": [2, 8]}, mergesfl={"regulate": True}))
     # MergeSFL's batch sizes sit on top of HeteroSFL's widths, which sit on top of the fixed split
     assert type(both) is MergeSFL and type(both.inner) is HeteroSFL and type(both.inner.inner) is SFL

@@ -219,3 +219,25 @@ def test_profile_body():
 def test_activations_may_withhold_labels():
     body = {**VALID_BODIES["activations"], "y": None}
     assert protocol.decode(Message("activations", RUN, "a", body).encode(), run=RUN).body["y"] is None
+
+
+@pytest.mark.parametrize("mtype,key,value", [
+    ("weights", "num_samples", -1), ("weights", "compute_s", float("inf")), ("weights", "loss", float("-inf")),
+    ("weights", "compute_s", float("nan")), ("activations", "compute_s", -0.5), ("register", "index", -3),
+    ("register", "label_counts", [1, -2, 3]), ("evaluation", "count", -1), ("probe", "reply_bytes", -1),
+    ("assign", "batch_size", 0), ("assign", "lr", float("nan")), ("run_info", "num_classes", 0),
+])
+def test_a_number_out_of_its_range_is_refused_and_named(mtype, key, value):
+    """A device's (or a forger's) numbers are bounded at decode, before anything uses them."""
+    body = {**VALID_BODIES[mtype], key: value}
+    with pytest.raises(WireError, match=rf"{mtype}\.{key}: "):
+        protocol.decode(Message(mtype, RUN, "a", body).encode(), run=RUN)
+
+
+def test_relations_between_fields_and_a_loss_that_is_not_there():
+    bad = {**VALID_BODIES["evaluation"], "correct": 11, "count": 10}
+    with pytest.raises(WireError, match="evaluation: correct exceeds count"):
+        protocol.decode(Message("evaluation", RUN, "a", bad).encode(), run=RUN)
+    # a split agent's weights carry no local loss: NaN says so, and is accepted
+    none = {**VALID_BODIES["weights"], "loss": float("nan")}
+    assert protocol.decode(Message("weights", RUN, "a", none).encode(), run=RUN).body["num_samples"] == 10

@@ -12,15 +12,13 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from coordinator.export import run_model
 from sfl_core.config.run import ConfigError, RunConfig, default_profiles_dir, load_run_config
 from sfl_core.console import say
 from sfl_core.data.builtin import DatasetError, load_dataset
-from sfl_core.methods import build_method
-from sfl_core.model.accounting import model_costs
 from sfl_core.version import version_option
 
 if TYPE_CHECKING:
+    from coordinator.run_parts import RunParts
     from coordinator.web import WebAccess
 
 
@@ -97,13 +95,20 @@ def load_config(config: Path, rounds: Optional[int], output: Optional[Path], dat
             where = "--data" if data is not None and field == "data.root" else f"{config}: field '{field}'"
             tell(f"{where}: {exc}")
             raise typer.Exit(2)
-    shape, classes = shape_and_classes(cfg)
-    try:    # settings only the model can judge (a cut it lacks, a bottleneck wider than the cut)
-        build_method(cfg, run_model(cfg, shape, classes), model_costs(cfg.model, shape, classes))
-    except ValueError as exc:
-        tell(f"{config}: {exc}")
-        raise typer.Exit(2)
     return cfg
+
+
+def checked_parts(cfg: RunConfig, config: Path) -> "RunParts":
+    """The run's model and method, built once here and handed to the engine; settings only the
+    model can judge (a cut it lacks, a bottleneck wider than the cut) exit 2 with one line."""
+    from coordinator.run_parts import build_parts
+
+    shape, classes = shape_and_classes(cfg)
+    try:
+        return build_parts(cfg, shape, classes)
+    except ValueError as exc:
+        tell(f"{run_config_path(config)}: {exc}")
+        raise typer.Exit(2)
 
 
 def shape_and_classes(cfg: "RunConfig") -> tuple[tuple[int, ...], int]:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli.coord.app import app, console, label_counts, load_config, shape_and_classes, tell
+from cli.coord.app import app, checked_parts, console, label_counts, load_config, shape_and_classes, tell
 from sfl_core.config.run import ConfigError, default_profiles_dir, list_profiles, load_run_config
 from sfl_core.data.builtin import DatasetError
 from sfl_core.methods import build_method
@@ -87,6 +87,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     from sfl_core.methods.preview import preview
 
     cfg = load_config(config, None, None, data)
+    checked_parts(cfg, config)   # settings only the model can judge, before any table
     try:
         counts = label_counts(cfg)
     except DatasetError as exc:

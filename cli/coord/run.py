@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_from_options
-from cli.coord.app import DATA_OPTION, app, console, load_config, setup_logging, tell, web_access
+from cli.coord.app import DATA_OPTION, app, checked_parts, console, load_config, setup_logging, tell, web_access
 from coordinator import state as ckpt
 from coordinator.allocator import keep_freed_memory
 from coordinator.api import RunError, output_dir
@@ -156,6 +156,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     setup_logging(verbose)
     keep_freed_memory()
     cfg = load_config(config, rounds, output, data)
+    parts = checked_parts(cfg, config)
     problem = cannot_share(cfg.server_mode, broker is not None) if server_workers > 1 else None
     if problem:   # before any rank starts
         tell(f"--server-workers {server_workers}: {problem}")
@@ -181,7 +182,8 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
         history, engine = _run_daemon(cfg, lambda: serve_run(cfg, address, resume=how, device=device,
                                                               listen=listen, quiet=quiet,
                                                               insecure_listen=insecure_listen, console=console,
-                                                              signing_key=signing_key, observers=observers))
+                                                              signing_key=signing_key, observers=observers,
+                                                              parts=parts))
     finally:
         _end_processes(workers, grace_s=30)
     if engine.shards is not None and not engine.shards.leader:
@@ -213,11 +215,12 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
         tell("--ray-workers needs --ray (or --ray-address)")
         raise typer.Exit(2)
     cfg = load_config(config, rounds, output, data)
+    parts = checked_parts(cfg, config)
     how = _resume_mode(resume)
     history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=how, device=device, quiet=quiet,
                                                               console=console,
                                                               ray=ray_address or ("local" if ray else None),
-                                                              ray_workers=ray_workers))
+                                                              ray_workers=ray_workers, parts=parts))
     print_table(console, summary_table(history, engine.registry))
     tell(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}", style="default")
 
@@ -233,7 +236,9 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Zero-setup demo: embedded broker + coordinator + one emulated agent process per fleet member."""
     setup_logging(verbose)
-    cfg = load_config(config or default_profiles_dir() / DEMO_CONFIG, rounds, output, data)
+    config = config or default_profiles_dir() / DEMO_CONFIG
+    cfg = load_config(config, rounds, output, data)
+    parts = checked_parts(cfg, config)
     if broker is not None:
         try:
             address_from_options(broker, None, None, None, None)
@@ -264,7 +269,8 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     t0 = time.monotonic()
     finished = False
     try:
-        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, broker, on_broker=launch, console=console))
+        history, engine = _run_daemon(cfg, lambda: serve_run(cfg, broker, on_broker=launch, console=console,
+                                                               parts=parts))
         finished = True
     finally:
         # after a finished run the agents exit by themselves; otherwise (they would wait for a resumed

@@ -30,13 +30,6 @@ def _strategy(v: Any, fail: Fail) -> str:
     return v
 
 
-def _split_map(v: Any, fail: Fail) -> dict[str, int]:
-    if not isinstance(v, dict) or not v or not all(isinstance(k, str) and isinstance(x, int) and
-                                                   not isinstance(x, bool) and x >= 1 for k, x in v.items()):
-        fail("a mapping of device profile name to split point (an integer >= 1), or null")
-    return dict(v)
-
-
 def _codec(v: Any, fail: Fail) -> str:
     if not is_codec(v):
         fail("one of " + ", ".join(repr(c) for c in CODECS) + f" or {TOPK_PATTERN}")

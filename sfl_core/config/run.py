@@ -57,7 +57,7 @@ from sfl_core import method_registry, option_registry
 from sfl_core.method_registry import DEFAULT_STRATEGY
 from sfl_core.privacy import ActivationNoise
 from sfl_core.wire.codec import CODECS
-from sfl_core.config.core_keys import _codec, _ident, _model, _split_map, _strategy
+from sfl_core.config.core_keys import _codec, _ident, _model, _strategy
 from sfl_core.config.fleet import FleetEntry
 from sfl_core.config.profiles import (
     DeviceProfile,
@@ -128,10 +128,6 @@ class RunConfig(Section):
     strategy: Annotated[str, checked(_strategy)] = DEFAULT_STRATEGY
     server_mode: Annotated[str, checked(one_of(*SERVER_MODES))] = "merged"
     split: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # None = the model's default split point
-    profile_splits: Annotated[Optional[dict[str, int]], checked(optional(_split_map))] = None
-    """FedFC mixed cuts: split per device profile (strategy sfl)."""
-    server_weight: Annotated[str, checked(one_of("members", "once"))] = "members"
-    """A merged server copy in the layer-wise average: once per member | once."""
     batch_size: Annotated[int, POSITIVE_INTEGER] = 32
     lr: Annotated[float, POSITIVE_NUMBER] = 0.05
     lr_decay: Annotated[float, checked(number_in(0.0, hi=1.0, what="a number in (0, 1]"))] = 1.0
@@ -216,9 +212,6 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _relations(self) -> "RunConfig":
-        if self.profile_splits is not None and self.strategy != "sfl":
-            raise invalid("profile_splits", f"mixed cut layers need strategy 'sfl' without a bottleneck, "
-                                            f"got strategy {self.strategy!r}")
         for section in self.sections.values():
             section.check_run(self)
         if self.task is None and any(e.data is not None for e in self.fleet):

@@ -54,11 +54,10 @@ def resolved_split(cfg: RunConfig, model: SplitModel) -> int:
 
 def split_plan(cfg: RunConfig, splits: Mapping[str, int], phase: str, **extra: Any) -> RoundPlan:
     """A plan whose server side follows ``cfg.server_mode`` (merged: one copy for all; per_agent:
-    one copy each; sequential: one copy, agent after agent) and ``cfg.server_weight``."""
+    one copy each; sequential: one copy, agent after agent)."""
     ids = sorted(splits)
     groups = [[a] for a in ids] if cfg.server_mode == "per_agent" else [ids]
-    return RoundPlan(dict(splits), groups, phase, sequential=cfg.server_mode == "sequential",
-                     server_once=cfg.server_weight == "once", **extra)
+    return RoundPlan(dict(splits), groups, phase, sequential=cfg.server_mode == "sequential", **extra)
 
 
 @dataclass(frozen=True)
@@ -254,6 +253,11 @@ class Layer(Method):
     def wanted(cfg: RunConfig) -> bool:
         """Whether the run config asks for this layer."""
         raise NotImplementedError
+
+    @classmethod
+    def one_split_conflict(cls, cfg: RunConfig) -> Optional[str]:
+        """A layer keeps its inner method's cuts unless it says otherwise."""
+        return None
 
     @property
     def fleet(self) -> FleetEstimates:  # type: ignore[override]

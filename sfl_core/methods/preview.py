@@ -60,7 +60,7 @@ def variants(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost]) 
     """Each method on this config: the user's settings with every method's own switches off
     (``MethodSection.neutral``), then each registered method's runs of that common ground
     (``Method.preview_variants``)."""
-    base = dataclasses.replace(cfg, profile_splits=None, server_mode="merged",
+    base = dataclasses.replace(cfg, server_mode="merged",
                                sections={key: s.neutral() for key, s in cfg.sections.items()})
     out: dict[str, RunConfig] = {}
     for method in method_classes():

@@ -8,11 +8,12 @@ its executable form. Every message is a msgpack envelope (:mod:`sfl_core.wire.co
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 from sfl_core.wire import codec as wire
 
@@ -121,6 +122,47 @@ _CORE_OPTIONAL: dict[str, dict[str, Any]] = {
                  # or a declarative layer list (data, validated by the agent)
                  "model_file": str, "model_function": str, "model_layers": list},
 }
+
+
+def _at_least(lo: float, *, finite: bool = True) -> Callable[[Any], Optional[str]]:
+    def check(v: Any) -> Optional[str]:
+        if math.isnan(v) or (finite and math.isinf(v)) or v < lo:
+            return f"{v} is not a {'finite ' if finite else ''}number >= {lo:g}"
+        return None
+    return check
+
+
+def _loss(v: Any) -> Optional[str]:
+    """A loss: finite, or NaN where there is none to report (a split agent's weights)."""
+    return None if math.isfinite(v) or math.isnan(v) else f"{v} is not a finite number (or NaN: none)"
+
+
+def _counts(v: list[Any]) -> Optional[str]:
+    if len(v) > 100_000 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v):
+        return "expected at most 100000 counts, each an integer >= 0"
+    return None
+
+
+_SECONDS, _COUNT = _at_least(0.0), _at_least(0)
+# type -> {field: check}: the value's range, once its type is right (None: acceptable, else why
+# not). A device's numbers are never trusted: what it reports is bounded before anything uses it.
+_CORE_RANGES: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
+    "register": {"index": _COUNT, "num_samples": _COUNT, "label_counts": _counts},
+    "probe": {"reply_bytes": _COUNT},
+    "activations": {"compute_s": _SECONDS},
+    "logit_grads": {"loss": _loss, "compute_s": _SECONDS},
+    "weights": {"num_samples": _COUNT, "compute_s": _SECONDS, "loss": _loss,
+                "epsilon": _at_least(0.0, finite=False)},
+    "evaluation": {"loss": _loss, "count": _COUNT, "correct": _COUNT, "compute_s": _SECONDS},
+    "assign": {"split": _at_least(1), "width": _COUNT, "batch_size": _at_least(1), "tau": _at_least(1),
+               "lr": _at_least(0.0), "momentum": _at_least(0.0), "zstd_level": _COUNT},
+    "run_info": {"num_classes": _at_least(1), "num_agents": _COUNT, "heartbeat_idle_s": _at_least(0.0)},
+}
+_CORE_RELATIONS: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {
+    "evaluation": lambda b: "correct exceeds count" if b["correct"] > b["count"] else None,
+}
+"""type -> a check across a body's fields, once each field passed its own."""
+
 _CORE_AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "evaluation",
                                "heartbeat", "status"})
 _CORE_COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "evaluate",
@@ -199,8 +241,9 @@ def __getattr__(name: str) -> Any:
 
 
 def validate_body(mtype: str, body: dict[str, Any]) -> None:
-    """Every required field there with its type, nothing unknown; an option's assignment field
-    range-checked by the option's own rule."""
+    """Every required field there with its type, nothing unknown, every number in its range
+    (a duration finite and >= 0, a count an integer >= 0, a loss finite or NaN); an option's
+    assignment field range-checked by the option's own rule."""
     if not _schemas.loaded:
         _schemas.load()
     schema = _schemas.schemas.get(mtype)
@@ -219,6 +262,14 @@ def validate_body(mtype: str, body: dict[str, Any]) -> None:
             raise wire.WireError(f"{mtype}.{key}: expected {typ}, got bool")
         if not isinstance(val, typ):
             raise wire.WireError(f"{mtype}.{key}: expected {getattr(typ, '__name__', typ)}, got {type(val).__name__}")
+    for key, check in _CORE_RANGES.get(mtype, {}).items():
+        why = check(body[key]) if key in body else None
+        if why:
+            raise wire.WireError(f"{mtype}.{key}: {why}")
+    relation = _CORE_RELATIONS.get(mtype)
+    why = relation(body) if relation is not None else None
+    if why:
+        raise wire.WireError(f"{mtype}: {why}")
     if mtype == "assign":
         check_option_fields(body)
 

@@ -98,10 +98,7 @@ class HeteroConfig(MethodSection):
     def check_run(self, run: "RunConfig") -> None:
         if self.width is None:
             return
-        if run.profile_splits is not None:
-            raise invalid("profile_splits", "mixed cut layers need strategy 'sfl' without a bottleneck "
-                                            "(hetero.width is set)")
-        from sfl_core.method_registry import base_method
-        conflict = getattr(base_method(run.strategy), "one_split_conflict", lambda cfg: None)(run)
+        from sfl_core.method_registry import one_split_conflict
+        conflict = one_split_conflict(run)
         if conflict:
             raise invalid("hetero.width", conflict)

@@ -1,0 +1,1 @@
+"""FedFC: its layer (a cut per device profile) and its config section (``fedfc:``)."""
