@@ -201,13 +201,14 @@ def curves_from_runs(spec: dict[str, Any], work: Path, settings: list[str], meth
 
 def fastest_split(cfg: dict[str, Any], costs: dict[int, Any]) -> int:
     """The candidate split whose synchronous round (slowest agent) is shortest for this fleet."""
+    from sfl_core.config.run import run_config_from_dict
     from sfl_core.model.zoo import candidate_splits
     from sfl_core.timing import fleet_round_time
     cands = (cfg.get("s2fl") or {}).get("candidates") or candidate_splits(cfg["model"])
-    samples = cfg.get("batch_size", 32) * cfg.get("local_iters", 10)
+    priced = run_config_from_dict({key: cfg[key] for key in ("model", "fleet", "batch_size", "local_iters",
+                                                             "server_flops", "codec", "momentum") if key in cfg})
     profiles = [load_profile(e["profile"]) for e in cfg["fleet"]]
-    return min(cands, key=lambda s: fleet_round_time(costs[s], profiles, samples=samples,
-                                                      server_flops_per_s=cfg["server_flops"]))
+    return min(cands, key=lambda s: fleet_round_time(priced, costs[s], profiles))
 
 
 # --------------------------------------------------------------------------- summary

@@ -1,20 +1,21 @@
 """The time model (docs/methods/time-model.md): what one agent's round costs, for every part that asks.
 
-One function prices a round (:func:`agent_round_time`, S2FL's Eq. 1 with the transfer split by
-direction); the virtual clock charges it, and every planner predicts with it: the joint
-planner's and the previews' :func:`price_option` (a round as a line in the batch size,
-:class:`Option`), S2FL's estimates for splits never measured (:func:`estimate_round_time`) and
-the fleet's fastest cut (:func:`fleet_round_time`). Keeping them in one place is what makes
-simulated time-to-accuracy comparable with a real deployment: the virtual clock charges
+One equation (:func:`agent_round_time`, S2FL's Eq. 1 with the transfer split by direction) and
+one entry point to it for every prediction: :func:`price_option`, an agent's round at a cut,
+codec and width from what is known of the agent (its registration measurements, else its
+profile), as a line in the batch size (:class:`Option`). The virtual clock charges the
+equation with the bytes and FLOPs a round really moved; the joint planner, S2FL's estimates
+for cuts never measured, the previews, the round deadline and the fleet's fastest cut
+(:func:`fleet_round_time`) all predict with :func:`price_option`. Keeping one entry point is what
+makes simulated time-to-accuracy comparable with a real deployment: the virtual clock charges
 exactly what the planners predict.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -164,59 +165,6 @@ def waiting_time(times: Iterable[float]) -> float:
     return sum(slowest - t for t in ts) / len(ts)
 
 
-def estimate_round_time(cost: "SplitCost", *, samples: int, compute_flops: float, uplink_bytes_per_s: float,
-                        downlink_bytes_per_s: float, server_flops_per_s: float, latency_s: float = 0.0,
-                        messages: int = 0, bytes_per_activation: Optional[float] = None,
-                        measured_compute_s_per_sample: Optional[float] = None, wire_ratio: float = 1.0) -> float:
-    """S2FL Eq. 1 (docs/methods/time-model.md) for an (agent, split) never measured, via :func:`agent_round_time`.
-
-    ``T = (2|Wc| + 2·p·q) / R + F_c / Comp_c + F_s / Comp_s`` with the transfer split by
-    direction: weights down and up (``client_param_bytes`` each way), activations up and
-    gradients down (``samples · q`` each way; ``q`` = ``cost.activation_bytes`` at fp32, or
-    ``bytes_per_activation`` for a compressed wire), plus ``messages`` one-way latencies.
-    ``wire_ratio`` (encoded / fp32 bytes, as measured on the wire) scales all of those bytes,
-    so an estimate charges what the virtual clock will charge for the real encoded messages.
-    Client compute is ``measured_compute_s_per_sample · samples`` when the agent measured
-    it (real devices rarely reach their nominal FLOP/s), else
-    ``client_flops · samples / compute_flops``; server compute is
-    ``server_flops · samples / server_flops_per_s``.
-    """
-    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 0:
-        raise ValueError(f"estimate_round_time: samples must be an integer >= 0, got {samples!r}")
-    for name, v in (("compute_flops", compute_flops), ("uplink_bytes_per_s", uplink_bytes_per_s),
-                    ("downlink_bytes_per_s", downlink_bytes_per_s), ("server_flops_per_s", server_flops_per_s)):
-        if not (isinstance(v, numbers.Real) and math.isfinite(v) and v > 0):
-            raise ValueError(f"estimate_round_time: {name} must be a finite number > 0, got {v!r}")
-    for name, v in (("latency_s", latency_s), ("bytes_per_activation", bytes_per_activation),
-                    ("measured_compute_s_per_sample", measured_compute_s_per_sample)):
-        if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
-            raise ValueError(f"estimate_round_time: {name} must be a finite number >= 0, got {v!r}")
-    act = cost.activation_bytes if bytes_per_activation is None else float(bytes_per_activation)
-    if measured_compute_s_per_sample is not None:
-        client_flops = measured_compute_s_per_sample * samples * compute_flops   # seconds x FLOP/s
-    else:
-        client_flops = cost.client_flops * samples
-    if not (isinstance(wire_ratio, numbers.Real) and math.isfinite(wire_ratio) and wire_ratio > 0):
-        raise ValueError(f"estimate_round_time: wire_ratio must be a finite number > 0, got {wire_ratio!r}")
-    one_way = (cost.client_param_bytes + samples * act) * wire_ratio
-    t = agent_round_time(
-        client_flops=client_flops, server_flops=cost.server_flops * samples,
-        bytes_up=one_way, bytes_down=one_way,
-        client_flops_per_s=compute_flops, server_flops_per_s=server_flops_per_s,
-        uplink_bytes_per_s=uplink_bytes_per_s, downlink_bytes_per_s=downlink_bytes_per_s,
-        latency_s=latency_s, messages=messages)
-    return t.total_s
-
-
-def fleet_round_time(cost: "SplitCost", profiles: Sequence[Any], *, samples: int, server_flops_per_s: float) -> float:
-    """A synchronous round at one split for a fleet of device ``profiles`` (objects with
-    ``compute_flops``, ``link_bytes_per_s``, ``downlink_bytes_per_s``, ``latency_s``): the
-    slowest device's :func:`estimate_round_time`. What "the fastest cut for this fleet" means."""
-    return max(estimate_round_time(cost, samples=samples, compute_flops=p.compute_flops,
-                                   uplink_bytes_per_s=p.link_bytes_per_s, downlink_bytes_per_s=p.downlink_bytes_per_s,
-                                   server_flops_per_s=server_flops_per_s, latency_s=p.latency_s) for p in profiles)
-
-
 # ====================================================================== pricing one agent's round
 
 
@@ -332,6 +280,22 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
         compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
         mem_per_sample=2 * cost.client_activation_bytes, width=width,
         coordinator_s=0.0 if whole else step_overhead_s(h, steps=cfg.local_iters, split_agents=split_agents))
+
+
+def profile_agent(profile: Any) -> "AgentInfo":
+    """An agent known only by its device profile (nothing measured): what a prediction before
+    any registration prices."""
+    from sfl_core.fleet import AgentInfo
+    return AgentInfo(agent_id=profile.name, index=0, profile=profile, measured={}, label_counts=[], num_samples=0)
+
+
+def fleet_round_time(cfg: "RunConfig", cost: "SplitCost", profiles: Sequence[Any]) -> float:
+    """A synchronous round of ``cfg`` at one cut for a fleet of device ``profiles``: the slowest
+    device's :func:`price_option` at the run's codec and batch. What "the fastest cut for this
+    fleet" means."""
+    ratio = nominal_ratio(cfg.codec)
+    return max(price_option(cfg, cost, cfg.codec, profile_agent(p), ratio=ratio).time(cfg.batch_size)
+               for p in profiles)
 
 
 def wire_fraction(codec_ratio: float, width: int, channels: int) -> float:

@@ -12,10 +12,29 @@ from sfl_core.model.zoo import MODEL_NAMES, build_model
 from sfl_core.model.zoo import CANDIDATE_SPLITS, candidate_splits
 from sfl_core.estimates import ClientTimeTable, TimeEntry
 from sfl_core.methods.s2fl.sliding_split import median_rule, warmup_split
-from sfl_core.timing import agent_round_time, estimate_round_time
+from sfl_core.config.run import profile_from_dict, run_config_from_dict
+from sfl_core.timing import agent_round_time, fleet_round_time, price_option, profile_agent
 
 # S2FL Table 1 device classes: FLOP/s, link bytes/s
 LOW, MID, HIGH, SERVER = (5e9, 1e6), (1e10, 2e6), (2e10, 5e6), (5e10, 1e7)
+
+
+def _device(flops: float, rate: float, *, down: float | None = None, latency_s: float = 0.0, measured=None):
+    prof = profile_from_dict({"name": "dev", "compute_flops": flops, "link_bytes_per_s": rate,
+                              "downlink_bytes_per_s": down or rate, "latency_s": latency_s})
+    info = profile_agent(prof)
+    info.measured = measured or {}
+    return info
+
+
+def _run(batch: int, tau: int, model: str = "small_cnn", **over):
+    return run_config_from_dict({"model": model, "min_agents": 1, "batch_size": batch, "local_iters": tau,
+                                 "server_flops": SERVER[0], **over})
+
+
+def _estimate(cost, info, batch: int, tau: int, ratio: float = 1.0, **over) -> float:
+    """S2FL's estimate for a cut never measured: the time model's price of the round."""
+    return price_option(_run(batch, tau, **over), cost, "fp32", info, ratio=ratio).time(batch)
 
 
 # ---------------------------------------------------------------- candidates
@@ -134,9 +153,7 @@ def test_median_rule_equalises_round_times_of_s2fl_device_classes():
     t = ClientTimeTable()
     for a, (flops, rate) in {"low": LOW, "mid": MID, "high": HIGH}.items():
         for s in cands:
-            t.set_estimate(a, s, estimate_round_time(costs[s], samples=320, compute_flops=flops,
-                                                     uplink_bytes_per_s=rate, downlink_bytes_per_s=rate,
-                                                     server_flops_per_s=SERVER[0]))
+            t.set_estimate(a, s, _estimate(costs[s], _device(flops, rate), 32, 10, model="vgg11"))
     chosen = median_rule(t, ["low", "mid", "high"], cands)
     spread = lambda times: max(times) - min(times)  # noqa: E731
     assert spread([t.get(a, s).seconds for a, s in chosen.items()]) < min(
@@ -200,12 +217,11 @@ def test_json_round_trip_and_format():
 # ---------------------------------------------------------------- Eq. 1
 
 
-def test_estimate_round_time_equals_eq1_by_hand_for_a_mid_device():
+def test_the_estimate_equals_eq1_by_hand_for_a_mid_device():
     c = model_costs("small_cnn", (1, 28, 28), 10)[2]
     p = 320                                       # batch 32 x 10 local iterations
     flops, rate = MID
-    got = estimate_round_time(c, samples=p, compute_flops=flops, uplink_bytes_per_s=rate,
-                              downlink_bytes_per_s=rate, server_flops_per_s=SERVER[0])
+    got = _estimate(c, _device(flops, rate), 32, 10)
     # Eq. 1: T = (2|Wc| + 2 p q) / R + F_c / Comp_c + F_s / Comp_s, per-sample FLOPs x p
     by_hand = ((2 * c.client_param_bytes + 2 * p * c.activation_bytes) / rate
                + c.client_flops * p / flops + c.server_flops * p / SERVER[0])
@@ -216,39 +232,40 @@ def test_estimate_round_time_equals_eq1_by_hand_for_a_mid_device():
                                     + c.server_flops * 320 / 5e10)
 
 
-def test_estimate_round_time_options():
+def test_the_estimate_prices_what_the_clock_charges():
     c = model_costs("resnet8", (3, 32, 32), 10)[3]
-    p, (flops, rate) = 128, LOW
-    base = dict(samples=p, compute_flops=flops, uplink_bytes_per_s=rate, downlink_bytes_per_s=4 * rate,
-                server_flops_per_s=SERVER[0])
-    t0 = estimate_round_time(c, **base)
+    (flops, rate), batch, tau = LOW, 16, 8
+    p = batch * tau
+    dev = _device(flops, rate, down=4 * rate)
+    t0 = _estimate(c, dev, batch, tau, model="resnet8")
     assert t0 == pytest.approx(agent_round_time(
         client_flops=c.client_flops * p, server_flops=c.server_flops * p,
         bytes_up=c.client_param_bytes + p * c.activation_bytes, bytes_down=c.client_param_bytes + p * c.activation_bytes,
         client_flops_per_s=flops, server_flops_per_s=SERVER[0], uplink_bytes_per_s=rate,
         downlink_bytes_per_s=4 * rate).total_s)
-    # a compressed wire: only the activation term changes
-    t_half = estimate_round_time(c, **base, bytes_per_activation=c.activation_bytes / 2)
+    # a compressed wire: only the activation term changes (the weights travel as they are)
+    t_half = _estimate(c, dev, batch, tau, ratio=0.5, model="resnet8")
     assert t0 - t_half == pytest.approx(p * c.activation_bytes / 2 * (1 / rate + 1 / (4 * rate)))
     # a measured compute speed replaces FLOPs / FLOP/s
-    t_meas = estimate_round_time(c, **base, measured_compute_s_per_sample=0.01)
+    measured = _device(flops, rate, down=4 * rate, measured={"compute_s_per_sample": {"3": 0.01}})
+    t_meas = _estimate(c, measured, batch, tau, model="resnet8")
     assert t_meas - t0 == pytest.approx(0.01 * p - c.client_flops * p / flops)
-    # latency per message
-    assert estimate_round_time(c, **base, latency_s=0.05, messages=22) - t0 == pytest.approx(1.1)
+    # a latency per message: weights down and up, activations and gradients of each step
+    slow = _device(flops, rate, down=4 * rate, latency_s=0.05)
+    assert _estimate(c, slow, batch, tau, model="resnet8") - t0 == pytest.approx(0.05 * (2 * tau + 2))
     # the trade-off the candidates exist for: on S2FL's link-bound low device the late cut (4x smaller
     # activations) wins despite 2.5x the client FLOPs; with a near-infinite link the early cut wins
     costs = model_costs("resnet8", (3, 32, 32), 10)
-    assert estimate_round_time(costs[4], **base) < estimate_round_time(costs[2], **base)
-    fast_link = {**base, "uplink_bytes_per_s": 1e12, "downlink_bytes_per_s": 1e12}
-    assert estimate_round_time(costs[4], **fast_link) > estimate_round_time(costs[2], **fast_link)
+    assert _estimate(costs[4], dev, batch, tau, model="resnet8") < _estimate(costs[2], dev, batch, tau, model="resnet8")
+    fast = _device(flops, 1e12)
+    assert _estimate(costs[4], fast, batch, tau, model="resnet8") > _estimate(costs[2], fast, batch, tau, model="resnet8")
 
 
-def test_estimate_round_time_errors():
-    c = model_costs("small_cnn", (1, 28, 28), 10)[2]
-    ok = dict(samples=10, compute_flops=1e9, uplink_bytes_per_s=1e6, downlink_bytes_per_s=1e6, server_flops_per_s=1e10)
-    for key, bad in (("compute_flops", 0), ("uplink_bytes_per_s", -1.0), ("server_flops_per_s", math.inf),
-                     ("samples", -1), ("samples", 2.5)):
-        with pytest.raises(ValueError, match=key):
-            estimate_round_time(c, **{**ok, key: bad})
-    with pytest.raises(ValueError, match="measured_compute_s_per_sample"):
-        estimate_round_time(c, **ok, measured_compute_s_per_sample=-0.1)
+def test_the_fleets_round_is_its_slowest_device():
+    costs = model_costs("small_cnn", (1, 28, 28), 10)
+    run = _run(32, 10)
+    devices = [profile_from_dict({"name": n, "compute_flops": f, "link_bytes_per_s": r, "latency_s": 0.0})
+               for n, (f, r) in {"low": LOW, "mid": MID, "high": HIGH}.items()]
+    for s in (1, 2):
+        slowest = max(_estimate(costs[s], _device(f, r), 32, 10) for f, r in (LOW, MID, HIGH))
+        assert fleet_round_time(run, costs[s], devices) == pytest.approx(slowest, rel=1e-12)

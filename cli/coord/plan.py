@@ -56,8 +56,7 @@ def _models_for_run(config: Path) -> None:
     profiles = [load_profile(p) for p in dict.fromkeys(cfg.agent_profiles())]
     samples = cfg.batch_size * cfg.local_iters
 
-    times = {s: fleet_round_time(costs[s], profiles, samples=samples, server_flops_per_s=cfg.server_flops)
-             for s in sorted(costs) if s < m.num_blocks}
+    times = {s: fleet_round_time(cfg, costs[s], profiles) for s in sorted(costs) if s < m.num_blocks}
     fastest = min(times, key=lambda s: times[s])
     configured = build_method(cfg, m, costs).configured_splits
     print(f"{cfg.model} input {shape} for run {cfg.run_id} ({len(profiles)} device profile(s), "

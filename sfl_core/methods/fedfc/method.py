@@ -37,11 +37,9 @@ class FedFC(Layer):
     def preview_variants(cls, base: RunConfig, model: SplitModel,
                          costs: Mapping[int, SplitCost]) -> dict[str, RunConfig]:
         """Each device class at its fastest cut for this fleet."""
-        samples = base.batch_size * base.local_iters
         cuts = [s for s in sorted(costs) if s < model.num_blocks]
         profiles = {p: load_profile(p) for p in dict.fromkeys(base.agent_profiles())}
-        fastest = {prof.name: min(cuts, key=lambda s: fleet_round_time(costs[s], [prof], samples=samples,
-                                                                       server_flops_per_s=base.server_flops))
+        fastest = {prof.name: min(cuts, key=lambda s: fleet_round_time(base, costs[s], [prof]))
                    for prof in profiles.values()}
         return {"FedFC": FedFcConfig.of(base).replace_in(replace(base, strategy="sfl"), profile_splits=fastest)}
 

@@ -12,14 +12,14 @@ from dataclasses import replace
 from typing import Mapping, Optional, Sequence
 
 from sfl_core.config.run import RunConfig
-from sfl_core.fleet import AgentInfo, compute_s_per_sample, downlink_rate, uplink_rate
+from sfl_core.fleet import AgentInfo
 from sfl_core.methods.base import Method, RoundPlan
 from sfl_core.methods.s2fl.config import S2flConfig
 from sfl_core.methods.s2fl.grouping import group_by_balance
 from sfl_core.methods.s2fl.sliding_split import median_rule, warmup_split
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.zoo import SplitModel, candidate_splits
-from sfl_core.timing import estimate_round_time
+from sfl_core.timing import price_option
 
 
 class S2FL(Method):
@@ -83,7 +83,6 @@ class S2FL(Method):
 
     def fill_estimates(self, selected: Sequence[str], agents: Mapping[str, AgentInfo]) -> None:
         """Time-model estimates (docs/methods/time-model.md) for (agent, split) pairs never measured, from profile and measurements."""
-        samples = self.cfg.batch_size * self.cfg.local_iters
         for a in selected:
             info = agents[a]
             for s in self.candidates:
@@ -91,12 +90,8 @@ class S2FL(Method):
                 if entry is not None and not entry.estimated:
                     continue
                 ratio = self.wire_ratio.get(f"{s}/{self.cfg.codec}", 1.0)
-                self.time_table.set_estimate(a, s, estimate_round_time(
-                    self.costs[s], samples=samples, compute_flops=info.profile.compute_flops,
-                    uplink_bytes_per_s=uplink_rate(info), downlink_bytes_per_s=downlink_rate(info),
-                    server_flops_per_s=self.cfg.server_flops, latency_s=info.profile.latency_s,
-                    messages=2 * self.cfg.local_iters + 2, wire_ratio=ratio,
-                    measured_compute_s_per_sample=compute_s_per_sample(info, s)))
+                option = price_option(self.cfg, self.costs[s], self.cfg.codec, info, ratio=ratio)
+                self.time_table.set_estimate(a, s, option.time(self.cfg.batch_size))
 
     def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int],
                round_s: float | None = None) -> None:
