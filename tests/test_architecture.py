@@ -172,7 +172,8 @@ METHOD_HOMES = {   # a method's names and config section -> where they may be us
     "bdks": "sfl_core/methods/heterosfl/",
     "mergesfl": "sfl_core/methods/mergesfl/",
     "auto": "sfl_core/methods/auto/",
-    "fedfc": "sfl_core/methods/fedfc/",
+    "fedfc": "sfl_core/methods/fedfc/", "profile_splits": "sfl_core/methods/fedfc/",
+    "server_weight": "sfl_core/methods/fedfc/",
 }
 REGISTRATION = "sfl_core/method_registry.py"
 """Where the built-in methods are registered by name (the one place that lists them all)."""
