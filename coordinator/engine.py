@@ -107,8 +107,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
         self._round_wall0 = time.monotonic()   # when the current round began, on this host
         self._latest_width: dict[str, int] = {}          # "split/agent" -> the agent's latest bottleneck width there
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
-                                    loss=functools.reduce(lambda spec, o: o.server_loss(spec), self.options,
-                                                          self.method.server_loss()),
+                                    loss=self.server_loss(),
                                     reducer=GradReducer(shards) if shards is not None else None)
         self.session = FleetSession(cfg, transport, self.registry, virtual=clock.virtual, now=self._now,
                                     on_event=self.on_event, on_drop=self.server.drop,
@@ -161,6 +160,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
         if self.start_round == 1:
             self._record_initial()
         for r in range(self.start_round, self.cfg.rounds + 1):
+            self.settle_options(r)   # what the method decides of the options the config leaves to it
             self.run_counted_round(r)
         self.shutdown_agents("run finished")
         if self.shards is not None:

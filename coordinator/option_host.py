@@ -4,6 +4,7 @@ of requests and replies run like any step (an agent that does not answer is drop
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
@@ -11,6 +12,7 @@ import torch
 
 from coordinator.session import RoundAgent
 from sfl_core.model.bottleneck import slice_state
+from sfl_core.option_registry import build_options
 from sfl_core.options.base import PhaseAgent, RoundOption
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
@@ -19,6 +21,9 @@ from sfl_core.wire.protocol import Message
 
 if TYPE_CHECKING:
     from coordinator.registry import Registry
+    from coordinator.server_trainer import ServerTrainer
+    from sfl_core.losses import LossSpec
+    from sfl_core.methods.base import Method
     from coordinator.session import FleetSession
     from sfl_core.config.run import RunConfig
     from sfl_core.data.preprocessing import Normalization
@@ -35,11 +40,36 @@ class OptionHost:
     registry: "Registry"
     session: "FleetSession"
     options: list[RoundOption]
+    method: "Method"
+    server: "ServerTrainer"
+    history: list[dict[str, Any]]
+    on_event: Callable[[str, dict[str, Any]], None]
     _now: Callable[[], float]
 
     if TYPE_CHECKING:   # the engine's (coordinator.task_normalization)
         @property
         def normalization(self) -> Optional["Normalization"]: ...
+
+    def settle_options(self, r: int, *, decide: bool = True) -> None:
+        """The training options round ``r`` trains with, as the method decides those the config
+        leaves to it (``strategy: auto``; :meth:`~sfl_core.methods.base.Method.learning`), each
+        change a line in the log; ``decide`` False: the decisions a resumed run had taken. An
+        option whose settings stay keeps its state; one switched on starts afresh."""
+        accuracy = [h["accuracy"] for h in self.history if h.get("accuracy") is not None]
+        cfg, lines = self.method.learning(r, self.registry.agents if decide else None, accuracy)
+        for line in lines:
+            log.info("%s", line)
+            self.on_event("notice", {"text": line})
+        if cfg.sections == self.cfg.sections:
+            return
+        self.cfg = cfg
+        self.method.use_config(cfg)
+        self.options = build_options(cfg, self.model, keep=self.options)
+        self.server.loss = self.server_loss()
+
+    def server_loss(self) -> "LossSpec":
+        """How the server scores its rows: the method's loss, as the run's options change it."""
+        return functools.reduce(lambda spec, o: o.server_loss(spec), self.options, self.method.server_loss())
 
     def option(self, kind: type) -> Any:
         """The run's option of class ``kind`` (None if the config leaves it off)."""

@@ -50,6 +50,8 @@ class RunState:
 
         def evaluate(self) -> tuple[Optional[float], Optional[float]]: ...
 
+        def settle_options(self, r: int, *, decide: bool = True) -> None: ...
+
     def _checkpoint_state(self, r: int) -> dict[str, Any]:
         """The run state saved with the model after round ``r`` (what ``--resume`` reads), all but
         the registry, which the checkpoint adds as the text it keeps encoded."""
@@ -88,6 +90,7 @@ class RunState:
             self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()})
             self.registry.load_totals(st.get("registry", {}))
             self.method.load_json(st)
+            self.settle_options(st["round"] + 1, decide=False)   # the options as the run had them
             restore_widths(self.model, st.get("model_info") or {})   # the widths trained so far
             for option in self.options:   # a checkpoint from before one was switched on: it starts afresh
                 option.load_state(own_state, st["round"], self.model)

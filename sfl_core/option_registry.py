@@ -12,7 +12,7 @@ The order is the order the engine runs their hooks in.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from sfl_core.plugins import load_entry_points
 
@@ -94,9 +94,16 @@ def wanted(cfg: RunConfig) -> list[type[RoundOption]]:
     return [o for o in option_classes() if o.wanted(cfg)]
 
 
-def build_options(cfg: RunConfig, model: SplitModel) -> list[RoundOption]:
-    """The run's options, built once (the engine holds them for the run)."""
-    return [o(cfg, model) for o in wanted(cfg)]
+def build_options(cfg: RunConfig, model: SplitModel, keep: Sequence[RoundOption] = ()) -> list[RoundOption]:
+    """The run's options (the engine holds them for the run); an option of ``keep`` whose
+    section ``cfg`` leaves as it was is kept, its state with it (the run's decisions changed)."""
+    kept = {type(o): o for o in keep}
+    return [kept[o] if o in kept and kept[o].section == o.settings(cfg) else o(cfg, model) for o in wanted(cfg)]
+
+
+def left_to_auto(cfg: RunConfig) -> list[type[RoundOption]]:
+    """The options ``cfg`` leaves to ``strategy: auto`` (their section says ``auto``)."""
+    return [o for o in option_classes() if o.left_to_auto(cfg)]
 
 
 def assign_fields() -> dict[str, AssignField]:

@@ -122,7 +122,7 @@ def test_the_round_engine_stays_a_readable_size():
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sfl_core base", ("sfl_core.version", "sfl_core.console", "sfl_core.plugins", "sfl_core.extras", "sfl_core.privacy",
                        "sfl_core.aggregation", "sfl_core.step_terms", "sfl_core.losses", "sfl_core.estimates",
-                       "sfl_core.label_mix", "sfl_core.liveness", "sfl_core.rate_limit",
+                       "sfl_core.label_mix", "sfl_core.liveness", "sfl_core.rate_limit", "sfl_core.evidence",
                        "sfl_core.transport", "sfl_core.wire", "sfl_core.method_registry", "sfl_core.option_registry")),
     ("sfl_core model and data", ("sfl_core.model", "sfl_core.data.builtin", "sfl_core.data.partition",
                                  "sfl_core.data.preprocessing")),

@@ -168,7 +168,8 @@ def test_every_bad_answer_is_refused_with_its_reason():
 def test_the_config_takes_one_word_and_refuses_what_cannot_work():
     base = {"run": "r", "model": "small_cnn", "fleet": [{"profile": "rpi4", "count": 2}]}
     assert run_config_from_dict({**base, "norm_stats": "federated"}).sections["norm_stats"].mode == "federated"
-    assert run_config_from_dict(base).sections["norm_stats"].mode == "averaged"
+    left = run_config_from_dict(base).sections["norm_stats"]
+    assert left.mode == "auto" and not left.federated      # strategy auto decides; other strategies: averaged
     with pytest.raises(ConfigError, match="norm_stats.mode"):
         run_config_from_dict({**base, "norm_stats": "recomputed"})
     with pytest.raises(ConfigError, match="norm_stats.batches"):

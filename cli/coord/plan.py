@@ -114,6 +114,8 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     for method in method_classes():     # what each method has to say about its plan
         for text, style in getattr(method, "plan_notes", lambda *_: [])(cfg, model, costs, rows):
             tell(text, style)
+    for line in build_method(cfg, model, costs).learning(1, agents, [])[1]:   # the options it decides
+        tell(line, "cyan")
     names = {a: info.profile.name for a, info in agents.items()}
     detail = Table(title=f"{ref.method}'s assignment (first round)")
     for col in ("agent", "profile", "split", "codec", "batch", "round s"):

@@ -214,6 +214,19 @@ class Method:
         """How the server scores the rows it trains on: the run's ``loss`` by default."""
         return LossSpec()
 
+    def learning(self, r: int, agents: Optional[Mapping[str, AgentInfo]],
+                 accuracy: Sequence[float]) -> tuple[RunConfig, list[str]]:
+        """The run config round ``r`` trains with: ``self.cfg`` with the training options the
+        method decides for the run (those its config leaves to it), and one line per decision
+        that changed. ``agents``: the registered fleet; None: no new evidence, the decisions so
+        far (a resumed run). ``accuracy``: the scored rounds' validation accuracy so far. By
+        default the config as written, and nothing to say."""
+        return self.cfg, []
+
+    def use_config(self, cfg: RunConfig) -> None:
+        """Plan with ``cfg`` from now on (the config :meth:`learning` settled)."""
+        self.cfg = cfg
+
     # ----------------------------------------------------------------- what comes back
     def observe(self, rounds: Sequence[AgentRound]) -> None:
         """The round's finished agents: fold the bytes into the compression ratio per split and codec."""
@@ -298,6 +311,14 @@ class Layer(Method):
 
     def server_loss(self) -> LossSpec:
         return self.inner.server_loss()
+
+    def learning(self, r: int, agents: Optional[Mapping[str, AgentInfo]],
+                 accuracy: Sequence[float]) -> tuple[RunConfig, list[str]]:
+        return self.inner.learning(r, agents, accuracy)
+
+    def use_config(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.inner.use_config(cfg)
 
     def observe(self, rounds: Sequence[AgentRound]) -> None:
         self.inner.observe(rounds)

@@ -84,6 +84,8 @@ def preview(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCost],
     for name, variant in variants(cfg, model, costs).items():
         method = build_method(variant, model, costs)
         first = len(method.candidates) + 1
+        variant, _ = method.learning(first, agents, [])   # with the training options it decides (auto)
+        method.use_config(variant)
         rounds = [_planned_round(variant, method, costs, agents, ids, r) for r in range(first, first + DRAWS)]
         n = len(rounds)
         out.append(MethodPreview(name, sum(x[0] for x in rounds) / n, sum(x[1] for x in rounds) / n,

@@ -32,6 +32,7 @@ import torch
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
     from sfl_core.config.section import OptionSection
+    from sfl_core.evidence import Evidence
     from sfl_core.fleet import AgentInfo
     from sfl_core.losses import LossSpec
     from sfl_core.methods.base import RoundPlan
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
     from sfl_core.wire.assignment import Assignment
     from sfl_core.wire.protocol import Message
 
-__all__ = ["AssignField", "DeviceContext", "DeviceOption", "Phase", "PhaseAgent", "RoundContext", "RoundOption",
-           "ServerTerms", "in_range", "split_state"]
+__all__ = ["AssignField", "DeviceContext", "DeviceOption", "Phase", "PhaseAgent", "Recommendation", "RoundContext",
+           "RoundOption", "ServerTerms", "in_range", "split_state"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,16 @@ def in_range(lo: float, hi: float) -> Callable[[Any], Optional[str]]:
         return None if isinstance(v, (int, float)) and not math.isnan(v) and lo <= v <= hi else \
             f"{v} outside [{lo:g}, {hi:g}]"
     return check
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What an option makes of a fleet when the run leaves it to ``strategy: auto``."""
+
+    changes: Optional[Mapping[str, Any]]
+    """Its section's fields to set (the option on, so), or None: off."""
+    reason: str
+    """Why, in one line, from the evidence (the plan and the run log print it)."""
 
 
 @dataclass
@@ -162,6 +173,19 @@ class RoundOption:
     def wanted(cls, cfg: "RunConfig") -> bool:
         """Whether ``cfg`` switches the option on (the engine builds only those)."""
         return False
+
+    @classmethod
+    def left_to_auto(cls, cfg: "RunConfig") -> bool:
+        """Whether ``cfg`` leaves this option to ``strategy: auto`` (its section says ``auto``,
+        the default): never, unless the option can recommend itself."""
+        return False
+
+    @classmethod
+    def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
+        """Whether this option pays on a fleet with this ``evidence``, and with what settings;
+        ``on``: whether it is on now (the rule may ask more to switch a running option off than
+        to switch it on, so that the choice does not flap)."""
+        return Recommendation(None, "not decided by auto")
 
     @classmethod
     def run_info(cls, cfg: "RunConfig") -> dict[str, Any]:

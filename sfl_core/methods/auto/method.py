@@ -39,12 +39,15 @@ import numpy as np
 
 from sfl_core.config.run import RunConfig
 from sfl_core.estimates import scale_lr
+from sfl_core.evidence import evidence_of
 from sfl_core.fleet import AgentInfo, fleet_of
 from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, priorities
 from sfl_core.methods.auto.config import AutoConfig
 from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
+from sfl_core.methods.auto.learning import LearningOptions
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan, resolved_split
 from sfl_core.model.accounting import SplitCost
+from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.model.zoo import SplitModel, candidate_splits
 from sfl_core.timing import Option, lockstep_phases_s, lockstep_slack_s, price_option
 from sfl_core.wire.codec import nominal_ratio
@@ -120,6 +123,8 @@ class Auto(Method):
             raise ValueError(f"auto.widths: no width of {list(self.widths)} compresses within "
                              f"auto.max_bottleneck {a.max_bottleneck:g}")
         self.max_batch = a.max_batch or 2 * cfg.batch_size
+        self.learner = LearningOptions(cfg)
+        """The training options the run leaves to auto, decided from the fleet and the run's accuracy."""
         self.scales: dict[str, list[float]] = {}
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
         self.current: JointPlan | None = None
@@ -369,10 +374,30 @@ class Auto(Method):
         return plan.round_s + self._phases_excess(plan) + self._slack(split, self.jitter)
 
     def round_metrics(self) -> dict[str, Any]:
-        return {"auto": dict(self.last)} if self.last else {}
+        out = {"auto": dict(self.last)} if self.last else {}
+        if self.learner.decisions:
+            out["learning"] = self.learner.summary()
+        return out
+
+    def learning(self, r: int, agents: Optional[Mapping[str, AgentInfo]],
+                 accuracy: Sequence[float]) -> tuple[RunConfig, list[str]]:
+        """The training options the run leaves to auto, decided before each round from the
+        registered devices' label histograms, the model and the scored accuracy so far
+        (:mod:`sfl_core.methods.auto.learning`)."""
+        lines: list[str] = []
+        if agents:
+            hists = {a: info.label_counts for a, info in agents.items() if sum(info.label_counts or []) > 0}
+            evidence = evidence_of(histograms=hists, classes=max((len(h) for h in hists.values()), default=0),
+                                   per_round=self.cfg.per_round or len(agents), rounds=self.cfg.rounds,
+                                   batch_norm=bool(batch_norm_layers(self.model)), split_training=True,
+                                   accuracy=accuracy)
+            lines = [d.line() for d in self.learner.decide(r, evidence)]
+        return self.learner.config(), lines
 
     def to_json(self) -> dict[str, Any]:
         out = {**super().to_json(), "auto_scales": {a: list(v) for a, v in self.scales.items()}}
+        if self.learner.decisions:
+            out["auto_learning"] = self.learner.to_json()
         if self.overhead_s:
             out["auto_overhead_s"] = self.overhead_s
         if self.jitter:
@@ -383,6 +408,7 @@ class Auto(Method):
 
     def load_json(self, st: Mapping[str, Any]) -> None:
         super().load_json(st)
+        self.learner.load_json(st.get("auto_learning") or {})
         self.scales = {str(a): [float(x) for x in v][:2] for a, v in (st.get("auto_scales") or {}).items()}
         self.overhead_s = float(st.get("auto_overhead_s", self.cfg.agent_step_overhead_s))
         self.jitter = {str(a): float(v) for a, v in (st.get("auto_jitter_s") or {}).items()}

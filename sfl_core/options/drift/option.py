@@ -14,13 +14,22 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Se
 
 import torch
 
-from sfl_core.options.base import AssignField, DeviceOption, RoundContext, RoundOption, ServerTerms, in_range
+from sfl_core.options.base import (
+    AssignField,
+    DeviceOption,
+    Recommendation,
+    RoundContext,
+    RoundOption,
+    ServerTerms,
+    in_range,
+)
 from sfl_core.options.drift.config import DriftConfig
 from sfl_core.options.drift.variates import STATE_PREFIX, ControlVariates
 from sfl_core.wire import codec as wire
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
+    from sfl_core.evidence import Evidence
     from sfl_core.methods.base import RoundPlan
     from sfl_core.model.zoo import SplitModel
     from sfl_core.wire.assignment import Assignment
@@ -50,6 +59,21 @@ class Drift(RoundOption):
     @classmethod
     def wanted(cls, cfg: "RunConfig") -> bool:
         return bool(cls.settings(cfg).on)
+
+    @classmethod
+    def left_to_auto(cls, cfg: "RunConfig") -> bool:
+        return bool(cls.settings(cfg).kind == "auto")
+
+    @classmethod
+    def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
+        """SCAFFOLD where the devices' label mixes differ: each one's local steps pull its portion
+        towards its own classes, and the control variates take that pull out (its cost, one more
+        client portion down per round, is priced by the time model)."""
+        if evidence.skewed:
+            return Recommendation({"kind": "scaffold"}, f"label-skewed devices (mean KL {evidence.label_skew:.2f} "
+                                                        f"nats to the fleet's mix): SCAFFOLD corrects their drift")
+        return Recommendation(None, f"devices' label mixes alike (mean KL {evidence.label_skew:.2f} nats): "
+                                    f"no drift to correct")
 
     @classmethod
     def run_info(cls, cfg: "RunConfig") -> dict[str, Any]:

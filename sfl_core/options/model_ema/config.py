@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Union
 
 from pydantic.dataclasses import dataclass
 from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
-from sfl_core.config.fields import STRICT
+from sfl_core.config.fields import STRICT, Fail, checked, number
 from sfl_core.config.section import OptionSection
-from sfl_core.config.values import UNIT_OPEN
 
 
-if TYPE_CHECKING:
-    pass
+def _decay(v: Any, fail: Fail) -> Union[str, float]:
+    if v == "auto":
+        return "auto"
+    x = number(v)
+    if x is None or not 0 <= x < 1:
+        fail('"auto" or a number in [0, 1)')
+    return float(x)
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -28,13 +32,13 @@ class ModelEmaConfig(OptionSection):
         ("", "the model the run delivers: an exponential moving average of the global model over rounds "
              "(docs/methods/server-optimisers.md); 'model_ema: 0.8' is short for {decay: 0.8}."),
     ('decay',
-     "decay d in [0, 1) of an exponential moving average of the global model over rounds, the model the run delivers: a <- d a + (1 - d) x after each round's aggregation (and statistics pass), BatchNorm statistics averaged with the weights; the average is scored on the validation set, sent for federated evaluation and exported, while training goes on from the global model x; it damps the round-to-round swings of label-skewed rounds (docs/methods/server-optimisers.md); kept on the coordinator, nothing more crosses the wire; 0 = off."),
+     "decay d in [0, 1) of an exponential moving average of the global model over rounds, the model the run delivers: a <- d a + (1 - d) x after each round's aggregation (and statistics pass), BatchNorm statistics averaged with the weights; the average is scored on the validation set, sent for federated evaluation and exported, while training goes on from the global model x; it damps the round-to-round swings of label-skewed rounds (docs/methods/server-optimisers.md); kept on the coordinator, nothing more crosses the wire; 0 = off; auto (default) = strategy auto decides from the fleet and the run's accuracy (docs/methods/auto.md), other strategies: off."),
     )
 
-    decay: Annotated[float, UNIT_OPEN] = 0.0
-    """Decay d of the average; 0: off."""
+    decay: Annotated[Union[str, float], checked(_decay)] = "auto"
+    """Decay d of the average; 0: off; auto: strategy auto decides (any other strategy: off)."""
 
     @property
     def on(self) -> bool:
-        return self.decay > 0
+        return isinstance(self.decay, float) and self.decay > 0
 

@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, ClassVar, Mapping, Optional
 
 import torch
 
-from sfl_core.options.base import RoundContext, RoundOption
+from sfl_core.evidence import swing
+from sfl_core.options.base import Recommendation, RoundContext, RoundOption
 from sfl_core.options.model_ema.average import STATE_PREFIX, ModelAverage, delivered_weights
 from sfl_core.options.model_ema.config import ModelEmaConfig
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
+    from sfl_core.evidence import Evidence
     from sfl_core.model.zoo import SplitModel
 
 __all__ = ["ModelEma"]
@@ -28,9 +30,35 @@ class ModelEma(RoundOption):
     def wanted(cls, cfg: "RunConfig") -> bool:
         return bool(cls.settings(cfg).on)
 
+    SWINGS = 0.01
+    """How far the validation accuracy falls back a round, on average over the last 5 scored
+    rounds (:func:`sfl_core.evidence.swing`), that switches the average on, on a fleet whose
+    labels look alike."""
+    STEADY = 0.0025
+    """... and that switches it off again (a quarter of the above: hysteresis, no flapping)."""
+
+    @classmethod
+    def left_to_auto(cls, cfg: "RunConfig") -> bool:
+        return bool(cls.settings(cfg).decay == "auto")
+
+    @classmethod
+    def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
+        """The average (decay 0.8) where the global model swings from round to round: on
+        label-skewed fleets from the start, elsewhere once the scored accuracy swings by
+        :attr:`SWINGS` a round, and off again only once it is steady (:attr:`STEADY`)."""
+        s = swing(evidence.accuracy)
+        if evidence.skewed:
+            return Recommendation({"decay": 0.8}, f"label-skewed devices (mean KL {evidence.label_skew:.2f} nats): "
+                                                  f"the delivered model averages the last rounds' (decay 0.8)")
+        if s is not None and (s >= cls.SWINGS or (on and s > cls.STEADY)):
+            return Recommendation({"decay": 0.8}, f"the accuracy falls back {100 * s:.1f} points a round: "
+                                                  f"the delivered model averages the last rounds' (decay 0.8)")
+        return Recommendation(None, "the accuracy is steady" if s is not None else
+                                    "devices' label mixes alike: the global model is delivered as it is")
+
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)
-        self.average = ModelAverage(self.section.decay)
+        self.average = ModelAverage(float(self.section.decay))
 
     def after_round(self, ctx: RoundContext, r: int) -> None:
         self.average.update(ctx.model.state_dict())

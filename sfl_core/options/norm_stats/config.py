@@ -28,7 +28,7 @@ class NormStatsConfig(OptionSection):
     ('',
      "where the global model's BatchNorm statistics come from (docs/methods/norm-stats.md); 'norm_stats: federated' is short for {mode: federated}."),
     ('mode',
-     'averaged (with the weights, as FedAvg does) | federated (after aggregation the devices run local batches through the new client portion without training and report each BatchNorm layer\'s input moments and the activations; the coordinator adds its server portion\'s and sets the global statistics; costs a download, forward passes and an upload per asked device, charged by the time model).'),
+     'auto (strategy auto decides from the registered fleet and the model, docs/methods/auto.md; other strategies: averaged) | averaged (with the weights, as FedAvg does) | federated (after aggregation the devices run local batches through the new client portion without training and report each BatchNorm layer\'s input moments and the activations; the coordinator adds its server portion\'s and sets the global statistics; costs a download, forward passes and an upload per asked device, charged by the time model).'),
     ('every',
      'a statistics pass every k rounds; the rounds between keep the last pass\'s statistics (federated).'),
     ('agents',
@@ -46,7 +46,8 @@ class NormStatsConfig(OptionSection):
      "kept in the agent's memory (a restarted agent starts again from the global ones)."),
     )
 
-    mode: Annotated[str, checked(one_of("averaged", "federated"))] = "averaged"
+    mode: Annotated[str, checked(one_of("auto", "averaged", "federated"))] = "auto"
+    """auto: strategy auto decides from the fleet (any other strategy: averaged)."""
     every: Annotated[int, POSITIVE_INTEGER] = 1
     """A statistics pass every k rounds (the rounds between keep the last pass's statistics)."""
     agents: Annotated[int, NONNEG_INTEGER] = 0

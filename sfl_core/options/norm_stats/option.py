@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 import torch
 
 from sfl_core import timing
-from sfl_core.options.base import AssignField, DeviceOption, Phase, RoundContext, RoundOption, ServerTerms
+from sfl_core.options.base import (
+    AssignField,
+    DeviceOption,
+    Phase,
+    Recommendation,
+    RoundContext,
+    RoundOption,
+    ServerTerms,
+)
 from sfl_core.options.norm_stats import exchange
 from sfl_core.options.norm_stats import stats as norm_stats
 from sfl_core.options.norm_stats.config import NormStatsConfig
@@ -26,6 +34,7 @@ from sfl_core.options.norm_stats.device import NormStatsOnDevice
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
+    from sfl_core.evidence import Evidence
     from sfl_core.fleet import AgentInfo
     from sfl_core.methods.base import RoundPlan
     from sfl_core.model.accounting import SplitCost
@@ -93,6 +102,27 @@ class NormStats(RoundOption):
     def wanted(cls, cfg: "RunConfig") -> bool:
         ns = cls.settings(cfg)
         return ns.federated or ns.freeze_after > 0 or ns.local
+
+    @classmethod
+    def left_to_auto(cls, cfg: "RunConfig") -> bool:
+        return bool(cls.settings(cfg).mode == "auto")
+
+    @classmethod
+    def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
+        """Federated statistics where a model with BatchNorm layers trains on label-skewed
+        devices: averaging each device's batch statistics gives the global model statistics of
+        no real batch (each device saw its own classes), which the pass replaces with the
+        statistics of the new model on the devices' data. Its phase is priced by the time model."""
+        if not evidence.batch_norm:
+            return Recommendation(None, "the model has no BatchNorm layers")
+        if cfg.privacy.dp_sgd is not None:
+            return Recommendation(None, "DP-SGD's accounting does not cover the statistics the devices would report")
+        if not evidence.skewed:
+            return Recommendation(None, f"devices' label mixes alike (mean KL {evidence.label_skew:.2f} nats): "
+                                        f"averaged statistics serve")
+        return Recommendation({"mode": "federated"},
+                              f"BatchNorm layers on label-skewed devices (mean KL {evidence.label_skew:.2f} nats): "
+                              f"the devices recompute the statistics after aggregation")
 
     @classmethod
     def run_info(cls, cfg: "RunConfig") -> dict[str, Any]:

@@ -15,7 +15,7 @@ from sfl_core.config.values import POSITIVE_NUMBER, UNIT_OPEN, one_of
 if TYPE_CHECKING:
     pass
 
-KINDS = ("none", "momentum", "adam", "yogi")
+KINDS = ("auto", "none", "momentum", "adam", "yogi")
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -24,11 +24,12 @@ class ServerOptConfig(OptionSection):
     plain aggregation, or a server optimiser stepping along the aggregate's difference."""
 
     KEY: ClassVar[str] = "server_opt"
+    SHORTHAND: ClassVar[str] = "kind"
     DOCS: ClassVar[tuple[tuple[str, str], ...]] = (
     ('',
-     "how the round's aggregated client portion (and server layers averaged over several server copies: one per agent or per group) becomes the new global one (docs/methods/server-optimisers.md): the server optimiser steps along the difference between the aggregate and the round's starting model; nothing more crosses the wire."),
+     "how the round's aggregated client portion (and server layers averaged over several server copies: one per agent or per group) becomes the new global one (docs/methods/server-optimisers.md): the server optimiser steps along the difference between the aggregate and the round's starting model; nothing more crosses the wire; 'server_opt: none' is short for {kind: none}."),
     ('kind',
-     'none (plain aggregation) | momentum (FedAvgM, Hsu et al. 2019) | adam (FedAdam, Reddi et al. 2021) | yogi (FedYogi, Reddi et al. 2021).'),
+     'auto (strategy auto decides from the registered fleet, docs/methods/auto.md; other strategies: none) | none (plain aggregation) | momentum (FedAvgM, Hsu et al. 2019) | adam (FedAdam, Reddi et al. 2021) | yogi (FedYogi, Reddi et al. 2021).'),
     ('lr',
      'server learning rate eta > 0; momentum with lr 1 and beta1 0 is plain aggregation; adam and yogi want about 0.01-0.1.'),
     ('beta1',
@@ -39,7 +40,8 @@ class ServerOptConfig(OptionSection):
      'adaptivity tau > 0 (adam, yogi): the floor of the denominator; the second moment starts at tau^2.'),
     )
 
-    kind: Annotated[str, checked(one_of(*KINDS))] = "none"
+    kind: Annotated[str, checked(one_of(*KINDS))] = "auto"
+    """auto: strategy auto decides from the fleet (any other strategy: none)."""
     lr: Annotated[float, POSITIVE_NUMBER] = 1.0
     beta1: Annotated[float, UNIT_OPEN] = 0.9
     beta2: Annotated[float, UNIT_OPEN] = 0.99
@@ -47,5 +49,5 @@ class ServerOptConfig(OptionSection):
 
     @property
     def on(self) -> bool:
-        return self.kind != "none"
+        return self.kind not in ("auto", "none")
 

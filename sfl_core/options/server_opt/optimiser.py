@@ -52,8 +52,8 @@ class ServerOptimizer:
     """
 
     def __init__(self, kind: str, lr: float, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3):
-        if kind not in KINDS[1:]:
-            raise ValueError(f"server optimiser: kind must be one of {', '.join(KINDS[1:])}, got {kind!r}")
+        if kind not in KINDS[2:]:
+            raise ValueError(f"server optimiser: kind must be one of {', '.join(KINDS[2:])}, got {kind!r}")
         if not lr > 0:
             raise ValueError(f"server optimiser: lr must be > 0, got {lr!r}")
         for name, b in (("beta1", beta1), ("beta2", beta2)):

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, ClassVar, Mapping
 
 import torch
 
-from sfl_core.options.base import RoundContext, RoundOption
+from sfl_core.options.base import Recommendation, RoundContext, RoundOption
 from sfl_core.options.server_opt.config import ServerOptConfig
 from sfl_core.options.server_opt.optimiser import STATE_PREFIX, ServerOptimizer, averaged_names
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
+    from sfl_core.evidence import Evidence
     from sfl_core.model.zoo import SplitModel
 
 __all__ = ["ServerOpt"]
@@ -27,6 +28,22 @@ class ServerOpt(RoundOption):
     @classmethod
     def wanted(cls, cfg: "RunConfig") -> bool:
         return bool(cls.settings(cfg).on)
+
+    @classmethod
+    def left_to_auto(cls, cfg: "RunConfig") -> bool:
+        return bool(cls.settings(cfg).kind == "auto")
+
+    @classmethod
+    def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
+        """Server momentum (FedAvgM, β = 0.5) where each round trains a different sample of
+        label-skewed devices, whose averages point different ways from round to round; nothing
+        more crosses the wire."""
+        if evidence.skewed and evidence.partial:
+            return Recommendation({"kind": "momentum", "lr": 1.0, "beta1": 0.5},
+                                  f"{evidence.per_round} of {evidence.agents} label-skewed devices a round: "
+                                  f"server momentum (FedAvgM) evens out the rounds' directions")
+        why = "every device trains every round" if evidence.skewed else "devices' label mixes alike"
+        return Recommendation(None, f"{why}: plain averaging")
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)

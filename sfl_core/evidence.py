@@ -1,0 +1,97 @@
+"""What the coordinator knows of a run's fleet and of how the run is learning: the evidence
+the training options' recommendations (:meth:`sfl_core.options.base.RoundOption.recommend`)
+read when ``strategy: auto`` decides them.
+
+Known before round 1: each registered device's label histogram (the skew between devices), the
+fleet and round sizes, whether the model normalises with batch statistics. Known as the run
+goes: the validation accuracy of every scored round. All of it is computed here by pure
+functions, so each decision rule is a test of a few numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence
+
+__all__ = ["Evidence", "label_skew", "absent_classes", "swing"]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    agents: int
+    """Registered devices."""
+    per_round: int
+    """Devices a round trains."""
+    rounds: int
+    classes: int
+    label_skew: float
+    """Mean KL divergence (nats) of each device's label mix from the fleet's: 0 for identical
+    mixes; a Dirichlet(0.3) split of ten classes gives about 1."""
+    absent: float
+    """Mean fraction of the classes a device holds no sample of."""
+    batch_norm: bool
+    """The model normalises with batch statistics (BatchNorm layers)."""
+    split_training: bool = True
+    """The method cuts the model (False: every device trains the whole model)."""
+    accuracy: tuple[float, ...] = ()
+    """Validation accuracy of the scored rounds so far, oldest first."""
+
+    @property
+    def skewed(self) -> bool:
+        """The devices' label mixes differ enough for the skew remedies to pay: a mean KL of
+        0.25 nats (about Dirichlet 2 over ten classes), or a fifth of the classes absent."""
+        return self.label_skew >= 0.25 or self.absent >= 0.2
+
+    @property
+    def partial(self) -> bool:
+        """A round trains a sample of the fleet, not all of it."""
+        return self.per_round < self.agents
+
+
+def _mix(counts: Sequence[float]) -> list[float]:
+    total = float(sum(counts))
+    return [c / total for c in counts] if total > 0 else []
+
+
+def label_skew(histograms: Iterable[Sequence[int]]) -> float:
+    """Mean over devices of KL(device mix ‖ fleet mix), in nats; devices with no samples are left out."""
+    hists = [list(h) for h in histograms if sum(h) > 0]
+    if not hists:
+        return 0.0
+    width = max(len(h) for h in hists)
+    hists = [h + [0] * (width - len(h)) for h in hists]
+    fleet = _mix([sum(col) for col in zip(*hists)])
+    kls = []
+    for h in hists:
+        p = _mix(h)
+        kls.append(sum(pi * math.log(pi / qi) for pi, qi in zip(p, fleet) if pi > 0))
+    return sum(kls) / len(kls)
+
+
+def absent_classes(histograms: Iterable[Sequence[int]], classes: int) -> float:
+    """Mean fraction of the ``classes`` each device (with samples) holds none of."""
+    hists = [list(h) for h in histograms if sum(h) > 0]
+    if not hists or classes <= 0:
+        return 0.0
+    return sum(1 - sum(1 for c in h[:classes] if c > 0) / classes for h in hists) / len(hists)
+
+
+def swing(accuracy: Sequence[float], last: int = 5) -> Optional[float]:
+    """How far the validation accuracy falls back, on average, from one of the ``last`` scored
+    rounds to the next (None before there are that many): a run that only improves does not
+    swing; one whose rounds pull the model towards different devices' classes does."""
+    tail = list(accuracy)[-last:]
+    if len(tail) < last:
+        return None
+    return sum(max(0.0, a - b) for a, b in zip(tail, tail[1:])) / (len(tail) - 1)
+
+
+def evidence_of(*, histograms: Mapping[str, Sequence[int]], classes: int, per_round: int, rounds: int,
+                batch_norm: bool, split_training: bool, accuracy: Sequence[float] = ()) -> Evidence:
+    """The evidence from the registered devices' label histograms and the run so far."""
+    hists = list(histograms.values())
+    return Evidence(agents=len(hists), per_round=min(per_round, len(hists)) if hists else per_round,
+                    rounds=rounds, classes=classes, label_skew=label_skew(hists),
+                    absent=absent_classes(hists, classes), batch_norm=batch_norm,
+                    split_training=split_training, accuracy=tuple(accuracy))

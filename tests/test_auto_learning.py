@@ -1,0 +1,206 @@
+"""``strategy: auto`` decides the training options a run leaves to it (docs/methods/auto.md,
+"Training options"): the evidence, each option's rule, the decisions, and the engine applying
+them before a round, mid-run too, and after a resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import pytest
+
+from sfl_core import option_registry
+from sfl_core.config.run import run_config_from_dict
+from sfl_core.config.section import OptionSection
+from sfl_core.evidence import Evidence, absent_classes, evidence_of, label_skew, swing
+from sfl_core.methods.auto.learning import LearningOptions
+from sfl_core.options.base import Recommendation, RoundOption
+from sfl_core.options.drift.option import Drift
+from sfl_core.options.model_ema.option import ModelEma
+from sfl_core.options.norm_stats.option import NormStats
+from sfl_core.options.server_opt.option import ServerOpt
+
+SKEWED = Evidence(agents=40, per_round=8, rounds=15, classes=10, label_skew=0.9, absent=0.4, batch_norm=True)
+ALIKE = dataclasses.replace(SKEWED, label_skew=0.02, absent=0.0)
+
+
+def _cfg(**over: Any):
+    return run_config_from_dict({"model": "small_cnn", "min_agents": 2, **over})
+
+
+# ---------------------------------------------------------------- evidence, by hand
+
+def test_label_skew_is_the_mean_kl_of_each_device_to_the_fleet():
+    assert label_skew([[5, 5], [10, 10], [1, 1]]) == pytest.approx(0.0)
+    # two devices with disjoint classes: each is KL([1, 0] || [1/2, 1/2]) = log 2 from the fleet
+    assert label_skew([[8, 0], [0, 8]]) == pytest.approx(math.log(2))
+    # one device of 3:1 against a fleet of 1:1 (the other device 1:3): KL = 3/4 log(3/2) + 1/4 log(1/2)
+    assert label_skew([[3, 1], [1, 3]]) == pytest.approx(0.75 * math.log(1.5) + 0.25 * math.log(0.5))
+    assert label_skew([[0, 0], [4, 4]]) == pytest.approx(0.0)   # a device with no samples is left out
+    assert absent_classes([[3, 0, 0, 1], [1, 1, 1, 1]], 4) == pytest.approx((0.5 + 0.0) / 2)
+
+
+def test_swing_counts_falls_back_not_progress():
+    assert swing([0.1, 0.3, 0.5, 0.6]) is None                        # too few scored rounds
+    assert swing([0.1, 0.3, 0.5, 0.6, 0.7]) == 0.0                    # only improving
+    assert swing([0.5, 0.4, 0.6, 0.5, 0.6]) == pytest.approx((0.1 + 0.1) / 4)
+    ev = evidence_of(histograms={"a": [10, 0], "b": [0, 10], "c": [5, 5]}, classes=2, per_round=2, rounds=5,
+                     batch_norm=False, split_training=True)
+    assert (ev.agents, ev.per_round, ev.partial, ev.skewed) == (3, 2, True, True)
+
+
+# ---------------------------------------------------------------- each option's rule
+
+def test_drift_correction_pays_on_skewed_labels_only():
+    assert Drift.recommend(_cfg(), SKEWED, False).changes == {"kind": "scaffold"}
+    off = Drift.recommend(_cfg(), ALIKE, False)
+    assert off.changes is None and "alike" in off.reason
+
+
+def test_server_momentum_needs_a_sample_of_skewed_devices():
+    assert ServerOpt.recommend(_cfg(), SKEWED, False).changes == {"kind": "momentum", "lr": 1.0, "beta1": 0.5}
+    everyone = dataclasses.replace(SKEWED, per_round=40)
+    assert ServerOpt.recommend(_cfg(), everyone, False).changes is None
+    assert ServerOpt.recommend(_cfg(), ALIKE, False).changes is None
+
+
+def test_federated_statistics_need_batchnorm_and_skew():
+    assert NormStats.recommend(_cfg(), SKEWED, False).changes == {"mode": "federated"}
+    no_bn = NormStats.recommend(_cfg(), dataclasses.replace(SKEWED, batch_norm=False), False)
+    assert no_bn.changes is None and "BatchNorm" in no_bn.reason
+    assert NormStats.recommend(_cfg(), ALIKE, False).changes is None
+
+
+def test_the_delivered_average_follows_the_swings_with_hysteresis():
+    assert ModelEma.recommend(_cfg(), SKEWED, False).changes == {"decay": 0.8}
+    steady = dataclasses.replace(ALIKE, accuracy=(0.5, 0.6, 0.7, 0.75, 0.8))
+    assert ModelEma.recommend(_cfg(), steady, False).changes is None
+    swinging = dataclasses.replace(ALIKE, accuracy=(0.6, 0.55, 0.62, 0.57, 0.63))   # falls 5 + 5 points
+    assert ModelEma.recommend(_cfg(), swinging, False).changes == {"decay": 0.8}
+    # falls of 0.5 points a round: too little to switch it on, too much to switch it off again
+    calmer = dataclasses.replace(ALIKE, accuracy=(0.60, 0.59, 0.60, 0.59, 0.60))
+    assert ModelEma.recommend(_cfg(), calmer, False).changes is None
+    assert ModelEma.recommend(_cfg(), calmer, True).changes == {"decay": 0.8}
+    assert ModelEma.recommend(_cfg(), steady, True).changes is None
+
+
+# ---------------------------------------------------------------- the decisions
+
+def test_auto_decides_only_what_the_config_leaves_to_it():
+    cfg = _cfg(drift="none", server_opt={"kind": "adam", "lr": 0.03})   # the user's settings win
+    assert {o.SECTION.KEY for o in option_registry.left_to_auto(cfg)} == {"norm_stats", "model_ema"}
+    learner = LearningOptions(cfg)
+    changed = learner.decide(1, SKEWED)
+    assert {d.key for d in changed} == {"norm_stats", "model_ema"}
+    settled = learner.config()
+    assert Drift.settings(settled).kind == "none" and ServerOpt.settings(settled).kind == "adam"
+    assert NormStats.settings(settled).mode == "federated" and ModelEma.settings(settled).decay == 0.8
+    assert learner.decide(2, SKEWED) == []                     # nothing new: nothing said again
+    assert learner.summary() == {"norm_stats": {"mode": "federated"}, "model_ema": {"decay": 0.8}}
+    line = next(d.line() for d in changed if d.key == "norm_stats")
+    assert line.startswith("auto: norm_stats: mode federated (round 1: BatchNorm layers on label-skewed devices")
+    again = LearningOptions(cfg)
+    again.load_json(learner.to_json())
+    assert again.config() == settled
+    # a field the user set beside "auto" stays: FedProx's mu would, SCAFFOLD ignores it
+    assert Drift.settings(LearningOptions(_cfg(drift={"mu": 0.5})).config()).mu == 0.5
+
+
+def test_an_option_left_to_auto_is_off_under_any_other_strategy():
+    cfg = _cfg(strategy="sfl")
+    assert option_registry.wanted(cfg) == []
+    assert [o.SECTION.KEY for o in option_registry.left_to_auto(cfg)] == ["drift", "server_opt", "norm_stats",
+                                                                           "model_ema"]
+
+
+# ---------------------------------------------------------------- the engine
+
+def _probe_option():
+    """An option whose rule switches it on once the scored accuracy passes 0.5."""
+    from pydantic.dataclasses import dataclass
+
+    from sfl_core.config.fields import STRICT
+
+    @dataclass(frozen=True, config=STRICT)
+    class ProbeConfig(OptionSection):
+        KEY: ClassVar[str] = "probe"
+        DOCS: ClassVar[tuple[tuple[str, str], ...]] = (("", "test"), ("state", "auto | on | off"))
+        SHORTHAND: ClassVar[str] = "state"
+        state: str = "auto"
+
+    class Probe(RoundOption):
+        SECTION = ProbeConfig
+        built: ClassVar[list[int]] = []
+
+        @classmethod
+        def wanted(cls, cfg) -> bool:
+            return cls.settings(cfg).state == "on"
+
+        @classmethod
+        def left_to_auto(cls, cfg) -> bool:
+            return cls.settings(cfg).state == "auto"
+
+        @classmethod
+        def recommend(cls, cfg, evidence, on) -> Recommendation:
+            best = max(evidence.accuracy, default=0.0)
+            return Recommendation({"state": "on"} if best > 0.5 else None, f"best accuracy {best:.2f}")
+
+        def after_round(self, ctx, r: int) -> None:
+            type(self).built.append(r)
+
+    return Probe
+
+
+def test_the_engine_switches_an_option_on_mid_run_when_the_evidence_changes(tmp_path):
+    from simulation import run_simulation
+
+    probe = _probe_option()
+    option_registry.register_option(probe)
+    try:
+        cfg = run_config_from_dict({
+            "run": "learning", "model": "small_cnn", "data": {"dataset": "digits", "partition": "iid"},
+            "fleet": [{"profile": "s2fl-mid-mid", "count": 3}], "rounds": 6, "batch_size": 16, "lr": 0.05,
+            "momentum": 0.5, "local_iters": 10, "output_dir": str(tmp_path / "out"),
+            "drift": "none", "server_opt": "none", "norm_stats": "averaged", "model_ema": 0})
+        history, engine = run_simulation(cfg, device="cpu")
+    finally:
+        option_registry.unregister_option("probe")
+    states = [h.get("learning", {}).get("probe") for h in history[1:]]
+    first_on = next(i for i, h in enumerate(history) if (h.get("learning") or {}).get("probe") == {"state": "on"})
+    assert states[0] == "off" and states[-1] == {"state": "on"}            # off at first, on later
+    assert max(h["accuracy"] for h in history[:first_on]) > 0.5           # because the evidence said so
+    assert probe.built == list(range(first_on, 7))                         # the option ran from then on
+    assert [type(o).__name__ for o in engine.options] == ["Probe"]
+
+
+def test_a_skewed_demo_fleet_gets_its_options_and_keeps_them_across_a_resume(tmp_path):
+    from simulation import run_simulation
+
+    spec = {"run": "learning", "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet",
+                                                              "alpha": 0.3},
+            "fleet": [{"profile": "s2fl-mid-mid", "count": 4}], "per_round": 3, "rounds": 2, "batch_size": 16,
+            "lr": 0.05, "local_iters": 5, "output_dir": str(tmp_path / "out")}
+    history, engine = run_simulation(run_config_from_dict(spec), device="cpu")
+    decided = history[-1]["learning"]
+    assert decided["drift"] == {"kind": "scaffold"} and decided["model_ema"] == {"decay": 0.8}
+    assert decided["norm_stats"] == "off"                                   # small_cnn has no BatchNorm
+    assert {type(o).__name__ for o in engine.options} >= {"Drift", "ModelEma"}
+    held = {a: dict(c) for a, c in engine.option(Drift).variates.ci.items()}
+    assert held
+    resumed, engine2 = run_simulation(run_config_from_dict({**spec, "rounds": 3}), resume=True, device="cpu")
+    assert [h["round"] for h in resumed] == [0, 1, 2, 3]
+    assert resumed[-1]["learning"] == decided
+    drift = engine2.option(Drift)
+    assert drift is not None and drift.variates is not None
+    assert set(drift.variates.ci) >= set(held)                              # restored, not started afresh
+
+
+def test_a_rule_never_switches_on_what_the_run_refuses():
+    """Federated statistics are not covered by DP-SGD's accounting: under DP-SGD the rule says so."""
+    dp = _cfg(privacy={"dp_sgd": "1,1"})
+    rec = NormStats.recommend(dp, SKEWED, False)
+    assert rec.changes is None and "DP-SGD" in rec.reason
+    learner = LearningOptions(dp)
+    learner.decide(1, SKEWED)
+    assert NormStats.settings(learner.config()).mode == "auto"     # left off: the config stays valid
