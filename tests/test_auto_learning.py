@@ -204,3 +204,28 @@ def test_a_rule_never_switches_on_what_the_run_refuses():
     learner = LearningOptions(dp)
     learner.decide(1, SKEWED)
     assert NormStats.settings(learner.config()).mode == "auto"     # left off: the config stays valid
+
+
+def test_the_whole_model_stays_a_choice_only_where_the_labels_look_alike():
+    from sfl_core.fleet import fleet_of
+    from sfl_core.methods import build_method
+    from sfl_core.model.accounting import model_costs
+    from sfl_core.model.zoo import build_model
+
+    cfg = run_config_from_dict({"model": "small_cnn", "fleet": [{"profile": "rpi4", "count": 3}],
+                                "data": {"dataset": "digits"}})
+    shape = (1, 8, 8)
+
+    def candidates(counts, **auto):
+        c = cfg if not auto else cfg.sections["auto"].replace_in(cfg, **auto)
+        method = build_method(c, build_model(c.model, shape, 10), model_costs(c.model, shape, 10))
+        lines = method.learning(1, fleet_of(c, counts), [])[1]
+        return method.model.num_blocks in method.candidates, lines
+
+    skewed = [[30, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 30, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 30, 0, 0, 0, 0, 0, 0, 0]]
+    alike = [[3] * 10] * 3
+    whole, lines = candidates(skewed)
+    assert not whole and any(line.startswith("auto: whole model: off") for line in lines)
+    assert candidates(alike)[0]
+    assert candidates(skewed, whole_model=True)[0]                 # the user's word wins
+    assert not candidates(alike, whole_model=False)[0]

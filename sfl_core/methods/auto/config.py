@@ -33,6 +33,12 @@ def _widths(v: Any, fail: Fail) -> str | tuple[int, ...] | None:
     return positive_integers(v, fail)
 
 
+def _whole_model(v: Any, fail: Fail) -> Union[bool, str]:
+    if v == "auto" or isinstance(v, bool):
+        return v
+    fail('"auto", true or false')
+
+
 def _epsilon(v: Any, fail: Fail) -> str | float:
     if v == "auto":
         return "auto"
@@ -60,7 +66,7 @@ class AutoConfig(MethodSection):
         ('candidates',
          "the cuts it chooses among (strictly increasing); null = the model's candidate splits."),
         ('whole_model',
-         'also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut.'),
+         "also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut; auto (the default) = yes where the registered devices' label mixes look alike, no on a label-skewed fleet (a device training the whole model on its own classes drifts from the others, where a cut's server part trains on every device's rows)."),
         ('selection',
          "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: it reached the target sooner than the uniform sample on most of the benches (docs/methods/auto.md and docs/results.md). Where every online agent trains each round the two are the same."),
         ('codecs',
@@ -86,8 +92,9 @@ class AutoConfig(MethodSection):
     )
 
     candidates: Annotated[Optional[tuple[int, ...]], checked(split_points)] = None   # None = the model's candidate cuts
-    whole_model: Annotated[bool, BOOLEAN] = True
-    """Also consider the whole model on the agent (it sends weights only) where that is faster."""
+    whole_model: Annotated[Union[bool, str], checked(_whole_model)] = "auto"
+    """Also consider the whole model on the agent (it sends weights only) where that is faster;
+    "auto": where the registered devices' label mixes look alike."""
     selection: Annotated[str, checked(one_of("uniform", "kl"))] = "kl"
     """Which agents train: 'kl' = label mix closest to the population's, or the engine's uniform sample."""
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")

@@ -116,7 +116,7 @@ class Auto(Method):
         """The cut holding the bottleneck pair (the run's split) when it has widths."""
         if self.widths:
             cands = self._cuts_before_bottleneck(cands, explicit=a.candidates is not None and a.widths != "auto")
-        elif a.whole_model and model.num_blocks not in cands:
+        elif a.whole_model is not False and model.num_blocks not in cands:   # "auto": until the fleet has said
             cands += (model.num_blocks,)
         self._candidates: tuple[int, ...] = cands
         if not self.choices():
@@ -392,6 +392,11 @@ class Auto(Method):
                                    batch_norm=bool(batch_norm_layers(self.model)), split_training=True,
                                    accuracy=accuracy)
             lines = [d.line() for d in self.learner.decide(r, evidence)]
+            whole = self.model.num_blocks
+            if AutoConfig.of(self.cfg).whole_model == "auto" and evidence.skewed and whole in self._candidates:
+                self._candidates = tuple(s for s in self._candidates if s != whole)
+                lines.append(f"auto: whole model: off (round {r}: label-skewed devices, mean KL "
+                             f"{evidence.label_skew:.2f} nats: a cut's server part trains on every device's rows)")
         return self.learner.config(), lines
 
     def to_json(self) -> dict[str, Any]:
