@@ -69,11 +69,11 @@ class Drift(RoundOption):
         """SCAFFOLD where the devices' label mixes differ: each one's local steps pull its portion
         towards its own classes, and the control variates take that pull out (its cost, one more
         client portion down per round, is priced by the time model)."""
-        if evidence.skewed:
+        if evidence.strongly_skewed:
             return Recommendation({"kind": "scaffold"}, f"label-skewed devices (mean KL {evidence.label_skew:.2f} "
                                                         f"nats to the fleet's mix): SCAFFOLD corrects their drift")
-        return Recommendation(None, f"devices' label mixes alike (mean KL {evidence.label_skew:.2f} nats): "
-                                    f"no drift to correct")
+        return Recommendation(None, f"devices' label mixes close enough (mean KL {evidence.label_skew:.2f} nats, "
+                                    f"under 0.75): SCAFFOLD would cost more than it corrects")
 
     @classmethod
     def run_info(cls, cfg: "RunConfig") -> dict[str, Any]:

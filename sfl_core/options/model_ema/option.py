@@ -47,14 +47,15 @@ class ModelEma(RoundOption):
         label-skewed fleets from the start, elsewhere once the scored accuracy swings by
         :attr:`SWINGS` a round, and off again only once it is steady (:attr:`STEADY`)."""
         s = swing(evidence.accuracy)
-        if evidence.skewed:
+        if evidence.strongly_skewed:
             return Recommendation({"decay": 0.8}, f"label-skewed devices (mean KL {evidence.label_skew:.2f} nats): "
                                                   f"the delivered model averages the last rounds' (decay 0.8)")
         if s is not None and (s >= cls.SWINGS or (on and s > cls.STEADY)):
             return Recommendation({"decay": 0.8}, f"the accuracy falls back {100 * s:.1f} points a round: "
                                                   f"the delivered model averages the last rounds' (decay 0.8)")
-        return Recommendation(None, "the accuracy is steady" if s is not None else
-                                    "devices' label mixes alike: the global model is delivered as it is")
+        return Recommendation(None, "the accuracy does not fall back" if s is not None else
+                                    "devices' label mixes close enough: the global model is delivered as it is "
+                                    "(until its accuracy falls back from round to round)")
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)

@@ -117,9 +117,9 @@ class NormStats(RoundOption):
             return Recommendation(None, "the model has no BatchNorm layers")
         if cfg.privacy.dp_sgd is not None:
             return Recommendation(None, "DP-SGD's accounting does not cover the statistics the devices would report")
-        if not evidence.skewed:
-            return Recommendation(None, f"devices' label mixes alike (mean KL {evidence.label_skew:.2f} nats): "
-                                        f"averaged statistics serve")
+        if not evidence.strongly_skewed:
+            return Recommendation(None, f"devices' label mixes close enough (mean KL {evidence.label_skew:.2f} "
+                                        f"nats): averaged statistics serve")
         return Recommendation({"mode": "federated"},
                               f"BatchNorm layers on label-skewed devices (mean KL {evidence.label_skew:.2f} nats): "
                               f"the devices recompute the statistics after aggregation")

@@ -38,11 +38,11 @@ class ServerOpt(RoundOption):
         """Server momentum (FedAvgM, β = 0.5) where each round trains a different sample of
         label-skewed devices, whose averages point different ways from round to round; nothing
         more crosses the wire."""
-        if evidence.skewed and evidence.partial:
+        if evidence.strongly_skewed and evidence.partial:
             return Recommendation({"kind": "momentum", "lr": 1.0, "beta1": 0.5},
                                   f"{evidence.per_round} of {evidence.agents} label-skewed devices a round: "
                                   f"server momentum (FedAvgM) evens out the rounds' directions")
-        why = "every device trains every round" if evidence.skewed else "devices' label mixes alike"
+        why = "every device trains every round" if evidence.strongly_skewed else "devices' label mixes close enough"
         return Recommendation(None, f"{why}: plain averaging")
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
