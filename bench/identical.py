@@ -44,6 +44,14 @@ def canonical(value: Any) -> Any:
     return value
 
 
+def _without(value: Any, keys: set[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _without(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [_without(v, keys) for v in value]
+    return value
+
+
 def first_difference(a: Any, b: Any, path: str = "", rel: float = 0.0) -> str:
     """Where two canonical histories first differ ('' when they are equal); with ``rel``, numbers
     within that relative difference count as equal (for a reference written on another CPU,
@@ -149,6 +157,9 @@ def main() -> int:
     p.add_argument("--write", type=Path, help="record the histories here (the reference)")
     p.add_argument("--check", type=Path, help="compare with this reference")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--ignore", nargs="*", default=[], metavar="KEY",
+                   help="with --check: record keys left out of the comparison (a key the code under test "
+                        "adds to every round, e.g. learning: the options auto decided)")
     p.add_argument("--paper", nargs="*", default=list(PAPER_METHODS), choices=list(PAPER_METHODS),
                    help="the paper-bench settings to include (bench/configs/)")
     args = p.parse_args()
@@ -179,7 +190,7 @@ def main() -> int:
             print(f"{name}: {'missing now' if name not in runs else 'not in the reference'}")
             differ += 1
             continue
-        d = first_difference(ref["histories"][name], runs[name])
+        d = first_difference(ref["histories"][name], _without(runs[name], set(args.ignore)))
         print(f"{name}: {'identical' if not d else d}")
         differ += bool(d)
     print(f"{len(runs) - differ} of {len(runs)} runs identical to {args.check} "

@@ -50,3 +50,24 @@ def test_auto_bottleneck_widths_with_agent_processes(mosquitto, tmp_path):
     assert all(a["width"] in (8, 16, 32) for a in rows if a["split"] == 2)
     assert any(a["split"] == 2 and a["width"] < 32 for a in rows), rows
     assert m[4]["accuracy"] > m[0]["accuracy"] + 0.2, [(r["accuracy"], r["agents"]) for r in m[1:]]
+
+
+def test_the_default_decides_the_learning_options_of_a_skewed_fleet_over_mosquitto(mosquitto, tmp_path):
+    """No learning switch in the config: on three devices holding a few classes each (Dirichlet
+    0.05), 2 of them a round, auto switches SCAFFOLD and server momentum
+    on before round 1, says why in the log, records them every round, and the run learns."""
+    config = write_config(tmp_path, "skewed", strategy="auto", rounds=6, per_round=2,
+                          data={"dataset": "digits", "partition": "dirichlet", "alpha": 0.05, "seed": 1})
+    coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+    agents = start_agents(mosquitto.url, "skewed", tmp_path)
+    assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    m = metrics(tmp_path)
+    assert [r["round"] for r in m] == [0, 1, 2, 3, 4, 5, 6]
+    for r in m[1:]:
+        assert r["learning"]["drift"] == {"kind": "scaffold"}
+        assert r["learning"]["server_opt"] == {"kind": "momentum", "lr": 1.0, "beta1": 0.5}
+        assert r["learning"]["norm_stats"] == "off"
+    log = (tmp_path / "coord.log").read_text()
+    assert "auto: drift: kind scaffold (round 1: label-skewed devices" in log
+    assert "auto: norm_stats: off (round 1: the model has no BatchNorm layers)" in log
+    assert m[6]["accuracy"] > m[0]["accuracy"] + 0.25, [r["accuracy"] for r in m]

@@ -30,11 +30,10 @@ class ModelEma(RoundOption):
     def wanted(cls, cfg: "RunConfig") -> bool:
         return bool(cls.settings(cfg).on)
 
-    SWINGS = 0.01
+    SWINGS = 0.02
     """How far the validation accuracy falls back a round, on average over the last 5 scored
-    rounds (:func:`sfl_core.evidence.swing`), that switches the average on, on a fleet whose
-    labels look alike."""
-    STEADY = 0.0025
+    rounds (:func:`sfl_core.evidence.swing`), that switches the average on."""
+    STEADY = 0.005
     """... and that switches it off again (a quarter of the above: hysteresis, no flapping)."""
 
     @classmethod
@@ -43,19 +42,16 @@ class ModelEma(RoundOption):
 
     @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
-        """The average (decay 0.8) where the global model swings from round to round: on
-        label-skewed fleets from the start, elsewhere once the scored accuracy swings by
-        :attr:`SWINGS` a round, and off again only once it is steady (:attr:`STEADY`)."""
+        """The average (decay 0.8) once the global model swings from round to round: the scored
+        accuracy falls back by :attr:`SWINGS` a round on average, and off again only once it is
+        steady (:attr:`STEADY`). Not from the label skew alone: on a run still climbing, the
+        average of the last rounds lags the last one (it cost accuracy on short skewed runs)."""
         s = swing(evidence.accuracy)
-        if evidence.strongly_skewed:
-            return Recommendation({"decay": 0.8}, f"label-skewed devices (mean KL {evidence.label_skew:.2f} nats): "
-                                                  f"the delivered model averages the last rounds' (decay 0.8)")
         if s is not None and (s >= cls.SWINGS or (on and s > cls.STEADY)):
             return Recommendation({"decay": 0.8}, f"the accuracy falls back {100 * s:.1f} points a round: "
                                                   f"the delivered model averages the last rounds' (decay 0.8)")
-        return Recommendation(None, "the accuracy does not fall back" if s is not None else
-                                    "devices' label mixes close enough: the global model is delivered as it is "
-                                    "(until its accuracy falls back from round to round)")
+        return Recommendation(None, "the accuracy does not fall back" + ("" if s is not None else " (yet)") +
+                                    ": the global model is delivered as it is")
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)
