@@ -44,11 +44,12 @@ def canonical(value: Any) -> Any:
     return value
 
 
-def _without(value: Any, keys: set[str]) -> Any:
+def without_keys(value: Any, keys: set[str]) -> Any:
+    """``value`` without the record keys ``keys``, at any depth."""
     if isinstance(value, dict):
-        return {k: _without(v, keys) for k, v in value.items() if k not in keys}
+        return {k: without_keys(v, keys) for k, v in value.items() if k not in keys}
     if isinstance(value, list):
-        return [_without(v, keys) for v in value]
+        return [without_keys(v, keys) for v in value]
     return value
 
 
@@ -190,7 +191,7 @@ def main() -> int:
             print(f"{name}: {'missing now' if name not in runs else 'not in the reference'}")
             differ += 1
             continue
-        d = first_difference(ref["histories"][name], _without(runs[name], set(args.ignore)))
+        d = first_difference(ref["histories"][name], without_keys(runs[name], set(args.ignore)))
         print(f"{name}: {'identical' if not d else d}")
         differ += bool(d)
     print(f"{len(runs) - differ} of {len(runs)} runs identical to {args.check} "

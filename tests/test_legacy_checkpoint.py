@@ -25,7 +25,7 @@ from sfl_core.config.run import default_profiles_dir, load_run_config
 
 DATA = Path(__file__).parent / "data" / "checkpoints"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from identical import canonical, first_difference  # noqa: E402
+from identical import canonical, first_difference, without_keys  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["demo", "heterosfl-demo"])
@@ -36,7 +36,9 @@ def test_a_checkpoint_from_before_the_relayout_resumes_to_the_same_history(tmp_p
     cfg = load_run_config(default_profiles_dir() / "runs" / f"{name}.yaml")
     cfg = dataclasses.replace(cfg, rounds=4, output_dir=str(out))
     history, _ = run_simulation(cfg, resume=True, device="cpu")
-    got = json.loads(json.dumps(canonical(history)))
+    # less what this release adds to every round: auto's decisions on the training options
+    # (all off on these fleets, so the training is the old release's)
+    got = json.loads(json.dumps(without_keys(canonical(history), {"learning"})))
     assert [r["round"] for r in got] == [r["round"] for r in expected]
     difference = first_difference(expected, got, rel=2e-3)
     assert not difference, difference
