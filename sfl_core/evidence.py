@@ -10,9 +10,10 @@ functions, so each decision rule is a test of a few numbers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
+
+from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution
 
 __all__ = ["Evidence", "label_skew", "absent_classes", "swing"]
 
@@ -23,7 +24,6 @@ class Evidence:
     """Registered devices."""
     per_round: int
     """Devices a round trains."""
-    rounds: int
     classes: int
     label_skew: float
     """Mean KL divergence (nats) of each device's label mix from the fleet's: 0 for identical
@@ -32,8 +32,6 @@ class Evidence:
     """Mean fraction of the classes a device holds no sample of."""
     batch_norm: bool
     """The model normalises with batch statistics (BatchNorm layers)."""
-    split_training: bool = True
-    """The method cuts the model (False: every device trains the whole model)."""
     accuracy: tuple[float, ...] = ()
     """Validation accuracy of the scored rounds so far, oldest first."""
 
@@ -57,24 +55,15 @@ class Evidence:
         return self.per_round < self.agents
 
 
-def _mix(counts: Sequence[float]) -> list[float]:
-    total = float(sum(counts))
-    return [c / total for c in counts] if total > 0 else []
-
-
 def label_skew(histograms: Iterable[Sequence[int]]) -> float:
-    """Mean over devices of KL(device mix ‖ fleet mix), in nats; devices with no samples are left out."""
+    """Mean over devices of KL(device mix ‖ fleet mix), in nats (MergeSFL's Eq. 12 against the
+    pooled population, :mod:`sfl_core.label_mix`); devices with no samples are left out."""
     hists = [list(h) for h in histograms if sum(h) > 0]
     if not hists:
         return 0.0
     width = max(len(h) for h in hists)
-    hists = [h + [0] * (width - len(h)) for h in hists]
-    fleet = _mix([sum(col) for col in zip(*hists)])
-    kls = []
-    for h in hists:
-        p = _mix(h)
-        kls.append(sum(pi * math.log(pi / qi) for pi, qi in zip(p, fleet) if pi > 0))
-    return sum(kls) / len(kls)
+    rows = {str(i): h + [0] * (width - len(h)) for i, h in enumerate(hists)}
+    return float(kl_rows(dist_matrix(sorted(rows), rows), population_distribution(rows)).mean())
 
 
 def absent_classes(histograms: Iterable[Sequence[int]], classes: int) -> float:
@@ -95,11 +84,10 @@ def swing(accuracy: Sequence[float], last: int = 5) -> Optional[float]:
     return sum(max(0.0, a - b) for a, b in zip(tail, tail[1:])) / (len(tail) - 1)
 
 
-def evidence_of(*, histograms: Mapping[str, Sequence[int]], classes: int, per_round: int, rounds: int,
-                batch_norm: bool, split_training: bool, accuracy: Sequence[float] = ()) -> Evidence:
+def evidence_of(*, histograms: Mapping[str, Sequence[int]], classes: int, per_round: int,
+                batch_norm: bool, accuracy: Sequence[float] = ()) -> Evidence:
     """The evidence from the registered devices' label histograms and the run so far."""
     hists = list(histograms.values())
     return Evidence(agents=len(hists), per_round=min(per_round, len(hists)) if hists else per_round,
-                    rounds=rounds, classes=classes, label_skew=label_skew(hists),
-                    absent=absent_classes(hists, classes), batch_norm=batch_norm,
-                    split_training=split_training, accuracy=tuple(accuracy))
+                    classes=classes, label_skew=label_skew(hists),
+                    absent=absent_classes(hists, classes), batch_norm=batch_norm, accuracy=tuple(accuracy))

@@ -21,7 +21,7 @@ from sfl_core.options.model_ema.option import ModelEma
 from sfl_core.options.norm_stats.option import NormStats
 from sfl_core.options.server_opt.option import ServerOpt
 
-SKEWED = Evidence(agents=40, per_round=8, rounds=15, classes=10, label_skew=0.9, absent=0.4, batch_norm=True)
+SKEWED = Evidence(agents=40, per_round=8, classes=10, label_skew=0.9, absent=0.4, batch_norm=True)
 ALIKE = dataclasses.replace(SKEWED, label_skew=0.02, absent=0.0)
 MILD = dataclasses.replace(SKEWED, label_skew=0.43, absent=0.1)   # the demo's fleet: Dirichlet 0.5 over 4 devices
 
@@ -46,8 +46,8 @@ def test_swing_counts_falls_back_not_progress():
     assert swing([0.1, 0.3, 0.5, 0.6]) is None                        # too few scored rounds
     assert swing([0.1, 0.3, 0.5, 0.6, 0.7]) == 0.0                    # only improving
     assert swing([0.5, 0.4, 0.6, 0.5, 0.6]) == pytest.approx((0.1 + 0.1) / 4)
-    ev = evidence_of(histograms={"a": [10, 0], "b": [0, 10], "c": [5, 5]}, classes=2, per_round=2, rounds=5,
-                     batch_norm=False, split_training=True)
+    ev = evidence_of(histograms={"a": [10, 0], "b": [0, 10], "c": [5, 5]}, classes=2, per_round=2,
+                     batch_norm=False)
     assert (ev.agents, ev.per_round, ev.partial, ev.skewed) == (3, 2, True, True)
 
 

@@ -86,7 +86,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     from sfl_core.methods.preview import preview
 
     cfg = load_config(config, None, None, data)
-    checked_parts(cfg, config)   # settings only the model can judge, before any table
+    parts = checked_parts(cfg, config)   # settings only the model can judge, before any table
     try:
         counts = label_counts(cfg)
     except DatasetError as exc:
@@ -114,7 +114,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     for method in method_classes():     # what each method has to say about its plan
         for text, style in getattr(method, "plan_notes", lambda *_: [])(cfg, model, costs, rows):
             tell(text, style)
-    for line in build_method(cfg, model, costs).learning(1, agents, [])[1]:   # the options it decides
+    for line in parts.method.learning(1, agents, [])[1]:   # the training options the run's method decides
         tell(line, "cyan")
     names = {a: info.profile.name for a, info in agents.items()}
     detail = Table(title=f"{ref.method}'s assignment (first round)")

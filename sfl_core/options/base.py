@@ -23,11 +23,12 @@ point): nothing else changes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence
 
 import torch
+
+from sfl_core.wire.protocol import in_range   # the range checks of every message field
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
@@ -54,14 +55,6 @@ class AssignField:
     """The Python type(s) msgpack decodes it to (the protocol schema's entry)."""
     check: Optional[Callable[[Any], Optional[str]]] = None
     """None if the value is acceptable, else why not (``assign.<field>: <why>``)."""
-
-
-def in_range(lo: float, hi: float) -> Callable[[Any], Optional[str]]:
-    """A range check for :class:`AssignField` (NaN is out of every range)."""
-    def check(v: Any) -> Optional[str]:
-        return None if isinstance(v, (int, float)) and not math.isnan(v) and lo <= v <= hi else \
-            f"{v} outside [{lo:g}, {hi:g}]"
-    return check
 
 
 @dataclass(frozen=True)

@@ -124,12 +124,18 @@ _CORE_OPTIONAL: dict[str, dict[str, Any]] = {
 }
 
 
-def _at_least(lo: float, *, finite: bool = True) -> Callable[[Any], Optional[str]]:
+def in_range(lo: float, hi: float = math.inf, *, finite: bool = True) -> Callable[[Any], Optional[str]]:
+    """A range check of a message field (an option's assignment field too): None if the value
+    is a number in ``[lo, hi]`` (finite unless ``finite`` is False; NaN is out of every
+    range), else why not."""
     def check(v: Any) -> Optional[str]:
-        if math.isnan(v) or (finite and math.isinf(v)) or v < lo:
-            return f"{v} is not a {'finite ' if finite else ''}number >= {lo:g}"
-        return None
+        ok = isinstance(v, (int, float)) and not math.isnan(v) and (not finite or math.isfinite(v)) and lo <= v <= hi
+        if ok:
+            return None
+        return f"{v} outside [{lo:g}, {hi:g}]" if math.isfinite(hi) else \
+            f"{v} is not a {'finite ' if finite else ''}number >= {lo:g}"
     return check
+
 
 
 def _loss(v: Any) -> Optional[str]:
@@ -143,7 +149,7 @@ def _counts(v: list[Any]) -> Optional[str]:
     return None
 
 
-_SECONDS, _COUNT = _at_least(0.0), _at_least(0)
+_SECONDS, _COUNT = in_range(0.0), in_range(0)
 # type -> {field: check}: the value's range, once its type is right (None: acceptable, else why
 # not). A device's numbers are never trusted: what it reports is bounded before anything uses it.
 _CORE_RANGES: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
@@ -152,11 +158,11 @@ _CORE_RANGES: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     "activations": {"compute_s": _SECONDS},
     "logit_grads": {"loss": _loss, "compute_s": _SECONDS},
     "weights": {"num_samples": _COUNT, "compute_s": _SECONDS, "loss": _loss,
-                "epsilon": _at_least(0.0, finite=False)},
+                "epsilon": in_range(0.0, finite=False)},
     "evaluation": {"loss": _loss, "count": _COUNT, "correct": _COUNT, "compute_s": _SECONDS},
-    "assign": {"split": _at_least(1), "width": _COUNT, "batch_size": _at_least(1), "tau": _at_least(1),
-               "lr": _at_least(0.0), "momentum": _at_least(0.0), "zstd_level": _COUNT},
-    "run_info": {"num_classes": _at_least(1), "num_agents": _COUNT, "heartbeat_idle_s": _at_least(0.0)},
+    "assign": {"split": in_range(1), "width": _COUNT, "batch_size": in_range(1), "tau": in_range(1),
+               "lr": in_range(0.0), "momentum": in_range(0.0), "zstd_level": _COUNT},
+    "run_info": {"num_classes": in_range(1), "num_agents": _COUNT, "heartbeat_idle_s": in_range(0.0)},
 }
 _CORE_RELATIONS: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {
     "evaluation": lambda b: "correct exceeds count" if b["correct"] > b["count"] else None,
