@@ -7,9 +7,10 @@ would have taken me, and as soon?" Rows, on the same config and seeds:
 
 - **default**: ``strategy: auto``, every option left to it;
 - **options off**: the same with ``drift: none``, ``server_opt: none``, ``norm_stats: averaged``,
-  ``model_ema: 0`` (what the default did before it decided them);
+  ``model_ema: 0`` and ``server_mode: merged`` (what the default did before it decided them);
 - **hand recipe**: the same with the four switched on by hand (``drift: scaffold``, FedAvgM
-  ``server_opt: {kind: momentum, lr: 1, beta1: 0.5}``, ``norm_stats: federated``, ``model_ema: 0.8``).
+  ``server_opt: {kind: momentum, lr: 1, beta1: 0.5}``, ``norm_stats: federated``, ``model_ema: 0.8``)
+  on the merged server copy.
 
 Fleets: the demo's (4 devices, digits, Dirichlet 0.5, 8 rounds), the same on IID shards (the
 default must not cost accuracy or time where the labels are alike), and a 40-device
@@ -34,9 +35,9 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict  # noqa: E402
 from sfl_core.config.run import run_config_to_dict  # noqa: E402
 
-OFF = {"drift": "none", "server_opt": "none", "norm_stats": "averaged", "model_ema": 0}
+OFF = {"drift": "none", "server_opt": "none", "norm_stats": "averaged", "model_ema": 0, "server_mode": "merged"}
 RECIPE = {"drift": "scaffold", "server_opt": {"kind": "momentum", "lr": 1.0, "beta1": 0.5},
-          "norm_stats": "federated", "model_ema": 0.8}
+          "norm_stats": "federated", "model_ema": 0.8, "server_mode": "merged"}
 ROWS = {"default": {}, "options off": OFF, "hand recipe": RECIPE}
 BOARDS = [{"profile": "jetson-nano", "count": 10}, {"profile": "jetson-tx2", "count": 10},
           {"profile": "jetson-xavier-nx", "count": 10}, {"profile": "rpi4", "count": 10}]

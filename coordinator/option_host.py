@@ -22,6 +22,7 @@ from sfl_core.wire.protocol import Message
 if TYPE_CHECKING:
     from coordinator.registry import Registry
     from coordinator.server_trainer import ServerTrainer
+    from coordinator.server_workers import ServerShards
     from sfl_core.losses import LossSpec
     from sfl_core.methods.base import Method
     from coordinator.session import FleetSession
@@ -43,6 +44,7 @@ class OptionHost:
     method: "Method"
     server: "ServerTrainer"
     history: list[dict[str, Any]]
+    shards: Optional["ServerShards"]
     on_event: Callable[[str, dict[str, Any]], None]
     _now: Callable[[], float]
 
@@ -56,11 +58,12 @@ class OptionHost:
         change a line in the log; ``decide`` False: the decisions a resumed run had taken. An
         option whose settings stay keeps its state; one switched on starts afresh."""
         accuracy = [h["accuracy"] for h in self.history if h.get("accuracy") is not None]
-        cfg, lines = self.method.learning(r, self.registry.agents if decide else None, accuracy)
+        cfg, lines = self.method.learning(r, self.registry.agents if decide else None, accuracy,
+                                          shared_server=self.shards is not None)
         for line in lines:
             log.info("%s", line)
             self.on_event("notice", {"text": line})
-        if cfg.sections == self.cfg.sections:
+        if cfg == self.cfg:
             return
         self.cfg = cfg
         self.method.use_config(cfg)

@@ -15,6 +15,7 @@ from sfl_core.config.run import run_config_from_dict
 from sfl_core.config.section import OptionSection
 from sfl_core.evidence import Evidence, absent_classes, evidence_of, label_skew, swing
 from sfl_core.methods.auto.learning import LearningOptions
+from sfl_core.methods.auto.structure import DEPTH_COST, SEQUENTIAL_SERVER_BLOCKS, server_mode_for, shallow_cuts
 from sfl_core.options.base import Recommendation, RoundOption
 from sfl_core.options.drift.option import Drift
 from sfl_core.options.model_ema.option import ModelEma
@@ -75,17 +76,91 @@ def test_federated_statistics_need_batchnorm_and_skew():
     assert NormStats.recommend(_cfg(), MILD, False).changes is None
 
 
-def test_the_delivered_average_follows_the_swings_with_hysteresis():
+def test_the_delivered_average_follows_the_swings_and_then_stays():
     assert ModelEma.recommend(_cfg(), SKEWED, False).changes is None        # not from the skew alone
     steady = dataclasses.replace(SKEWED, accuracy=(0.5, 0.6, 0.7, 0.75, 0.8))
     assert ModelEma.recommend(_cfg(), steady, False).changes is None
     swinging = dataclasses.replace(ALIKE, accuracy=(0.6, 0.5, 0.62, 0.52, 0.63))   # falls 10 + 10 points
     assert ModelEma.recommend(_cfg(), swinging, False).changes == {"decay": 0.8}
-    # falls of 1 point a round: too little to switch it on, too much to switch it off again
-    calmer = dataclasses.replace(ALIKE, accuracy=(0.60, 0.58, 0.60, 0.58, 0.60))
+    calmer = dataclasses.replace(ALIKE, accuracy=(0.60, 0.58, 0.60, 0.58, 0.60))   # falls of 1 point a round
     assert ModelEma.recommend(_cfg(), calmer, False).changes is None
+    # once on, the scored accuracy is the average's: its calm is no evidence the model steadied
     assert ModelEma.recommend(_cfg(), calmer, True).changes == {"decay": 0.8}
-    assert ModelEma.recommend(_cfg(), steady, True).changes is None
+    assert ModelEma.recommend(_cfg(), steady, True).changes == {"decay": 0.8}
+
+
+# ---------------------------------------------------------------- the server mode and the cut's depth
+
+def test_the_server_is_sequential_on_strong_skew_over_a_shallow_server_portion_only():
+    mode, why = server_mode_for(SKEWED, server_blocks=4, shared=False)
+    assert mode == "sequential" and "0.90 nats" in why
+    assert server_mode_for(dataclasses.replace(ALIKE, absent=0.45), server_blocks=3, shared=False)[0] == "sequential"
+    for fleet in (ALIKE, MILD):
+        assert server_mode_for(fleet, server_blocks=3, shared=False)[0] == "merged"
+    mode, why = server_mode_for(SKEWED, server_blocks=SEQUENTIAL_SERVER_BLOCKS + 1, shared=False)
+    assert mode == "merged" and f"{SEQUENTIAL_SERVER_BLOCKS + 1} blocks" in why   # a deep server portion
+    mode, why = server_mode_for(SKEWED, server_blocks=3, shared=True)
+    assert mode == "merged" and "server workers" in why
+
+
+def test_the_shallowest_cuts_within_the_depth_cost():
+    d = DEPTH_COST
+    prices = {(1,): d + 0.1, (1, 2): d - 0.1, (1, 2, 3): 1.0}
+    assert shallow_cuts([3, 1, 2], prices.__getitem__) == ((1, 2), d - 0.1, 1.0)
+    prices[(1,)] = d - 0.01
+    assert shallow_cuts([1, 2, 3], prices.__getitem__)[0] == (1,)
+    assert shallow_cuts([1, 2, 3], {(1,): d + 1, (1, 2): d + 0.5, (1, 2, 3): 1.0}.__getitem__) == ((1, 2, 3), 1.0, 1.0)
+
+
+def _auto(counts, shared: bool = False, **over: Any):
+    from sfl_core.fleet import fleet_of
+    from sfl_core.methods import build_method
+    from sfl_core.model.accounting import model_costs
+    from sfl_core.model.zoo import build_model
+
+    cfg = run_config_from_dict({"model": "vgg_mini", "fleet": [{"profile": "rpi4", "count": len(counts)}],
+                                "data": {"dataset": "digits"}, "per_round": 2, **over})
+    shape = (1, 8, 8)
+    method = build_method(cfg, build_model(cfg.model, shape, 10), model_costs(cfg.model, shape, 10))
+    every = method.candidates
+    method.agents = fleet_of(cfg, counts)   # the registered fleet, for the pricing below
+    settled, lines = method.learning(1, method.agents, [], shared_server=shared)
+    return settled, lines, every, method
+
+
+SKEWED_COUNTS = [[30 if i == k else 0 for i in range(10)] for k in range(4)]
+ALIKE_COUNTS = [[3] * 10] * 4
+
+
+def test_auto_decides_the_server_mode_and_the_depth_on_a_skewed_fleet_only():
+    settled, lines, every, method = _auto(SKEWED_COUNTS)
+    assert settled.server_mode == "sequential"
+    assert any(line.startswith("auto: server: server_mode sequential (round 1: strongly label-skewed") for line in lines)
+    kept = method.round_metrics()["learning"]["cut"]["candidates"]
+    assert kept == sorted(kept) and kept[0] == min(every) and set(method.candidates) <= set(every)
+    # the kept cuts cost at most DEPTH_COST of the round over every cut; one fewer would cost more
+    assert method._round_over(tuple(kept), method.agents) <= DEPTH_COST * method._round_over(
+        tuple(s for s in every if s != method.model.num_blocks), method.agents) + 1e-12
+    settled, lines, every, method = _auto(ALIKE_COUNTS)
+    assert settled.server_mode == "merged" and method.candidates == every     # merged, every cut
+    assert method.round_metrics()["learning"]["server"] == {"server_mode": "merged"}
+
+
+def test_a_server_portion_deeper_than_the_bound_stays_merged(monkeypatch):
+    from sfl_core.methods.auto import structure
+
+    # vgg_mini: 5 blocks, the shallowest cut 1, so 4 blocks on the server
+    monkeypatch.setattr(structure, "SEQUENTIAL_SERVER_BLOCKS", 3)
+    settled, lines, _, _ = _auto(SKEWED_COUNTS)
+    assert settled.server_mode == "merged" and any("a server portion of 4 blocks (over 3)" in line for line in lines)
+
+
+def test_the_users_server_mode_and_cuts_win_and_workers_keep_it_merged():
+    settled, lines, _, method = _auto(SKEWED_COUNTS, server_mode="per_agent", auto={"candidates": [2, 3]})
+    assert settled.server_mode == "per_agent" and method.candidates == (2, 3)
+    assert not any(line.startswith(("auto: server: ", "auto: cut: ")) for line in lines)
+    settled, lines, _, _ = _auto(SKEWED_COUNTS, shared=True)
+    assert settled.server_mode == "merged" and any("server workers" in line for line in lines)
 
 
 # ---------------------------------------------------------------- the decisions
@@ -191,6 +266,7 @@ def test_a_skewed_demo_fleet_gets_its_options_and_keeps_them_across_a_resume(tmp
     history, engine = run_simulation(run_config_from_dict(spec), device="cpu")
     decided = history[-1]["learning"]
     assert decided["drift"] == {"kind": "scaffold"} and decided["server_opt"]["kind"] == "momentum"
+    assert decided["server"] == {"server_mode": "sequential"} and engine.cfg.server_mode == "sequential"
     assert decided["norm_stats"] == "off"                                   # small_cnn has no BatchNorm
     assert {type(o).__name__ for o in engine.options} == {"Drift", "ServerOpt"}
     held = {a: dict(c) for a, c in engine.option(Drift).variates.ci.items()}
@@ -198,6 +274,7 @@ def test_a_skewed_demo_fleet_gets_its_options_and_keeps_them_across_a_resume(tmp
     resumed, engine2 = run_simulation(run_config_from_dict({**spec, "rounds": 3}), resume=True, device="cpu")
     assert [h["round"] for h in resumed] == [0, 1, 2, 3]
     assert resumed[-1]["learning"] == decided
+    assert engine2.cfg.server_mode == "sequential" and engine2.method.candidates == engine.method.candidates
     drift = engine2.option(Drift)
     assert drift is not None and drift.variates is not None
     assert set(drift.variates.ci) >= set(held)                              # restored, not started afresh

@@ -114,7 +114,7 @@ def test_demo_and_baselines_content():
         "small_cnn", "digits", "dirichlet", 0.5)
     assert demo.num_agents == 4 and len(set(demo.agent_profiles())) == 4
     assert demo.rounds <= 10 and demo.batch_size <= 32  # the demo must stay quick on 2 cores
-    assert (demo.strategy, demo.server_mode) == ("auto", "merged")   # the default method, shown by the demo
+    assert (demo.strategy, demo.server_mode) == ("auto", "auto")   # the defaults, shown by the demo
     fedavg = load_run_config(PROFILES / "runs" / "fedavg-demo.yaml")
     sfv1 = load_run_config(PROFILES / "runs" / "splitfed-v1-demo.yaml")
     assert fedavg.strategy == "fedavg"
@@ -241,7 +241,7 @@ def test_unknown_nested_key_has_full_path(tmp_path: Path):
     ("lr", [1], "a positive number"),
     ("momentum", 1.0, "a number in [0, 1)"),
     ("strategy", "fedprox", "one of 'sfl', 'fedavg'"),
-    ("server_mode", "split", "one of 'merged', 'per_agent'"),
+    ("server_mode", "split", "one of 'auto', 'merged', 'per_agent'"),
     ("codec", "int4", "one of 'fp32', 'fp16'"),
     ("codec", "topk100", "topk<P>"),
     ("zstd_level", 23, "0 (no compression) to 22"),

@@ -94,9 +94,10 @@ __all__ = [
     "run_config_to_dict",
 ]
 
-SERVER_MODES = ("merged", "per_agent", "sequential")
+SERVER_MODES = ("auto", "merged", "per_agent", "sequential")
 """'merged' = feature merging (one server batch per step); 'per_agent' = SplitFed v1 (a server
-copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent)."""
+copy per agent, averaged); 'sequential' = SplitFed v2 (one server copy, updated agent after agent);
+'auto' = merged, except that ``strategy: auto`` decides it from the fleet."""
 
 
 def sections() -> dict[str, Any]:
@@ -126,7 +127,7 @@ class RunConfig(Section):
     per_round: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents selected per round; None = all
     min_agents: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # agents to wait for before round 1; None = fleet size
     strategy: Annotated[str, checked(_strategy)] = DEFAULT_STRATEGY
-    server_mode: Annotated[str, checked(one_of(*SERVER_MODES))] = "merged"
+    server_mode: Annotated[str, checked(one_of(*SERVER_MODES))] = "auto"
     split: Annotated[Optional[int], OPTIONAL_POSITIVE_INTEGER] = None  # None = the model's default split point
     batch_size: Annotated[int, POSITIVE_INTEGER] = 32
     lr: Annotated[float, POSITIVE_NUMBER] = 0.05

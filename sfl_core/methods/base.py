@@ -53,8 +53,9 @@ def resolved_split(cfg: RunConfig, model: SplitModel) -> int:
 
 
 def split_plan(cfg: RunConfig, splits: Mapping[str, int], phase: str, **extra: Any) -> RoundPlan:
-    """A plan whose server side follows ``cfg.server_mode`` (merged: one copy for all; per_agent:
-    one copy each; sequential: one copy, agent after agent)."""
+    """A plan whose server side follows ``cfg.server_mode`` (merged, and auto where the method
+    has not decided it: one copy for all; per_agent: one copy each; sequential: one copy, agent
+    after agent)."""
     ids = sorted(splits)
     groups = [[a] for a in ids] if cfg.server_mode == "per_agent" else [ids]
     return RoundPlan(dict(splits), groups, phase, sequential=cfg.server_mode == "sequential", **extra)
@@ -215,12 +216,13 @@ class Method:
         return LossSpec()
 
     def learning(self, r: int, agents: Optional[Mapping[str, AgentInfo]],
-                 accuracy: Sequence[float]) -> tuple[RunConfig, list[str]]:
-        """The run config round ``r`` trains with: ``self.cfg`` with the training options the
-        method decides for the run (those its config leaves to it), and one line per decision
-        that changed. ``agents``: the registered fleet; None: no new evidence, the decisions so
-        far (a resumed run). ``accuracy``: the scored rounds' validation accuracy so far. By
-        default the config as written, and nothing to say."""
+                 accuracy: Sequence[float], *, shared_server: bool = False) -> tuple[RunConfig, list[str]]:
+        """The run config round ``r`` trains with: ``self.cfg`` with the training options (and
+        the ``server_mode: auto``) the method decides for the run, those its config leaves to it,
+        and one line per decision that changed. ``agents``: the registered fleet; None: no new
+        evidence, the decisions so far (a resumed run). ``accuracy``: the scored rounds'
+        validation accuracy so far. ``shared_server``: several server workers share the rounds
+        (no sequential server copy). By default the config as written, and nothing to say."""
         return self.cfg, []
 
     def use_config(self, cfg: RunConfig) -> None:
@@ -313,8 +315,8 @@ class Layer(Method):
         return self.inner.server_loss()
 
     def learning(self, r: int, agents: Optional[Mapping[str, AgentInfo]],
-                 accuracy: Sequence[float]) -> tuple[RunConfig, list[str]]:
-        return self.inner.learning(r, agents, accuracy)
+                 accuracy: Sequence[float], *, shared_server: bool = False) -> tuple[RunConfig, list[str]]:
+        return self.inner.learning(r, agents, accuracy, shared_server=shared_server)
 
     def use_config(self, cfg: RunConfig) -> None:
         self.cfg = cfg

@@ -39,12 +39,13 @@ import numpy as np
 
 from sfl_core.config.run import RunConfig
 from sfl_core.estimates import scale_lr
-from sfl_core.evidence import evidence_of
+from sfl_core.evidence import Evidence, evidence_of
 from sfl_core.fleet import AgentInfo, fleet_of
 from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, priorities
 from sfl_core.methods.auto.config import AutoConfig
 from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
-from sfl_core.methods.auto.learning import LearningOptions
+from sfl_core.methods.auto.learning import Decision, LearningOptions
+from sfl_core.methods.auto.structure import depth_reason, server_mode_for, shallow_cuts
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan, resolved_split
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.norm_layers import batch_norm_layers
@@ -125,6 +126,8 @@ class Auto(Method):
         self.max_batch = a.max_batch or 2 * cfg.batch_size
         self.learner = LearningOptions(cfg)
         """The training options the run leaves to auto, decided from the fleet and the run's accuracy."""
+        self.structure: dict[str, Decision] = {}
+        """The server mode and the cuts, where the run leaves them to auto (:mod:`.structure`)."""
         self.scales: dict[str, list[float]] = {}
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
         self.current: JointPlan | None = None
@@ -375,15 +378,16 @@ class Auto(Method):
 
     def round_metrics(self) -> dict[str, Any]:
         out = {"auto": dict(self.last)} if self.last else {}
-        if self.learner.decisions:
-            out["learning"] = self.learner.summary()
+        if self.learner.decisions or self.structure:
+            out["learning"] = {**self.learner.summary(), **{k: dict(d.changes or {}) for k, d in self.structure.items()}}
         return out
 
     def learning(self, r: int, agents: Optional[Mapping[str, AgentInfo]],
-                 accuracy: Sequence[float]) -> tuple[RunConfig, list[str]]:
+                 accuracy: Sequence[float], *, shared_server: bool = False) -> tuple[RunConfig, list[str]]:
         """The training options the run leaves to auto, decided before each round from the
         registered devices' label histograms, the model and the scored accuracy so far
-        (:mod:`sfl_core.methods.auto.learning`)."""
+        (:mod:`sfl_core.methods.auto.learning`); and the server mode and the cuts' depth where
+        the run leaves them to auto (:mod:`sfl_core.methods.auto.structure`)."""
         lines: list[str] = []
         if agents:
             hists = {a: info.label_counts for a, info in agents.items() if sum(info.label_counts or []) > 0}
@@ -396,12 +400,49 @@ class Auto(Method):
                 self._candidates = tuple(s for s in self._candidates if s != whole)
                 lines.append(f"auto: whole model: off (round {r}: label-skewed devices, mean KL "
                              f"{evidence.label_skew:.2f} nats: a cut's server part trains on every device's rows)")
-        return self.learner.config(), lines
+            lines += [d.line() for d in self._decide_structure(r, evidence, agents, shared_server)]
+        cfg = self.learner.config()
+        server = self.structure.get("server")
+        if server is not None and server.changes:
+            cfg = dataclasses.replace(cfg, server_mode=server.changes["server_mode"])
+        return cfg, lines
+
+    def _decide_structure(self, r: int, evidence: Evidence, agents: Mapping[str, AgentInfo],
+                          shared_server: bool) -> list[Decision]:
+        """The server mode and the cuts' depth where the run leaves them to auto
+        (:mod:`sfl_core.methods.auto.structure`); the decisions that changed."""
+        changed = []
+        whole = self.model.num_blocks
+        cuts = tuple(s for s in self._candidates if s != whole)
+        if self.learner.cfg.server_mode == "auto":
+            mode, why = server_mode_for(evidence, server_blocks=whole - min(cuts, default=0), shared=shared_server)
+            now = self.structure.get("server")
+            if now is None or now.changes != {"server_mode": mode}:
+                changed.append(Decision("server", {"server_mode": mode}, why, r))
+        if (AutoConfig.of(self.cfg).candidates is None and "cut" not in self.structure
+                and evidence.strongly_skewed and len(cuts) > 1):
+            kept, t, every = shallow_cuts(cuts, lambda c: self._round_over(c, agents))
+            self._candidates = tuple(s for s in self._candidates if s in kept or s == whole)
+            changed.append(Decision("cut", {"candidates": list(kept)}, depth_reason(evidence, kept, cuts, t, every), r))
+        self.structure.update((d.key, d) for d in changed)
+        return changed
+
+    def _round_over(self, cuts: tuple[int, ...], agents: Mapping[str, AgentInfo]) -> float:
+        """The fleet's predicted round at equal batches with the planner's cuts limited to ``cuts``."""
+        kept = self._candidates
+        try:
+            self._candidates = cuts
+            return self.equal_batch_round_s(agents)
+        finally:
+            self._candidates = kept
 
     def to_json(self) -> dict[str, Any]:
         out = {**super().to_json(), "auto_scales": {a: list(v) for a, v in self.scales.items()}}
         if self.learner.decisions:
             out["auto_learning"] = self.learner.to_json()
+        if self.structure:
+            out["auto_structure"] = {k: {"changes": d.changes, "reason": d.reason, "round": d.round}
+                                     for k, d in self.structure.items()}
         if self.overhead_s:
             out["auto_overhead_s"] = self.overhead_s
         if self.jitter:
@@ -413,10 +454,28 @@ class Auto(Method):
     def load_json(self, st: Mapping[str, Any]) -> None:
         super().load_json(st)
         self.learner.load_json(st.get("auto_learning") or {})
+        self._load_structure(st.get("auto_structure") or {})
         self.scales = {str(a): [float(x) for x in v][:2] for a, v in (st.get("auto_scales") or {}).items()}
         self.overhead_s = float(st.get("auto_overhead_s", self.cfg.agent_step_overhead_s))
         self.jitter = {str(a): float(v) for a, v in (st.get("auto_jitter_s") or {}).items()}
         self.weight_scales = {str(a): float(v) for a, v in (st.get("auto_weight_scales") or {}).items()}
+
+
+    def _load_structure(self, doc: Mapping[str, Any]) -> None:
+        """The server mode and cuts a resumed run had decided (unreadable entries are dropped:
+        the next round decides them again)."""
+        self.structure = {}
+        for key, v in doc.items():
+            if key == "server" and self.learner.cfg.server_mode == "auto" and isinstance(v, Mapping) \
+                    and (v.get("changes") or {}).get("server_mode") in ("merged", "sequential"):
+                self.structure[key] = Decision(key, {"server_mode": v["changes"]["server_mode"]},
+                                               str(v.get("reason", "")), int(v.get("round", 0)))
+            elif key == "cut" and isinstance(v, Mapping) and AutoConfig.of(self.cfg).candidates is None:
+                kept = [int(c) for c in (v.get("changes") or {}).get("candidates", []) if int(c) in self._candidates]
+                if kept:
+                    self._candidates = tuple(s for s in self._candidates if s in kept or s == self.model.num_blocks)
+                    self.structure[key] = Decision(key, {"candidates": kept}, str(v.get("reason", "")),
+                                                   int(v.get("round", 0)))
 
 
 LABEL_MIX_BOUND = 0.05

@@ -33,8 +33,6 @@ class ModelEma(RoundOption):
     SWINGS = 0.02
     """How far the validation accuracy falls back a round, on average over the last 5 scored
     rounds (:func:`sfl_core.evidence.swing`), that switches the average on."""
-    STEADY = 0.005
-    """... and that switches it off again (a quarter of the above: hysteresis, no flapping)."""
 
     @classmethod
     def left_to_auto(cls, cfg: "RunConfig") -> bool:
@@ -43,11 +41,15 @@ class ModelEma(RoundOption):
     @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
         """The average (decay 0.8) once the global model swings from round to round: the scored
-        accuracy falls back by :attr:`SWINGS` a round on average, and off again only once it is
-        steady (:attr:`STEADY`). Not from the label skew alone: on a run still climbing, the
-        average of the last rounds lags the last one (it cost accuracy on short skewed runs)."""
+        accuracy falls back by :attr:`SWINGS` a round on average. Not from the label skew alone:
+        on a run still climbing, the average of the last rounds lags the last one (it cost
+        accuracy on short skewed runs). Once on it stays on: the scored accuracy is then the
+        average's, which no longer shows the swings that switched it on (switching off on its
+        calm made the average flap on and off at the hard end, losing it each time)."""
+        if on:
+            return Recommendation({"decay": 0.8}, "kept: the scored accuracy is the average's from here on")
         s = swing(evidence.accuracy)
-        if s is not None and (s >= cls.SWINGS or (on and s > cls.STEADY)):
+        if s is not None and s >= cls.SWINGS:
             return Recommendation({"decay": 0.8}, f"the accuracy falls back {100 * s:.1f} points a round: "
                                                   f"the delivered model averages the last rounds' (decay 0.8)")
         return Recommendation(None, "the accuracy does not fall back" + ("" if s is not None else " (yet)") +
