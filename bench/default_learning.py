@@ -7,10 +7,11 @@ would have taken me, and as soon?" Rows, on the same config and seeds:
 
 - **default**: ``strategy: auto``, every option left to it;
 - **options off**: the same with ``drift: none``, ``server_opt: none``, ``norm_stats: averaged``,
-  ``model_ema: 0`` and ``server_mode: merged`` (what the default did before it decided them);
+  ``model_ema: 0``, ``server_mode: merged`` and every candidate cut (``auto.candidates``: the
+  model's), which is what the default did before it decided them;
 - **hand recipe**: the same with the four switched on by hand (``drift: scaffold``, FedAvgM
   ``server_opt: {kind: momentum, lr: 1, beta1: 0.5}``, ``norm_stats: federated``, ``model_ema: 0.8``)
-  on the merged server copy.
+  on the merged server copy and every candidate cut.
 
 Fleets: the demo's (4 devices, digits, Dirichlet 0.5, 8 rounds), the same on IID shards (the
 default must not cost accuracy or time where the labels are alike), and a 40-device
@@ -34,6 +35,7 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 from sfl_core.config.run import default_profiles_dir, load_run_config, run_config_from_dict  # noqa: E402
 from sfl_core.config.run import run_config_to_dict  # noqa: E402
+from sfl_core.model.zoo import candidate_splits  # noqa: E402
 
 OFF = {"drift": "none", "server_opt": "none", "norm_stats": "averaged", "model_ema": 0, "server_mode": "merged"}
 RECIPE = {"drift": "scaffold", "server_opt": {"kind": "momentum", "lr": 1.0, "beta1": 0.5},
@@ -61,6 +63,8 @@ def fleets(args: Any) -> dict[str, dict[str, Any]]:
 def run_row(base: dict[str, Any], extra: dict[str, Any], seed: int, work: Path) -> dict[str, Any]:
     from simulation import run_simulation
 
+    if extra:   # the hand-set rows plan over every candidate cut, as the default did before it chose the depth
+        extra = {**extra, "auto": {**base.get("auto", {}), "candidates": list(candidate_splits(base["model"]))}}
     cfg = run_config_from_dict({**base, **extra, "seed": seed,
                                 "data": {**base["data"], "seed": seed},
                                 "output_dir": str(work / f"s{seed}-{abs(hash(str(sorted(extra.items()))))}")})
