@@ -43,6 +43,14 @@ class Decision:
         what = ", ".join(f"{k} {v}" for k, v in self.changes.items()) if self.changes is not None else "off"
         return f"auto: {self.key}: {what} (round {self.round}: {self.reason})"
 
+    def to_json(self) -> dict[str, Any]:
+        return {"changes": self.changes, "reason": self.reason, "round": self.round}
+
+    @classmethod
+    def from_json(cls, key: str, v: Mapping[str, Any]) -> "Decision":
+        return cls(str(key), dict(v["changes"]) if v.get("changes") is not None else None,
+                   str(v.get("reason", "")), int(v.get("round", 0)))
+
 
 class LearningOptions:
     """The decisions so far on the options ``cfg`` (the run config as written) leaves to auto."""
@@ -82,11 +90,10 @@ class LearningOptions:
         return {key: dict(d.changes) if d.changes is not None else "off" for key, d in self.decisions.items()}
 
     def to_json(self) -> dict[str, Any]:
-        return {key: {"changes": d.changes, "reason": d.reason, "round": d.round} for key, d in self.decisions.items()}
+        return {key: d.to_json() for key, d in self.decisions.items()}
 
     def load_json(self, doc: Mapping[str, Any]) -> None:
         """Decisions from a checkpoint (those of options this run no longer leaves to auto are dropped)."""
         keys = {o.SECTION.KEY for o in option_registry.left_to_auto(self.cfg)}
-        self.decisions = {str(k): Decision(str(k), dict(v["changes"]) if v.get("changes") is not None else None,
-                                           str(v.get("reason", "")), int(v.get("round", 0)))
-                          for k, v in (doc or {}).items() if k in keys and isinstance(v, Mapping)}
+        self.decisions = {str(k): Decision.from_json(k, v) for k, v in (doc or {}).items()
+                          if k in keys and isinstance(v, Mapping)}

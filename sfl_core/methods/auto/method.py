@@ -441,8 +441,7 @@ class Auto(Method):
         if self.learner.decisions:
             out["auto_learning"] = self.learner.to_json()
         if self.structure:
-            out["auto_structure"] = {k: {"changes": d.changes, "reason": d.reason, "round": d.round}
-                                     for k, d in self.structure.items()}
+            out["auto_structure"] = {k: d.to_json() for k, d in self.structure.items()}
         if self.overhead_s:
             out["auto_overhead_s"] = self.overhead_s
         if self.jitter:
@@ -460,22 +459,23 @@ class Auto(Method):
         self.jitter = {str(a): float(v) for a, v in (st.get("auto_jitter_s") or {}).items()}
         self.weight_scales = {str(a): float(v) for a, v in (st.get("auto_weight_scales") or {}).items()}
 
-
     def _load_structure(self, doc: Mapping[str, Any]) -> None:
-        """The server mode and cuts a resumed run had decided (unreadable entries are dropped:
-        the next round decides them again)."""
+        """The server mode and cuts a resumed run had decided (an entry that no longer applies
+        or does not read is dropped: the next round decides it again)."""
         self.structure = {}
         for key, v in doc.items():
-            if key == "server" and self.learner.cfg.server_mode == "auto" and isinstance(v, Mapping) \
-                    and (v.get("changes") or {}).get("server_mode") in ("merged", "sequential"):
-                self.structure[key] = Decision(key, {"server_mode": v["changes"]["server_mode"]},
-                                               str(v.get("reason", "")), int(v.get("round", 0)))
-            elif key == "cut" and isinstance(v, Mapping) and AutoConfig.of(self.cfg).candidates is None:
-                kept = [int(c) for c in (v.get("changes") or {}).get("candidates", []) if int(c) in self._candidates]
-                if kept:
-                    self._candidates = tuple(s for s in self._candidates if s in kept or s == self.model.num_blocks)
-                    self.structure[key] = Decision(key, {"candidates": kept}, str(v.get("reason", "")),
-                                                   int(v.get("round", 0)))
+            try:
+                d = Decision.from_json(key, v)
+                if key == "server" and self.learner.cfg.server_mode == "auto" \
+                        and (d.changes or {}).get("server_mode") in ("merged", "sequential"):
+                    self.structure[key] = d
+                elif key == "cut" and AutoConfig.of(self.cfg).candidates is None:
+                    kept = [int(c) for c in (d.changes or {}).get("candidates", []) if int(c) in self._candidates]
+                    if kept:
+                        self._candidates = tuple(s for s in self._candidates if s in kept or s == self.model.num_blocks)
+                        self.structure[key] = dataclasses.replace(d, changes={"candidates": kept})
+            except (KeyError, TypeError, ValueError):
+                continue
 
 
 LABEL_MIX_BOUND = 0.05
