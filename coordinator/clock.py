@@ -38,6 +38,12 @@ class AgentWork:
     coordinator_s: float = 0.0
     """What the time model charges for the coordinator's handling of the round's step messages
     (:func:`sfl_core.timing.step_overhead_s`); a wall clock measures it instead."""
+    steps: int = 0
+    window: int = 1
+    """Its steps, and the most it had in flight (1: lock-step)."""
+    step_bytes_up: int = 0
+    step_bytes_down: int = 0
+    """The activations' and gradients' encoded bytes (the part of the transfer a window overlaps)."""
 
 
 class Clock(Protocol):

@@ -45,6 +45,7 @@ from sfl_core.model.bottleneck import bottleneck_shape, slice_state
 from sfl_core.model.fingerprint import digest
 from sfl_core.model.zoo import SplitModel
 from sfl_core.option_registry import build_options
+from sfl_core.timing import window_for
 from sfl_core.options.base import ServerTerms
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
@@ -234,9 +235,10 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
         decay = self.cfg.lr_decay ** max(0, r - 1)
+        windows = {a: window_for(self.cfg, self.costs, plan, a, self.registry.agents[a]) for a in selected}
         agents = {a: RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
-                                                    batches.get(a), decay), last_heard=now, last_sent_at=now,
-                                instance=self.registry.agents[a].instance)
+                                                    batches.get(a), decay, windows[a]), last_heard=now,
+                                last_sent_at=now, instance=self.registry.agents[a].instance)
                   for a in selected}
         label_counts = {a: self.registry.agents[a].label_counts for a in selected}
         population = {a: i.label_counts for a, i in self.registry.agents.items()}
@@ -328,7 +330,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
 
     # ================================================================ internals
     def _assignment(self, split: int, width: int = 0, codec: str | None = None,
-                    batch: int | None = None, lr_scale: float = 1.0) -> Assignment:
+                    batch: int | None = None, lr_scale: float = 1.0, window: int = 1) -> Assignment:
         cost = self.costs[split]
         whole = split == self.model.num_blocks
         shape = (self.num_classes,) if whole else cost.activation_shape
@@ -339,7 +341,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
                           lr=self.method.lr(batch) * lr_scale,
                           momentum=self.cfg.momentum,
                           tau=self.cfg.local_iters, codec=codec or self.cfg.codec, zstd_level=self.cfg.zstd_level,
-                          activation_shape=tuple(shape))
+                          activation_shape=tuple(shape), window=1 if whole else min(window, self.cfg.local_iters))
 
     def _batch(self, ra: RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """The activations and labels of ``msg``, validated (None, rejected, if invalid) and on

@@ -41,7 +41,9 @@ def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Map
             bytes_up=ra.bytes_up, bytes_down=ra.bytes_down, messages=ra.messages,
             profile=info.profile.at_round(r), server_flops_per_s=server_flops,
             coordinator_s=0.0 if ra.assignment.whole_model else timing.step_overhead_s(
-                per_agent_step_s, steps=ra.assignment.tau, split_agents=split_agents)))
+                per_agent_step_s, steps=ra.assignment.tau, split_agents=split_agents),
+            steps=ra.assignment.tau, window=ra.assignment.window, step_bytes_up=ra.step_bytes_up,
+            step_bytes_down=ra.step_bytes_down))
         t = times[a] = parts.total_s
         act = 0 if ra.assignment.whole_model else math.prod(ra.assignment.activation_shape) * 4
         observed.append(AgentRound(
@@ -50,7 +52,8 @@ def price_round(r: int, clock: Clock, costs: Mapping[int, SplitCost], infos: Map
             weights_bytes=uploads[a].wire_bytes, messages=ra.messages, wire_bytes=ra.bytes_up + ra.bytes_down,
             fp32_bytes=2 * cost.client_param_bytes + 2 * samples * act,
             step_jitter_s=0.0 if clock.virtual else ra.step_jitter_s,
-            weights_phase_s=0.0 if clock.virtual else ra.weights_phase_s))
+            weights_phase_s=0.0 if clock.virtual else ra.weights_phase_s,
+            step_bytes=(ra.step_bytes_up, ra.step_bytes_down)))
         info.rounds += 1
         info.bytes_up += ra.bytes_up
         info.bytes_down += ra.bytes_down

@@ -29,6 +29,10 @@ def agent_row(ra: RoundAgent, parts: timing.AgentTime, time_s: float) -> dict[st
            "labels_withheld": ra.labels_withheld}
     if parts.coordinator_s:
         row["coordinator_s"] = round(parts.coordinator_s, 4)
+    if ra.assignment.window > 1:   # steps it kept in flight, and the seconds they overlapped (a time-model clock's)
+        row["window"] = ra.assignment.window
+        if parts.overlap_s:
+            row["overlap_s"] = round(parts.overlap_s, 4)
     return row
 
 

@@ -90,6 +90,15 @@ class RoundAgent:
     steps: list[float] = field(default_factory=list)
     """Its response time at each step after the first (gradients sent -> next activations in):
     their spread is the jitter that lock-step waits on (:func:`sfl_core.timing.lockstep_slack_s`)."""
+    step_bytes_up: int = 0
+    step_bytes_down: int = 0
+    """Encoded bytes of its activations and of its gradients (what a window overlaps)."""
+    counted_at: float = float("-inf")
+    """When the last message it owed arrived: with steps in flight a reply can come before we
+    send what it answers, and its response time counts only from here (never twice)."""
+    unanswered: list[Message] = field(default_factory=list)
+    """With a window: the gradients sent whose steps' successors have not all arrived, resent
+    together when it reports itself idle (any of them may be the one lost)."""
 
     @property
     def weights_phase_s(self) -> float:
@@ -131,6 +140,9 @@ class FleetSession:
         self._reg_seq: dict[str, int] = {}
         self._early: dict[str, Message] = {}
         """Weights of whole-model agents that finished while the round's split agents still trained."""
+        self._ahead: dict[tuple[str, int], Message] = {}
+        """(agent, step) -> activations that came in before their step is gathered: an agent with a
+        window keeps that many steps in flight."""
         self.rejections = protocol.Rejections(log)
         self._rejected_before: dict[str, int] = {}
         self._pruned: dict[str, None] = {}
@@ -251,6 +263,10 @@ class FleetSession:
             ra.bytes_down += n
             ra.messages += 1
             ra.last_sent, ra.last_sent_at = msg, now
+            if msg.type == "gradients":
+                ra.step_bytes_down += n
+                if ra.assignment.window > 1:
+                    ra.unanswered = [*ra.unanswered, msg][-ra.assignment.window:]
 
     def collect(self, agents: dict[str, RoundAgent], kind: str, r: int, k: int,
                 only: Collection[str] | None = None) -> dict[str, Message]:
@@ -269,6 +285,9 @@ class FleetSession:
         if kind == "weights":
             got = {a: m for a, m in self._early.items() if m.round == r and a in agents and a in expected}
             self._early = {}
+        elif kind == "activations":   # steps in flight: what came in ahead of this step
+            self._ahead = {key: m for key, m in self._ahead.items() if m.round == r and key[0] in agents}
+            got = {a: self._ahead.pop((a, k)) for a in expected if (a, k) in self._ahead}
 
         def still_waiting() -> set[str]:
             return {a for a in agents if a in expected and a not in got}
@@ -365,9 +384,28 @@ class FleetSession:
                 self.drop(agents, ra.info_id, f"idle after {MAX_RESENDS} resends of {ra.last_sent.type}")
                 return
             log.info("%s is idle while we wait for it: resending %s", ra.info_id, ra.last_sent.type)
-            self.transport.send(ra.info_id, ra.last_sent)
-            ra.last_sent_at = self._now()
+            self._send_again(ra)
             ra.resends += 1
+
+    def _send_again(self, ra: RoundAgent) -> None:
+        """What the agent may have lost: our last message, or with a window every gradient whose
+        step's successors have not all come in (it applies each once, in order)."""
+        if ra.unanswered and ra.last_sent is not None and ra.last_sent.type == "gradients":
+            self.transport.send_many([(ra.info_id, m) for m in ra.unanswered])
+        elif ra.last_sent is not None:
+            self.transport.send(ra.info_id, ra.last_sent)
+        ra.last_sent_at = self._now()
+
+    def _activations_ahead(self, msg: Message, ra: RoundAgent) -> None:
+        """Activations for a later step than the one gathered, within the agent's window: kept
+        for their step (counted now: they arrived now)."""
+        if (msg.sender, msg.step) in self._ahead:
+            self.rejections.reject("duplicate", f"activations from {msg.sender}: round {msg.round} step "
+                                                f"{msg.step} already received", level=logging.INFO)
+            return
+        self._count(ra, msg)
+        self._accepted(msg)
+        self._ahead[msg.sender, msg.step] = msg
 
     def _early_weights(self, msg: Message, ra: RoundAgent, r: int) -> None:
         """Weights from an agent we are not waiting on at this step: kept if they end its round."""
@@ -388,9 +426,12 @@ class FleetSession:
         ra.bytes_up += msg.wire_bytes
         ra.messages += 1
         ra.resends = 0
-        dt = self._now() - ra.last_sent_at
+        now = self._now()
+        dt = max(0.0, now - max(ra.last_sent_at, ra.counted_at))
+        ra.counted_at = now
         ra.busy_s += dt
         if msg.type == "activations":
+            ra.step_bytes_up += msg.wire_bytes
             if msg.step:
                 ra.steps.append(dt)
             else:
@@ -420,9 +461,13 @@ class FleetSession:
         elif msg.round == r and (msg.step < k or (msg.type == "activations" and kind in ("weights", "logit_grads"))):
             self.rejections.reject("duplicate", f"{msg.type} from {a}: round {r} step {msg.step} answered again",
                                    level=logging.INFO)
-            if ra.last_sent is not None:  # our reply to it was lost: send it again
-                self.transport.send(a, ra.last_sent)
-                ra.last_sent_at = self._now()
+            # our reply to it was lost: send it again (with a window, its heartbeat's idle says
+            # so: a reply to every duplicate would echo the agent's own resends back and forth)
+            if ra.last_sent is not None and ra.assignment.window == 1:
+                self._send_again(ra)
+        elif msg.type == "activations" and kind == "activations" and msg.round == r and \
+                k < msg.step < k + ra.assignment.window:
+            self._activations_ahead(msg, ra)
         else:
             self.rejections.reject("stale", f"{msg.type} (round {msg.round} step {msg.step}) from {a}: "
                                             f"expected {kind} for round {r} step {k}")

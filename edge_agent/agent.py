@@ -7,17 +7,25 @@ the state machine free of I/O is what lets one round engine drive both.
 Exactly-once training under retransmission: each (round, step) gradient is applied at most
 once. A duplicate assignment or gradient (the coordinator retransmits when it suspects a
 loss) is answered by re-sending the last reply, never by training again.
+
+Steps in flight (the assignment's ``window``): the agent sends up to ``window`` steps'
+activations before the first one's gradients come back, and applies each gradient, in step
+order, as it arrives. A step computed while others are in flight keeps the weights it was
+computed with (PipeDream's weight stashing), so its gradient is exact for them; it lands on
+weights at most ``window - 1`` updates newer. Window 1 is lock-step, computed exactly as before.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from sfl_core import option_registry
 from sfl_core.data.preprocessing import Normalization
@@ -58,6 +66,21 @@ class LocalData:
 
     def label_counts(self) -> list[int]:
         return torch.bincount(self.y, minlength=self.num_classes).tolist()
+
+
+@dataclass
+class InFlight:
+    """One step whose activations went out and whose gradients have not been applied."""
+
+    step: int
+    out: torch.Tensor
+    """What was sent (clipped and noised if asked), with its graph back to the client portion."""
+    leak: Optional[torch.Tensor]
+    """NoPeek's term for this step (None when off)."""
+    sent: Message
+    stash: Optional[dict[str, torch.Tensor]]
+    """The weights it was computed with, where other steps update the live ones before its
+    gradient comes (None: computed with the live weights, nothing stepped since)."""
 
 
 class BatchSampler:
@@ -122,9 +145,10 @@ class AgentCore:
         self._options = [d for d in (o.device() for o in option_registry.option_classes()) if d is not None]
         """Each training option's part on this device (sfl_core.options), kept across rounds."""
         self._handlers = {t: h for d in self._options for t, h in d.handles().items()}
-        self._out: Optional[torch.Tensor] = None
+        self._flight: deque[InFlight] = deque()   # steps sent, gradients not yet applied (oldest first)
+        self._early_grads: dict[int, torch.Tensor] = {}   # a later step's gradient, in before an earlier one's
+        self._window = 1                                   # steps this round keeps in flight
         self.privacy = privacy
-        self._leak: Optional[torch.Tensor] = None        # NoPeek's weighted distance correlation, this step
         self._x: Optional[torch.Tensor] = None           # this step's inputs (DP-SGD recomputes per sample)
         self._scale: Optional[torch.Tensor] = None       # this step's activation clipping factors
         self._noise_gen = torch.Generator().manual_seed(seed + 7919)
@@ -190,9 +214,14 @@ class AgentCore:
                                 sum(option.proximal(msg.body) for option in self._options))
         self._flops_per_sample = model_costs(a.model, self.input_shape, self.data.num_classes)[a.split].client_flops
         self.round, self.step, self._compute_s, self._assign_seq = msg.round, -1, 0.0, msg.seq
+        self._flight.clear()
+        self._early_grads.clear()
         if a.whole_model:
             return self._remember([self._train_locally()])
-        return self._remember([self._forward_next()])
+        # labels withheld and DP-SGD work on the step just sent: they keep lock-step
+        lockstep = self.withhold_labels or self.privacy.dp_sgd is not None
+        self._window = 1 if lockstep else max(1, min(a.window, a.tau))
+        return self._remember([self._forward_next() for _ in range(self._window)])
 
     def _standardise(self, constants: Optional[dict]) -> None:
         """Standardise our inputs with the run's constants (once; again only if they change)."""
@@ -216,20 +245,29 @@ class AgentCore:
         idx = self._sampler.next(self._assign.batch_size)
         x, y = self.data.x[idx], self.data.y[idx]
         t0 = time.perf_counter()
-        out = self._client(x)
+        stash = self._stash() if self._flight else None
+        out = self._client(x) if stash is None else functional_call(self._client, stash, (x,))
         self._y = y
-        self._out, self._leak = self._protect(x, out)
+        sent, leak = self._protect(x, out)
         self._x = x if self.privacy.dp_sgd is not None else None
         # forward is about a third of forward+backward FLOPs; the rest is charged at backward
         self._charge(self._flops_per_sample * len(idx) / 3, time.perf_counter() - t0)
         if tuple(out.shape[1:]) != self._assign.activation_shape:
             raise wire.WireError(f"assign.activation_shape {self._assign.activation_shape} does not match this "
                                  f"model's client output {tuple(out.shape[1:])}")
-        return self._msg("activations", step=self.step, body={
-            "x": wire.encode_tensor(self._out, self._assign.codec, self._assign.zstd_level),
+        msg = self._msg("activations", step=self.step, body={
+            "x": wire.encode_tensor(sent, self._assign.codec, self._assign.zstd_level),
             "y": None if self.withhold_labels else wire.encode_tensor(y.to(torch.int64), "fp32", self._assign.zstd_level),
             "compute_s": self._compute_s,
         })
+        self._flight.append(InFlight(self.step, sent, leak, msg, stash))
+        return msg
+
+    def _stash(self) -> dict[str, torch.Tensor]:
+        """A copy of the client portion's weights for a step computed while others are in flight:
+        their updates land on the live weights before its gradient comes back."""
+        assert self._client is not None
+        return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self._client.named_parameters()}
 
     def _protect(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """What is sent for the client's output ``out`` of inputs ``x`` (clipped and noised if
@@ -244,33 +282,52 @@ class AgentCore:
 
     def _on_gradients(self, msg: Message) -> list[Message]:
         a = self._assign
-        if a is None or msg.round != self.round or self._out is None:
+        if a is None or msg.round != self.round or not self._flight:
             if msg.round <= self.round:
                 return self._resend()  # late duplicate: our reply may have been lost
             raise wire.WireError(f"gradients for round {msg.round} without an assignment")
-        if msg.step < self.step:
+        oldest = self._flight[0].step
+        if msg.step < oldest:
             return self._resend()      # already applied: never apply a gradient twice
-        if msg.step > self.step:
-            raise wire.WireError(f"gradients for step {msg.step}, expected {self.step}")
-        g = wire.decode_tensor(msg.body["g"], shape=tuple(self._out.shape), dtypes=("float32", "float16")).to(self.device)
+        if msg.step > self._flight[-1].step or (msg.step > oldest and self._window == 1):
+            raise wire.WireError(f"gradients for step {msg.step}, expected {oldest}")
+        if msg.step in self._early_grads:
+            return []                  # a resent copy of one we hold
+        out = self._flight[msg.step - oldest].out
+        g = wire.decode_tensor(msg.body["g"], shape=tuple(out.shape), dtypes=("float32", "float16")).to(self.device)
         if not wire.all_finite(g):
             raise wire.WireError("gradients contain NaN or Inf")
+        self._early_grads[msg.step] = g
+        replies: list[Message] = []
+        while self._flight and self._flight[0].step in self._early_grads:   # in step order
+            f = self._flight.popleft()
+            replies += self._backward(f, self._early_grads.pop(f.step))
+        return self._remember(replies)
+
+    def _backward(self, f: InFlight, g: torch.Tensor) -> list[Message]:
+        """Apply step ``f``'s gradient ``g``; then send the next step, or the weights after the last."""
+        a = self._assign
+        assert a is not None and self._opt is not None and self._client is not None
         t0 = time.perf_counter()
-        assert self._opt is not None
         self._opt.zero_grad(set_to_none=True)
         if self.privacy.dp_sgd is not None:
             self._dp_backward(g)
-        elif self._leak is not None:   # NoPeek: the server's gradient plus our own leakage term
-            torch.autograd.backward([self._out, self._leak], [g, None])
+        elif f.leak is not None:   # NoPeek: the server's gradient plus our own leakage term
+            torch.autograd.backward([f.out, f.leak], [g, None])
         else:
-            self._out.backward(g)
+            f.out.backward(g)
+        if f.stash is not None:    # computed with stashed weights: their gradient is the live weights'
+            for n, p in self._client.named_parameters():
+                p.grad = f.stash[n].grad
         self._terms.apply()   # the training options' terms (drift correction)
         self._opt.step()
-        self._out, self._leak, self._x = None, None, None
+        self._x = None
         self._charge(self._flops_per_sample * g.shape[0] * 2 / 3, time.perf_counter() - t0)
         if self.step + 1 < a.tau:
-            return self._remember([self._forward_next()])
-        return self._remember([self._weights_message(loss=float("nan"))])
+            return [self._forward_next()]
+        if not self._flight:
+            return [self._weights_message(loss=float("nan"))]
+        return []
 
     def _on_logits(self, msg: Message) -> list[Message]:
         """Labels withheld: score our rows' logits with the labels we kept and return the
@@ -457,4 +514,6 @@ class AgentCore:
         return replies
 
     def _resend(self) -> list[Message]:
+        if self._window > 1 and self._flight:   # any of the steps in flight may be the one lost
+            return [f.sent for f in self._flight]
         return [self._last_reply] if self._last_reply is not None else []

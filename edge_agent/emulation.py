@@ -1,7 +1,9 @@
 """``--emulate``: make a fast machine behave like the profile's device.
 
 Compute is stretched to the profile's FLOP/s and the link is throttled to its rate, so a
-laptop can host a heterogeneous fleet whose wall-clock times mean something. Emulation
+laptop can host a heterogeneous fleet whose wall-clock times mean something. The link moves
+one message at a time each way, beside the compute (the uplink in the agent's sending thread,
+the downlink timed from each message's arrival), as a device's radio does. Emulation
 can only slow down: if this machine is slower than the profile, the real time stands
 (and a warning says so once).
 
@@ -28,6 +30,7 @@ class Emulator:
         self.profile = profile.at_round(0)
         self.slowdown = float(slowdown)
         self._warned = False
+        self._down_free = 0.0   # when the emulated downlink finishes what it is receiving
 
     def at_round(self, r: int) -> None:
         """Follow the profile's capacity schedule: from round ``r`` on, run at its scaled rates."""
@@ -48,4 +51,20 @@ class Emulator:
         time.sleep((nbytes / self.profile.link_bytes_per_s + self.profile.latency_s) * self.slowdown)
 
     def downlink(self, nbytes: int) -> None:
-        time.sleep((nbytes / self.profile.downlink + self.profile.latency_s) * self.slowdown)
+        time.sleep(self.downlink_s(nbytes))
+
+    def downlink_s(self, nbytes: int) -> float:
+        return (nbytes / self.profile.downlink + self.profile.latency_s) * self.slowdown
+
+    def arrival(self, nbytes: int) -> float:
+        """When a message that starts arriving now is all in over the emulated downlink: one
+        message at a time, while the device computes (a radio receives beside the processor)."""
+        start = max(time.monotonic(), self._down_free)
+        self._down_free = start + self.downlink_s(nbytes)
+        return self._down_free
+
+    def wait_until(self, when: float) -> None:
+        """Sleep until monotonic time ``when`` (a message's :meth:`arrival`)."""
+        pause = when - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)

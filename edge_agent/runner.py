@@ -26,6 +26,7 @@ import torch
 
 from edge_agent.agent import AgentCore, LocalData
 from edge_agent.emulation import Emulator
+from edge_agent.outbox import Outbox
 from edge_agent.own_data import prepare_device, task_of
 from edge_agent.profiler import measure_compute, measure_link
 from edge_agent.run_model import device_model
@@ -176,6 +177,9 @@ class AgentRunner:
                                             protocol.info_topic(opts.run_id), self._status_topic],
                              will=(self._status_topic, offline, True))
         self.link.add_reconnect_callback(self._announce_online)
+        self.outbox = Outbox(self._send_up, uplink=self.emulator.uplink if self.emulator else None,
+                             sent=self._mark_sent)
+        self._arrivals: dict[int, float] = {}   # id(message) -> when the emulated downlink has it all
 
     # ================================================================ lifecycle
     def run(self) -> int:
@@ -197,6 +201,7 @@ class AgentRunner:
             return 0
         finally:
             self._stop.set()
+            self.outbox.close(timeout=3)
             self._note("stopped")
             # best effort and short: after a shutdown the broker may already be gone (an embedded
             # one stops with its coordinator), and a waiting agent would outlive its run. An agent
@@ -443,6 +448,7 @@ class AgentRunner:
                 msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
                 continue
+            arrived = self._arrivals.pop(id(msg), 0.0)
             if msg.type == "shutdown":
                 log.info("coordinator says stop: %s", msg.body["reason"])
                 return
@@ -462,7 +468,7 @@ class AgentRunner:
                 if self.emulator:
                     if msg.type == "assign":
                         self.emulator.at_round(msg.round)
-                    self.emulator.downlink(msg.wire_bytes)
+                    self.emulator.wait_until(arrived)
                 replies = self.core.handle(msg)
                 for reply in replies:
                     self._publish(reply)
@@ -554,6 +560,8 @@ class AgentRunner:
         else:
             if msg.type in liveness.WORK_TYPES:
                 self._last_work = time.monotonic()
+            if self.emulator:
+                self._arrivals[id(msg)] = self.emulator.arrival(msg.wire_bytes)
             self._inbox.put(msg)
 
     def _trusted(self, msg: Message, topic: str) -> bool:
@@ -587,13 +595,17 @@ class AgentRunner:
         return True
 
     def _publish(self, msg: Message) -> None:
+        """Hand ``msg`` to the uplink (:class:`~edge_agent.outbox.Outbox`): sent in order while we compute on."""
         payload = msg.encode()
         self.bytes_up += len(payload)
-        if self.emulator:
-            self.emulator.uplink(len(payload))
+        self.outbox.put(payload)
+
+    def _send_up(self, payload: bytes) -> None:
         topic = protocol.up_topic(self.o.run_id, self.o.agent_id)
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12]):
             self._publish_raw(topic, piece)
+
+    def _mark_sent(self) -> None:
         self._last_sent = time.monotonic()
 
     def _publish_raw(self, topic: str, payload: bytes, retain: bool = False, timeout: float = 60) -> None:
@@ -626,10 +638,11 @@ class AgentRunner:
             idle_s = liveness.agreed_idle_s(info.body.get("heartbeat_idle_s") if info is not None else None,
                                             self.o.heartbeat_s)
             now = time.monotonic()
-            if not liveness.due(now, self._last_sent, self._last_work, self._busy, self.o.heartbeat_s, idle_s):
+            busy = self._busy or self.outbox.pending > 0   # an upload still going is work too
+            if not liveness.due(now, self._last_sent, self._last_work, busy, self.o.heartbeat_s, idle_s):
                 continue
             self._last_sent = now
-            state = "busy" if self._busy else "idle"
+            state = "busy" if busy else "idle"
             self.link.publish(protocol.up_topic(self.o.run_id, self.o.agent_id),
                               self._msg("heartbeat", {"state": state}).encode(), timeout=5)
 

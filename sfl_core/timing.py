@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from sfl_core.fleet import compute_s_per_sample, downlink_rate, uplink_rate
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
     from sfl_core.fleet import AgentInfo
+    from sfl_core.methods.base import RoundPlan
     from sfl_core.model.accounting import SplitCost
 
 
@@ -40,10 +41,13 @@ class AgentTime:
     transfer_s: float
     server_compute_s: float
     coordinator_s: float = 0.0
+    overlap_s: float = 0.0
+    """Seconds of the parts above that a window of steps in flight runs at the same time as
+    others (:func:`pipeline_overlap_s`; 0 in lock-step, window 1)."""
 
     @property
     def total_s(self) -> float:
-        return self.client_compute_s + self.transfer_s + self.server_compute_s + self.coordinator_s
+        return self.client_compute_s + self.transfer_s + self.server_compute_s + self.coordinator_s - self.overlap_s
 
 
 def agent_round_time(
@@ -151,6 +155,53 @@ def lockstep_phases_s(down_s: Sequence[float], up_s: Sequence[float], total_s: S
     return max(0.0, lockstep - max(total_s))
 
 
+AUTO_WINDOWS = (1, 2, 4)
+"""The windows ``window: auto`` chooses from: past 4 the staleness bench/pipeline.py measured
+cost accuracy on the shipped fleets, for little more time hidden."""
+WINDOW_SLACK = 0.05
+"""``window: auto`` takes the smallest window whose predicted round is within this fraction of
+the deepest one's: every step in flight beyond it buys staleness for under 5 % of the round."""
+
+
+def pipelined_step_s(*, client_s: float, up_s: float, down_s: float, server_s: float, latency_s: float,
+                     window: int) -> float:
+    """One step's share of a round once ``window`` steps are in flight (steady state).
+
+    A step is a chain: client forward, activations up, the server's step, gradients down,
+    client backward: ``s = c + u + v + d + 2·latency`` seconds in lock-step (window 1). With
+    ``W`` steps in flight the device computes step ``k + 1`` while step ``k``'s activations
+    travel and the server works, so each resource (the device's processor ``c``, the uplink
+    ``u``, the server ``v``, the downlink ``d``) is busy for its own part of every step and
+    the chain repeats every
+
+        max(s / W, c, u, v, d)
+
+    seconds: ``W`` steps per round trip when the round trip dominates, else the busiest
+    resource's share (the pipeline's bound). ``c``, ``u``, ``v``, ``d`` are per-step seconds;
+    latency occupies no resource. Window 1 gives ``s``.
+    """
+    serial = client_s + up_s + down_s + server_s + 2 * latency_s
+    if window <= 1:
+        return serial
+    return max(serial / window, client_s, up_s, down_s, server_s)
+
+
+def pipeline_overlap_s(*, steps: int, window: int, client_s: float, up_s: float, down_s: float,
+                       server_s: float, latency_s: float) -> float:
+    """What a window of ``window`` steps in flight hides of a round of ``steps`` lock-step steps
+    whose totals are ``client_s`` (compute), ``up_s`` / ``down_s`` (the activations' and
+    gradients' bytes over the links), ``server_s`` (the server and coordinator for this
+    agent's rows): the first step runs alone, the other ``steps - 1`` each take
+    :func:`pipelined_step_s` instead of the whole chain. 0 for window 1 or a single step.
+    """
+    if window <= 1 or steps <= 1:
+        return 0.0
+    per = dict(client_s=client_s / steps, up_s=up_s / steps, down_s=down_s / steps, server_s=server_s / steps,
+               latency_s=latency_s)
+    serial = pipelined_step_s(**per, window=1)
+    return (steps - 1) * max(0.0, serial - pipelined_step_s(**per, window=window))
+
+
 def round_time(times: Iterable[float]) -> float:
     """A synchronous round lasts as long as its slowest agent."""
     return max(times, default=0.0)
@@ -188,19 +239,33 @@ class Option:
     weights_up_s: float = 0.0
     """The client portion's download and upload (a latency each) by the time model, before the
     measured factors: they open and close the round, outside the lock-stepped steps."""
+    window: int = 1
+    """Steps in flight (:func:`pipelined_step_s`)."""
+    lines: tuple[tuple[float, float], ...] = ()
+    """With a window over 1: the round is the largest of these (fixed, per-sample) lines, one per
+    resource that can bound the pipeline (a maximum of lines in the batch is still exact for
+    :meth:`largest_batch`); ``fixed_s`` and ``per_sample_s`` stay the lock-step round."""
+
+    def serial_time(self, batch: int) -> float:
+        """The round in lock-step (window 1): what the measured factors divide."""
+        return self.fixed_s + self.per_sample_s * batch
 
     def time(self, batch: int) -> float:
-        return self.fixed_s + self.per_sample_s * batch
+        if self.lines:
+            return max(f + p * batch for f, p in self.lines)
+        return self.serial_time(batch)
 
     def memory(self, batch: int) -> float:
         return self.mem_fixed + self.mem_per_sample * batch
 
     def largest_batch(self, deadline: float, memory: float | None, hi: int) -> int:
         """The largest batch in ``[0, hi]`` that finishes by ``deadline`` and fits ``memory`` (-1: none)."""
-        room = deadline - self.fixed_s
-        if room < 0:
-            return -1
-        b = hi if self.per_sample_s <= 0 or math.isinf(room) else min(hi, math.floor(room / self.per_sample_s + 1e-9))
+        b = hi
+        for fixed, per in self.lines or ((self.fixed_s, self.per_sample_s),):
+            room = deadline - fixed
+            if room < 0:
+                return -1
+            b = b if per <= 0 or math.isinf(room) else min(b, math.floor(room / per + 1e-9))
         if memory is not None:
             if self.mem_fixed > memory:
                 return -1
@@ -214,7 +279,8 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
                server_flops_per_s: float, uplink_bytes_per_s: float, downlink_bytes_per_s: float,
                latency_s: float, messages: int, compute_scale: float = 1.0, link_scale: float = 1.0,
                mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0,
-               coordinator_s: float = 0.0, weight_bytes_down: float | None = None) -> Option:
+               coordinator_s: float = 0.0, weight_bytes_down: float | None = None, window: int = 1,
+               up_share: float = 0.5) -> Option:
     """An :class:`Option` from the time model itself (:func:`sfl_core.agent_round_time`, the
     function the virtual clock charges), evaluated at batch 0 and 1 (it is linear in the batch).
 
@@ -224,6 +290,9 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
     (``activation_bytes`` each way, on the wire). ``compute_scale`` and ``link_scale`` are the
     measured-over-predicted corrections the planner learns from finished rounds;
     ``coordinator_s`` the round's :func:`step_overhead_s` (independent of the batch).
+    ``window``: steps in flight; over 1 the round is the maximum of :func:`pipelined_step_s`'s
+    lines (:attr:`Option.lines`), each linear in the batch; ``up_share`` of the steps' bytes go up
+    (gradients often compress less than activations: the busier direction bounds a window).
     """
     weights_down = weight_bytes if weight_bytes_down is None else weight_bytes_down
 
@@ -242,26 +311,44 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
     zero, one = parts(0), parts(1)
     down = transfer_time(0, weights_down, uplink_bytes_per_s, downlink_bytes_per_s, latency_s=latency_s, messages=1)
     up = transfer_time(weight_bytes, 0, uplink_bytes_per_s, downlink_bytes_per_s, latency_s=latency_s, messages=1)
+    lines: tuple[tuple[float, float], ...] = ()
+    if window > 1 and tau > 1 and activation_bytes > 0:
+        def stages(batch: int) -> tuple[float, list[float]]:
+            """(the round without its last tau - 1 steps, each resource's and the window's per-step seconds)."""
+            t, n = parts(batch), tau * batch
+            step = dict(client_s=t.client_compute_s * compute_scale / tau,
+                        up_s=2 * up_share * n * activation_bytes / uplink_bytes_per_s * link_scale / tau,
+                        down_s=2 * (1 - up_share) * n * activation_bytes / downlink_bytes_per_s * link_scale / tau,
+                        server_s=(t.server_compute_s + t.coordinator_s) / tau, latency_s=latency_s * link_scale)
+            serial = pipelined_step_s(**step, window=1)
+            bounds = [serial / window, step["client_s"], step["up_s"], step["down_s"], step["server_s"]]
+            return scaled(t) - (tau - 1) * serial, [(tau - 1) * x for x in bounds]
+        (head0, at0), (head1, at1) = stages(0), stages(1)
+        lines = tuple((head0 + a0, (head1 + a1) - (head0 + a0)) for a0, a1 in zip(at0, at1))
     return Option(split=split, codec=codec, fixed_s=scaled(zero), per_sample_s=scaled(one) - scaled(zero),
                   compute_per_sample_s=(one.client_compute_s - zero.client_compute_s) * compute_scale,
                   mem_fixed=mem_fixed, mem_per_sample=mem_per_sample, width=width,
-                  weights_down_s=down, weights_up_s=up)
+                  weights_down_s=down, weights_up_s=up, window=window if lines else 1, lines=lines)
 
 
 def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentInfo", *, ratio: float,
                  compute_scale: float = 1.0, link_scale: float = 1.0, width: int = 0,
-                 split_agents: int = 1, per_agent_step_s: float | None = None) -> Option:
+                 split_agents: int = 1, per_agent_step_s: float | None = None,
+                 window: int | str | None = None, up_share: float = 0.5) -> Option:
     """One agent's round at one cut and codec, by the time model, from what is known of it: its
     registration measurements (compute seconds per sample at that cut, link rates) where it
     measured them, else its profile. ``ratio``: activation bytes on the wire over fp32 (the
     codec's); a bottleneck ``width`` sends that many of the cut's channels. Memory: weights,
     gradients (and momentum, and what the training options hold: drift correction's copy) plus
-    every client activation and its gradient per sample; the download carries what the options
-    add (SCAFFOLD's correction).
+    every client activation and its gradient per sample, for every step in flight (and a copy of
+    the client portion's weights for each step beyond the first); the download carries what the
+    options add (SCAFFOLD's correction).
     A cut (not the whole model) pays the coordinator's :func:`step_overhead_s` for a round of
     ``split_agents`` split agents at ``per_agent_step_s`` (default: the run's
-    ``agent_step_overhead_s``). The planners (auto), ``sfl-coord plan`` and every method's
-    preview price with this."""
+    ``agent_step_overhead_s``), with ``window`` steps in flight (default: the run's ``window``;
+    'auto': :func:`choose_window`), ``up_share`` of the steps' bytes going up (measured: the
+    method's ``"<split>/<codec>/up"`` wire ratio). The planners (auto), ``sfl-coord plan`` and
+    every method's preview price with this."""
     ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
     seconds = compute_s_per_sample(info, cost.split)
     speed = cost.client_flops / seconds if seconds and cost.client_flops > 0 else info.profile.compute_flops
@@ -269,17 +356,55 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
     copies = (3 if cfg.momentum > 0 else 2) + sum(o.portions_held(cfg) for o in options)
     whole = cost.activation_bytes == 0   # the whole model on the agent: weights only, no per-step exchange
     h = cfg.agent_step_overhead_s if per_agent_step_s is None else per_agent_step_s
-    return option_for(
-        split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
-        server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
-        weight_bytes_down=cost.client_param_bytes * (1 + sum(o.portions_down(cfg) for o in options)),
-        activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
-        server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
-        downlink_bytes_per_s=downlink_rate(info),
-        latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
-        compute_scale=compute_scale, link_scale=link_scale, mem_fixed=copies * cost.client_param_bytes,
-        mem_per_sample=2 * cost.client_activation_bytes, width=width,
-        coordinator_s=0.0 if whole else step_overhead_s(h, steps=cfg.local_iters, split_agents=split_agents))
+
+    def at(w: int) -> Option:
+        return option_for(
+            split=cost.split, codec=codec, tau=cfg.local_iters, client_flops=cost.client_flops,
+            server_flops=cost.server_flops, weight_bytes=cost.client_param_bytes,
+            weight_bytes_down=cost.client_param_bytes * (1 + sum(o.portions_down(cfg) for o in options)),
+            activation_bytes=cost.activation_bytes * ratio, compute_flops_per_s=speed,
+            server_flops_per_s=cfg.server_flops, uplink_bytes_per_s=uplink_rate(info),
+            downlink_bytes_per_s=downlink_rate(info),
+            latency_s=info.profile.latency_s, messages=2 if whole else 2 * cfg.local_iters + 2,
+            compute_scale=compute_scale, link_scale=link_scale, mem_fixed=(copies + w - 1) * cost.client_param_bytes,
+            mem_per_sample=2 * cost.client_activation_bytes * w, width=width,
+            coordinator_s=0.0 if whole else step_overhead_s(h, steps=cfg.local_iters, split_agents=split_agents),
+            window=w, up_share=up_share)
+
+    w = cfg.window if window is None else window
+    if whole or w == 1 or keeps_lockstep(info):
+        return at(1)
+    if w == "auto":
+        return choose_window([at(x) for x in AUTO_WINDOWS], cfg.batch_size)
+    return at(int(w))
+
+
+def window_for(cfg: "RunConfig", costs: Mapping[int, "SplitCost"], plan: "RoundPlan", agent: str,
+               info: "AgentInfo") -> int:
+    """An agent's steps in flight: its method's plan's, else the run's ``window`` as
+    :func:`price_option` reads it at the agent's cut, codec and width ('auto': the time model's
+    choice; 1 for an agent whose defenses keep it in lock-step, or the whole model)."""
+    if agent in plan.windows:
+        return plan.windows[agent]
+    split, width = plan.splits[agent], plan.widths.get(agent, 0)
+    codec = plan.codecs.get(agent) or cfg.codec
+    return price_option(cfg, costs[split], codec, info, ratio=nominal_ratio(codec), width=width).window
+
+
+def keeps_lockstep(info: "AgentInfo") -> bool:
+    """Whether an agent trains one step at a time whatever its window: withheld labels (its
+    logits come back for the step just sent) and DP-SGD (per-sample gradients of that step)
+    are its declared defenses (:mod:`sfl_core.privacy`)."""
+    declared = info.privacy or {}
+    return bool(declared.get("withhold_labels")) or "dp_sgd" in declared
+
+
+def choose_window(options: Sequence[Option], batch: int) -> Option:
+    """Of one choice priced at several windows (smallest first), the smallest window whose round
+    at ``batch`` is within :data:`WINDOW_SLACK` of the fastest: a step in flight costs staleness
+    (each gradient lands up to ``window - 1`` updates late), so it must buy time."""
+    best = min(o.time(batch) for o in options)
+    return next(o for o in options if o.time(batch) <= best * (1 + WINDOW_SLACK))
 
 
 def profile_agent(profile: Any) -> "AgentInfo":

@@ -14,6 +14,7 @@ from coordinator.api import run_info_body
 from coordinator.registry import Registry
 from coordinator.session import FleetSession
 from coordinator.transport import LocalTransport
+from edge_agent.outbox import Outbox
 from edge_agent.runner import AgentOptions, AgentRunner
 from sfl_core import liveness
 from sfl_core.config.run import load_profile, run_config_from_dict
@@ -145,6 +146,7 @@ def _runner(heartbeat_s: float, idle_s: float) -> AgentRunner:
     runner._stop, runner._busy, runner.core, runner.link = threading.Event(), False, None, _Link()
     runner._last_work, runner._last_sent = float("-inf"), time.monotonic()
     runner.bytes_up, runner.emulator = 0, None
+    runner.outbox = Outbox(runner._send_up, sent=runner._mark_sent)   # the agent's sending thread
     runner._run_info = Message("run_info", "lv", protocol.COORDINATOR_ID, {"heartbeat_idle_s": idle_s}, seq=1)
     return runner
 

@@ -1,6 +1,6 @@
 """The checks of the run config's core keys that need more than a range: the run id (an MQTT
 topic level), the strategy (a registered method), the model (a zoo name, a spec, a user's file
-or layer list), the codec and FedFC's cut per profile."""
+or layer list), the codec, the window and FedFC's cut per profile."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from typing import Any, Mapping
 from sfl_core.config.fields import (
     Fail,
 )
+from sfl_core.config.values import integer_in
 from sfl_core.method_registry import strategies
+from sfl_core.wire.assignment import MAX_WINDOW
 from sfl_core.wire.codec import CODECS, TOPK_PATTERN, is_codec
 from sfl_core.wire.protocol import check_id
 
@@ -34,6 +36,13 @@ def _codec(v: Any, fail: Fail) -> str:
     if not is_codec(v):
         fail("one of " + ", ".join(repr(c) for c in CODECS) + f" or {TOPK_PATTERN}")
     return v
+
+
+def _window(v: Any, fail: Fail) -> int | str:
+    """Steps in flight per split agent: 1 to :data:`MAX_WINDOW`, or 'auto' (the time model's choice)."""
+    if v == "auto":
+        return v
+    return integer_in(1, MAX_WINDOW, what=f"an integer from 1 to {MAX_WINDOW}, or 'auto'")(v, fail)
 
 
 def _model(v: Any, fail: Fail) -> str:

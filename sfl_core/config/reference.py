@@ -96,6 +96,8 @@ FIELDS: tuple[tuple[str, str], ...] = (
      'local iterations per round (tau), > 0.'),
     ('codec',
      'activation/gradient codec on the wire: fp32 | fp16 | bf16 | int8 | topk<P> (P=1..99), then zstd.'),
+    ('window',
+     "steps a split agent keeps in flight: it computes the next step's activations while the last ones travel and the server steps, and applies each gradient as it arrives (at most window - 1 updates stale; each step's gradient exact for the weights it was computed with). 1 (default): lock-step, as before; up to 16; auto: per agent the smallest of 1, 2, 4 whose predicted round is within 5 % of the fastest, priced with its cut, codec and batch (docs/methods/pipeline.md). Agents that withhold labels or run DP-SGD keep 1."),
     ('zstd_level',
      'zstd level for wire payloads, 0 (off) to 22.'),
     ('seed',

@@ -57,7 +57,7 @@ from sfl_core import method_registry, option_registry
 from sfl_core.method_registry import DEFAULT_STRATEGY
 from sfl_core.privacy import ActivationNoise
 from sfl_core.wire.codec import CODECS
-from sfl_core.config.core_keys import _codec, _ident, _model, _strategy
+from sfl_core.config.core_keys import _codec, _ident, _model, _strategy, _window
 from sfl_core.config.fleet import FleetEntry
 from sfl_core.config.profiles import (
     DeviceProfile,
@@ -136,6 +136,12 @@ class RunConfig(Section):
     momentum: Annotated[float, UNIT_OPEN] = 0.0
     local_iters: Annotated[int, POSITIVE_INTEGER] = 10  # tau
     codec: Annotated[str, checked(_codec)] = "fp32"
+    window: Annotated[int | str, checked(_window)] = 1
+    """Steps a split agent keeps in flight: it computes the next step's activations while the
+    last ones travel and the server works, applying each gradient as it arrives, at most
+    ``window - 1`` steps stale. 1: lock-step (each step waits for its gradients); up to 16;
+    'auto': each agent's smallest window whose predicted round is within 5 % of the fastest
+    (1, 2 or 4), priced with its cut, codec and batch. Labels withheld or DP-SGD keep a device at 1."""
     zstd_level: Annotated[int, checked(integer_in(0, 22, what="an integer from 0 (no compression) to 22"))] = 3
     seed: Annotated[int, NONNEG_INTEGER] = 0
     server_flops: Annotated[float, POSITIVE_NUMBER] = 5e10

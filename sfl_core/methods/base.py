@@ -41,6 +41,8 @@ class RoundPlan:
     """Bottleneck width per agent (absent or 0 = no bottleneck)."""
     codecs: dict[str, str] = field(default_factory=dict)
     """Wire codec per agent (absent = the run's codec)."""
+    windows: dict[str, int] = field(default_factory=dict)
+    """Steps in flight per agent (absent = the run's ``window``, 'auto' priced by the engine)."""
     sequential: bool = False
     """SplitFed v2: each group's server copy trains on its members one after another."""
     server_once: bool = False
@@ -86,6 +88,8 @@ class AgentRound:
     """Standard deviation of its per-step response times as a wall clock saw them (0 by the time model)."""
     weights_phase_s: float = 0.0
     """Its client portion's download and upload as a wall clock saw them (0 by the time model)."""
+    step_bytes: tuple[int, int] = (0, 0)
+    """The encoded bytes of its activations and of its gradients (how the steps' traffic divides)."""
 
 
 class Method:
@@ -231,13 +235,18 @@ class Method:
 
     # ----------------------------------------------------------------- what comes back
     def observe(self, rounds: Sequence[AgentRound]) -> None:
-        """The round's finished agents: fold the bytes into the compression ratio per split and codec."""
+        """The round's finished agents: fold the bytes into the compression ratio per split and
+        codec (``"<split>/<codec>"``), and the steps' share going up (``"<split>/<codec>/up"``)."""
         for a in rounds:
             if a.fp32_bytes <= 0 or a.wire_bytes <= 0:
                 continue
             key, ratio = f"{a.split}/{a.codec}", a.wire_bytes / a.fp32_bytes
             old = self.wire_ratio.get(key)
             self.wire_ratio[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
+            if sum(a.step_bytes) > 0:   # the share going up: a window's bound is the busier direction
+                key, share = f"{key}/up", a.step_bytes[0] / sum(a.step_bytes)
+                old = self.wire_ratio.get(key)
+                self.wire_ratio[key] = share if old is None else 0.8 * old + 0.2 * share
 
     def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int],
                round_s: float | None = None) -> None:

@@ -17,6 +17,8 @@ MODES = (SPLIT_TRAINING, WHOLE_MODEL)
 field keeps that name for compatibility; it is the agent's mode, not the run's method)."""
 MAX_BATCH = 4096
 MAX_TAU = 10_000
+MAX_WINDOW = 16
+"""The most steps an assignment may keep in flight (``window``)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class Assignment:
     codec: str
     zstd_level: int
     activation_shape: tuple[int, ...]
+    window: int = 1
+    """Steps the agent may keep in flight: it sends the next step's activations before the last
+    step's gradients arrive, at most ``window`` unanswered (1: lock-step). On the wire only when
+    over 1, so a lock-step assignment is what it always was."""
 
     @property
     def whole_model(self) -> bool:
@@ -46,7 +52,8 @@ class Assignment:
         return {"model": self.model, "strategy": self.mode, "split": self.split, "width": self.width,
                 "batch_size": self.batch_size, "lr": float(self.lr), "momentum": float(self.momentum),
                 "tau": self.tau, "codec": self.codec, "zstd_level": self.zstd_level,
-                "activation_shape": list(self.activation_shape), "weights": weights}
+                "activation_shape": list(self.activation_shape), "weights": weights,
+                **({"window": self.window} if self.window > 1 else {})}
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> "Assignment":
@@ -71,6 +78,9 @@ class Assignment:
             raise bad("width", f"{body['width']} must be >= 0 (0 = no bottleneck)")
         if not 0 <= body["zstd_level"] <= 22:
             raise bad("zstd_level", "must be in 0..22")
+        window = body.get("window", 1)
+        if not 1 <= window <= MAX_WINDOW:
+            raise bad("window", f"{window} outside 1..{MAX_WINDOW}")
         protocol.check_option_fields(body)   # what the run's training options add
         shape = body["activation_shape"]
         if len(shape) > 6 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
@@ -78,4 +88,4 @@ class Assignment:
         return cls(model=body["model"], mode=body["strategy"], split=body["split"], width=body["width"],
                    batch_size=body["batch_size"], lr=float(body["lr"]), momentum=float(body["momentum"]),
                    tau=body["tau"], codec=body["codec"], zstd_level=body["zstd_level"],
-                   activation_shape=tuple(shape))
+                   activation_shape=tuple(shape), window=window)

@@ -107,7 +107,8 @@ _CORE_OPTIONAL: dict[str, dict[str, Any]] = {
                  "architecture": str},  # the agent's model fingerprint (sfl_core.model.fingerprint)
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
     "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
-               "normalize": dict},      # a task run's standardisation constants {mean, std}
+               "normalize": dict,       # a task run's standardisation constants {mean, std}
+               "window": int},          # steps the agent may keep in flight (absent: 1, lock-step)
                # + each training option's own fields (sfl_core.options: ASSIGN_FIELDS)
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
@@ -161,7 +162,7 @@ _CORE_RANGES: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
                 "epsilon": in_range(0.0, finite=False)},
     "evaluation": {"loss": _loss, "count": _COUNT, "correct": _COUNT, "compute_s": _SECONDS},
     "assign": {"split": in_range(1), "width": _COUNT, "batch_size": in_range(1), "tau": in_range(1),
-               "lr": in_range(0.0), "momentum": in_range(0.0), "zstd_level": _COUNT},
+               "lr": in_range(0.0), "momentum": in_range(0.0), "zstd_level": _COUNT, "window": in_range(1)},
     "run_info": {"num_classes": in_range(1), "num_agents": _COUNT, "heartbeat_idle_s": in_range(0.0)},
 }
 _CORE_RELATIONS: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {

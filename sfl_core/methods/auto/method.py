@@ -201,7 +201,8 @@ class Auto(Method):
         h = self.overhead_s if scaled else 0.0
         return [price_option(self.cfg, self.costs[s], codec, info,
                              ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
-                             compute_scale=cs, link_scale=ls, width=w, split_agents=split_agents, per_agent_step_s=h)
+                             compute_scale=cs, link_scale=ls, width=w, split_agents=split_agents, per_agent_step_s=h,
+                             up_share=self.wire_ratio.get(f"{s}/{codec}/up", 0.5))
                 for s, codec, w in self.choices()]
 
     def _priced(self, selected: Sequence[str], agents: Mapping[str, AgentInfo], *, scaled: bool = True
@@ -254,7 +255,7 @@ class Auto(Method):
             raw = self.options(x, agents[x], scaled=False)[self.choices().index((o.split, o.codec, o.width))]
             compute = raw.compute_per_sample_s * p.batch
             server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
-            self.unscaled[x] = (compute, raw.time(p.batch) - compute - server, server,
+            self.unscaled[x] = (compute, raw.serial_time(p.batch) - compute - server, server,
                                 raw.weights_down_s + raw.weights_up_s)
         self.predicted_s = self._predicted(plan)
         return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
@@ -267,7 +268,8 @@ class Auto(Method):
         splits = {x: p.option.split for x, p in plan.agents.items()}
         codecs = {x: p.option.codec for x, p in plan.agents.items()}
         widths = {x: p.option.width for x, p in plan.agents.items() if p.option.width}
-        return split_plan(self.cfg, splits, "joint plan", codecs=codecs, widths=widths)
+        windows = {x: p.option.window for x, p in plan.agents.items()}
+        return split_plan(self.cfg, splits, "joint plan", codecs=codecs, widths=widths, windows=windows)
 
     def lr(self, batch: int | None) -> float:
         """MergeSFL's Eq. 15: the learning rate scales with the agent's batch."""
@@ -313,6 +315,7 @@ class Auto(Method):
             "predicted_round_s": round(predicted, 4), "measured_round_s": round(measured, 4),
             "error": round((predicted - measured) / measured, 4) if measured > 0 else None,
             "assign": {a: {"split": p.option.split, "codec": p.option.codec, "width": p.option.width, "batch": p.batch,
+                           **({"window": p.option.window} if p.option.window > 1 else {}),
                            "predicted_s": round(p.time_s, 4)} for a, p in sorted(plan.agents.items())},
         }
         if self.overhead_s:

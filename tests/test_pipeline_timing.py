@@ -1,0 +1,117 @@
+"""The time model of steps in flight (``window``), by hand: the pipeline's bound, what it hides
+of a round, the planner's lines (exact for the largest batch by a deadline), the window
+``auto`` chooses, and that the virtual clock charges what the planners predict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from coordinator.clock import AgentWork
+from simulation.clock import VirtualClock
+from sfl_core import timing
+from sfl_core.config.run import DeviceProfile, run_config_from_dict
+from sfl_core.fleet import AgentInfo
+from sfl_core.model.accounting import model_costs
+
+
+def test_a_step_in_flight_repeats_at_the_busiest_resource_or_the_round_trip_over_the_window():
+    # compute 10 ms, up 40 ms, server 2 ms, down 30 ms, latency 5 ms each way: a 92 ms chain
+    step = dict(client_s=0.010, up_s=0.040, server_s=0.002, down_s=0.030, latency_s=0.005)
+    assert timing.pipelined_step_s(**step, window=1) == pytest.approx(0.092)
+    assert timing.pipelined_step_s(**step, window=2) == pytest.approx(0.046)   # the round trip over 2
+    assert timing.pipelined_step_s(**step, window=4) == pytest.approx(0.040)   # the uplink
+    assert timing.pipelined_step_s(**step, window=16) == pytest.approx(0.040)
+    compute_bound = {**step, "client_s": 0.200}
+    assert timing.pipelined_step_s(**compute_bound, window=4) == pytest.approx(0.200)
+
+
+def test_a_window_hides_all_steps_but_the_first_ones_chain():
+    # 10 steps with the totals of 10 x the chain above
+    kw = dict(client_s=0.10, up_s=0.40, server_s=0.02, down_s=0.30, latency_s=0.005)
+    assert timing.pipeline_overlap_s(steps=10, window=1, **kw) == 0.0
+    assert timing.pipeline_overlap_s(steps=1, window=4, **kw) == 0.0
+    assert timing.pipeline_overlap_s(steps=10, window=4, **kw) == pytest.approx(9 * (0.092 - 0.040))
+    assert timing.pipeline_overlap_s(steps=10, window=2, **kw) == pytest.approx(9 * (0.092 - 0.046))
+
+
+LINK_BOUND = dict(split=1, codec="fp32", tau=10, client_flops=1e6, server_flops=1e6, weight_bytes=1e5,
+                  activation_bytes=1e4, compute_flops_per_s=1e9, server_flops_per_s=1e11,
+                  uplink_bytes_per_s=1e6, downlink_bytes_per_s=2e6, latency_s=0.02, messages=22)
+
+
+def by_hand(batch: int, window: int) -> float:
+    """LINK_BOUND's round: weights both ways, the first step's chain, then 9 pipelined steps."""
+    c, u, d, v = batch * 1e-3, batch * 1e4 / 1e6, batch * 1e4 / 2e6, batch * 1e-5
+    chain = c + u + d + v + 2 * 0.02
+    weights = 1e5 / 1e6 + 1e5 / 2e6 + 2 * 0.02
+    return weights + chain + 9 * max(chain / window, c, u, d, v)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 8])
+def test_the_planners_round_is_the_pipelines_by_hand_at_every_batch(window):
+    option = timing.option_for(**LINK_BOUND, window=window)
+    assert option.window == window
+    for batch in (0, 1, 7, 32, 500):
+        assert option.time(batch) == pytest.approx(by_hand(batch, window), rel=1e-9)
+        assert option.serial_time(batch) == pytest.approx(by_hand(batch, 1), rel=1e-9)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_the_largest_batch_by_a_deadline_is_exact_with_a_window(window):
+    option = timing.option_for(**LINK_BOUND, window=window)
+    for deadline in (0.5, 1.0, 3.7, 10.0):
+        b = option.largest_batch(deadline, None, 10_000)
+        assert option.time(b) <= deadline + 1e-9 < option.time(b + 1)
+    assert option.largest_batch(0.01, None, 100) == -1   # not even the weights fit
+
+
+def _cfg(**over):
+    return run_config_from_dict({"run": "pt", "model": "small_cnn", "data": {"dataset": "digits"},
+                                 "fleet": [{"profile": "jetson-nano", "count": 1}], "strategy": "sfl", "split": 2,
+                                 "batch_size": 16, "local_iters": 10, **over})
+
+
+def _agent(compute_flops: float, link: float) -> AgentInfo:
+    profile = DeviceProfile(name="x", compute_flops=compute_flops, link_bytes_per_s=link, latency_s=0.005)
+    return AgentInfo(agent_id="a", index=0, profile=profile, measured={}, label_counts=[], num_samples=0)
+
+
+def test_auto_takes_the_smallest_window_within_five_percent_of_the_fastest():
+    cfg = _cfg(window="auto")
+    cost = model_costs("small_cnn", (1, 8, 8), 10)[2]
+    slow_link = timing.price_option(cfg, cost, "fp32", _agent(1e10, 2e5), ratio=1.0)
+    slow_compute = timing.price_option(cfg, cost, "fp32", _agent(1e6, 1e9), ratio=1.0)
+    assert slow_compute.window == 1        # its steps are its own compute: nothing to hide
+    assert slow_link.window > 1
+    priced = {w: timing.price_option(cfg, cost, "fp32", _agent(1e10, 2e5), ratio=1.0, window=w).time(16)
+              for w in timing.AUTO_WINDOWS}
+    assert slow_link.time(16) <= min(priced.values()) * (1 + timing.WINDOW_SLACK)
+    smaller = [w for w in timing.AUTO_WINDOWS if w < slow_link.window]
+    assert all(priced[w] > min(priced.values()) * (1 + timing.WINDOW_SLACK) for w in smaller)
+    # withheld labels keep an agent in lock-step whatever the window
+    withheld = _agent(1e10, 2e5)
+    withheld.privacy = {"withhold_labels": True}
+    assert timing.price_option(_cfg(window=4), cost, "fp32", withheld, ratio=1.0).window == 1
+
+
+def test_the_virtual_clock_charges_what_the_planner_predicts_with_a_window():
+    """One entry point: a round of the bytes and FLOPs the option assumes, charged by the
+    virtual clock, lasts what :func:`price_option` predicted."""
+    cfg = _cfg(window=4)
+    cost = model_costs("small_cnn", (1, 8, 8), 10)[2]
+    info = _agent(5e8, 2e5)
+    option = timing.price_option(cfg, cost, "fp32", info, ratio=1.0)
+    batch, tau = 16, cfg.local_iters
+    samples = batch * tau
+    step_bytes = samples * cost.activation_bytes
+    work = AgentWork(measured_s=0.0, compute_s=0.0, server_s=0.0, client_flops=cost.client_flops * samples,
+                     server_flops=cost.server_flops * samples, bytes_up=cost.client_param_bytes + step_bytes,
+                     bytes_down=cost.client_param_bytes + step_bytes, messages=2 * tau + 2, profile=info.profile,
+                     server_flops_per_s=cfg.server_flops, steps=tau, window=4, step_bytes_up=step_bytes,
+                     step_bytes_down=step_bytes)
+    charged = VirtualClock().agent_time(work)
+    assert charged.overlap_s > 0
+    assert charged.total_s == pytest.approx(option.time(batch), rel=1e-9)
+    assert math.isclose(charged.total_s + charged.overlap_s, option.serial_time(batch), rel_tol=1e-9)
