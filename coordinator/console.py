@@ -157,7 +157,7 @@ def status_table(metrics: list[dict[str, Any]], title: str) -> Table:
 
 
 def _assignment(m: dict[str, Any] | None) -> str:
-    """'split 2 b16' (or 'whole model b16'), plus the bottleneck width and codec where a method set them."""
+    """'split 2 b16' (or 'whole model b16'), plus the bottleneck width, codec and window where set."""
     if not m:
         return "-"
     where = "whole model" if m.get("whole_model") else f"split {m.get('split', '?')}"
@@ -166,6 +166,8 @@ def _assignment(m: dict[str, Any] | None) -> str:
         parts.append(f"width {m['width']}")
     if m.get("codec") and m["codec"] != "fp32" and not m.get("whole_model"):
         parts.append(m["codec"])
+    if m.get("window", 1) > 1:
+        parts.append(f"window {m['window']}")
     return ", ".join(parts)
 
 

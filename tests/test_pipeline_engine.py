@@ -95,3 +95,25 @@ def test_a_lost_gradient_is_resent_with_every_unanswered_one_and_the_round_compl
     assert t.after[:5] == [3, 4, 2, 3, 4]
     assert history[1]["completed"] == ["sim-000", "sim-001", "sim-002"]
     assert history[2]["completed"] == ["sim-000", "sim-001", "sim-002"]
+
+
+def test_sfl_coord_plans_row_with_a_window_matches_the_simulated_run(tmp_path):
+    """``sfl-coord plan`` prices the window as the virtual clock charges it: SFL's row with
+    ``window: 4`` against a simulated run of it, and each agent's planned window."""
+    from sfl_core.fleet import fleet_of
+    from sfl_core.methods.preview import DRAWS, preview
+    from sfl_core.model.accounting import model_costs
+    from sfl_core.model.zoo import build_model
+
+    cfg = _cfg(tmp_path, "wp", window=4, rounds=DRAWS, local_iters=4)
+    history, engine = run_simulation(cfg, device="cpu")
+    measured = sum(h["round_time_s"] for h in history[1:]) / DRAWS
+    model = build_model(cfg.model, engine.input_shape, 10)
+    costs = model_costs(cfg.model, engine.input_shape, 10)
+    counts = [engine.registry.agents[a].label_counts for a in sorted(engine.registry.agents)]
+    rows = {r.method: r for r in preview(cfg, model, costs, fleet_of(cfg, counts))}
+    assert rows["SFL"].round_s == pytest.approx(measured, rel=0.15), (rows["SFL"].round_s, measured)
+    assert {x.window for x in rows["SFL"].agents.values()} == {4}
+    lockstep = {r.method: r for r in preview(_cfg(tmp_path, "wp1", rounds=DRAWS, local_iters=4), model, costs,
+                                             fleet_of(cfg, counts))}
+    assert rows["SFL"].round_s < 0.8 * lockstep["SFL"].round_s

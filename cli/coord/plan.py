@@ -123,6 +123,7 @@ def plan(config: Path = typer.Option(..., "--config", "-c", help="Run config YAM
     for a, x in sorted(ref.agents.items()):
         whole = x.split == model.num_blocks
         codec = "-" if whole else f"{x.codec}, width {x.width}" if x.width else x.codec
+        codec += f", window {x.window}" if x.window > 1 else ""
         detail.add_row(a, names[a], "whole model" if whole else str(x.split), codec, str(x.batch), f"{x.time_s:.3g}")
     Console().print(detail)
     if json_out is not None:

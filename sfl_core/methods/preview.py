@@ -34,6 +34,8 @@ class PlannedAgent:
     width: int
     time_s: float
     bytes: float
+    window: int = 1
+    """Steps in flight (1: lock-step)."""
 
 
 @dataclass(frozen=True)
@@ -108,12 +110,12 @@ def _planned_round(variant: RunConfig, method: Any, costs: Mapping[int, SplitCos
         width = plan.widths.get(a, 0)
         batch = batches.get(a) or variant.batch_size
         opt = price_option(variant, cost, codec, agents[a], ratio=nominal_ratio(codec), width=width,
-                           split_agents=len(selected))
+                           split_agents=len(selected), window=plan.windows.get(a))
         ratio = timing.cut_wire_fraction(cost, codec, width)
         # weights up, and down with what the options add (a correction)
         portions = 2 + sum(o.portions_down(variant) for o in option_registry.wanted(variant))
         traffic = portions * cost.client_param_bytes + 2 * variant.local_iters * batch * cost.activation_bytes * ratio
-        rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic)
+        rows[a] = PlannedAgent(split, codec, batch, width, opt.time(batch), traffic, opt.window)
     times = [x.time_s for x in rows.values()]
     pass_s, pass_bytes = _phases(variant, costs, agents, rows)
     return (timing.round_time(times) + pass_s, sum(x.bytes for x in rows.values()) + pass_bytes,

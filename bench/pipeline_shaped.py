@@ -1,0 +1,315 @@
+"""Steps in flight over real, shaped links: windows 1, 2, 4 and 8 with a real broker, real
+coordinator and agent processes, each agent in a network namespace of its own whose link the
+bench shapes (``tc netem``: rate and one-way delay, each direction), and the same runs in
+``sfl-coord simulate`` to compare the time model's round with the measured one.
+
+The user's question: "my devices sit on slow WiFi; how much sooner does a window of steps in
+flight get my model to accuracy on real links, what does it cost in accuracy, and does the
+simulator predict it?" Nothing here is emulated: compute runs at this machine's speed and the
+bytes cross the shaped virtual links. The simulation prices the same links, with each device's
+and the coordinator's compute rates as the lock-step run (window 1) of the same seed measured
+them: the windows' rounds are then predictions of the time model's pipeline, not fits.
+
+Topology (created and removed by the bench; needs root, ``ip`` and ``tc``): a namespace
+``sflp-hub`` with a bridge, Mosquitto (listening on the bridge's address, inside that namespace
+only) and the coordinator, and one namespace ``sflp-aN`` per agent, joined to the bridge by a
+veth pair shaped on both ends. Nothing of it is reachable from the machine's own network.
+
+    sudo python bench/pipeline_shaped.py --seeds 2          # windows 1 2 4 8, 2 seeds
+    sudo python bench/pipeline_shaped.py --quick            # smoke test
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import common  # noqa: E402  (puts the repo root on sys.path)
+from brokers import MESSAGE_SIZE_LIMIT, MOSQUITTO_MISSING, find_mosquitto  # noqa: E402
+
+from sfl_core.wire.signing import KEY_FILE, Signer, public_text  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+HUB, SUBNET, PORT = "sflp-hub", "10.89.0", 1883
+LINKS = [   # per agent: uplink and downlink in bit/s, one-way delay in ms (home WiFi, a weak and a good link)
+    {"up": 2_000_000, "down": 4_000_000, "delay_ms": 10},
+    {"up": 4_000_000, "down": 8_000_000, "delay_ms": 10},
+    {"up": 8_000_000, "down": 16_000_000, "delay_ms": 5},
+]
+COMPUTE_FLOPS = 5e9
+"""The devices' compute in their profiles: this machine runs their small steps in a few ms."""
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+def has_netem() -> bool:
+    """Whether this kernel can delay packets (``sch_netem``); without it the links are shaped in
+    rate only, and the profiles say no latency."""
+    subprocess.run(["ip", "netns", "add", "sflp-probe"], capture_output=True)
+    try:
+        subprocess.run(["ip", "-n", "sflp-probe", "link", "set", "lo", "up"], capture_output=True)
+        return subprocess.run(["tc", "-n", "sflp-probe", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                              capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", "sflp-probe"], capture_output=True)
+
+
+NETEM = False
+
+
+def topology_up(n: int) -> None:
+    topology_down(n)
+    sh("ip", "netns", "add", HUB)
+    sh("ip", "-n", HUB, "link", "set", "lo", "up")
+    sh("ip", "-n", HUB, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", HUB, "addr", "add", f"{SUBNET}.1/24", "dev", "br0")
+    sh("ip", "-n", HUB, "link", "set", "br0", "up")
+    for i in range(n):
+        ns, link = f"sflp-a{i}", LINKS[i % len(LINKS)]
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", f"sflp-h{i}", "type", "veth", "peer", "name", f"sflp-d{i}")
+        sh("ip", "link", "set", f"sflp-h{i}", "netns", HUB)
+        sh("ip", "link", "set", f"sflp-d{i}", "netns", ns)
+        sh("ip", "-n", HUB, "link", "set", f"sflp-h{i}", "master", "br0", "up")
+        sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{10 + i}/24", "dev", f"sflp-d{i}")
+        sh("ip", "-n", ns, "link", "set", f"sflp-d{i}", "up")
+        # the device's uplink leaves its namespace; its downlink leaves the hub's end of the pair
+        shape(ns, f"sflp-d{i}", link["up"], link["delay_ms"])
+        shape(HUB, f"sflp-h{i}", link["down"], link["delay_ms"])
+
+
+def shape(ns: str, dev: str, bits_per_s: int, delay_ms: float) -> None:
+    """Limit ``dev``'s egress to ``bits_per_s`` (a token bucket of 3 packets, so the rate holds
+    from the first byte) and, where the kernel has netem, delay it by ``delay_ms``."""
+    sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{bits_per_s}bit",
+       "burst", "4500", "latency", "2s")
+    if NETEM and delay_ms:
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay",
+           f"{delay_ms}ms")
+
+
+def topology_down(n: int) -> None:
+    for ns in [HUB, *(f"sflp-a{i}" for i in range(n))]:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def profiles(tmp: Path, n: int, compute: list[float] | None = None, tag: str = "") -> list[Path]:
+    """Device profiles that say what the shaped links are (the run config's fleet and the
+    simulation's); ``compute``: each device's FLOP/s where measured (:func:`calibrated`)."""
+    out = []
+    for i in range(n):
+        link = LINKS[i % len(LINKS)]
+        path = tmp / f"shaped-{i}{tag}.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": f"shaped-{i}{tag}", "compute_flops": compute[i] if compute else COMPUTE_FLOPS,
+            "link_bytes_per_s": link["up"] / 8,
+            "downlink_bytes_per_s": link["down"] / 8, "latency_s": link["delay_ms"] / 1000 if NETEM else 0.0,
+            "memory_bytes": 2**32, "description": "a device behind the bench's shaped link"}))
+        out.append(path)
+    return out
+
+
+def run_config(tmp: Path, name: str, window: int, seed: int, args: Any, profile_paths: list[Path]) -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "run": name, "model": "small_cnn", "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5,
+                                                    "seed": seed},
+        "fleet": [{"profile": str(p), "count": 1} for p in profile_paths], "rounds": args.rounds,
+        "strategy": "sfl", "split": 2, "server_mode": "merged", "batch_size": 16, "lr": 0.05, "momentum": 0.5,
+        "local_iters": args.local_iters, "window": window, "seed": seed, "step_timeout_s": 60,
+        "register_timeout_s": 120, "output_dir": str(tmp / "out" / name)}))
+    return path
+
+
+def broker(tmp: Path) -> subprocess.Popen:
+    """Mosquitto in the hub namespace, on the bridge's address (anonymous: nothing outside the
+    bench's namespaces can reach it)."""
+    binary = find_mosquitto()
+    if binary is None:
+        raise SystemExit(MOSQUITTO_MISSING)
+    conf = tmp / "mosquitto.conf"
+    conf.write_text(f"listener {PORT} {SUBNET}.1\nallow_anonymous true\npersistence false\n"
+                    f"message_size_limit {MESSAGE_SIZE_LIMIT}\nmax_inflight_messages 0\nmax_queued_messages 0\n"
+                    "set_tcp_nodelay true\nlog_dest stderr\nlog_type error\n")
+    proc = subprocess.Popen(["ip", "netns", "exec", HUB, binary, "-c", str(conf)], stderr=subprocess.DEVNULL)
+    ok = subprocess.run(["ip", "netns", "exec", HUB, sys.executable, "-c",
+                         f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); from brokers import wait_port; "
+                         f"sys.exit(0 if wait_port({SUBNET + '.1'!r}, {PORT}, 10) else 1)"]).returncode == 0
+    if not ok:
+        proc.kill()
+        raise RuntimeError("mosquitto did not start in the hub namespace")
+    return proc
+
+
+def real_run(tmp: Path, config: Path, name: str, n: int) -> list[dict[str, Any]]:
+    out = tmp / "out" / name
+    key = public_text(Signer.load_or_create(out / KEY_FILE).public)
+    logs, procs = [], []
+    try:
+        log = open(tmp / f"{name}-coord.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(["ip", "netns", "exec", HUB, sys.executable, "-m", "cli.coord", "serve",
+                                       "--config", str(config), "--broker", f"mqtt://{SUBNET}.1:{PORT}", "--quiet"],
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        for i in range(n):
+            log = open(tmp / f"{name}-agent-{i}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", f"sflp-a{i}", sys.executable, "-m", "cli.agent", "start",
+                 "--profile", str(tmp / f"shaped-{i}.yaml"), "--broker", f"mqtt://{SUBNET}.1:{PORT}",
+                 "--run", name, "--index", str(i), "--agent-id", f"a{i}", "--coordinator-key", key],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=900))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        if codes != [0] * len(procs):
+            raise RuntimeError(f"{name}: exit codes {codes}; logs in {tmp}")
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+
+
+def simulated_run(config: Path, name: str, fleet: list[Path] | None = None,
+                  server_flops: float | None = None) -> list[dict[str, Any]]:
+    """The same run in ``sfl-coord simulate`` (the virtual clock), on ``fleet``'s profiles and
+    ``server_flops`` where given."""
+    from sfl_core.config.run import run_config_from_dict
+    from simulation import run_simulation
+
+    d = yaml.safe_load(config.read_text())
+    d = {**d, "run": f"{name}-sim", "output_dir": str(Path(d["output_dir"]) / "sim")}
+    if fleet is not None:
+        d["fleet"] = [{"profile": str(p), "count": 1} for p in fleet]
+    if server_flops is not None:
+        d["server_flops"] = server_flops
+    history, _ = run_simulation(run_config_from_dict(d), device="cpu", quiet=True)
+    return history
+
+
+def calibrated(real: list[dict[str, Any]], sim: list[dict[str, Any]], server_flops: float
+               ) -> tuple[list[float], float]:
+    """Each device's FLOP/s and the coordinator's as the lock-step run measured them: the virtual
+    clock charges ``flops / rate``, so a rate scales by the simulated seconds over the measured
+    ones (summed over the rounds). The links stay what the bench shaped."""
+    def total(history: list[dict[str, Any]], key: str) -> list[float]:
+        agents = sorted(history[1]["agents"])
+        return [sum(r["agents"][a][key] for r in history[1:]) for a in agents]
+    compute = [COMPUTE_FLOPS * s / m for s, m in zip(total(sim, "client_s"), total(real, "client_s"))]
+    server = server_flops * sum(total(sim, "server_s")) / sum(total(real, "server_s"))
+    return compute, server
+
+
+def time_to(history: list[dict[str, Any]], target: float) -> float | None:
+    return next((r["elapsed_s"] for r in history if r["accuracy"] is not None and r["accuracy"] >= target), None)
+
+
+def main() -> None:
+    p = common.base_parser(__doc__)
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--windows", type=int, nargs="*", default=[1, 2, 4, 8])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--local-iters", type=int, default=10)
+    p.add_argument("--agents", type=int, default=3)
+    args = p.parse_args()
+    if args.quick:
+        args.seeds, args.windows, args.rounds, args.local_iters = 1, [1, 4], 2, 4
+    if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"):
+        raise SystemExit("bench/pipeline_shaped.py: needs root and the ip and tc commands (iproute2) to make "
+                         "its network namespaces")
+    common.apply_threads(args)
+    global NETEM
+    NETEM = has_netem()
+    if not NETEM:
+        print("this kernel has no netem (sch_netem): links shaped in rate only, no added delay", flush=True)
+    n = args.agents
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="sfl-shaped-") as name:
+        tmp = Path(name)
+        paths = profiles(tmp, n)
+        topology_up(n)
+        mosquitto = None
+        try:
+            mosquitto = broker(tmp)
+            for seed in range(args.seed, args.seed + args.seeds):
+                real: dict[int, list[dict[str, Any]]] = {}
+                for w in args.windows:
+                    run = f"shaped-w{w}-s{seed}"
+                    t0 = time.monotonic()
+                    real[w] = real_run(tmp, run_config(tmp, run, w, seed, args, paths), run, n)
+                    print(f"window {w} seed {seed}: final {real[w][-1]['accuracy']:.4f}, "
+                          f"{sum(r['round_time_s'] for r in real[w][1:]):.1f} s in rounds "
+                          f"({time.monotonic() - t0:.0f} s with start-up)", flush=True)
+                # the simulation, on the devices' and the coordinator's rates as lock-step measured them
+                first = args.windows[0]
+                config = run_config(tmp, f"shaped-w{first}-s{seed}", first, seed, args, paths)
+                server_flops = yaml.safe_load(config.read_text()).get("server_flops", 5e10)
+                compute, server = calibrated(real[first], simulated_run(config, f"cal-s{seed}"), server_flops)
+                fleet = profiles(tmp, n, compute, tag=f"-cal{seed}")
+                for w in args.windows:
+                    run = f"shaped-w{w}-s{seed}"
+                    sim = simulated_run(run_config(tmp, run, w, seed, args, paths), run, fleet, server)
+                    runs.setdefault(f"window {w}", []).append({"seed": seed, "real": real[w], "sim": sim,
+                                                               "calibrated": {"compute_flops": compute,
+                                                                              "server_flops": server}})
+                    print(f"window {w} seed {seed}: simulated {sum(r['round_time_s'] for r in sim[1:]):.1f} s "
+                          f"in rounds", flush=True)
+        finally:
+            if mosquitto is not None:
+                mosquitto.kill()
+                mosquitto.wait()
+            topology_down(n)
+    summary, table = {}, []
+    ref = statistics.mean(r["real"][-1]["accuracy"] for r in runs[f"window {args.windows[0]}"])
+    target = 0.9 * ref
+    ref_t = None
+    for row, rs in runs.items():
+        finals = [r["real"][-1]["accuracy"] for r in rs]
+        times = [time_to([{**x, "elapsed_s": sum(y["round_time_s"] for y in r["real"][1:i + 1])}
+                          for i, x in enumerate(r["real"])], target) for r in rs]
+        errors = [(s["round_time_s"] - m["round_time_s"]) / m["round_time_s"]
+                  for r in rs for m, s in zip(r["real"][1:], r["sim"][1:]) if m["round_time_s"] > 0]
+        s = summary[row] = {
+            "final_mean": statistics.mean(finals), "final_worst": min(finals),
+            "time_to_target_s": statistics.mean(times) if None not in times else None,
+            "round_s_measured": statistics.mean(m["round_time_s"] for r in rs for m in r["real"][1:]),
+            "round_s_simulated": statistics.mean(m["round_time_s"] for r in rs for m in r["sim"][1:]),
+            "sim_error_median": statistics.median(errors), "sim_error_abs_median": statistics.median(map(abs, errors))}
+        ref_t = ref_t or s["time_to_target_s"]
+        s["speedup_to_target"] = ref_t / s["time_to_target_s"] if ref_t and s["time_to_target_s"] else None
+        table.append([row, 100 * s["final_mean"], 100 * s["final_worst"], s["time_to_target_s"] or "-",
+                      s["speedup_to_target"] or "-", s["round_s_measured"], s["round_s_simulated"],
+                      100 * s["sim_error_median"]])
+    common.print_table("Steps in flight over shaped links (real broker and processes; wall clock)",
+                       ["row", "final % (mean)", "final % (worst)", "s to target", "x sooner", "round s (measured)",
+                        "round s (simulated)", "sim error % (median)"], table,
+                       caption=f"target: 90 % of window {args.windows[0]}'s mean final accuracy; links per agent: "
+                               f"{LINKS[:n]}")
+    path = common.write_result(args.out, "pipeline-shaped-quick" if args.quick else "pipeline-shaped",
+                               {"config": common.config_record(args), "links": LINKS[:n], "summary": summary,
+                                "netem": NETEM, "runs": runs})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
