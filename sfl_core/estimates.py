@@ -239,3 +239,6 @@ class FleetEstimates:
     time_table: ClientTimeTable = field(default_factory=ClientTimeTable)
     rates: dict[str, AgentState] = field(default_factory=dict)
     wire_ratio: dict[str, float] = field(default_factory=dict)
+    up_share: dict[str, float] = field(default_factory=dict)
+    """Per ``"<split>/<codec>"`` the share of the steps' bytes that go up (activations against
+    gradients), so a window of steps in flight is priced on its busier direction."""

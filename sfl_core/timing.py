@@ -347,7 +347,7 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
     ``split_agents`` split agents at ``per_agent_step_s`` (default: the run's
     ``agent_step_overhead_s``), with ``window`` steps in flight (default: the run's ``window``;
     'auto': :func:`choose_window`), ``up_share`` of the steps' bytes going up (measured: the
-    method's ``"<split>/<codec>/up"`` wire ratio). The planners (auto), ``sfl-coord plan`` and
+    method's ``up_share``). The planners (auto), ``sfl-coord plan`` and
     every method's preview price with this."""
     ratio = wire_fraction(ratio, width, cost.activation_shape[0] if width else 1)
     seconds = compute_s_per_sample(info, cost.split)

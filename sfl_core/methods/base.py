@@ -161,6 +161,11 @@ class Method:
     def wire_ratio(self, ratios: dict[str, float]) -> None:
         self.fleet.wire_ratio = ratios
 
+    @property
+    def up_share(self) -> dict[str, float]:
+        """Measured share of the steps' wire bytes going up per ``"<split>/<codec>"`` (smoothed)."""
+        return self.fleet.up_share
+
     # ----------------------------------------------------------------- what the run trains
     @property
     def candidates(self) -> tuple[int, ...]:
@@ -236,7 +241,7 @@ class Method:
     # ----------------------------------------------------------------- what comes back
     def observe(self, rounds: Sequence[AgentRound]) -> None:
         """The round's finished agents: fold the bytes into the compression ratio per split and
-        codec (``"<split>/<codec>"``), and the steps' share going up (``"<split>/<codec>/up"``)."""
+        codec, and the share of the steps' bytes going up (:attr:`up_share`)."""
         for a in rounds:
             if a.fp32_bytes <= 0 or a.wire_bytes <= 0:
                 continue
@@ -244,9 +249,9 @@ class Method:
             old = self.wire_ratio.get(key)
             self.wire_ratio[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
             if sum(a.step_bytes) > 0:   # the share going up: a window's bound is the busier direction
-                key, share = f"{key}/up", a.step_bytes[0] / sum(a.step_bytes)
-                old = self.wire_ratio.get(key)
-                self.wire_ratio[key] = share if old is None else 0.8 * old + 0.2 * share
+                share = a.step_bytes[0] / sum(a.step_bytes)
+                old = self.up_share.get(key)
+                self.up_share[key] = share if old is None else 0.8 * old + 0.2 * share
 
     def record(self, r: int, times: Mapping[str, float], splits: Mapping[str, int],
                round_s: float | None = None) -> None:
@@ -256,13 +261,14 @@ class Method:
     # ----------------------------------------------------------------- checkpoint
     def to_json(self) -> dict[str, Any]:
         return {"time_table": self.time_table.to_json(), "candidates": list(self.candidates),
-                "wire_ratio": dict(self.wire_ratio)}
+                "wire_ratio": dict(self.wire_ratio), "up_share": dict(self.up_share)}
 
     def load_json(self, st: Mapping[str, Any]) -> None:
         """Restore from a checkpoint's state (keys this method never wrote are ignored)."""
         if st.get("time_table"):
             self.time_table = ClientTimeTable.from_json(st["time_table"])
         self.wire_ratio = {str(k): float(v) for k, v in st.get("wire_ratio", {}).items()}
+        self.fleet.up_share = {str(k): float(v) for k, v in st.get("up_share", {}).items()}
 
 
 class Layer(Method):

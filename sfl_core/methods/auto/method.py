@@ -202,7 +202,7 @@ class Auto(Method):
         return [price_option(self.cfg, self.costs[s], codec, info,
                              ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
                              compute_scale=cs, link_scale=ls, width=w, split_agents=split_agents, per_agent_step_s=h,
-                             up_share=self.wire_ratio.get(f"{s}/{codec}/up", 0.5))
+                             up_share=self.up_share.get(f"{s}/{codec}", 0.5))
                 for s, codec, w in self.choices()]
 
     def _priced(self, selected: Sequence[str], agents: Mapping[str, AgentInfo], *, scaled: bool = True
