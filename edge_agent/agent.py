@@ -289,7 +289,7 @@ class AgentCore:
         oldest = self._flight[0].step
         if msg.step < oldest:
             return self._resend()      # already applied: never apply a gradient twice
-        if msg.step > self._flight[-1].step or (msg.step > oldest and self._window == 1):
+        if msg.step > self._flight[-1].step:   # beyond the steps in flight (lock-step: past the one)
             raise wire.WireError(f"gradients for step {msg.step}, expected {oldest}")
         if msg.step in self._early_grads:
             return []                  # a resent copy of one we hold
