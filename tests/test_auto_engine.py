@@ -196,8 +196,8 @@ def test_the_label_mix_bound_is_dropped_only_where_label_mix_selection_chose_the
     assert label_mix_bound(0.2, by_mix=True) == 0.2 and label_mix_bound(0.0, by_mix=False) == 0.0
 
 
-def test_by_default_label_mix_selection_chooses_the_round_and_regulates_it_without_the_bound(tmp_path):
-    """Six agents, three per round: the default picks the set by label mix (MergeSFL Eq. 11-13)
+def test_label_mix_selection_chooses_the_round_and_regulates_it_without_the_bound(tmp_path):
+    """Six agents, three per round: label-mix selection picks the set (MergeSFL Eq. 11-13)
     and plans its batches without the label-mix bound; a uniform sample keeps the bound, and
     where every agent trains, label-mix selection has nothing to choose and the bound holds."""
     import numpy as np
@@ -218,10 +218,10 @@ def test_by_default_label_mix_selection_chooses_the_round_and_regulates_it_witho
         model = build_model(cfg.model, shape, 10)
         return build_method(cfg, model, model_costs(cfg.model, shape, 10)), fleet_of(cfg, counts)
 
-    method, agents = method_and_agents(3)
+    method, agents = method_and_agents(3, selection="kl")
     chosen, batches = method.select(1, sorted(agents), agents, sorted(agents)[:3])
     assert method.by_mix and len(chosen) == 3
-    unbounded, _ = method_and_agents(3, epsilon=100.0)
+    unbounded, _ = method_and_agents(3, selection="kl", epsilon=100.0)
     assert batches == {x: p.batch for x, p in unbounded.joint_plan(chosen, agents).agents.items()}
     strict, _ = method_and_agents(3, epsilon=0.0)          # a number is a bound whoever chose the round
     assert {x: p.batch for x, p in strict.joint_plan(chosen, agents, by_mix=True).agents.items()} != batches

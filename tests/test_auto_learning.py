@@ -15,7 +15,8 @@ from sfl_core.config.run import run_config_from_dict
 from sfl_core.config.section import OptionSection
 from sfl_core.evidence import Evidence, absent_classes, evidence_of, label_skew, swing
 from sfl_core.methods.auto.learning import LearningOptions
-from sfl_core.methods.auto.structure import DEPTH_COST, SEQUENTIAL_SERVER_BLOCKS, server_mode_for, shallow_cuts
+from sfl_core.methods.auto.structure import (DEPTH_COST, SELECTION_SHARE, SEQUENTIAL_SERVER_BLOCKS, selection_for,
+                                             server_mode_for, shallow_cuts)
 from sfl_core.options.base import Recommendation, RoundOption
 from sfl_core.options.drift.option import Drift
 from sfl_core.options.model_ema.option import ModelEma
@@ -101,6 +102,32 @@ def test_the_server_is_sequential_on_strong_skew_over_a_shallow_server_portion_o
     assert mode == "merged" and f"{SEQUENTIAL_SERVER_BLOCKS + 1} blocks" in why   # a deep server portion
     mode, why = server_mode_for(SKEWED, server_blocks=3, shared=True)
     assert mode == "merged" and "server workers" in why
+
+
+def test_label_mix_selection_where_a_round_takes_a_small_share_of_the_fleet_only():
+    assert SELECTION_SHARE == 0.25
+    mode, why = selection_for(SKEWED)                      # 8 of 40
+    assert mode == "kl" and "8 of 40" in why
+    assert selection_for(dataclasses.replace(SKEWED, agents=100, per_round=25))[0] == "kl"   # exactly a quarter
+    mode, why = selection_for(dataclasses.replace(SKEWED, agents=20, per_round=10))          # MergeSFL's setting
+    assert mode == "uniform" and "10 of 20" in why and "25%" in why
+    assert selection_for(dataclasses.replace(SKEWED, agents=99, per_round=25))[0] == "uniform"
+    mode, why = selection_for(dataclasses.replace(SKEWED, agents=4, per_round=4))
+    assert mode == "uniform" and "no choice" in why
+
+
+def test_auto_decides_the_selection_and_the_users_wins():
+    _, lines, _, method = _auto(SKEWED_COUNTS)                       # 2 of 4 a round
+    assert method.selection == "uniform" and method.round_metrics()["learning"]["selection"] == {"selection": "uniform"}
+    assert any(line.startswith("auto: selection: selection uniform (round 1: a round takes 2 of 4") for line in lines)
+    _, lines, _, method = _auto(SKEWED_COUNTS * 2)                   # 2 of 8
+    assert method.selection == "kl"
+    online = sorted(method.agents)
+    method.select(1, online, method.agents, online[:2])
+    assert method.by_mix                                             # label mix chose the round
+    _, lines, _, method = _auto(SKEWED_COUNTS, auto={"selection": "kl"})
+    assert method.selection == "kl" and not any(line.startswith("auto: selection") for line in lines)
+    assert "selection" not in method.round_metrics().get("learning", {})
 
 
 def test_the_shallowest_cuts_within_the_depth_cost():
@@ -268,6 +295,7 @@ def test_a_skewed_demo_fleet_gets_its_options_and_keeps_them_across_a_resume(tmp
     assert decided["drift"] == {"kind": "scaffold"} and decided["server_opt"]["kind"] == "momentum"
     assert decided["server"] == {"server_mode": "sequential"} and engine.cfg.server_mode == "sequential"
     assert decided["norm_stats"] == "off"                                   # small_cnn has no BatchNorm
+    assert decided["selection"] == {"selection": "uniform"}                # 3 of 4 a round
     assert {type(o).__name__ for o in engine.options} == {"Drift", "ServerOpt"}
     held = {a: dict(c) for a, c in engine.option(Drift).variates.ci.items()}
     assert held

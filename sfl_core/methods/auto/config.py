@@ -68,13 +68,13 @@ class AutoConfig(MethodSection):
         ('whole_model',
          "also consider the whole model on an agent (FedAvg-style: it trains locally and sends only its weights) where that finishes sooner than any cut; auto (the default) = yes where the registered devices' label mixes look alike, no on a label-skewed fleet (a device training the whole model on its own classes drifts from the others, where a cut's server part trains on every device's rows)."),
         ('selection',
-         "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). Default kl: it reached the target sooner than the uniform sample on most of the benches (docs/methods/auto.md and docs/results.md). Where every online agent trains each round the two are the same."),
+         "which agents train each round: uniform = the engine's uniform sample of per_round; kl = among a pool drawn with priority to rarely chosen agents (MergeSFL Eq. 13), the per_round whose merged label mix is closest to the population's (MergeSFL Eq. 11-12). auto (the default) = kl where a round takes at most a quarter of the registered fleet, else uniform: with a larger share, label-mix selection keeps choosing the agents that complete the mix and leaves others out for many rounds (docs/methods/auto.md). Where every online agent trains each round the two are the same."),
         ('codecs',
          'the activation codecs it may choose among (only those within max_compression are used).'),
         ('max_compression',
          'the strongest codec compression allowed, >= 1: fp16/bf16 = 2, int8 = 4, topk<P> = 67/P. Default 2: fp16 errs little, int8 cost accuracy on a bench (docs/results.md).'),
         ('widths',
-         "bottleneck widths (channels, HeteroSFL's encoder/decoder pair at the run's split, the widest its full width) it may give an agent cut at that split, within max_bottleneck; cuts then stop at that split (no later cut, no whole model), and an agent with time to spare sends the widest width that keeps the round's time. auto (the default) = decided once from the run's fleet: the full width and each quarter of it down to 1 channel that sends at least min_bottleneck_values values per sample, where they make the fleet's predicted round at the run's batch size at least 2.5x shorter (links that slow), else none (the run's notes and sfl-coord plan say which and why); a list = these widths; null = no bottleneck (docs/methods/auto.md)."),
+         "bottleneck widths (channels, HeteroSFL's encoder/decoder pair at the run's split, the widest its full width) it may give an agent cut at that split, within max_bottleneck; cuts then stop at that split (no later cut, no whole model), and an agent with time to spare sends the widest width that keeps the round's time. auto (the default) = decided once from the run's fleet: the full width and its quarter (a quarter's width that sends at least min_bottleneck_values values per sample; stronger compression cost accuracy on HeteroSFL's bench, list narrower widths to use them), where they make the fleet's predicted round at the run's batch size at least 2.5x shorter (links that slow), else none (the run's notes and sfl-coord plan say which and why); a list = these widths; null = no bottleneck (docs/methods/auto.md)."),
         ('max_bottleneck',
          'the strongest bottleneck compression allowed (the cut\'s channels over the width sent), >= 1.'),
         ('min_bottleneck_values',
@@ -95,8 +95,10 @@ class AutoConfig(MethodSection):
     whole_model: Annotated[Union[bool, str], checked(_whole_model)] = "auto"
     """Also consider the whole model on the agent (it sends weights only) where that is faster;
     "auto": where the registered devices' label mixes look alike."""
-    selection: Annotated[str, checked(one_of("uniform", "kl"))] = "kl"
-    """Which agents train: 'kl' = label mix closest to the population's, or the engine's uniform sample."""
+    selection: Annotated[str, checked(one_of("auto", "uniform", "kl"))] = "auto"
+    """Which agents train: 'kl' = label mix closest to the population's, 'uniform' = the engine's
+    uniform sample, 'auto' = kl where a round takes at most a quarter of the fleet
+    (:func:`sfl_core.methods.auto.structure.selection_for`)."""
     codecs: Annotated[tuple[str, ...], checked(_codec_tuple)] = ("fp32", "fp16", "int8")
     max_compression: Annotated[float, checked(number_in(1.0, lo_open=False, what="a number >= 1"))] = 2.0
     """Strongest codec compression allowed (fp16 = 2x, int8 = 4x, topk<P> = 67/P x)."""

@@ -45,7 +45,7 @@ from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution, pr
 from sfl_core.methods.auto.config import AutoConfig
 from sfl_core.methods.auto.joint_plan import JointPlan, limit_skew, plan_round, with_batches
 from sfl_core.methods.auto.learning import Decision, LearningOptions
-from sfl_core.methods.auto.structure import depth_reason, server_mode_for, shallow_cuts
+from sfl_core.methods.auto.structure import depth_reason, selection_for, server_mode_for, shallow_cuts
 from sfl_core.methods.base import AgentRound, Method, RoundPlan, split_plan, resolved_split
 from sfl_core.model.accounting import SplitCost
 from sfl_core.model.norm_layers import batch_norm_layers
@@ -127,7 +127,7 @@ class Auto(Method):
         self.learner = LearningOptions(cfg)
         """The training options the run leaves to auto, decided from the fleet and the run's accuracy."""
         self.structure: dict[str, Decision] = {}
-        """The server mode and the cuts, where the run leaves them to auto (:mod:`.structure`)."""
+        """The server mode, the cuts and the selection, where the run leaves them to auto (:mod:`.structure`)."""
         self.scales: dict[str, list[float]] = {}
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
         self.current: JointPlan | None = None
@@ -239,10 +239,21 @@ class Auto(Method):
         return plan_round(options, memory, total=len(agents) * self.cfg.batch_size, lo=AutoConfig.of(self.cfg).min_batch,
                           hi=self.max_batch, regulate=False).round_s
 
+    @property
+    def selection(self) -> str:
+        """How the round's agents are chosen: the run's ``auto.selection``, or where it says auto,
+        the decision on the registered fleet (:func:`~sfl_core.methods.auto.structure.selection_for`;
+        label mix until the fleet has registered)."""
+        chosen = AutoConfig.of(self.cfg).selection
+        if chosen != "auto":
+            return chosen
+        d = self.structure.get("selection")
+        return d.changes["selection"] if d is not None and d.changes else "kl"
+
     def select(self, r: int, online: Sequence[str], agents: Mapping[str, AgentInfo],
                default: Sequence[str]) -> tuple[list[str], dict[str, int]]:
         chosen = default
-        self.by_mix = AutoConfig.of(self.cfg).selection == "kl" and len(default) < len(online)
+        self.by_mix = self.selection == "kl" and len(default) < len(online)
         if self.by_mix:
             chosen = select_by_label_mix(online, agents, len(default), seed=self.cfg.seed * 100_003 + r)
         plan = self.joint_plan(chosen, agents, by_mix=self.by_mix)
@@ -422,6 +433,11 @@ class Auto(Method):
             now = self.structure.get("server")
             if now is None or now.changes != {"server_mode": mode}:
                 changed.append(Decision("server", {"server_mode": mode}, why, r))
+        if AutoConfig.of(self.cfg).selection == "auto":
+            mode, why = selection_for(evidence)
+            now = self.structure.get("selection")
+            if now is None or now.changes != {"selection": mode}:
+                changed.append(Decision("selection", {"selection": mode}, why, r))
         if (AutoConfig.of(self.cfg).candidates is None and "cut" not in self.structure
                 and evidence.strongly_skewed and len(cuts) > 1):
             kept, t, every = shallow_cuts(cuts, lambda c: self._round_over(c, agents))
@@ -472,6 +488,9 @@ class Auto(Method):
                 if key == "server" and self.learner.cfg.server_mode == "auto" \
                         and (d.changes or {}).get("server_mode") in ("merged", "sequential"):
                     self.structure[key] = d
+                elif key == "selection" and AutoConfig.of(self.cfg).selection == "auto" \
+                        and (d.changes or {}).get("selection") in ("kl", "uniform"):
+                    self.structure[key] = d
                 elif key == "cut" and AutoConfig.of(self.cfg).candidates is None:
                     kept = [int(c) for c in (d.changes or {}).get("candidates", []) if int(c) in self._candidates]
                     if kept:
@@ -504,6 +523,15 @@ def within_bottleneck(width: int, channels: int, max_bottleneck: float) -> bool:
 
 # ----------------------------------------------------------------- bottleneck widths: on or off
 
+WIDTHS_LADDER_SQUEEZE = 4.0
+"""The strongest compression the ``auto.widths: auto`` ladder offers: the cut's full width and
+its quarter. The time model cannot see what a bottleneck costs in learning, so the ladder stops
+where the benches measured none: at the hard end (100 devices, Dirichlet 0.1) 4 of 16 channels
+ended level with no bottleneck and reached the target 2.2x sooner, where on HeteroSFL's setting
+at 16:1 the ladder down to 1 of 64 channels (64x) ended 1.8 points lower over four seeds and
+reached the target 1.25x later than no bottleneck (docs/results.md). Narrower widths stay
+available by listing them in ``auto.widths``."""
+
 WIDTHS_PAY = 2.5
 """``auto.widths: auto`` (the default) switches the bottleneck on where it makes the fleet's
 predicted round at the run's batch size (every agent on its fastest option) at least this many
@@ -525,7 +553,8 @@ class WidthsDecision:
 
 def width_ladder(channels: int, max_bottleneck: float, positions: int = 1, min_values: int = 1) -> tuple[int, ...]:
     """The widths ``auto.widths: auto`` offers: the cut's full width and each quarter of it down to
-    one channel (HeteroSFL's 4x steps), within ``auto.max_bottleneck`` and sending at least
+    one channel (HeteroSFL's 4x steps), within ``max_bottleneck`` (the run's ``auto.max_bottleneck``
+    and :data:`WIDTHS_LADDER_SQUEEZE`) and sending at least
     ``min_values`` values per sample (``width x positions``, the map's positions per channel;
     ``auto.min_bottleneck_values``). The full width is always offered."""
     widths, w = {channels}, channels
@@ -554,7 +583,8 @@ def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCo
     if b >= model.num_blocks:
         return WidthsDecision(())
     shape = costs[b].activation_shape
-    widths = width_ladder(shape[0], a.max_bottleneck, math.prod(shape[1:]), a.min_bottleneck_values)
+    widths = width_ladder(shape[0], min(a.max_bottleneck, WIDTHS_LADDER_SQUEEZE), math.prod(shape[1:]),
+                          a.min_bottleneck_values)
     if len(widths) < 2:
         return WidthsDecision((), f"bottleneck: off (at split {b} no width narrower than the {shape[0]} channels "
                                   f"sends the {a.min_bottleneck_values} values per sample of auto.min_bottleneck_values)")
