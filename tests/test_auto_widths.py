@@ -11,7 +11,7 @@ from sfl_core.model.accounting import model_costs
 from sfl_core.config.run import ConfigError, DeviceProfile, run_config_from_dict
 from sfl_core.fleet import AgentInfo
 from sfl_core.methods import build_method
-from sfl_core.methods.auto.method import WIDTHS_LADDER_SQUEEZE, WIDTHS_PAY, decide_widths, width_ladder
+from sfl_core.methods.auto.method import WIDTHS_PAY, decide_widths, width_ladder
 from sfl_core.model.zoo import build_model
 
 SHAPE = (1, 28, 28)
@@ -111,25 +111,21 @@ def _decide(cfg):
 
 def test_widths_auto_switch_on_where_the_links_make_them_pay_and_say_why(tmp_path):
     slow = _decide(_fleet_cfg(tmp_path, 2e4, widths="auto"))        # activations dominate the round
-    # the ladder: the full width and its quarter (WIDTHS_LADDER_SQUEEZE), not the quarters down to 1
-    assert WIDTHS_LADDER_SQUEEZE == 4
-    assert slow.widths == (8, 32) and "predicted round" in slow.why and f"{WIDTHS_PAY:g}x" in slow.why
+    assert slow.widths == (1, 2, 8, 32) and "predicted round" in slow.why and f"{WIDTHS_PAY:g}x" in slow.why
     fast = _decide(_fleet_cfg(tmp_path, 1e9, widths="auto"))        # compute dominates: no bottleneck
     assert fast.widths == () and fast.why.startswith("bottleneck: off")
-    assert _decide(_fleet_cfg(tmp_path, 2e4, widths="auto", max_bottleneck=2)).widths == ()   # no quarter within 2x
-    assert _decide(_fleet_cfg(tmp_path, 2e4)).widths == (8, 32)   # the default: auto
-    # 14x14 maps: a quarter (8 channels) sends 1568 values; a floor of 2000 leaves only the full width
-    assert _decide(_fleet_cfg(tmp_path, 2e4, min_bottleneck_values=2000)).widths == ()
+    assert _decide(_fleet_cfg(tmp_path, 2e4, widths="auto", max_bottleneck=8)).widths == (8, 32)
+    assert _decide(_fleet_cfg(tmp_path, 2e4)).widths == (1, 2, 8, 32)   # the default: auto
+    # 14x14 maps: one channel sends 196 values; a floor of 400 needs 8 channels
+    assert _decide(_fleet_cfg(tmp_path, 2e4, min_bottleneck_values=400)).widths == (8, 32)
     assert _decide(_fleet_cfg(tmp_path, 2e4, widths=None)).widths == ()
-    # narrower widths than the ladder's are the user's to list
-    assert _decide(_fleet_cfg(tmp_path, 2e4, widths=[1, 2, 8, 32])).widths == (1, 2, 8, 32)
     narrow = _decide(_fleet_cfg(tmp_path, 2e4, min_bottleneck_values=196 * 32))   # only the full width sends enough
     assert narrow.widths == () and "min_bottleneck_values" in narrow.why
     assert _decide(_fleet_cfg(tmp_path, 2e4, widths=[4, 32])).widths == (4, 32)
     # the method plans with the decision, and says it in its notes
     cfg = _fleet_cfg(tmp_path, 2e4, widths="auto", candidates=[1, 2, 3])   # cuts past the bottleneck are dropped, not refused
     method = build_method(cfg, build_model(cfg.model, SHAPE, 10), model_costs(cfg.model, SHAPE, 10))
-    assert method.widths == (8, 32) and max(method.candidates) == 2
+    assert method.widths == (1, 2, 8, 32) and max(method.candidates) == 2
     assert any(n.startswith("bottleneck: widths") for n in method.notes(3))
 
 
@@ -148,7 +144,7 @@ def test_widths_accept_auto_a_list_or_null_only():
 def test_the_global_model_carries_the_bottleneck_auto_decided(tmp_path):
     from coordinator.export import run_model
     on, off = run_model(_fleet_cfg(tmp_path, 2e4, widths="auto"), SHAPE, 10), run_model(_fleet_cfg(tmp_path, 1e9, widths="auto"), SHAPE, 10)
-    assert list(on.bottlenecks) == ["2"] and on.bottleneck(2).infer_width == 8 and not off.bottlenecks
+    assert list(on.bottlenecks) == ["2"] and on.bottleneck(2).infer_width == 1 and not off.bottlenecks
 
 
 def test_a_heterosfl_bottleneck_under_auto_is_refused_with_the_key_to_use():

@@ -523,15 +523,6 @@ def within_bottleneck(width: int, channels: int, max_bottleneck: float) -> bool:
 
 # ----------------------------------------------------------------- bottleneck widths: on or off
 
-WIDTHS_LADDER_SQUEEZE = 4.0
-"""The strongest compression the ``auto.widths: auto`` ladder offers: the cut's full width and
-its quarter. The time model cannot see what a bottleneck costs in learning, so the ladder stops
-where the benches measured none: at the hard end (100 devices, Dirichlet 0.1) 4 of 16 channels
-ended level with no bottleneck and reached the target 2.2x sooner, where on HeteroSFL's setting
-at 16:1 the ladder down to 1 of 64 channels (64x) ended 1.8 points lower over four seeds and
-reached the target 1.25x later than no bottleneck (docs/results.md). Narrower widths stay
-available by listing them in ``auto.widths``."""
-
 WIDTHS_PAY = 2.5
 """``auto.widths: auto`` (the default) switches the bottleneck on where it makes the fleet's
 predicted round at the run's batch size (every agent on its fastest option) at least this many
@@ -553,8 +544,7 @@ class WidthsDecision:
 
 def width_ladder(channels: int, max_bottleneck: float, positions: int = 1, min_values: int = 1) -> tuple[int, ...]:
     """The widths ``auto.widths: auto`` offers: the cut's full width and each quarter of it down to
-    one channel (HeteroSFL's 4x steps), within ``max_bottleneck`` (the run's ``auto.max_bottleneck``
-    and :data:`WIDTHS_LADDER_SQUEEZE`) and sending at least
+    one channel (HeteroSFL's 4x steps), within ``auto.max_bottleneck`` and sending at least
     ``min_values`` values per sample (``width x positions``, the map's positions per channel;
     ``auto.min_bottleneck_values``). The full width is always offered."""
     widths, w = {channels}, channels
@@ -583,8 +573,7 @@ def decide_widths(cfg: RunConfig, model: SplitModel, costs: Mapping[int, SplitCo
     if b >= model.num_blocks:
         return WidthsDecision(())
     shape = costs[b].activation_shape
-    widths = width_ladder(shape[0], min(a.max_bottleneck, WIDTHS_LADDER_SQUEEZE), math.prod(shape[1:]),
-                          a.min_bottleneck_values)
+    widths = width_ladder(shape[0], a.max_bottleneck, math.prod(shape[1:]), a.min_bottleneck_values)
     if len(widths) < 2:
         return WidthsDecision((), f"bottleneck: off (at split {b} no width narrower than the {shape[0]} channels "
                                   f"sends the {a.min_bottleneck_values} values per sample of auto.min_bottleneck_values)")
