@@ -24,6 +24,7 @@ from coordinator.deadline import round_deadline
 from coordinator.option_host import OptionHost
 from coordinator.pricing import price_phase, price_round
 from coordinator.registry import Registry
+from coordinator.round_average import RoundAverage, RoundVoid
 from coordinator.round_record import round_record
 from coordinator.run_parts import RunParts, build_parts
 from coordinator.run_state import RunState
@@ -36,12 +37,11 @@ from coordinator.transport import Transport
 from coordinator.uploads import decode_activations, decode_logit_gradients
 from coordinator.validation import ValidationSet, evaluation_batch
 from coordinator.widths import widen_bottlenecks
-from sfl_core.aggregation import layerwise_average
 from sfl_core.config.run import RunConfig
 from sfl_core.data.preprocessing import Normalization
 from sfl_core.methods.base import RoundPlan
 from sfl_core.model.accounting import split_note
-from sfl_core.model.bottleneck import bottleneck_shape, slice_state
+from sfl_core.model.bottleneck import bottleneck_shape
 from sfl_core.model.fingerprint import digest
 from sfl_core.model.zoo import SplitModel
 from sfl_core.option_registry import build_options
@@ -58,16 +58,12 @@ ROUND_ATTEMPTS = 5
 """A round that trained too few agents is planned again this many times at most."""
 
 
-class RoundVoid(Exception):
-    """A round in which fewer agents completed than it needs: it must not count."""
-
-
 class RoundFailed(RuntimeError):
     """A round could not be trained after ``ROUND_ATTEMPTS`` plans; earlier rounds are
     checkpointed (a restart with ``--resume`` continues)."""
 
 
-class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
+class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage):
     def __init__(self, cfg: RunConfig, transport: Transport, clock: Clock, test_set: tuple[torch.Tensor, torch.Tensor],
                  *, input_shape: tuple[int, ...], num_classes: int, out_dir: Path,
                  device: torch.device | str = "cpu", on_event: Optional[Event] = None,
@@ -383,7 +379,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
         record and checkpoint it (:mod:`coordinator.round_record`). ``wall_s``: the training phase's
         wall seconds (what a wall clock charges); the record's ``wall_s`` is the whole round on this
         host, aggregation and evaluation included, and ``eval_s`` the evaluation's part."""
-        done, fed_losses = self._aggregate(plan, agents, uploads)
+        done, fed_losses = self._aggregate(r, plan, agents, uploads)
         phases = {}
         for option in self.options:   # a phase of its own after aggregation (a statistics pass)
             phase = option.phase(self, r, {a: agents[a].assignment for a in done if a in agents})
@@ -414,7 +410,8 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
             elapsed_s=self.clock.elapsed, virtual=self.clock.virtual,
             wall_s=time.monotonic() - self._round_wall0, eval_s=eval_s, times=times,
             per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
-            federated=federated, method_metrics=self.method.round_metrics(), phases=phase_records)
+            federated=federated, method_metrics={**self.method.round_metrics(), **self._option_metrics()},
+            phases=phase_records)
         if self.session.late or self.session.stalled:
             record["stragglers"] = {"policy": self.cfg.stragglers, "late": sorted(set(self.session.late)),
                                     "busy": sorted(set(self.session.stalled))}
@@ -426,44 +423,3 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring):
                   self._checkpoint_state(r), encoded={"registry": self.registry.to_json_text()})
         self.on_event("round_end", record)
         return record
-
-    def _aggregate(self, plan: RoundPlan, agents: dict[str, RoundAgent],
-                   uploads: dict[str, Message]) -> tuple[list[str], list[float]]:
-        """Layer-wise aggregation (S2FL Alg. 2): every layer of the full model is averaged over the
-        round's agents, from the agent's client portion if it held the layer, else from the server
-        copy of its group; weight = the method's (the agent's data size by default). With one split
-        and one group this is exactly FedAvg of the client portions plus the trained server portion.
-        Returns the agents that completed the round and the losses they reported."""
-        clients, servers, weights, fed_losses, done = {}, {}, {}, [], []
-        held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}   # (split, width) -> what such an agent holds
-        for a, msg in uploads.items():
-            split, width = agents[a].assignment.split, agents[a].assignment.width
-            if (split, width) not in held:
-                held[split, width] = self.client_state(split, width)
-            try:
-                clients[a] = wire.decode_state(msg.body["weights"], held[split, width])
-            except wire.WireError as exc:
-                self.session.rejections.reject("invalid", f"weights from {a}: {exc}")
-                continue
-            weights[a] = self.method.aggregation_weight(self.registry.agents[a], agents[a].assignment.batch_size)
-            done.append(a)
-            if msg.body["loss"] == msg.body["loss"]:  # not NaN
-                fed_losses.append(float(msg.body["loss"]))
-        for a, server in self.server.member_states({a: agents[a].assignment.split for a in done}).items():
-            split, width = agents[a].assignment.split, agents[a].assignment.width
-            # HetBL: an agent of width w trained only the first w decoder input channels
-            servers[a] = {**server, **slice_state(server, f"bottlenecks.{split}.", width)} if width else server
-        need = self._needed(len(plan.splits))
-        if len(done) < need:
-            raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")
-        for option in self.options:
-            option.observe_updates(self, self._round_start, clients, servers,
-                                   {a: agents[a].assignment for a in done}, self._terms, self.server.member_steps)
-        if clients:
-            copy_of = {a: i for i, g in enumerate(plan.groups) for a in g}
-            avg = layerwise_average(clients, servers, weights, defaults=self.model.state_dict(),
-                                    server_groups=copy_of if plan.server_once else None)
-            for option in self.options:
-                avg = option.transform_average(self, self._round_start, avg, clients, servers, copy_of)
-            self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
-        return done, fed_losses

@@ -95,10 +95,20 @@ def layerwise_average(client_states: Mapping[str, Mapping[str, torch.Tensor]],
     that trained it, the copy counted *once* — as one participant whose weight is the mean
     weight of the members it stands in for — however many shallower agents fed it.
     """
+    return weighted_average(*participants(client_states, server_states, weights, server_groups), defaults)
+
+
+def participants(client_states: Mapping[str, Mapping[str, torch.Tensor]],
+                 server_states: Mapping[str, Mapping[str, torch.Tensor]],
+                 weights: Mapping[str, float],
+                 server_groups: Mapping[str, Hashable] | None = None
+                 ) -> tuple[list[Mapping[str, torch.Tensor]], list[float]]:
+    """The states and weights :func:`layerwise_average` averages (a robust rule reads the same):
+    per agent its client portion with the server copy standing in for the layers it did not
+    hold; with ``server_groups``, the client portions and each server copy once."""
     agents = list(client_states)
     if server_groups is None:
-        full = [{**server_states.get(a, {}), **client_states[a]} for a in agents]
-        return weighted_average(full, [weights[a] for a in agents], defaults)
+        return [{**server_states.get(a, {}), **client_states[a]} for a in agents], [weights[a] for a in agents]
     states: list[Mapping[str, torch.Tensor]] = [client_states[a] for a in agents]
     ws: list[float] = [weights[a] for a in agents]
     copies: dict[Hashable, dict[str, list[float]]] = {}   # copy -> key -> weights of the members it stands in for
@@ -116,4 +126,4 @@ def layerwise_average(client_states: Mapping[str, Mapping[str, torch.Tensor]],
         for w, part in by_weight.items():
             states.append(part)
             ws.append(w)
-    return weighted_average(states, ws, defaults)
+    return states, ws

@@ -33,6 +33,7 @@ _OPTIONS: dict[str, Union[str, type[RoundOption]]] = {
     "norm_stats": "sfl_core.options.norm_stats.option:NormStats",
     "model_ema": "sfl_core.options.model_ema.option:ModelEma",
     "loss": "sfl_core.options.calibrated_loss.option:CalibratedLoss",
+    "robust": "sfl_core.options.robust.option:Robust",
 }
 """YAML key of the option's section -> its class."""
 _SECTIONS: dict[str, Union[str, type[OptionSection]]] = {
@@ -41,6 +42,7 @@ _SECTIONS: dict[str, Union[str, type[OptionSection]]] = {
     "norm_stats": "sfl_core.options.norm_stats.config:NormStatsConfig",
     "model_ema": "sfl_core.options.model_ema.config:ModelEmaConfig",
     "loss": "sfl_core.options.calibrated_loss.config:LossConfig",
+    "robust": "sfl_core.options.robust.config:RobustConfig",
 }
 """YAML key -> the option's section class (a section module imports only the config's building
 blocks, so the run config may load it while it is itself being read)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -22,6 +22,7 @@ from sfl_core.privacy import AgentPrivacy
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.protocol import Message
+from simulation.adversary import Attack, MaliciousCore, claimed_counts, poison_data
 
 log = logging.getLogger("sfl.sim")
 
@@ -96,13 +97,16 @@ class SimAgent:
     x_val: Optional[torch.Tensor] = None
     y_val: Optional[torch.Tensor] = None
     """Its held-out split (a task run), for federated evaluation."""
+    attack: Optional[Attack] = None
+    """What it lies about (a bench or a test of the defenses, :mod:`simulation.adversary`)."""
 
     def core(self, run_id: str, device: str | torch.device = "cpu") -> AgentCore:
         held_out = LocalData(self.x_val, self.y_val, self.num_classes) \
             if self.x_val is not None and self.y_val is not None else None
-        return AgentCore(self.agent_id, run_id, LocalData(self.x, self.y, self.num_classes), self.input_shape,
-                         seed=self.seed, device=device, privacy=self.privacy, standardise=self.standardise,
-                         held_out=held_out)
+        kind, extra = (AgentCore, {}) if self.attack is None else (MaliciousCore, {"attack": self.attack})
+        return kind(self.agent_id, run_id, LocalData(self.x, self.y, self.num_classes), self.input_shape,
+                    seed=self.seed, device=device, privacy=self.privacy, standardise=self.standardise,
+                    held_out=held_out, **extra)
 
 
 def own_data_agents(cfg: RunConfig) -> tuple[list[SimAgent], list[Message]]:
@@ -133,10 +137,14 @@ def own_data_agents(cfg: RunConfig) -> tuple[list[SimAgent], list[Message]]:
     return agents, registrations
 
 
-def fleet_agents(cfg: RunConfig, data: Dataset) -> tuple[list[SimAgent], list[Message]]:
+def fleet_agents(cfg: RunConfig, data: Dataset, attacks: Optional[Mapping[str, Attack]] = None
+                 ) -> tuple[list[SimAgent], list[Message]]:
     """Every agent of the config with its shard (or, in a task run, its own data), and the
-    registration each one sends first."""
+    registration each one sends first; ``attacks``: the agents (by id) that lie, and how."""
+    attacks = attacks or {}
     if cfg.task is not None:
+        if attacks:
+            raise ValueError("attacks are simulated on a data set's shards, not on devices' own data")
         return own_data_agents(cfg)
     shards = partition_indices(data.y_train.numpy(), cfg.num_agents, cfg.data.partition, alpha=cfg.data.alpha,
                                seed=cfg.data.seed, num_classes=data.num_classes)
@@ -145,20 +153,28 @@ def fleet_agents(cfg: RunConfig, data: Dataset) -> tuple[list[SimAgent], list[Me
         profile = load_profile(profile_name)
         idx = torch.as_tensor(shards[i], dtype=torch.long)
         local = LocalData(data.x_train[idx], data.y_train[idx], data.num_classes)
-        agent = SimAgent(f"sim-{i:03d}", i, local.x, local.y, data.num_classes, tuple(data.input_shape),
-                         seed=cfg.seed * 1000 + i, privacy=cfg.privacy.agent())
+        agent_id, attack = f"sim-{i:03d}", None
+        x, y = local.x, local.y
+        if agent_id in attacks:
+            attack = attacks[agent_id]
+            x, y = poison_data(x, y, data.num_classes, attack, torch.Generator().manual_seed(cfg.seed * 1000 + i))
+        agent = SimAgent(agent_id, i, x, y, data.num_classes, tuple(data.input_shape),
+                         seed=cfg.seed * 1000 + i, privacy=cfg.privacy.agent(), attack=attack)
         agents.append(agent)
+        counts = claimed_counts(local.label_counts(), attacks, agent_id)
         registrations.append(Message(
             "register", cfg.run_id, agent.agent_id, round=0, seq=1,
-            body=protocol.register_body(index=i, profile=profile, measured={}, label_counts=local.label_counts(),
-                                        num_samples=len(local), emulate=True, resume={},
+            body=protocol.register_body(index=i, profile=profile, measured={}, label_counts=counts,
+                                        num_samples=sum(counts), emulate=True, resume={},
                                         privacy=agent.privacy.describe())))
     return agents, registrations
 
 
-def build_fleet(cfg: RunConfig, data: Dataset, device: str | torch.device = "cpu") -> InProcessTransport:
-    """Create every agent of the config with its own shard and queue their registrations."""
-    agents, registrations = fleet_agents(cfg, data)
+def build_fleet(cfg: RunConfig, data: Dataset, device: str | torch.device = "cpu",
+                attacks: Optional[Mapping[str, Attack]] = None) -> InProcessTransport:
+    """Create every agent of the config with its own shard and queue their registrations
+    (``attacks``: the agents that lie, :mod:`simulation.adversary`)."""
+    agents, registrations = fleet_agents(cfg, data, attacks)
     transport = InProcessTransport(cfg.run_id, {a.agent_id: a.core(cfg.run_id, device) for a in agents})
     for msg in registrations:
         transport.deliver_from_agent(msg)

@@ -9,7 +9,7 @@ both ``coordinator`` and ``edge_agent``, which never import each other.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from rich.console import Console
 
@@ -29,18 +29,21 @@ from coordinator.server_trainer import pick_device
 from coordinator.transport import Transport
 from sfl_core.config.run import RunConfig
 from sfl_core.data.builtin import Dataset, DatasetError
+from simulation.adversary import Attack
 from simulation.clock import VirtualClock
 from simulation.inprocess import build_fleet
 
 
 def run_simulation(cfg: RunConfig, *, resume: Resume = False, device: str = "auto", quiet: bool = True,
                    console: Optional[Console] = None, ray: Optional[str] = None,
-                   ray_workers: Optional[int] = None, parts: Optional[RunParts] = None) -> tuple[list[dict], RoundEngine]:
+                   ray_workers: Optional[int] = None, parts: Optional[RunParts] = None,
+                   attacks: Optional[Mapping[str, Attack]] = None) -> tuple[list[dict], RoundEngine]:
     """The same engine as :func:`coordinator.api.serve`, with in-process agents and a virtual clock: real
     training on real data, times from the device profiles and the real encoded bytes.
 
     ``ray``: place the agents in Ray actors instead, ``"local"`` for a Ray started here, else
     a cluster address (``ray_workers`` actors, default one per CPU); same results, in parallel.
+    ``attacks``: agents (``sim-000``...) that lie, and how (:mod:`simulation.adversary`; in process only).
     ``parts``: the model and method the caller built while checking the config."""
     console = console or Console(stderr=True)
     data = run_dataset(cfg)
@@ -48,18 +51,21 @@ def run_simulation(cfg: RunConfig, *, resume: Resume = False, device: str = "aut
     lock = lock_run(out, cfg.run_id)
     try:
         checkpoint = read_checkpoint(out, resume)
-        return _simulate(cfg, data, out, checkpoint, device, quiet, console, ray, ray_workers, parts)
+        return _simulate(cfg, data, out, checkpoint, device, quiet, console, ray, ray_workers, parts, attacks)
     finally:
         lock.release()
 
 
 def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tuple[dict, dict]], device: str,
               quiet: bool, console: Console, ray: Optional[str],
-              ray_workers: Optional[int], parts: Optional[RunParts] = None) -> tuple[list[dict], RoundEngine]:
+              ray_workers: Optional[int], parts: Optional[RunParts] = None,
+              attacks: Optional[Mapping[str, Attack]] = None) -> tuple[list[dict], RoundEngine]:
     if checkpoint is None:
         set_aside_earlier_run(out, console)
     dev = pick_device(device)
     if ray is not None:
+        if attacks:
+            raise RunError("attacks are simulated in process, not in Ray actors")
         from simulation.ray_fleet import build_ray_fleet
         try:
             transport: Transport = build_ray_fleet(cfg, data, None if ray == "local" else ray, ray_workers)
@@ -67,7 +73,7 @@ def _simulate(cfg: RunConfig, data: Dataset, out: Path, checkpoint: Optional[tup
             raise RunError(str(exc)) from exc
     else:
         try:
-            transport = build_fleet(cfg, data, dev)
+            transport = build_fleet(cfg, data, dev, attacks)
         except DatasetError as exc:
             raise RunError(str(exc)) from None
     if cfg.task is not None and not quiet:   # which simulated device read which folder

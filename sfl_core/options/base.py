@@ -221,6 +221,23 @@ class RoundOption:
         """The server's loss, as the method asked for it (``spec``) and this option changes it."""
         return spec
 
+    def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
+               clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float]
+               ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+        """The round's client states and their weights in the average, as this option lets them
+        in (bounded, clipped, or an agent left out: both dicts without it)."""
+        return clients, weights
+
+    def aggregate(self, ctx: RoundContext, states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
+                  defaults: Mapping[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
+        """The round's average of the layer-wise participants' ``states`` if this option computes it
+        (a robust rule); None: the weighted mean. The first option that answers decides."""
+        return None
+
+    def round_metrics(self) -> dict[str, Any]:
+        """What the round's metrics record holds under the option's key (empty: nothing)."""
+        return {}
+
     def observe_updates(self, ctx: RoundContext, start: Mapping[str, torch.Tensor],
                         clients: Mapping[str, Mapping[str, torch.Tensor]],
                         servers: Mapping[str, Mapping[str, torch.Tensor]],

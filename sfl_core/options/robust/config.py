@@ -1,0 +1,64 @@
+"""The robust aggregation's section of the run config (``robust:``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic.dataclasses import dataclass
+from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
+
+from sfl_core.config.fields import STRICT, Fail, checked, number
+from sfl_core.config.section import OptionSection
+from sfl_core.config.values import number_in, one_of
+
+RULES = ("mean", "clip", "trimmed_mean", "median", "multi_krum")
+
+
+def _cap(v: Any, fail: Fail) -> float:
+    x = number(v)
+    if x is None or not (x == 0 or x >= 1):
+        fail("0 (no cap) or a number >= 1")
+    return float(x)
+
+
+@dataclass(frozen=True, config=STRICT)
+class RobustConfig(OptionSection):
+    """How the round's states are combined when a device may lie (docs/methods/robust.md):
+    the weight a device claims is capped, and the average may be a robust one. ``robust:
+    median`` is short for ``{aggregate: median}``."""
+
+    KEY: ClassVar[str] = "robust"
+    SHORTHAND: ClassVar[str] = "aggregate"
+    DOCS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("", "what a device that lies can do to the average (docs/methods/robust.md): its claimed weight is "
+             "capped and the round's states may be combined by a robust rule; 'robust: median' is short for "
+             "{aggregate: median}."),
+        ("aggregate",
+         "mean (default: the method's weighted layer-wise average) | clip (each layer's change from the round's "
+         "start scaled down to at most clip_factor x the median change of that layer over the round's agents; "
+         "agents clipped are named) | trimmed_mean (coordinate-wise, the trim largest and smallest share of "
+         "values dropped; Yin et al. 2018) | median (coordinate-wise median; Yin et al. 2018) | multi_krum (the "
+         "agents whose changes lie closest to their neighbours, the attackers share of the round's agents left "
+         "out and named; Blanchard et al. 2017). The coordinate-wise rules ignore the weights."),
+        ("clip_factor", "clip: how many times the median change of a layer an agent's change may be, > 0."),
+        ("trim", "trimmed_mean: the share of values dropped at each end of every coordinate, in [0, 0.5)."),
+        ("attackers", "multi_krum: the share of a round's agents assumed malicious (f = floor(share x agents), "
+                      "at most (agents - 3) / 2), in [0, 0.5)."),
+        ("weight_cap", "an agent's weight in the average (its claimed data size, or the batch the coordinator "
+                       "assigned) at most this many times the round's median weight, >= 1; 0 = no cap. A device's "
+                       "data size cannot be verified; the default 10 leaves the benches' honest fleets as they are "
+                       "(their largest device holds under 10x the median) and keeps one device from outweighing "
+                       "the round by a claim."),
+    )
+
+    aggregate: Annotated[str, checked(one_of(*RULES))] = "mean"
+    """The rule that combines the round's states."""
+    clip_factor: Annotated[float, checked(number_in(0.0, what="a number > 0"))] = 3.0
+    trim: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True, what="a number in [0, 0.5)"))] = 0.3
+    attackers: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True,
+                                                  what="a number in [0, 0.5)"))] = 0.3
+    weight_cap: Annotated[float, checked(_cap)] = 10.0
+
+    @property
+    def on(self) -> bool:
+        return self.aggregate != "mean" or self.weight_cap > 0

@@ -1,0 +1,168 @@
+"""Robust aggregation rules over the round's model states, pure functions of tensors.
+
+Each rule reads the states the round's participants delivered (an agent's client portion and,
+for the layers it did not hold, the server copy that trained on its rows: the participants of
+the layer-wise average, :func:`sfl_core.aggregation.participants`) and the model the round
+began from. States need not hold the same keys (mixed cuts) nor whole tensors (a narrow
+HeteroSFL bottleneck holds the first channels of a layer): every rule works element by element
+over the states that hold the element, as the plain weighted average does.
+
+* :func:`clip_updates` — norm clipping with an adaptive bound, layer by layer: each state's
+  change of a layer from the round's start is scaled down to at most ``factor`` times the
+  median change of that layer over its holders (the bound adapts to the round, so honest
+  updates, whose norms are alike, pass untouched; Sun et al., "Can You Really Backdoor
+  Federated Learning?", 2019, clip to a bound; the median makes the bound need no tuning).
+* :func:`coordinate_median` and :func:`trimmed_mean` — coordinate-wise median and β-trimmed
+  mean (Yin et al., "Byzantine-Robust Distributed Learning: Towards Optimal Statistical
+  Rates", ICML 2018). Both ignore the weights: a weight is what a device claims.
+* :func:`multi_krum` — Multi-Krum (Blanchard et al., "Machine Learning with Adversaries:
+  Byzantine Tolerant Gradient Descent", NeurIPS 2017): the ``n − f`` states whose changes lie
+  closest to their ``n − f − 2`` nearest neighbours; the others are left out of the average.
+  Distances are mean squared differences over the elements both states hold, so states cut at
+  different depths compare on their common layers.
+
+Cost: clipping and Krum read every state once per layer (Krum pairwise: ``n²`` layer
+differences); the coordinate-wise rules sort ``n`` values per element.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+__all__ = ["clip_updates", "coordinate_median", "multi_krum", "trimmed_mean"]
+
+State = Mapping[str, torch.Tensor]
+
+
+def _prefix(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The first ``shape`` elements of ``t`` along every dimension (what a narrow holder holds)."""
+    return t[tuple(slice(0, n) for n in shape)]
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point()
+
+
+def clip_updates(start: State, states: Sequence[State], factor: float) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Each state with every layer's change from ``start`` clipped to ``factor`` times the
+    median norm of that layer's changes over the states holding it; and per state the
+    strongest scale applied (1: untouched). A tensor left untouched is the same object, so a
+    round where nothing is clipped averages exactly as without the rule. Integer buffers
+    (counters) and layers ``start`` lacks pass as they are."""
+    if factor <= 0:
+        raise ValueError(f"clip factor must be > 0, got {factor}")
+    out = [dict(s) for s in states]
+    scales = [1.0] * len(states)
+    keys = {k for s in states for k in s}
+    for key in sorted(keys):
+        ref = start.get(key)
+        holders = [i for i, s in enumerate(states) if key in s and _floating(s[key])]
+        if ref is None or len(holders) < 2:
+            continue
+        deltas = {i: states[i][key].detach().to(torch.float64) - _prefix(ref.detach(), states[i][key].shape).to(torch.float64)
+                  for i in holders}
+        norms = {i: float(torch.linalg.vector_norm(d)) for i, d in deltas.items()}
+        bound = factor * float(torch.tensor(sorted(norms.values())).median())   # the lower middle: never above the honest half
+        for i in holders:
+            if norms[i] > bound > 0 or (bound == 0 and norms[i] > 0):
+                scale = bound / norms[i]
+                base = _prefix(ref.detach(), states[i][key].shape).to(torch.float64)
+                out[i][key] = (base + scale * deltas[i]).to(states[i][key].dtype)
+                scales[i] = min(scales[i], scale)
+    return out, scales
+
+
+def _stacked(key: str, states: Sequence[State], default: Optional[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The states' values of ``key`` stacked along a new first dimension, NaN where a state does
+    not hold the element (not the key, or past its prefix); and the full shape."""
+    held = [s[key] for s in states if key in s]
+    full = tuple(max(t.shape[d] for t in held) for d in range(held[0].dim()))
+    if default is not None and default.dim() == len(full):
+        full = tuple(max(a, b) for a, b in zip(full, default.shape))
+    x = torch.full((len(held), *full), math.nan, dtype=torch.float64)
+    for i, t in enumerate(held):
+        x[(i, *(slice(0, n) for n in t.shape))] = t.detach().to(torch.float64).cpu()
+    return x, full
+
+
+def _coordinatewise(states: Sequence[State], defaults: Optional[State], trim: Optional[float]) -> dict[str, torch.Tensor]:
+    """Median (``trim`` None) or ``trim``-trimmed mean of every element over its holders."""
+    keys: list[str] = []
+    for s in states:
+        keys.extend(k for k in s if k not in keys)
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        ref = next(s[key] for s in states if key in s)
+        default = defaults.get(key) if defaults is not None else None
+        x, full = _stacked(key, states, default)
+        count = (~torch.isnan(x)).sum(dim=0)
+        ordered, _ = torch.sort(x, dim=0)             # NaN sorts last
+        if trim is None:
+            lo = ((count - 1).clamp(min=0) // 2).unsqueeze(0)
+            hi = (count // 2).clamp(max=x.shape[0] - 1).unsqueeze(0)
+            value = (ordered.gather(0, lo) + ordered.gather(0, hi)).squeeze(0) / 2
+        else:
+            k = torch.floor(trim * count.to(torch.float64)).to(torch.long)
+            rank = torch.arange(x.shape[0]).view(-1, *([1] * len(full)))
+            keep = (rank >= k) & (rank < count - k)
+            value = torch.where(keep, ordered, torch.zeros_like(ordered)).sum(dim=0) / keep.sum(dim=0).clamp(min=1)
+        uncovered = count == 0
+        if uncovered.any():
+            if default is None or tuple(default.shape) != full:
+                raise ValueError(f"{key}: some elements are held by no state and no default was given")
+            value = torch.where(uncovered, default.detach().to(torch.float64).cpu(), value)
+        out[key] = value.round().to(ref.dtype) if not ref.is_floating_point() else value.to(ref.dtype)
+    return out
+
+
+def coordinate_median(states: Sequence[State], defaults: Optional[State] = None) -> dict[str, torch.Tensor]:
+    """Every element the median of its holders' values (the mean of the two middle ones for an
+    even count); elements no state holds take ``defaults``' value."""
+    if not states:
+        raise ValueError("need at least one state")
+    return _coordinatewise(states, defaults, None)
+
+
+def trimmed_mean(states: Sequence[State], trim: float, defaults: Optional[State] = None) -> dict[str, torch.Tensor]:
+    """Every element the mean of its holders' values after the ``floor(trim · n)`` largest and
+    smallest are dropped (``n``: the element's holders); ``0 <= trim < 0.5``."""
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    if not states:
+        raise ValueError("need at least one state")
+    return _coordinatewise(states, defaults, trim)
+
+
+def _distance(a: State, b: State, start: State) -> float:
+    """Mean squared difference of two states' changes over the elements both hold."""
+    total, count = 0.0, 0
+    for key in a.keys() & b.keys():
+        ta, tb = a[key], b[key]
+        if not _floating(ta) or ta.dim() != tb.dim():
+            continue
+        shape = tuple(min(x, y) for x, y in zip(ta.shape, tb.shape))
+        diff = _prefix(ta, shape).detach().to(torch.float64) - _prefix(tb, shape).detach().to(torch.float64)
+        total += float((diff * diff).sum())
+        count += diff.numel()
+    return total / count if count else math.inf
+
+
+def multi_krum(start: State, states: Sequence[State], f: int) -> tuple[list[int], list[float]]:
+    """The indices of the ``n − f`` states Multi-Krum keeps (ascending score), and every
+    state's score: the sum of its ``n − f − 2`` smallest distances (at least one) to the others.
+    ``start`` is not needed for distances between changes (it cancels) and is kept for the
+    signature the rules share."""
+    n = len(states)
+    if not 0 <= f < n:
+        raise ValueError(f"f must be in [0, {n}), got {f}")
+    d = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            d[i][j] = d[j][i] = _distance(states[i], states[j], start)
+    near = max(1, n - f - 2)
+    scores = [sum(sorted(d[i][j] for j in range(n) if j != i)[:near]) if n > 1 else 0.0 for i in range(n)]
+    keep = sorted(range(n), key=lambda i: (scores[i], i))[:n - f]
+    return sorted(keep), scores

@@ -1,0 +1,89 @@
+"""Devices that lie, through the real round engine (``run_simulation`` with attackers from
+:mod:`simulation.adversary`): each defense of ``robust:`` bounds the attack and names the liars."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from coordinator.engine import RoundFailed
+from sfl_core.config.run import run_config_from_dict
+from simulation import run_simulation
+from simulation.adversary import Attack, poison_data, trigger
+
+ATTACKERS = ("sim-000", "sim-001", "sim-002")   # 30 % of 10
+
+
+def _run(tmp_path, name: str, attack: Attack | None, rounds: int = 8, **robust):
+    spec = {"run": "robust", "model": "small_cnn", "strategy": "sfl", "server_mode": "merged",
+            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0},
+            "fleet": [{"profile": "s2fl-mid-mid", "count": 10}], "rounds": rounds, "batch_size": 16, "lr": 0.05,
+            "local_iters": 10, "robust": robust, "output_dir": str(tmp_path / name)}
+    attacks = {a: attack for a in ATTACKERS} if attack is not None else None
+    return run_simulation(run_config_from_dict(spec), device="cpu", attacks=attacks)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    history, _ = _run(tmp_path_factory.mktemp("clean"), "clean", None)
+    return history[-1]["accuracy"]
+
+
+def test_scaled_updates_break_the_plain_average_and_clipping_bounds_them_and_names_the_attackers(tmp_path, clean):
+    assert clean > 0.6
+    try:        # the plain average blows up: it learns nothing, or every later upload is non-finite
+        history, _ = _run(tmp_path, "mean", Attack("scale", factor=1000.0), aggregate="mean")
+        collapsed = history[-1]["accuracy"] < 0.2
+    except RoundFailed:
+        collapsed = True
+    assert collapsed
+    history, _ = _run(tmp_path, "clip", Attack("scale", factor=1000.0), aggregate="clip")
+    assert history[-1]["accuracy"] > clean - 0.1
+    for record in history[1:]:
+        assert set(record["robust"]["clipped"]) == set(ATTACKERS)
+        assert all(x < 0.01 for x in record["robust"]["clipped"].values())
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+def test_coordinate_rules_hold_against_scaled_updates(tmp_path, clean, rule):
+    history, _ = _run(tmp_path, rule, Attack("scale", factor=1000.0), aggregate=rule)
+    assert history[-1]["accuracy"] > clean - 0.1
+
+
+def test_multi_krum_leaves_out_random_weights_and_names_them(tmp_path, clean):
+    history, _ = _run(tmp_path, "krum", Attack("random"), aggregate="multi_krum")
+    assert all(r["robust"]["left_out"] == list(ATTACKERS) for r in history[1:])
+    assert history[-1]["accuracy"] > clean - 0.1
+
+
+def test_non_finite_weights_are_refused_and_the_sender_named(tmp_path, clean, caplog):
+    with caplog.at_level(logging.WARNING):
+        history, _ = _run(tmp_path, "nan", Attack("nan"))
+    assert all(set(r["completed"]).isdisjoint(ATTACKERS) for r in history[1:])
+    assert all(r["rejected"].get("invalid", 0) >= 3 for r in history[1:])
+    named = [m for m in caplog.messages if "weights from sim-000" in m]
+    assert named and all("\n" not in m for m in named)
+    assert history[-1]["accuracy"] > clean - 0.1
+
+
+def test_a_claimed_sample_count_is_capped_by_default_and_named(tmp_path):
+    history, engine = _run(tmp_path, "claim", Attack("claim", factor=1000.0), rounds=1)
+    capped = history[-1]["robust"]["capped"]
+    assert set(capped) == set(ATTACKERS)
+    assert all(engine.registry.agents[a].num_samples == capped[a] for a in ATTACKERS)
+    history, _ = _run(tmp_path, "claim-uncapped", Attack("claim", factor=1000.0), rounds=1, weight_cap=0)
+    assert "robust" not in history[-1]
+
+
+def test_data_attacks_poison_what_the_attacker_trains_on():
+    import torch
+
+    x, y = torch.rand(10, 1, 8, 8), torch.arange(10)
+    assert poison_data(x, y, 10, Attack("label_flip"))[1].tolist() == list(range(9, -1, -1))
+    px, py = poison_data(x, y, 10, Attack("backdoor", target=3, share=0.5, size=2), torch.Generator().manual_seed(0))
+    marked = (px != x).flatten(1).any(dim=1)
+    assert int(marked.sum()) == 5 and bool((py[marked] == 3).all()) and torch.equal(py[~marked], y[~marked])
+    assert bool((px[marked][..., -2:, -2:] == x.amax()).all())
+    assert torch.equal(px[marked][..., :-2, :], x[marked][..., :-2, :])   # only the corner changes
+    assert torch.equal(trigger(torch.zeros(1, 1, 4, 4), 2), torch.zeros(1, 1, 4, 4))

@@ -1,0 +1,90 @@
+"""Robust aggregation (``robust:``), each rule against aggregates computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sfl_core.aggregation import layerwise_average, participants, weighted_average
+from sfl_core.config.run import ConfigError, run_config_from_dict
+from sfl_core.options.robust.option import capped_weights, krum_f
+from sfl_core.options.robust.rules import clip_updates, coordinate_median, multi_krum, trimmed_mean
+
+
+def t(*v):
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def test_the_weight_cap_bounds_a_claim_by_the_rounds_median_and_leaves_honest_weights_alone():
+    honest = {"a": 600.0, "b": 300.0, "c": 900.0, "d": 2000.0}
+    assert capped_weights(honest, 10) == honest                      # 2000 < 10 x median 750
+    lying = {**honest, "e": 1e9}
+    assert capped_weights(lying, 10) == {**honest, "e": 9000.0}      # median of five: 900
+    assert capped_weights(lying, 0) == lying                         # no cap
+
+
+def test_clipping_scales_a_layers_change_to_the_factor_times_the_median_change():
+    start = {"w": t(0, 0), "n": torch.tensor(3)}
+    states = [{"w": t(1, 0), "n": torch.tensor(5)}, {"w": t(0, 2), "n": torch.tensor(5)},
+              {"w": t(0, 3), "n": torch.tensor(5)}, {"w": t(300, 400), "n": torch.tensor(5)}]
+    out, scales = clip_updates(start, states, factor=2.0)
+    # norms 1, 2, 3, 500; the lower median is 2, the bound 4: only the last is scaled, by 4/500
+    assert torch.allclose(out[3]["w"], t(2.4, 3.2)) and scales == [1.0, 1.0, 1.0, pytest.approx(0.008)]
+    for i in range(3):
+        assert out[i]["w"] is states[i]["w"]                         # untouched: the same tensor
+    assert all(o["n"] is s["n"] for o, s in zip(out, states))        # counters pass as they are
+
+
+def test_clipping_compares_a_narrow_holder_on_its_own_prefix():
+    start = {"w": t(1, 1, 1, 1)}
+    states = [{"w": t(2, 1, 1, 1)}, {"w": t(1, 2, 1, 1)}, {"w": t(11, 1)}]   # the last holds 2 channels
+    out, scales = clip_updates(start, states, factor=1.0)
+    assert torch.allclose(out[2]["w"], t(2, 1)) and scales[2] == pytest.approx(0.1)
+
+
+def test_the_coordinate_median_and_trimmed_mean_by_hand():
+    states = [{"w": t(1, 10)}, {"w": t(2, 20)}, {"w": t(3, 30)}, {"w": t(100, -1000)}]
+    assert torch.allclose(coordinate_median(states)["w"], t(2.5, 15))      # mean of the middle two
+    assert torch.allclose(trimmed_mean(states, 0.25)["w"], t(2.5, 15))     # 1 dropped at each end of 4
+    assert torch.allclose(trimmed_mean(states, 0.0)["w"], t(26.5, -235))   # no trim: the plain mean
+    assert torch.allclose(coordinate_median(states[:3])["w"], t(2, 20))
+
+
+def test_coordinate_rules_go_element_by_element_over_the_holders_and_default_the_rest():
+    # a narrow holder covers the first element only; the third element no one holds
+    states = [{"w": t(1, 5)}, {"w": t(3, 7)}, {"w": t(100)}]
+    out = coordinate_median(states, defaults={"w": t(0, 0, 9)})["w"]
+    assert torch.allclose(out, t(3, 6, 9))
+    assert torch.allclose(trimmed_mean(states, 0.4, defaults={"w": t(0, 0, 9)})["w"], t(3, 6, 9))
+
+
+def test_multi_krum_leaves_out_the_outlying_changes():
+    start = {"w": t(0, 0)}
+    honest = [{"w": t(1.0, 1.0)}, {"w": t(1.1, 0.9)}, {"w": t(0.9, 1.1)}, {"w": t(1.0, 1.05)}, {"w": t(0.95, 1.0)}]
+    attackers = [{"w": t(50, -50)}, {"w": t(-40, 60)}]
+    keep, scores = multi_krum(start, honest + attackers, f=2)
+    assert keep == [0, 1, 2, 3, 4]
+    assert min(scores[5:]) > max(scores[:5])
+    # the score by hand: n = 7, f = 2, each state's 3 nearest squared distances (mean over 2 elements)
+    d = lambda a, b: float(((a["w"] - b["w"]) ** 2).mean())
+    mine = sorted(d(honest[0], s) for s in honest[1:] + attackers)[:3]
+    assert scores[0] == pytest.approx(sum(mine))
+    assert krum_f(10, 0.3) == 3 and krum_f(5, 0.3) == 1 and krum_f(4, 0.3) == 0
+
+
+def test_participants_are_what_the_layerwise_average_averages():
+    clients = {"a": {"c": t(1)}, "b": {"c": t(3), "s": t(5)}}
+    servers = {"a": {"s": t(10)}, "b": {"s": t(7)}}
+    states, ws = participants(clients, servers, {"a": 1.0, "b": 3.0})
+    assert ws == [1.0, 3.0] and states[0] == {"s": t(10), "c": t(1)}
+    avg = weighted_average(states, ws)
+    assert avg == layerwise_average(clients, servers, {"a": 1.0, "b": 3.0})
+    assert torch.allclose(avg["c"], t(2.5)) and torch.allclose(avg["s"], t(6.25))
+
+
+def test_the_robust_section_validates_itself():
+    cfg = run_config_from_dict({"run": "r", "min_agents": 1, "robust": "median"})
+    assert cfg.sections["robust"].aggregate == "median"
+    for bad in ({"aggregate": "krum"}, {"trim": 0.5}, {"clip_factor": 0}, {"weight_cap": 0.5}, {"attackers": -0.1}):
+        with pytest.raises(ConfigError, match="robust"):
+            run_config_from_dict({"run": "r", "min_agents": 1, "robust": bad})
