@@ -46,6 +46,7 @@ TARGET = 0
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """One run: the fleet with its attackers under one defense; its figures."""
+    torch.set_num_threads(1)   # one core per run (--jobs runs side by side)
     from coordinator.engine import RoundFailed
     from sfl_core.config.run import run_config_from_dict
     from simulation import run_simulation
