@@ -24,6 +24,7 @@ from coordinator.deadline import round_deadline
 from coordinator.option_host import OptionHost
 from coordinator.pricing import price_phase, price_round
 from coordinator.registry import Registry
+from coordinator.readmission import apply_readmissions
 from coordinator.round_average import RoundAverage, RoundVoid
 from coordinator.round_record import round_record
 from coordinator.run_parts import RunParts, build_parts
@@ -218,6 +219,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         return min(self.cfg.min_completed, max(selected, 1))
 
     def run_round(self, r: int) -> dict[str, Any]:
+        apply_readmissions(self.out_dir, self.registry.agents, self._notice)   # an operator's, before selection
         online = self.session.online()     # once: with thousands registered, each count reads them all
         if not online:
             self.session.wait_for_any_agent(r)

@@ -20,6 +20,8 @@ from sfl_core.wire.assignment import Assignment
 from sfl_core.wire.protocol import Message
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from coordinator.registry import Registry
     from coordinator.server_trainer import ServerTrainer
     from coordinator.server_workers import ServerShards
@@ -44,6 +46,7 @@ class OptionHost:
     method: "Method"
     server: "ServerTrainer"
     history: list[dict[str, Any]]
+    out_dir: "Path"
     shards: Optional["ServerShards"]
     on_event: Callable[[str, dict[str, Any]], None]
     _now: Callable[[], float]
@@ -95,6 +98,19 @@ class OptionHost:
 
     def log(self, text: str, *, warning: bool = False) -> None:
         (log.warning if warning else log.info)(text)
+
+    def quarantine(self, agent_id: str, why: str) -> None:
+        info = self.registry.agents.get(agent_id)
+        if info is None or info.quarantined:
+            return
+        info.quarantined = why
+        self._notice(f"quarantined {agent_id}: {why}; it is no longer selected until an operator readmits it "
+                     f"(sfl-coord agents readmit {self.out_dir} {agent_id})")
+
+    def _notice(self, line: str) -> None:
+        """One line for the operator: the log (a warning) and the run's display."""
+        log.warning("%s", line)
+        self.on_event("notice", {"text": line})
 
     def exchange(self, r: int, step: int, requests: Mapping[str, tuple[Assignment, str, dict[str, Any]]],
                  reply: str) -> tuple[dict[str, Message], dict[str, PhaseAgent]]:

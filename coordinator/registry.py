@@ -80,6 +80,7 @@ class Registry:
         if old is not None:
             for total in TOTALS:
                 setattr(info, total, getattr(old, total))
+            info.quarantined = old.quarantined   # registering again does not readmit it: an operator does
         self.agents[msg.sender] = info
         if stats is not None:
             self.channel_stats[msg.sender] = stats

@@ -202,6 +202,7 @@ class FleetSession:
         # a deployed agent silent past its heartbeats (sfl_core.liveness) counts as gone even before its
         # last will arrives; simulated agents never vanish and send no heartbeats
         live = self.registry.online(stale_after_s=self._stale_after_s())
+        live = [a for a in live if not a.quarantined]   # until an operator readmits it
         n = self.cfg.num_agents
         if n and len(live) > n:
             # more agents online than the fleet has devices (strangers, or a flood of fakes): the

@@ -46,6 +46,9 @@ class AgentInfo:
     registered: bool = True
     """False for an agent known only from a checkpoint: it counts as online once it registers
     again in this session (its status message alone must not start a round it cannot join)."""
+    quarantined: str = ""
+    """Why the run stopped selecting it ("": it is not): flagged by a defense round after round
+    (``robust.quarantine``), until an operator readmits it (``sfl-coord agents readmit``)."""
 
 
 def fleet_of(cfg: RunConfig, label_counts: Sequence[Sequence[int]] | None = None) -> dict[str, AgentInfo]:

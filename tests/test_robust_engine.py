@@ -40,9 +40,11 @@ def test_scaled_updates_break_the_plain_average_and_clipping_bounds_them_and_nam
     assert collapsed
     history, _ = _run(tmp_path, "clip", Attack("scale", factor=1000.0), aggregate="clip")
     assert history[-1]["accuracy"] > clean - 0.1
-    for record in history[1:]:
+    for record in history[1:4]:    # flagged three rounds in a row: quarantined, then never selected
         assert set(record["robust"]["clipped"]) == set(ATTACKERS)
         assert all(x < 0.01 for x in record["robust"]["clipped"].values())
+    assert history[3]["robust"]["quarantined"] == list(ATTACKERS)
+    assert all(set(r["selected"]).isdisjoint(ATTACKERS) for r in history[4:])
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
@@ -53,7 +55,9 @@ def test_coordinate_rules_hold_against_scaled_updates(tmp_path, clean, rule):
 
 def test_multi_krum_leaves_out_random_weights_and_names_them(tmp_path, clean):
     history, _ = _run(tmp_path, "krum", Attack("random"), aggregate="multi_krum")
-    assert all(r["robust"]["left_out"] == list(ATTACKERS) for r in history[1:])
+    assert all(r["robust"]["left_out"] == r["robust"]["outliers"] == list(ATTACKERS) for r in history[1:4])
+    # with the attackers quarantined Multi-Krum still leaves f devices out, but names no outlier
+    assert all(len(r["robust"]["left_out"]) == 2 and not r["robust"]["outliers"] for r in history[4:])
     assert history[-1]["accuracy"] > clean - 0.1
 
 
@@ -87,3 +91,37 @@ def test_data_attacks_poison_what_the_attacker_trains_on():
     assert bool((px[marked][..., -2:, -2:] == x.amax()).all())
     assert torch.equal(px[marked][..., :-2, :], x[marked][..., :-2, :])   # only the corner changes
     assert torch.equal(trigger(torch.zeros(1, 1, 4, 4), 2), torch.zeros(1, 1, 4, 4))
+
+
+def test_a_device_flagged_round_after_round_is_quarantined_until_an_operator_readmits_it(tmp_path, caplog):
+    from typer.testing import CliRunner
+
+    from cli.coord import app
+
+    with caplog.at_level(logging.WARNING):
+        history, engine = _run(tmp_path, "q", Attack("claim", factor=1000.0), rounds=4)
+    assert [sorted(r.get("robust", {}).get("quarantined", [])) for r in history[1:]] == [[], [], list(ATTACKERS), []]
+    assert set(history[4]["selected"]).isdisjoint(ATTACKERS) and len(history[4]["selected"]) == 7
+    assert all("3 of its rounds in a row" in engine.registry.agents[a].quarantined for a in ATTACKERS)
+    line = next(m for m in caplog.messages if m.startswith("quarantined sim-000"))
+    assert "sfl-coord agents readmit" in line and "\n" not in line
+    run_dir = tmp_path / "q"
+    listed = CliRunner().invoke(app, ["agents", "list", str(run_dir)])
+    assert listed.exit_code == 0 and "sim-000  rounds 3  quarantined: flagged" in listed.output
+    assert "10 agent(s), 3 quarantined" in listed.output
+    assert CliRunner().invoke(app, ["agents", "readmit", str(run_dir), "sim-009"]).exit_code == 0   # not quarantined
+    assert CliRunner().invoke(app, ["agents", "readmit", str(run_dir), "nobody"]).exit_code == 2
+    res = CliRunner().invoke(app, ["agents", "readmit", str(run_dir), "sim-001"])
+    assert res.exit_code == 0 and "readmission of sim-001 requested" in res.output
+    assert "(readmission requested)" in CliRunner().invoke(app, ["agents", "list", str(run_dir)]).output
+    # the run resumed: the readmitted agent is selected again; the others stay out
+    spec = {"run": "robust", "model": "small_cnn", "strategy": "sfl", "server_mode": "merged",
+            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0},
+            "fleet": [{"profile": "s2fl-mid-mid", "count": 10}], "rounds": 5, "batch_size": 16, "lr": 0.05,
+            "local_iters": 10, "output_dir": str(run_dir)}
+    with caplog.at_level(logging.WARNING):
+        resumed, engine = run_simulation(run_config_from_dict(spec), resume=True, device="cpu",
+                                         attacks={a: Attack("claim", factor=1000.0) for a in ATTACKERS})
+    assert "sim-001" in resumed[-1]["selected"] and {"sim-000", "sim-002"}.isdisjoint(resumed[-1]["selected"])
+    assert any(m.startswith("readmitted sim-001 at an operator's request") for m in caplog.messages)
+    assert not (run_dir / "readmit" / "sim-001").exists()

@@ -8,6 +8,7 @@ One module per command group; each registers its commands on :data:`app` when im
 from cli.coord import run  # noqa: F401, I001
 from cli.coord import plan  # noqa: F401
 from cli.coord import ops  # noqa: F401
+from cli.coord import agents  # noqa: F401
 from cli.coord.app import app
 
 __all__ = ["app"]

@@ -138,6 +138,10 @@ class RoundContext(Protocol):
         """One line in the coordinator's log."""
         ...
 
+    def quarantine(self, agent_id: str, why: str) -> None:
+        """Stop selecting the agent until an operator readmits it (logged, kept in the checkpoint)."""
+        ...
+
 
 class RoundOption:
     """A training option's hooks; the base class does nothing in every one.

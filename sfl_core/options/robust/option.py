@@ -28,7 +28,12 @@ if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
     from sfl_core.model.zoo import SplitModel
 
-__all__ = ["Robust", "krum_f"]
+__all__ = ["OUTLIER_SCORE", "Robust", "krum_f"]
+
+OUTLIER_SCORE = 2.0
+"""Multi-Krum leaves ``f`` devices out every round, honest ones too where fewer attack; a device
+left out counts as flagged (named, towards quarantine) only where its score is over this many
+times the round's median score."""
 
 
 def krum_f(agents: int, share: float) -> int:
@@ -55,6 +60,8 @@ class Robust(RoundOption):
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)
         self.last: dict[str, Any] = {}
+        self.streak: dict[str, int] = {}
+        """Per agent, its rounds in a row flagged (the rounds it took part in)."""
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float]
@@ -80,12 +87,31 @@ class Robust(RoundOption):
             f = krum_f(len(ids), s.attackers)
             keep, scores = multi_krum(start, [clients[a] for a in ids], f)
             out = sorted(ids[i] for i in range(len(ids)) if i not in keep)
+            typical = statistics.median(scores)
+            outliers = [a for a in out if scores[ids.index(a)] > OUTLIER_SCORE * typical]
             if out:
                 self.last["left_out"] = out
+                self.last["outliers"] = outliers
                 self.last["scores"] = {a: float(x) for a, x in zip(ids, scores)}
-                ctx.log(f"robust: round {r}: Multi-Krum left out {', '.join(out)} (f = {f})", warning=True)
+                ctx.log(f"robust: round {r}: Multi-Krum left out {', '.join(out)} (f = {f}; outliers, over "
+                        f"{OUTLIER_SCORE:g}x the median score: {', '.join(outliers) or 'none'})", warning=True)
             clients = {a: clients[a] for a in ids if a not in out}
+        self._count(ctx, r, list(weights))
         return clients, {a: bounded[a] for a in clients}
+
+    def _count(self, ctx: RoundContext, r: int, took_part: Sequence[str]) -> None:
+        """Each agent's flagged rounds in a row (capped, clipped, or a Multi-Krum outlier); quarantine
+        at ``quarantine`` of them."""
+        flagged = set(self.last.get("capped", {})) | set(self.last.get("clipped", {})) | set(self.last.get("outliers", []))
+        for a in took_part:
+            self.streak[a] = self.streak.get(a, 0) + 1 if a in flagged else 0
+            k = self.section.quarantine
+            if k and self.streak[a] >= k:
+                what = ", ".join(x for x in ("capped", "clipped", "outliers") if a in self.last.get(x, ()))
+                ctx.quarantine(a, f"flagged by robust aggregation in {self.streak[a]} of its rounds in a row "
+                                  f"(round {r}: {what})")
+                self.last.setdefault("quarantined", []).append(a)
+                self.streak[a] = 0
 
     def aggregate(self, ctx: RoundContext, states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
                   defaults: Mapping[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
