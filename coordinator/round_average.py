@@ -77,7 +77,8 @@ class RoundAverage:
         if len(done) < need:
             raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")
         for option in self.options:
-            clients, weights = option.screen(self, r, self._round_start, clients, weights)
+            clients, weights = option.screen(self, r, self._round_start, clients, weights,
+                                             {a: agents[a].assignment for a in clients})
         servers = {a: s for a, s in servers.items() if a in clients}
         for option in self.options:
             option.observe_updates(self, self._round_start, clients, servers,

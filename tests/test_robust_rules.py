@@ -35,11 +35,25 @@ def test_clipping_scales_a_layers_change_to_the_factor_times_the_median_change()
     assert all(o["n"] is s["n"] for o, s in zip(out, states))        # counters pass as they are
 
 
-def test_clipping_compares_a_narrow_holder_on_its_own_prefix():
+def test_clipping_compares_holders_on_the_elements_all_of_them_hold():
     start = {"w": t(1, 1, 1, 1)}
     states = [{"w": t(2, 1, 1, 1)}, {"w": t(1, 2, 1, 1)}, {"w": t(11, 1)}]   # the last holds 2 channels
     out, scales = clip_updates(start, states, factor=1.0)
     assert torch.allclose(out[2]["w"], t(2, 1)) and scales[2] == pytest.approx(0.1)
+    # a wide holder's channels past the narrow ones' are not compared: it is not clipped for them
+    states = [{"w": t(2, 1)}, {"w": t(1, 2)}, {"w": t(2, 1, 9, 9)}]
+    out, scales = clip_updates(start, states, factor=1.0)
+    assert scales == [1.0, 1.0, 1.0] and out[2]["w"] is states[2]["w"]
+
+
+def test_clipping_compares_changes_per_unit_of_learning_rate():
+    start = {"w": t(0, 0)}
+    states = [{"w": t(1, 0)}, {"w": t(0, 1)}, {"w": t(10, 0)}]
+    assert clip_updates(start, states, 2.0, rates=[0.1, 0.1, 1.0])[1] == [1.0, 1.0, 1.0]   # a 10x rate: a 10x change
+    _, scales = clip_updates(start, states, 2.0, rates=[0.1, 0.1, 0.1])
+    assert scales[2] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="rate"):
+        clip_updates(start, states, 2.0, rates=[1.0, 0.0, 1.0])
 
 
 def test_the_coordinate_median_and_trimmed_mean_by_hand():

@@ -226,10 +226,11 @@ class RoundOption:
         return spec
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
-               clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float]
-               ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+               clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
+               assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         """The round's client states and their weights in the average, as this option lets them
-        in (bounded, clipped, or an agent left out: both dicts without it)."""
+        in (bounded, clipped, or an agent left out: both dicts without it); ``assignments``:
+        what each agent was asked to train."""
         return clients, weights
 
     def aggregate(self, ctx: RoundContext, states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],

@@ -27,6 +27,7 @@ from sfl_core.options.robust.rules import clip_updates, coordinate_median, multi
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
     from sfl_core.model.zoo import SplitModel
+    from sfl_core.wire.assignment import Assignment
 
 __all__ = ["OUTLIER_SCORE", "Robust", "krum_f"]
 
@@ -64,8 +65,8 @@ class Robust(RoundOption):
         """Per agent, its rounds in a row flagged (the rounds it took part in)."""
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
-               clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float]
-               ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+               clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
+               assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         s = self.section
         self.last = {}
         bounded = capped_weights(weights, s.weight_cap)
@@ -76,7 +77,8 @@ class Robust(RoundOption):
                     f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})", warning=True)
         ids = list(clients)
         if s.aggregate == "clip" and len(ids) > 1:
-            states, scales = clip_updates(start, [clients[a] for a in ids], s.clip_factor)
+            states, scales = clip_updates(start, [clients[a] for a in ids], s.clip_factor,
+                                          [assignments[a].lr for a in ids])
             clients = dict(zip(ids, states))
             clipped = {a: round(x, 6) for a, x in zip(ids, scales) if x < 1}
             if clipped:
