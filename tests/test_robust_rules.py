@@ -23,27 +23,26 @@ def test_the_weight_cap_bounds_a_claim_by_the_rounds_median_and_leaves_honest_we
     assert capped_weights(lying, 0) == lying                         # no cap
 
 
-def test_clipping_scales_a_layers_change_to_the_factor_times_the_median_change():
-    start = {"w": t(0, 0), "n": torch.tensor(3)}
-    states = [{"w": t(1, 0), "n": torch.tensor(5)}, {"w": t(0, 2), "n": torch.tensor(5)},
-              {"w": t(0, 3), "n": torch.tensor(5)}, {"w": t(300, 400), "n": torch.tensor(5)}]
+def test_clipping_scales_a_change_to_the_factor_times_the_median_change():
+    start = {"w": t(0, 0), "b": t(0, 0), "n": torch.tensor(3)}
+    states = [{"w": t(1, 0), "b": t(1, 0), "n": torch.tensor(5)}, {"w": t(0, 2), "b": t(2, 0), "n": torch.tensor(5)},
+              {"w": t(0, 3), "b": t(0, 3), "n": torch.tensor(5)}, {"w": t(300, 400), "b": t(0, 0), "n": torch.tensor(5)}]
     out, scales = clip_updates(start, states, factor=2.0)
-    # norms 1, 2, 3, 500; the lower median is 2, the bound 4: only the last is scaled, by 4/500
-    assert torch.allclose(out[3]["w"], t(2.4, 3.2)) and scales == [1.0, 1.0, 1.0, pytest.approx(0.008)]
+    # root mean square change per element: 1/sqrt(2), sqrt(2), 3/sqrt(2), 500/2 = 250; the lower
+    # median is sqrt(2), the bound 2 sqrt(2): only the last is scaled, by 2 sqrt(2) / 250
+    k = 2 * 2 ** 0.5 / 250
+    assert scales[:3] == [1.0, 1.0, 1.0] and scales[3] == pytest.approx(k)
+    assert torch.allclose(out[3]["w"], t(300 * k, 400 * k)) and torch.equal(out[3]["b"], t(0, 0))
     for i in range(3):
-        assert out[i]["w"] is states[i]["w"]                         # untouched: the same tensor
-    assert all(o["n"] is s["n"] for o, s in zip(out, states))        # counters pass as they are
+        assert out[i]["w"] is states[i]["w"] and out[i]["b"] is states[i]["b"]   # untouched: the same tensors
+    assert all(o["n"] is x["n"] for o, x in zip(out, states))                    # counters pass as they are
 
 
-def test_clipping_compares_holders_on_the_elements_all_of_them_hold():
-    start = {"w": t(1, 1, 1, 1)}
-    states = [{"w": t(2, 1, 1, 1)}, {"w": t(1, 2, 1, 1)}, {"w": t(11, 1)}]   # the last holds 2 channels
-    out, scales = clip_updates(start, states, factor=1.0)
-    assert torch.allclose(out[2]["w"], t(2, 1)) and scales[2] == pytest.approx(0.1)
-    # a wide holder's channels past the narrow ones' are not compared: it is not clipped for them
-    states = [{"w": t(2, 1)}, {"w": t(1, 2)}, {"w": t(2, 1, 9, 9)}]
-    out, scales = clip_updates(start, states, factor=1.0)
-    assert scales == [1.0, 1.0, 1.0] and out[2]["w"] is states[2]["w"]
+def test_clipping_compares_states_holding_different_layers_per_element():
+    start = {"a": t(0, 0, 0, 0), "b": t(0, 0)}
+    states = [{"a": t(1, 1, 1, 1), "b": t(1, 1)}, {"a": t(1, 1)}, {"a": t(1, -1, 1, -1)}, {"a": t(10, 10)}]
+    out, scales = clip_updates(start, states, factor=2.0)   # per element 1, 1, 1, 10: the bound 2
+    assert scales == [1.0, 1.0, 1.0, pytest.approx(0.2)] and torch.allclose(out[3]["a"], t(2, 2))
 
 
 def test_clipping_compares_changes_per_unit_of_learning_rate():

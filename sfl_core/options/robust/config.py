@@ -34,9 +34,9 @@ class RobustConfig(OptionSection):
              "capped and the round's states may be combined by a robust rule; 'robust: median' is short for "
              "{aggregate: median}."),
         ("aggregate",
-         "mean (the method's weighted layer-wise average) | clip (default: each layer's change from the round's "
-         "start scaled down to at most clip_factor x the median change of that layer over the round's agents; "
-         "agents clipped are named) | trimmed_mean (coordinate-wise, the trim largest and smallest share of "
+         "mean (the method's weighted layer-wise average) | clip (default: each agent's change from the round's "
+         "start scaled down to at most clip_factor x the round's median change, compared as the root mean square "
+         "change per element and per unit of learning rate; agents clipped are named) | trimmed_mean (coordinate-wise, the trim largest and smallest share of "
          "values dropped; Yin et al. 2018) | median (coordinate-wise median; Yin et al. 2018) | multi_krum (the "
          "agents whose changes lie closest to their neighbours, the attackers share of the round's agents left "
          "out and named; Blanchard et al. 2017). The coordinate-wise rules ignore the weights."),

@@ -7,10 +7,9 @@ began from. States need not hold the same keys (mixed cuts) nor whole tensors (a
 HeteroSFL bottleneck holds the first channels of a layer): every rule works element by element
 over the states that hold the element, as the plain weighted average does.
 
-* :func:`clip_updates` — norm clipping with an adaptive bound, layer by layer: each state's
-  change of a layer from the round's start is scaled down to at most ``factor`` times the
-  median change of that layer over its holders (compared on the elements all hold, per unit of
-  learning rate) (the bound adapts to the round, so honest
+* :func:`clip_updates` — norm clipping with an adaptive bound: each state's change from the
+  round's start is scaled down to at most ``factor`` times the round's median change (root
+  mean square per element, per unit of learning rate; the bound adapts to the round, so honest
   updates, whose norms are alike, pass untouched; Sun et al., "Can You Really Backdoor
   Federated Learning?", 2019, clip to a bound; the median makes the bound need no tuning).
 * :func:`coordinate_median` and :func:`trimmed_mean` — coordinate-wise median and β-trimmed
@@ -49,41 +48,47 @@ def _floating(t: torch.Tensor) -> bool:
 
 def clip_updates(start: State, states: Sequence[State], factor: float,
                  rates: Optional[Sequence[float]] = None) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """Each state with every layer's change from ``start`` clipped to ``factor`` times the
-    median change of that layer over the states holding it; and per state the strongest scale
-    applied (1: untouched). A tensor left untouched is the same object, so a round where nothing
-    is clipped averages exactly as without the rule. Integer buffers (counters) and layers
-    ``start`` lacks pass as they are.
+    """Each state's change from ``start`` scaled down to at most ``factor`` times the round's
+    median change; and per state the scale applied (1: untouched). A state left untouched keeps
+    its tensors (the same objects), so a round where nothing is clipped averages exactly as
+    without the rule. Integer buffers (counters) and layers ``start`` lacks pass as they are.
 
-    Changes are compared where they are comparable: on the elements every holder of the layer
-    holds (a narrow HeteroSFL bottleneck holds a prefix of the wide one's channels), and per
-    unit of each state's learning rate ``rates`` (batch regulation scales a device's rate with
-    its batch, and its change with it); the scale found applies to the state's whole tensor."""
+    Changes are compared where they are comparable: as the root mean square change per element
+    over the layers each state holds (states cut at different depths hold different layers, a
+    narrow HeteroSFL bottleneck a prefix of a layer's channels), and per unit of each state's
+    learning rate ``rates`` (batch regulation scales a device's rate with its batch, and its
+    change with it). Over the whole state, not layer by layer: a small layer's change (a bias)
+    varies between honest devices by more than any bound that would still stop an attack."""
     if factor <= 0:
         raise ValueError(f"clip factor must be > 0, got {factor}")
     rate = list(rates) if rates is not None else [1.0] * len(states)
     if len(rate) != len(states) or any(not r > 0 for r in rate):
         raise ValueError("need one positive rate per state")
+    size = [0.0] * len(states)
+    for i, s in enumerate(states):
+        total, count = 0.0, 0
+        for key, t in s.items():
+            ref = start.get(key)
+            if ref is None or not _floating(t) or t.dim() != ref.dim():
+                continue
+            d = t.detach().to(torch.float64) - _prefix(ref.detach(), t.shape).to(torch.float64)
+            total += float((d * d).sum())
+            count += d.numel()
+        size[i] = math.sqrt(total / count) / rate[i] if count else 0.0
     out = [dict(s) for s in states]
     scales = [1.0] * len(states)
-    keys = {k for s in states for k in s}
-    for key in sorted(keys):
-        ref = start.get(key)
-        holders = [i for i, s in enumerate(states) if key in s and _floating(s[key])]
-        if ref is None or len(holders) < 2 or any(states[i][key].dim() != ref.dim() for i in holders):
-            continue
-        common = tuple(min(states[i][key].shape[d] for i in holders) for d in range(ref.dim()))
-        base = _prefix(ref.detach(), common).to(torch.float64)
-        norms = {i: float(torch.linalg.vector_norm(_prefix(states[i][key].detach(), common).to(torch.float64) - base))
-                 / rate[i] for i in holders}
-        bound = factor * float(torch.tensor(sorted(norms.values())).median())   # the lower middle: never above the honest half
-        for i in holders:
-            if norms[i] > bound > 0 or (bound == 0 and norms[i] > 0):
-                scale = bound / norms[i]
-                full = _prefix(ref.detach(), states[i][key].shape).to(torch.float64)
-                delta = states[i][key].detach().to(torch.float64) - full
-                out[i][key] = (full + scale * delta).to(states[i][key].dtype)
-                scales[i] = min(scales[i], scale)
+    if len(states) < 2:
+        return out, scales
+    bound = factor * float(torch.tensor(sorted(size)).median())   # the lower middle: never above the honest half
+    for i, s in enumerate(states):
+        if size[i] > bound:
+            scales[i] = bound / size[i]
+            for key, t in s.items():
+                ref = start.get(key)
+                if ref is None or not _floating(t) or t.dim() != ref.dim():
+                    continue
+                base = _prefix(ref.detach(), t.shape).to(torch.float64)
+                out[i][key] = (base + scales[i] * (t.detach().to(torch.float64) - base)).to(t.dtype)
     return out, scales
 
 
