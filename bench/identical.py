@@ -191,7 +191,8 @@ def main() -> int:
             print(f"{name}: {'missing now' if name not in runs else 'not in the reference'}")
             differ += 1
             continue
-        d = first_difference(ref["histories"][name], without_keys(runs[name], set(args.ignore)))
+        d = first_difference(without_keys(ref["histories"][name], set(args.ignore)),
+                             without_keys(runs[name], set(args.ignore)))
         print(f"{name}: {'identical' if not d else d}")
         differ += bool(d)
     print(f"{len(runs) - differ} of {len(runs)} runs identical to {args.check} "
