@@ -8,7 +8,7 @@ import torch
 from sfl_core.aggregation import layerwise_average, participants, weighted_average
 from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.options.robust.option import capped_weights, krum_f
-from sfl_core.options.robust.rules import clip_updates, coordinate_median, multi_krum, trimmed_mean
+from sfl_core.options.robust.rules import change_sizes, clip_updates, coordinate_median, multi_krum, trimmed_mean
 
 
 def t(*v):
@@ -23,14 +23,16 @@ def test_the_weight_cap_bounds_a_claim_by_the_rounds_median_and_leaves_honest_we
     assert capped_weights(lying, 0) == lying                         # no cap
 
 
-def test_clipping_scales_a_change_to_the_factor_times_the_median_change():
+def test_clipping_scales_a_change_to_the_factor_times_the_typical_change():
     start = {"w": t(0, 0), "b": t(0, 0), "n": torch.tensor(3)}
     states = [{"w": t(1, 0), "b": t(1, 0), "n": torch.tensor(5)}, {"w": t(0, 2), "b": t(2, 0), "n": torch.tensor(5)},
               {"w": t(0, 3), "b": t(0, 3), "n": torch.tensor(5)}, {"w": t(300, 400), "b": t(0, 0), "n": torch.tensor(5)}]
-    out, scales = clip_updates(start, states, factor=2.0)
-    # root mean square change per element: 1/sqrt(2), sqrt(2), 3/sqrt(2), 500/2 = 250; the lower
-    # median is sqrt(2), the bound 2 sqrt(2): only the last is scaled, by 2 sqrt(2) / 250
-    k = 2 * 2 ** 0.5 / 250
+    out, scales = clip_updates(start, states, factor=3.0)
+    # per layer the root mean square change over the layer's median (the lower middle of four):
+    # w: 0.71, 1.41, 2.12, 353.6 over 1.41; b: 0.71, 1.41, 2.12, 0 over 0.71; combined by elements
+    # sizes 0.79, 1.58, 2.37 and sqrt(250^2 / 2): only the last is over 3, scaled to it
+    assert change_sizes(start, states) == pytest.approx([0.625 ** 0.5, 2.5 ** 0.5, 5.625 ** 0.5, (250 ** 2 / 2) ** 0.5])
+    k = 3 / (250 ** 2 / 2) ** 0.5
     assert scales[:3] == [1.0, 1.0, 1.0] and scales[3] == pytest.approx(k)
     assert torch.allclose(out[3]["w"], t(300 * k, 400 * k)) and torch.equal(out[3]["b"], t(0, 0))
     for i in range(3):
@@ -41,7 +43,7 @@ def test_clipping_scales_a_change_to_the_factor_times_the_median_change():
 def test_clipping_compares_states_holding_different_layers_per_element():
     start = {"a": t(0, 0, 0, 0), "b": t(0, 0)}
     states = [{"a": t(1, 1, 1, 1), "b": t(1, 1)}, {"a": t(1, 1)}, {"a": t(1, -1, 1, -1)}, {"a": t(10, 10)}]
-    out, scales = clip_updates(start, states, factor=2.0)   # per element 1, 1, 1, 10: the bound 2
+    out, scales = clip_updates(start, states, factor=2.0)   # layer a: 1, 1, 1, 10 over 1; b: its only holder
     assert scales == [1.0, 1.0, 1.0, pytest.approx(0.2)] and torch.allclose(out[3]["a"], t(2, 2))
 
 

@@ -8,8 +8,9 @@ HeteroSFL bottleneck holds the first channels of a layer): every rule works elem
 over the states that hold the element, as the plain weighted average does.
 
 * :func:`clip_updates` — norm clipping with an adaptive bound: each state's change from the
-  round's start is scaled down to at most ``factor`` times the round's median change (root
-  mean square per element, per unit of learning rate; the bound adapts to the round, so honest
+  round's start is scaled down to at most ``factor`` times the round's typical change (layer by
+  layer against the median of the layer's holders, combined weighted by elements, per unit of
+  learning rate: :func:`change_sizes`; the bound adapts to the round, so honest
   updates, whose norms are alike, pass untouched; Sun et al., "Can You Really Backdoor
   Federated Learning?", 2019, clip to a bound; the median makes the bound need no tuning).
 * :func:`coordinate_median` and :func:`trimmed_mean` — coordinate-wise median and β-trimmed
@@ -32,7 +33,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["clip_updates", "coordinate_median", "multi_krum", "trimmed_mean"]
+__all__ = ["change_sizes", "clip_updates", "coordinate_median", "multi_krum", "trimmed_mean"]
 
 State = Mapping[str, torch.Tensor]
 
@@ -46,43 +47,55 @@ def _floating(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
 
-def clip_updates(start: State, states: Sequence[State], factor: float,
-                 rates: Optional[Sequence[float]] = None) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """Each state's change from ``start`` scaled down to at most ``factor`` times the round's
-    median change; and per state the scale applied (1: untouched). A state left untouched keeps
-    its tensors (the same objects), so a round where nothing is clipped averages exactly as
-    without the rule. Integer buffers (counters) and layers ``start`` lacks pass as they are.
-
-    Changes are compared where they are comparable: as the root mean square change per element
-    over the layers each state holds (states cut at different depths hold different layers, a
-    narrow HeteroSFL bottleneck a prefix of a layer's channels), and per unit of each state's
-    learning rate ``rates`` (batch regulation scales a device's rate with its batch, and its
-    change with it). Over the whole state, not layer by layer: a small layer's change (a bias)
-    varies between honest devices by more than any bound that would still stop an attack."""
-    if factor <= 0:
-        raise ValueError(f"clip factor must be > 0, got {factor}")
+def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None) -> list[float]:
+    """How large each state's change from ``start`` is against the round's, a number near 1 for
+    an ordinary change: per layer, the root mean square change per element over the median of
+    that layer's holders, combined over the state's layers weighted by their elements
+    (``sqrt(sum_k n_k r_k^2 / sum_k n_k)``). Per layer, because devices cut at different depths
+    or training the whole model change their layers by different amounts; weighted by
+    elements, because a small layer's change (a bias) varies between honest devices more than
+    any bound that still stops an attack. Per unit of each state's learning rate ``rates``
+    (batch regulation scales a device's rate with its batch, and its change with it). A narrow
+    HeteroSFL bottleneck's prefix of a layer counts for the elements it holds."""
     rate = list(rates) if rates is not None else [1.0] * len(states)
     if len(rate) != len(states) or any(not r > 0 for r in rate):
         raise ValueError("need one positive rate per state")
-    size = [0.0] * len(states)
+    per_layer: dict[str, dict[int, tuple[float, int]]] = {}
     for i, s in enumerate(states):
-        total, count = 0.0, 0
         for key, t in s.items():
             ref = start.get(key)
-            if ref is None or not _floating(t) or t.dim() != ref.dim():
+            if ref is None or not _floating(t) or t.dim() != ref.dim() or t.numel() == 0:
                 continue
             d = t.detach().to(torch.float64) - _prefix(ref.detach(), t.shape).to(torch.float64)
-            total += float((d * d).sum())
-            count += d.numel()
-        size[i] = math.sqrt(total / count) / rate[i] if count else 0.0
+            per_layer.setdefault(key, {})[i] = (math.sqrt(float((d * d).mean())) / rate[i], d.numel())
+    total = [0.0] * len(states)
+    count = [0] * len(states)
+    for holders in per_layer.values():
+        typical = float(torch.tensor(sorted(v for v, _ in holders.values())).median())
+        for i, (v, n) in holders.items():
+            ratio = v / typical if typical > 0 else (0.0 if v == 0 else math.inf)
+            total[i] += n * ratio * ratio
+            count[i] += n
+    return [math.sqrt(total[i] / count[i]) if count[i] else 0.0 for i in range(len(states))]
+
+
+def clip_updates(start: State, states: Sequence[State], factor: float,
+                 rates: Optional[Sequence[float]] = None) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Each state's change from ``start`` scaled down so that its size (:func:`change_sizes`, 1
+    for an ordinary change) is at most ``factor``; and per state the scale applied (1:
+    untouched). A state left untouched keeps its tensors (the same objects), so a round where
+    nothing is clipped averages exactly as without the rule. Integer buffers (counters) and
+    layers ``start`` lacks pass as they are."""
+    if factor <= 0:
+        raise ValueError(f"clip factor must be > 0, got {factor}")
+    sizes = change_sizes(start, states, rates)
     out = [dict(s) for s in states]
     scales = [1.0] * len(states)
     if len(states) < 2:
         return out, scales
-    bound = factor * float(torch.tensor(sorted(size)).median())   # the lower middle: never above the honest half
     for i, s in enumerate(states):
-        if size[i] > bound:
-            scales[i] = bound / size[i]
+        if sizes[i] > factor:
+            scales[i] = factor / sizes[i] if math.isfinite(sizes[i]) else 0.0
             for key, t in s.items():
                 ref = start.get(key)
                 if ref is None or not _floating(t) or t.dim() != ref.dim():
