@@ -6,8 +6,8 @@ split learning with one merged server copy) trains with the attackers among them
 (:mod:`simulation.adversary`): the first 10 % or 30 % of the fleet label-flipping, planting a
 pixel-pattern backdoor, scaling their update x10 or x1000, sending NaN or random weights,
 scaling and noising their activations, or claiming 1000x their samples. Per defense
-(``robust.aggregate``: the plain mean with the default weight cap, clipping at 100x (the default),
-10x and 3x the median change, the trimmed mean, the median, Multi-Krum; each with the default
+(``robust.aggregate``: the plain mean with the default weight cap, clipping at 10x (the default)
+and 3x the round's typical change, the trimmed mean, the median, Multi-Krum; each with the default
 quarantine after 3 flagged rounds in a row) and attack it reports the final clean accuracy, the attack's success
 rate (label flip: test images sent to the flipped class; backdoor: triggered test images of
 other classes sent to the target), the honest devices flagged (false positives) and the
@@ -29,8 +29,8 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
-RULES = ("mean", "clip", "clip:10", "clip:3", "trimmed_mean", "median", "multi_krum")
-"""``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 100)."""
+RULES = ("mean", "clip", "clip:3", "trimmed_mean", "median", "multi_krum")
+"""``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 10)."""
 ATTACKS = {   # name -> (kind, factor, noise)
     "none": None,
     "label flip": ("label_flip", 1.0, 0.0),

@@ -60,7 +60,7 @@ class RobustConfig(OptionSection):
 
     aggregate: Annotated[str, checked(one_of(*RULES))] = "clip"
     """The rule that combines the round's states."""
-    clip_factor: Annotated[float, checked(number_in(0.0, what="a number > 0"))] = 3.0
+    clip_factor: Annotated[float, checked(number_in(0.0, what="a number > 0"))] = 10.0
     trim: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True, what="a number in [0, 0.5)"))] = 0.3
     attackers: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True,
                                                   what="a number in [0, 0.5)"))] = 0.3
