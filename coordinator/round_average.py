@@ -4,7 +4,7 @@ and average layer by layer (S2FL Alg. 2, :mod:`sfl_core.aggregation`) or by an o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from coordinator.session import FleetSession
     from sfl_core.methods.base import Method, RoundPlan
     from sfl_core.model.zoo import SplitModel
-    from sfl_core.options.base import RoundOption, ServerTerms
+    from sfl_core.options.base import RoundContext, RoundOption, ServerTerms
 
 
 class RoundVoid(Exception):
@@ -54,6 +54,7 @@ class RoundAverage:
         an option averages otherwise (:meth:`~sfl_core.options.base.RoundOption.aggregate`). With
         one split and one group this is exactly FedAvg of the client portions plus the trained
         server portion. Returns the agents that completed the round and the losses they reported."""
+        ctx = cast("RoundContext", self)   # the engine is the options' context
         clients, servers, weights, fed_losses, done = {}, {}, {}, [], []
         held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}   # (split, width) -> what such an agent holds
         for a, msg in uploads.items():
@@ -77,22 +78,22 @@ class RoundAverage:
         if len(done) < need:
             raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")
         for option in self.options:
-            clients, weights = option.screen(self, r, self._round_start, clients, weights,
+            clients, weights = option.screen(ctx, r, self._round_start, clients, weights,
                                              {a: agents[a].assignment for a in clients})
         servers = {a: s for a, s in servers.items() if a in clients}
         for option in self.options:
-            option.observe_updates(self, self._round_start, clients, servers,
+            option.observe_updates(ctx, self._round_start, clients, servers,
                                    {a: agents[a].assignment for a in clients}, self._terms, self.server.member_steps)
         if clients:
             copy_of = {a: i for i, g in enumerate(plan.groups) for a in g}
             states, ws = participants(clients, servers, weights, server_groups=copy_of if plan.server_once else None)
             defaults = self.model.state_dict()
-            avg = next((x for x in (o.aggregate(self, states, ws, defaults) for o in self.options) if x is not None),
+            avg = next((x for x in (o.aggregate(ctx, states, ws, defaults) for o in self.options) if x is not None),
                        None)
             if avg is None:
                 avg = weighted_average(states, ws, defaults)
             for option in self.options:
-                avg = option.transform_average(self, self._round_start, avg, clients, servers, copy_of)
+                avg = option.transform_average(ctx, self._round_start, avg, clients, servers, copy_of)
             self.model.load_state_dict({k: v.to(self.device) for k, v in avg.items()})
         return done, fed_losses
 

@@ -103,10 +103,13 @@ class SimAgent:
     def core(self, run_id: str, device: str | torch.device = "cpu") -> AgentCore:
         held_out = LocalData(self.x_val, self.y_val, self.num_classes) \
             if self.x_val is not None and self.y_val is not None else None
-        kind, extra = (AgentCore, {}) if self.attack is None else (MaliciousCore, {"attack": self.attack})
-        return kind(self.agent_id, run_id, LocalData(self.x, self.y, self.num_classes), self.input_shape,
-                    seed=self.seed, device=device, privacy=self.privacy, standardise=self.standardise,
-                    held_out=held_out, **extra)
+        data = LocalData(self.x, self.y, self.num_classes)
+        if self.attack is not None:
+            return MaliciousCore(self.agent_id, run_id, data, self.input_shape, seed=self.seed, device=device,
+                                 privacy=self.privacy, standardise=self.standardise, held_out=held_out,
+                                 attack=self.attack)
+        return AgentCore(self.agent_id, run_id, data, self.input_shape, seed=self.seed, device=device,
+                         privacy=self.privacy, standardise=self.standardise, held_out=held_out)
 
 
 def own_data_agents(cfg: RunConfig) -> tuple[list[SimAgent], list[Message]]:

@@ -218,7 +218,7 @@ def test_auto_decides_only_what_the_config_leaves_to_it():
 
 def test_an_option_left_to_auto_is_off_under_any_other_strategy():
     cfg = _cfg(strategy="sfl")
-    assert option_registry.wanted(cfg) == []
+    assert [o.SECTION.KEY for o in option_registry.wanted(cfg)] == ["robust"]   # on by default, not auto's
     assert [o.SECTION.KEY for o in option_registry.left_to_auto(cfg)] == ["drift", "server_opt", "norm_stats",
                                                                            "model_ema"]
 
@@ -280,7 +280,7 @@ def test_the_engine_switches_an_option_on_mid_run_when_the_evidence_changes(tmp_
     assert states[0] == "off" and states[-1] == {"state": "on"}            # off at first, on later
     assert max(h["accuracy"] for h in history[:first_on]) > 0.5           # because the evidence said so
     assert probe.built == list(range(first_on, 7))                         # the option ran from then on
-    assert [type(o).__name__ for o in engine.options] == ["Probe"]
+    assert [type(o).__name__ for o in engine.options] == ["Robust", "Probe"]   # robust: on by default
 
 
 def test_a_skewed_demo_fleet_gets_its_options_and_keeps_them_across_a_resume(tmp_path):
@@ -296,7 +296,7 @@ def test_a_skewed_demo_fleet_gets_its_options_and_keeps_them_across_a_resume(tmp
     assert decided["server"] == {"server_mode": "sequential"} and engine.cfg.server_mode == "sequential"
     assert decided["norm_stats"] == "off"                                   # small_cnn has no BatchNorm
     assert decided["selection"] == {"selection": "uniform"}                # 3 of 4 a round
-    assert {type(o).__name__ for o in engine.options} == {"Drift", "ServerOpt"}
+    assert {type(o).__name__ for o in engine.options} == {"Drift", "ServerOpt", "Robust"}
     held = {a: dict(c) for a, c in engine.option(Drift).variates.ci.items()}
     assert held
     resumed, engine2 = run_simulation(run_config_from_dict({**spec, "rounds": 3}), resume=True, device="cpu")

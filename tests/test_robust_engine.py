@@ -42,7 +42,7 @@ def test_scaled_updates_break_the_plain_average_and_clipping_bounds_them_and_nam
     assert history[-1]["accuracy"] > clean - 0.1
     for record in history[1:4]:    # flagged three rounds in a row: quarantined, then never selected
         assert set(record["robust"]["clipped"]) == set(ATTACKERS)
-        assert all(x < 0.01 for x in record["robust"]["clipped"].values())
+        assert all(x < 0.05 for x in record["robust"]["clipped"].values())   # a change 1000x the others
     assert history[3]["robust"]["quarantined"] == list(ATTACKERS)
     assert all(set(r["selected"]).isdisjoint(ATTACKERS) for r in history[4:])
 

@@ -83,7 +83,7 @@ class Robust(RoundOption):
             clipped = {a: round(x, 6) for a, x in zip(ids, scales) if x < 1}
             if clipped:
                 self.last["clipped"] = clipped
-                ctx.log(f"robust: round {r}: clipped to {s.clip_factor:g}x the median change: "
+                ctx.log(f"robust: round {r}: clipped to {s.clip_factor:g}x the round's typical change: "
                         + ", ".join(f"{a} (x{x:.3g})" for a, x in sorted(clipped.items())), warning=True)
         elif s.aggregate == "multi_krum" and len(ids) > 3:
             f = krum_f(len(ids), s.attackers)

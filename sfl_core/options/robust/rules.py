@@ -29,7 +29,7 @@ differences); the coordinate-wise rules sort ``n`` values per element.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -114,7 +114,8 @@ def _stacked(key: str, states: Sequence[State], default: Optional[torch.Tensor])
         full = tuple(max(a, b) for a, b in zip(full, default.shape))
     x = torch.full((len(held), *full), math.nan, dtype=torch.float64)
     for i, t in enumerate(held):
-        x[(i, *(slice(0, n) for n in t.shape))] = t.detach().to(torch.float64).cpu()
+        region: tuple[Any, ...] = (i, *(slice(0, n) for n in t.shape))
+        x[region] = t.detach().to(torch.float64).cpu()
     return x, full
 
 
