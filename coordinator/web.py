@@ -361,30 +361,42 @@ class FleetPage(_Served):
 
     def _fleet(self, history: list[dict[str, Any]], saved: dict[str, Any]) -> list[dict[str, Any]]:
         last_row: dict[str, dict[str, Any]] = {}
+        flagged: dict[str, str] = {}   # what a defense (robust:) last did to an agent, in the rounds it took part
         for rec in history:
             for a, row in (rec.get("agents") or {}).items():
                 last_row[a] = {**row, "round": rec["round"]}
+                flagged.pop(a, None)
+            rb = rec.get("robust") or {}
+            for a, claimed in (rb.get("capped") or {}).items():
+                flagged[a] = f"round {rec['round']}: weight capped (claimed {claimed:g})"
+            for a, scale in (rb.get("clipped") or {}).items():
+                flagged[a] = f"round {rec['round']}: update clipped (x{scale:.3g})"
+            for a in rb.get("outliers") or []:
+                flagged[a] = f"round {rec['round']}: left out (an outlier)"
         engine = self.engine
         if engine is not None:
             online = set(engine.session.online())
             known = {a: {"profile": i.profile.name, "online": a in online, "rounds": i.rounds,
-                         "bytes_up": i.bytes_up, "bytes_down": i.bytes_down, "privacy": i.privacy}
+                         "bytes_up": i.bytes_up, "bytes_down": i.bytes_down, "privacy": i.privacy,
+                         "quarantined": i.quarantined}
                      for a, i in list(engine.registry.agents.items())}
         else:
             known = {a: {"profile": (d.get("profile") or {}).get("name", "?"), "online": bool(d.get("online")),
                          "rounds": d.get("rounds", 0), "bytes_up": d.get("bytes_up", 0),
-                         "bytes_down": d.get("bytes_down", 0), "privacy": d.get("privacy") or {}}
+                         "bytes_down": d.get("bytes_down", 0), "privacy": d.get("privacy") or {},
+                         "quarantined": d.get("quarantined") or ""}
                      for a, d in (saved.get("registry") or {}).items()}
         for a in last_row:
             known.setdefault(a, {"profile": "?", "online": False, "rounds": 0, "bytes_up": 0, "bytes_down": 0,
-                                 "privacy": {}})
+                                 "privacy": {}, "quarantined": ""})
         rows = []
         for a, k in sorted(known.items()):
             r = last_row.get(a, {})
             rows.append({"agent": a, **k, "privacy": r.get("privacy") or k["privacy"],
                          "split": ("whole" if r.get("whole_model") else r.get("split")) if r else None,
                          "width": r.get("width"), "codec": r.get("codec"), "batch": r.get("batch_size"),
-                         "last_round": r.get("round"), "last_round_s": r.get("time_s")})
+                         "last_round": r.get("round"), "last_round_s": r.get("time_s"),
+                         "flagged": flagged.get(a, "")})
         return rows
 
 

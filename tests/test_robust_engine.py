@@ -109,6 +109,11 @@ def test_a_device_flagged_round_after_round_is_quarantined_until_an_operator_rea
     listed = CliRunner().invoke(app, ["agents", "list", str(run_dir)])
     assert listed.exit_code == 0 and "sim-000  rounds 3  quarantined: flagged" in listed.output
     assert "10 agent(s), 3 quarantined" in listed.output
+    from coordinator.web import FleetPage
+    rows = {row["agent"]: row for row in FleetPage(run_dir).state()["fleet"]}   # the fleet page names them too
+    assert all(rows[a]["quarantined"].startswith("flagged by robust") for a in ATTACKERS)
+    assert rows["sim-000"]["flagged"].startswith("round 3: weight capped") and rows["sim-005"]["flagged"] == ""
+    assert not rows["sim-005"]["quarantined"]
     assert CliRunner().invoke(app, ["agents", "readmit", str(run_dir), "sim-009"]).exit_code == 0   # not quarantined
     assert CliRunner().invoke(app, ["agents", "readmit", str(run_dir), "nobody"]).exit_code == 2
     res = CliRunner().invoke(app, ["agents", "readmit", str(run_dir), "sim-001"])
