@@ -74,10 +74,9 @@ def test_coordinate_rules_go_element_by_element_over_the_holders_and_default_the
 
 
 def test_multi_krum_leaves_out_the_outlying_changes():
-    start = {"w": t(0, 0)}
     honest = [{"w": t(1.0, 1.0)}, {"w": t(1.1, 0.9)}, {"w": t(0.9, 1.1)}, {"w": t(1.0, 1.05)}, {"w": t(0.95, 1.0)}]
     attackers = [{"w": t(50, -50)}, {"w": t(-40, 60)}]
-    keep, scores = multi_krum(start, honest + attackers, f=2)
+    keep, scores = multi_krum(honest + attackers, f=2)
     assert keep == [0, 1, 2, 3, 4]
     assert min(scores[5:]) > max(scores[:5])
     # the score by hand: n = 7, f = 2, each state's 3 nearest squared distances (mean over 2 elements)

@@ -87,7 +87,7 @@ class Robust(RoundOption):
                         + ", ".join(f"{a} (x{x:.3g})" for a, x in sorted(clipped.items())), warning=True)
         elif s.aggregate == "multi_krum" and len(ids) > 3:
             f = krum_f(len(ids), s.attackers)
-            keep, scores = multi_krum(start, [clients[a] for a in ids], f)
+            keep, scores = multi_krum([clients[a] for a in ids], f)
             out = sorted(ids[i] for i in range(len(ids)) if i not in keep)
             typical = statistics.median(scores)
             outliers = [a for a in out if scores[ids.index(a)] > OUTLIER_SCORE * typical]

@@ -56,7 +56,8 @@ def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence
     elements, because a small layer's change (a bias) varies between honest devices more than
     any bound that still stops an attack. Per unit of each state's learning rate ``rates``
     (batch regulation scales a device's rate with its batch, and its change with it). A narrow
-    HeteroSFL bottleneck's prefix of a layer counts for the elements it holds."""
+    HeteroSFL bottleneck's prefix of a layer counts for the elements it holds. A layer fewer
+    than three states hold, or that most did not change, is not compared (0: nothing compared)."""
     rate = list(rates) if rates is not None else [1.0] * len(states)
     if len(rate) != len(states) or any(not r > 0 for r in rate):
         raise ValueError("need one positive rate per state")
@@ -72,9 +73,10 @@ def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence
     count = [0] * len(states)
     for holders in per_layer.values():
         typical = float(torch.tensor(sorted(v for v, _ in holders.values())).median())
+        if len(holders) < 3 or typical <= 0:   # no typical change to compare with: the layer says nothing
+            continue
         for i, (v, n) in holders.items():
-            ratio = v / typical if typical > 0 else (0.0 if v == 0 else math.inf)
-            total[i] += n * ratio * ratio
+            total[i] += n * (v / typical) ** 2
             count[i] += n
     return [math.sqrt(total[i] / count[i]) if count[i] else 0.0 for i in range(len(states))]
 
@@ -91,11 +93,9 @@ def clip_updates(start: State, states: Sequence[State], factor: float,
     sizes = change_sizes(start, states, rates)
     out = [dict(s) for s in states]
     scales = [1.0] * len(states)
-    if len(states) < 2:
-        return out, scales
     for i, s in enumerate(states):
         if sizes[i] > factor:
-            scales[i] = factor / sizes[i] if math.isfinite(sizes[i]) else 0.0
+            scales[i] = factor / sizes[i]
             for key, t in s.items():
                 ref = start.get(key)
                 if ref is None or not _floating(t) or t.dim() != ref.dim():
@@ -167,7 +167,7 @@ def trimmed_mean(states: Sequence[State], trim: float, defaults: Optional[State]
     return _coordinatewise(states, defaults, trim)
 
 
-def _distance(a: State, b: State, start: State) -> float:
+def _distance(a: State, b: State) -> float:
     """Mean squared difference of two states' changes over the elements both hold."""
     total, count = 0.0, 0
     for key in a.keys() & b.keys():
@@ -181,18 +181,17 @@ def _distance(a: State, b: State, start: State) -> float:
     return total / count if count else math.inf
 
 
-def multi_krum(start: State, states: Sequence[State], f: int) -> tuple[list[int], list[float]]:
+def multi_krum(states: Sequence[State], f: int) -> tuple[list[int], list[float]]:
     """The indices of the ``n − f`` states Multi-Krum keeps (ascending score), and every
     state's score: the sum of its ``n − f − 2`` smallest distances (at least one) to the others.
-    ``start`` is not needed for distances between changes (it cancels) and is kept for the
-    signature the rules share."""
+    Distances between the states are those between their changes (the round's start cancels)."""
     n = len(states)
     if not 0 <= f < n:
         raise ValueError(f"f must be in [0, {n}), got {f}")
     d = [[0.0] * n for _ in range(n)]
     for i in range(n):
         for j in range(i + 1, n):
-            d[i][j] = d[j][i] = _distance(states[i], states[j], start)
+            d[i][j] = d[j][i] = _distance(states[i], states[j])
     near = max(1, n - f - 2)
     scores = [sum(sorted(d[i][j] for j in range(n) if j != i)[:near]) if n > 1 else 0.0 for i in range(n)]
     keep = sorted(range(n), key=lambda i: (scores[i], i))[:n - f]
