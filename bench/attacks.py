@@ -58,6 +58,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     from coordinator.engine import RoundFailed
     from sfl_core.config.run import run_config_from_dict
     from simulation import run_simulation
+    from sfl_core.options.robust.option import FLAGS
     from simulation.adversary import Attack, trigger
 
     data = common.load_data(job["data"])
@@ -93,7 +94,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         for a in r.get("selected", []):
             seen[a] = seen.get(a, 0) + 1
         rb = r.get("robust", {})
-        for a in set(rb.get("clipped", {})) | set(rb.get("outliers", [])) | set(rb.get("capped", {})):
+        for a in {a for key in FLAGS for a in rb.get(key, ())}:
             flagged[a] = flagged.get(a, 0) + 1
     honest_seen = sum(v for a, v in seen.items() if a not in attackers)
     bad_seen = sum(v for a, v in seen.items() if a in attackers)

@@ -294,8 +294,11 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
             valid = {a: b for a, b in batches.items() if b is not None}
             if not valid and self.shards is None:
                 break
+            left_out = self.screen_rows(r, k, agents, valid)   # rows an option will not let in
             t0 = time.monotonic()
-            grads, loss = self.server.step(valid, functools.partial(self._exchange_logits, agents, r=r, k=k))
+            grads, loss = self.server.step({a: b for a, b in valid.items() if a not in left_out},
+                                           functools.partial(self._exchange_logits, agents, r=r, k=k))
+            grads.update({a: torch.zeros(valid[a][0].shape) for a in left_out})
             dt = time.monotonic() - t0
             if self.server.last_rows:
                 losses.append(loss)

@@ -4,16 +4,17 @@ of requests and replies run like any step (an agent that does not answer is drop
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, cast
 
 import torch
 
 from coordinator.session import RoundAgent
 from sfl_core.model.bottleneck import slice_state
 from sfl_core.option_registry import build_options
-from sfl_core.options.base import PhaseAgent, RoundOption
+from sfl_core.options.base import PhaseAgent, RoundContext, RoundOption
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import Assignment
@@ -31,8 +32,12 @@ if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
     from sfl_core.data.preprocessing import Normalization
     from sfl_core.model.zoo import SplitModel
+    from coordinator.validation import ValidationSet
 
 log = logging.getLogger("sfl.coord")
+
+REFERENCE_ROWS = 64
+"""Held-out inputs the coordinator runs a client portion on for :meth:`OptionHost.reference_rows`."""
 
 
 class OptionHost:
@@ -50,6 +55,8 @@ class OptionHost:
     shards: Optional["ServerShards"]
     on_event: Callable[[str, dict[str, Any]], None]
     _now: Callable[[], float]
+
+    validation: "ValidationSet"
 
     if TYPE_CHECKING:   # the engine's (coordinator.task_normalization)
         @property
@@ -72,6 +79,17 @@ class OptionHost:
         self.method.use_config(cfg)
         self.options = build_options(cfg, self.model, keep=self.options)
         self.server.loss = self.server_loss()
+
+    def screen_rows(self, r: int, step: int, agents: Mapping[str, RoundAgent],
+                    batches: Mapping[str, tuple[torch.Tensor, Optional[torch.Tensor]]]) -> set[str]:
+        """The agents whose rows the step leaves out, as the options screen them
+        (:meth:`~sfl_core.options.base.RoundOption.screen_rows`)."""
+        ctx = cast("RoundContext", self)
+        out: set[str] = set()
+        for option in self.options:
+            out |= option.screen_rows(ctx, r, step, {a: b[0] for a, b in batches.items() if a not in out},
+                                      {a: agents[a].assignment for a in batches})
+        return out
 
     def server_loss(self) -> "LossSpec":
         """How the server scores its rows: the method's loss, as the run's options change it."""
@@ -129,6 +147,15 @@ class OptionHost:
         state = self.model.server_state(split)
         state = {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
         return {k: v for k, v in state.items() if k in self.parameter_names}
+
+    def reference_rows(self, split: int, width: int) -> Optional[torch.Tensor]:
+        x = self.validation.x[:REFERENCE_ROWS]
+        if not len(x):
+            return None
+        client = copy.deepcopy(self.model.client(split)).train()   # a device's mode; the model's statistics untouched
+        with torch.no_grad():
+            out = client(x.to(next(self.model.parameters()).device))
+        return out[:, :width] if width else out
 
     def client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""

@@ -369,10 +369,12 @@ class FleetPage(_Served):
             rb = rec.get("robust") or {}
             for a, claimed in (rb.get("capped") or {}).items():
                 flagged[a] = f"round {rec['round']}: weight capped (claimed {claimed:g})"
-            for a, scale in (rb.get("clipped") or {}).items():
-                flagged[a] = f"round {rec['round']}: update clipped (x{scale:.3g})"
+            for a, size in (rb.get("clipped") or {}).items():
+                flagged[a] = f"round {rec['round']}: update left out ({size:.3g}x the typical change)"
             for a in rb.get("outliers") or []:
                 flagged[a] = f"round {rec['round']}: left out (an outlier)"
+            for a, scale in (rb.get("activation_scale") or {}).items():
+                flagged[a] = f"round {rec['round']}: rows left out (activations {scale:.3g}x their cut's median)"
         engine = self.engine
         if engine is not None:
             online = set(engine.session.online())

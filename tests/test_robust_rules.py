@@ -8,7 +8,7 @@ import torch
 from sfl_core.aggregation import layerwise_average, participants, weighted_average
 from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.options.robust.option import capped_weights, krum_f
-from sfl_core.options.robust.rules import change_sizes, clip_updates, coordinate_median, multi_krum, trimmed_mean
+from sfl_core.options.robust.rules import change_sizes, coordinate_median, multi_krum, trimmed_mean, typical_changes
 
 
 def t(*v):
@@ -23,38 +23,41 @@ def test_the_weight_cap_bounds_a_claim_by_the_rounds_median_and_leaves_honest_we
     assert capped_weights(lying, 0) == lying                         # no cap
 
 
-def test_clipping_scales_a_change_to_the_factor_times_the_typical_change():
+def test_a_changes_size_is_against_each_layers_typical_change_combined_by_elements():
     start = {"w": t(0, 0), "b": t(0, 0), "n": torch.tensor(3)}
     states = [{"w": t(1, 0), "b": t(1, 0), "n": torch.tensor(5)}, {"w": t(0, 2), "b": t(2, 0), "n": torch.tensor(5)},
               {"w": t(0, 3), "b": t(0, 3), "n": torch.tensor(5)}, {"w": t(300, 400), "b": t(0, 0), "n": torch.tensor(5)}]
-    out, scales = clip_updates(start, states, factor=3.0)
     # per layer the root mean square change over the layer's median (the lower middle of four):
     # w: 0.71, 1.41, 2.12, 353.6 over 1.41; b: 0.71, 1.41, 2.12, 0 over 0.71; combined by elements
-    # sizes 0.79, 1.58, 2.37 and sqrt(250^2 / 2): only the last is over 3, scaled to it
+    assert typical_changes(start, states) == pytest.approx({"w": 2 ** 0.5, "b": 0.5 ** 0.5})   # counters: none
     assert change_sizes(start, states) == pytest.approx([0.625 ** 0.5, 2.5 ** 0.5, 5.625 ** 0.5, (250 ** 2 / 2) ** 0.5])
-    k = 3 / (250 ** 2 / 2) ** 0.5
-    assert scales[:3] == [1.0, 1.0, 1.0] and scales[3] == pytest.approx(k)
-    assert torch.allclose(out[3]["w"], t(300 * k, 400 * k)) and torch.equal(out[3]["b"], t(0, 0))
-    for i in range(3):
-        assert out[i]["w"] is states[i]["w"] and out[i]["b"] is states[i]["b"]   # untouched: the same tensors
-    assert all(o["n"] is x["n"] for o, x in zip(out, states))                    # counters pass as they are
 
 
-def test_clipping_compares_states_holding_different_layers_per_element():
+def test_sizes_compare_states_holding_different_layers_per_element():
     start = {"a": t(0, 0, 0, 0), "b": t(0, 0)}
     states = [{"a": t(1, 1, 1, 1), "b": t(1, 1)}, {"a": t(1, 1)}, {"a": t(1, -1, 1, -1)}, {"a": t(10, 10)}]
-    out, scales = clip_updates(start, states, factor=2.0)   # layer a: 1, 1, 1, 10 over 1; b: its only holder
-    assert scales == [1.0, 1.0, 1.0, pytest.approx(0.2)] and torch.allclose(out[3]["a"], t(2, 2))
+    assert typical_changes(start, states) == {"a": 1.0}    # b: its only holder, not compared
+    assert change_sizes(start, states) == pytest.approx([1.0, 1.0, 1.0, 10.0])
 
 
-def test_clipping_compares_changes_per_unit_of_learning_rate():
+def test_sizes_are_per_unit_of_learning_rate():
     start = {"w": t(0, 0)}
     states = [{"w": t(1, 0)}, {"w": t(0, 1)}, {"w": t(10, 0)}]
-    assert clip_updates(start, states, 2.0, rates=[0.1, 0.1, 1.0])[1] == [1.0, 1.0, 1.0]   # a 10x rate: a 10x change
-    _, scales = clip_updates(start, states, 2.0, rates=[0.1, 0.1, 0.1])
-    assert scales[2] == pytest.approx(0.2)
+    assert change_sizes(start, states, rates=[0.1, 0.1, 1.0]) == pytest.approx([1.0, 1.0, 1.0])   # a 10x rate
+    assert change_sizes(start, states, rates=[0.1, 0.1, 0.1])[2] == pytest.approx(10.0)
     with pytest.raises(ValueError, match="rate"):
-        clip_updates(start, states, 2.0, rates=[1.0, 0.0, 1.0])
+        change_sizes(start, states, rates=[1.0, 0.0, 1.0])
+
+
+def test_the_typical_change_grows_at_most_threefold_a_round_so_a_round_where_most_lie_does_not_set_it():
+    start = {"w": t(0, 0)}
+    honest = [{"w": t(1, 0)}, {"w": t(0, 1)}]
+    liars = [{"w": t(50, 0)}, {"w": t(0, 50)}, {"w": t(50, 50)}]
+    past = {"w": 0.7}
+    assert typical_changes(start, honest + liars)["w"] > 30          # the median is a liar's
+    assert typical_changes(start, honest + liars, past=past) == pytest.approx({"w": 3 * 0.7})
+    assert change_sizes(start, honest + liars, typical={"w": 2.1})[2:] == pytest.approx([50 / 2 ** 0.5 / 2.1] * 2 + [50 / 2.1])
+    assert typical_changes(start, honest + honest[:1], past={"w": 10.0}) == pytest.approx({"w": 0.5 ** 0.5})   # shrinking: free
 
 
 def test_the_coordinate_median_and_trimmed_mean_by_hand():

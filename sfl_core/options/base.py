@@ -138,6 +138,12 @@ class RoundContext(Protocol):
         """One line in the coordinator's log."""
         ...
 
+    def reference_rows(self, split: int, width: int) -> Optional[torch.Tensor]:
+        """The activations the round's client portion at ``split`` (bottleneck ``width``) makes of a
+        batch of the server's held-out inputs, run as a device runs it; None: the server holds no
+        validation data."""
+        ...
+
     def quarantine(self, agent_id: str, why: str) -> None:
         """Stop selecting the agent until an operator readmits it (logged, kept in the checkpoint)."""
         ...
@@ -224,6 +230,13 @@ class RoundOption:
     def server_loss(self, spec: "LossSpec") -> "LossSpec":
         """The server's loss, as the method asked for it (``spec``) and this option changes it."""
         return spec
+
+    def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
+                    assignments: Mapping[str, "Assignment"]) -> set[str]:
+        """The agents whose ``rows`` (the activations this server step received, decoded and
+        validated) this option leaves out of the step: their rows join no forward and they get a
+        zero gradient back. Called before the server's forward, on every server worker."""
+        return set()
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],

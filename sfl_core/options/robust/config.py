@@ -14,6 +14,13 @@ from sfl_core.config.values import NONNEG_INTEGER, number_in, one_of
 RULES = ("mean", "clip", "trimmed_mean", "median", "multi_krum")
 
 
+def _activation_factor(v: Any, fail: Fail) -> float:
+    x = number(v)
+    if x is None or not (x == 0 or x > 1):
+        fail("0 (off) or a number > 1")
+    return float(x)
+
+
 def _cap(v: Any, fail: Fail) -> float:
     x = number(v)
     if x is None or not (x == 0 or x >= 1):
@@ -53,7 +60,14 @@ class RobustConfig(OptionSection):
                        "data size cannot be verified; the default 10 leaves the benches' honest fleets as they are "
                        "(their largest device holds under 10x the median) and keeps one device from outweighing "
                        "the round by a claim."),
-        ("quarantine", "a device flagged (capped, clipped or left out) in this many of its rounds in a row is no "
+        ("activation_factor", "the server portion's screen: a device whose activations' root mean square lies over "
+                              "this many times (or under 1/this) the median of the devices cut at the same layer "
+                              "in a server step has its rows left out of that step (a zero gradient back) and its "
+                              "round's update left out of the average, and is named; > 1, 0 = off. Honest devices "
+                              "at one cut stay within 2x of each other whatever their labels; activations scaled "
+                              "x10 or noised to that size are caught. Cuts fewer than 3 devices share are not "
+                              "screened."),
+        ("quarantine", "a device flagged (capped, clipped, left out, or its rows left out) in this many of its rounds in a row is no "
                        "longer selected until an operator readmits it (sfl-coord agents readmit RUN_DIR ID); the "
                        "log names it and the checkpoint keeps it; 0 = never. A resumed run counts the rounds afresh."),
     )
@@ -65,8 +79,9 @@ class RobustConfig(OptionSection):
     attackers: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True,
                                                   what="a number in [0, 0.5)"))] = 0.3
     weight_cap: Annotated[float, checked(_cap)] = 10.0
+    activation_factor: Annotated[float, checked(_activation_factor)] = 4.0
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
 
     @property
     def on(self) -> bool:
-        return self.aggregate != "mean" or self.weight_cap > 0
+        return self.aggregate != "mean" or self.weight_cap > 0 or self.activation_factor > 0

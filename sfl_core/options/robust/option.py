@@ -4,6 +4,9 @@ do to the round's average is bounded, and every device a rule acts on is named.
 * The weight cap holds by default: an agent's weight (its claimed data size, or the batch the
   coordinator assigned) is at most ``weight_cap`` times the round's median weight. The median
   is an honest device's while fewer than half lie.
+* The server portion's screen holds by default (:mod:`sfl_core.options.robust.rows`): a
+  device whose activations' scale lies far from its cut's median has its rows left out of the
+  server's step, and its update out of the round's average.
 * ``aggregate`` picks the rule (:mod:`sfl_core.options.robust.rules`): clipping and Multi-Krum
   act on the client states before the layer-wise average (the states the devices sent; the
   server copies are the coordinator's own), the coordinate-wise median and trimmed mean
@@ -15,6 +18,7 @@ out (``robust``), and the coordinator's log names them in one line.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
@@ -22,14 +26,18 @@ import torch
 
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
-from sfl_core.options.robust.rules import clip_updates, coordinate_median, multi_krum, trimmed_mean
+from sfl_core.options.robust.rows import cut_sizes, outliers, rms, typical_size
+from sfl_core.options.robust.rules import change_sizes, coordinate_median, multi_krum, trimmed_mean, typical_changes
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
     from sfl_core.model.zoo import SplitModel
     from sfl_core.wire.assignment import Assignment
 
-__all__ = ["OUTLIER_SCORE", "Robust", "krum_f"]
+__all__ = ["FLAGS", "OUTLIER_SCORE", "Robust", "krum_f"]
+
+FLAGS = ("capped", "clipped", "outliers", "rows_left_out")
+"""What counts as a flag towards quarantine: the round's metrics' keys that name agents."""
 
 OUTLIER_SCORE = 2.0
 """Multi-Krum leaves ``f`` devices out every round, honest ones too where fewer attack; a device
@@ -63,12 +71,52 @@ class Robust(RoundOption):
         self.last: dict[str, Any] = {}
         self.streak: dict[str, int] = {}
         """Per agent, its rounds in a row flagged (the rounds it took part in)."""
+        self.rows: dict[str, tuple[int, float]] = {}
+        """This round's agents whose rows a server step left out: the steps, the largest scale."""
+        self._rows_round = -1
+        self.typical: dict[tuple[int, int], float] = {}
+        """Per cut (split, width), the median activations' RMS its accepted devices sent last."""
+        self._anchors: dict[tuple[int, int], Optional[float]] = {}
+        self.past_change: dict[str, float] = {}
+        """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
+
+    def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
+                    assignments: Mapping[str, "Assignment"]) -> set[str]:
+        factor = self.section.activation_factor
+        if r != self._rows_round:
+            self.rows, self._rows_round, self._anchors = {}, r, {}
+        if not factor:
+            return set()
+        out: set[str] = set()
+        for cut, sizes in cut_sizes(rows, {a: (assignments[a].split, assignments[a].width) for a in rows}).items():
+            if cut not in self._anchors:
+                ref = ctx.reference_rows(*cut)
+                self._anchors[cut] = rms(ref) if ref is not None else None
+            typical = typical_size(list(sizes.values()), self.typical.get(cut), self._anchors[cut], factor)
+            far = outliers(sizes, typical, factor)
+            kept = [x for a, x in sizes.items() if a not in far]
+            if kept:
+                self.typical[cut] = statistics.median(kept)
+            for a, scale in far.items():
+                steps, worst = self.rows.get(a, (0, 1.0))
+                if not steps:
+                    ctx.log(f"robust: round {r}: rows of {a} left out of the server's step {step}: its activations' "
+                            f"size is {scale:.3g}x the typical size at its cut (limit {factor:g}x either way); "
+                            f"its update is left out of the round's average", warning=True)
+                self.rows[a] = (steps + 1, max(worst, scale if scale >= 1 else (1 / scale if scale > 0 else math.inf)))
+            out |= set(far)
+        return out
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
                assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         s = self.section
         self.last = {}
+        rows = {a: v for a, v in self.rows.items() if a in weights and self._rows_round == r}
+        if rows:   # a device that lied to the server's step: its update is not let in either
+            self.last["rows_left_out"] = {a: steps for a, (steps, _) in rows.items()}
+            self.last["activation_scale"] = {a: round(x, 4) for a, (_, x) in rows.items()}
+            clients = {a: c for a, c in clients.items() if a not in rows}
         bounded = capped_weights(weights, s.weight_cap)
         capped = sorted(a for a in weights if bounded[a] < weights[a])
         if capped:
@@ -77,14 +125,16 @@ class Robust(RoundOption):
                     f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})", warning=True)
         ids = list(clients)
         if s.aggregate == "clip" and len(ids) > 1:
-            states, scales = clip_updates(start, [clients[a] for a in ids], s.clip_factor,
-                                          [assignments[a].lr for a in ids])
-            clients = dict(zip(ids, states))
-            clipped = {a: round(x, 6) for a, x in zip(ids, scales) if x < 1}
-            if clipped:
-                self.last["clipped"] = clipped
-                ctx.log(f"robust: round {r}: clipped to {s.clip_factor:g}x the round's typical change: "
-                        + ", ".join(f"{a} (x{x:.3g})" for a, x in sorted(clipped.items())), warning=True)
+            states, rates = [clients[a] for a in ids], [assignments[a].lr for a in ids]
+            typical = typical_changes(start, states, rates, self.past_change)
+            self.past_change.update(typical)
+            sizes = change_sizes(start, states, rates, typical)
+            over = {a: round(x, 4) for a, x in zip(ids, sizes) if x > s.clip_factor}
+            if over:
+                self.last["clipped"] = over
+                ctx.log(f"robust: round {r}: left out, a change over {s.clip_factor:g}x the round's typical change: "
+                        + ", ".join(f"{a} ({x:.3g}x)" for a, x in sorted(over.items())), warning=True)
+                clients = {a: c for a, c in clients.items() if a not in over}
         elif s.aggregate == "multi_krum" and len(ids) > 3:
             f = krum_f(len(ids), s.attackers)
             keep, scores = multi_krum([clients[a] for a in ids], f)
@@ -102,14 +152,15 @@ class Robust(RoundOption):
         return clients, {a: bounded[a] for a in clients}
 
     def _count(self, ctx: RoundContext, r: int, took_part: Sequence[str]) -> None:
-        """Each agent's flagged rounds in a row (capped, clipped, or a Multi-Krum outlier); quarantine
+        """Each agent's flagged rounds in a row (capped, clipped, a Multi-Krum outlier, or its rows
+        left out of a server step); quarantine
         at ``quarantine`` of them."""
-        flagged = set(self.last.get("capped", {})) | set(self.last.get("clipped", {})) | set(self.last.get("outliers", []))
+        flagged = {a for key in FLAGS for a in self.last.get(key, ())}
         for a in took_part:
             self.streak[a] = self.streak.get(a, 0) + 1 if a in flagged else 0
             k = self.section.quarantine
             if k and self.streak[a] >= k:
-                what = ", ".join(x for x in ("capped", "clipped", "outliers") if a in self.last.get(x, ()))
+                what = ", ".join(x.replace("_", " ") for x in FLAGS if a in self.last.get(x, ()))
                 ctx.quarantine(a, f"flagged by robust aggregation in {self.streak[a]} of its rounds in a row "
                                   f"(round {r}: {what})")
                 self.last.setdefault("quarantined", []).append(a)

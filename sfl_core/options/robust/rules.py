@@ -7,12 +7,14 @@ began from. States need not hold the same keys (mixed cuts) nor whole tensors (a
 HeteroSFL bottleneck holds the first channels of a layer): every rule works element by element
 over the states that hold the element, as the plain weighted average does.
 
-* :func:`clip_updates` — norm clipping with an adaptive bound: each state's change from the
-  round's start is scaled down to at most ``factor`` times the round's typical change (layer by
-  layer against the median of the layer's holders, combined weighted by elements, per unit of
-  learning rate: :func:`change_sizes`; the bound adapts to the round, so honest
-  updates, whose norms are alike, pass untouched; Sun et al., "Can You Really Backdoor
-  Federated Learning?", 2019, clip to a bound; the median makes the bound need no tuning).
+* :func:`change_sizes` — the size of each state's change against the round's typical change
+  (layer by layer against the median of the layer's holders, combined weighted by elements, per
+  unit of learning rate), for a norm bound with an adaptive bound (the ``clip`` rule: a change
+  over ``factor`` times the typical one is left out). The bound adapts to the round, so honest
+  updates, whose sizes are alike, pass, and grows at most threefold from one round to the next,
+  so a round where most devices lie does not set it (:func:`typical_changes`). Norm bounding:
+  Sun et al., "Can You Really Backdoor Federated Learning?", 2019; the median makes the bound
+  need no tuning.
 * :func:`coordinate_median` and :func:`trimmed_mean` — coordinate-wise median and β-trimmed
   mean (Yin et al., "Byzantine-Robust Distributed Learning: Towards Optimal Statistical
   Rates", ICML 2018). Both ignore the weights: a weight is what a device claims.
@@ -22,7 +24,7 @@ over the states that hold the element, as the plain weighted average does.
   Distances are mean squared differences over the elements both states hold, so states cut at
   different depths compare on their common layers.
 
-Cost: clipping and Krum read every state once per layer (Krum pairwise: ``n²`` layer
+Cost: the sizes and Krum read every state once per layer (Krum pairwise: ``n²`` layer
 differences); the coordinate-wise rules sort ``n`` values per element.
 """
 
@@ -33,9 +35,12 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["change_sizes", "clip_updates", "coordinate_median", "multi_krum", "trimmed_mean"]
+__all__ = ["GROWTH", "change_sizes", "coordinate_median", "multi_krum", "trimmed_mean", "typical_changes"]
 
 State = Mapping[str, torch.Tensor]
+
+GROWTH = 3.0
+"""How much a layer's typical change may grow from one round to the next (:func:`typical_changes`)."""
 
 
 def _prefix(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -47,17 +52,10 @@ def _floating(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
 
-def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None) -> list[float]:
-    """How large each state's change from ``start`` is against the round's, a number near 1 for
-    an ordinary change: per layer, the root mean square change per element over the median of
-    that layer's holders, combined over the state's layers weighted by their elements
-    (``sqrt(sum_k n_k r_k^2 / sum_k n_k)``). Per layer, because devices cut at different depths
-    or training the whole model change their layers by different amounts; weighted by
-    elements, because a small layer's change (a bias) varies between honest devices more than
-    any bound that still stops an attack. Per unit of each state's learning rate ``rates``
-    (batch regulation scales a device's rate with its batch, and its change with it). A narrow
-    HeteroSFL bottleneck's prefix of a layer counts for the elements it holds. A layer fewer
-    than three states hold, or that most did not change, is not compared (0: nothing compared)."""
+def _layer_changes(start: State, states: Sequence[State],
+                   rates: Optional[Sequence[float]]) -> dict[str, dict[int, tuple[float, int]]]:
+    """Per layer, per state holding it: its RMS change per element per unit of learning rate,
+    and its elements."""
     rate = list(rates) if rates is not None else [1.0] * len(states)
     if len(rate) != len(states) or any(not r > 0 for r in rate):
         raise ValueError("need one positive rate per state")
@@ -69,40 +67,52 @@ def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence
                 continue
             d = t.detach().to(torch.float64) - _prefix(ref.detach(), t.shape).to(torch.float64)
             per_layer.setdefault(key, {})[i] = (math.sqrt(float((d * d).mean())) / rate[i], d.numel())
+    return per_layer
+
+
+def typical_changes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None,
+                    past: Optional[Mapping[str, float]] = None, growth: float = GROWTH) -> dict[str, float]:
+    """Per layer, the round's typical change: the median of its holders' (:func:`change_sizes`),
+    at most ``growth`` times the layer's typical change of the round before (``past``), where
+    there is one. The median is an honest change while fewer than half of a layer's holders
+    lie; in a round where more do (a round that happened to select most of a fleet's
+    attackers), the bound from the round before keeps the typical change an honest one. Honest
+    changes shrink as a run converges, or grow slowly. A layer fewer than three states hold, or
+    that most did not change, has none (it is not compared)."""
+    out: dict[str, float] = {}
+    for key, holders in _layer_changes(start, states, rates).items():
+        typical = float(torch.tensor(sorted(v for v, _ in holders.values())).median())
+        if past is not None and past.get(key, 0) > 0:
+            typical = min(typical, growth * past[key])
+        if len(holders) >= 3 and typical > 0:
+            out[key] = typical
+    return out
+
+
+def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None,
+                 typical: Optional[Mapping[str, float]] = None) -> list[float]:
+    """How large each state's change from ``start`` is against the round's, a number near 1 for
+    an ordinary change: per layer, the root mean square change per element over the layer's
+    typical change (``typical``, by default :func:`typical_changes` of these states: the median
+    of that layer's holders), combined over the state's layers weighted by their elements
+    (``sqrt(sum_k n_k r_k^2 / sum_k n_k)``). Per layer, because devices cut at different depths
+    or training the whole model change their layers by different amounts; weighted by
+    elements, because a small layer's change (a bias) varies between honest devices more than
+    any bound that still stops an attack. Per unit of each state's learning rate ``rates``
+    (batch regulation scales a device's rate with its batch, and its change with it). A narrow
+    HeteroSFL bottleneck's prefix of a layer counts for the elements it holds. A layer without
+    a typical change is not compared (0: nothing compared)."""
+    per_layer = _layer_changes(start, states, rates)
+    typical = typical_changes(start, states, rates) if typical is None else typical
     total = [0.0] * len(states)
     count = [0] * len(states)
-    for holders in per_layer.values():
-        typical = float(torch.tensor(sorted(v for v, _ in holders.values())).median())
-        if len(holders) < 3 or typical <= 0:   # no typical change to compare with: the layer says nothing
+    for key, holders in per_layer.items():
+        if key not in typical:   # no typical change to compare with: the layer says nothing
             continue
         for i, (v, n) in holders.items():
-            total[i] += n * (v / typical) ** 2
+            total[i] += n * (v / typical[key]) ** 2
             count[i] += n
     return [math.sqrt(total[i] / count[i]) if count[i] else 0.0 for i in range(len(states))]
-
-
-def clip_updates(start: State, states: Sequence[State], factor: float,
-                 rates: Optional[Sequence[float]] = None) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """Each state's change from ``start`` scaled down so that its size (:func:`change_sizes`, 1
-    for an ordinary change) is at most ``factor``; and per state the scale applied (1:
-    untouched). A state left untouched keeps its tensors (the same objects), so a round where
-    nothing is clipped averages exactly as without the rule. Integer buffers (counters) and
-    layers ``start`` lacks pass as they are."""
-    if factor <= 0:
-        raise ValueError(f"clip factor must be > 0, got {factor}")
-    sizes = change_sizes(start, states, rates)
-    out = [dict(s) for s in states]
-    scales = [1.0] * len(states)
-    for i, s in enumerate(states):
-        if sizes[i] > factor:
-            scales[i] = factor / sizes[i]
-            for key, t in s.items():
-                ref = start.get(key)
-                if ref is None or not _floating(t) or t.dim() != ref.dim():
-                    continue
-                base = _prefix(ref.detach(), t.shape).to(torch.float64)
-                out[i][key] = (base + scales[i] * (t.detach().to(torch.float64) - base)).to(t.dtype)
-    return out, scales
 
 
 def _stacked(key: str, states: Sequence[State], default: Optional[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -1,0 +1,44 @@
+"""The server portion's screen (:mod:`sfl_core.options.robust.rows`) against hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sfl_core.options.robust.rows import cut_sizes, outliers, rms, typical_size
+
+
+def test_sizes_are_compared_within_a_cut_that_three_devices_share():
+    rows = {"a": torch.full((4, 2), 1.0), "b": torch.full((4, 2), 2.0), "c": torch.full((4, 2), -3.0),
+            "d": torch.full((4, 8), 5.0), "e": torch.full((4, 8), 5.0)}
+    cut = {"a": (1, 0), "b": (1, 0), "c": (1, 0), "d": (2, 0), "e": (2, 0)}
+    assert cut_sizes(rows, cut) == {(1, 0): {"a": 1.0, "b": 2.0, "c": 3.0}}   # (2, 0): two holders only
+    assert rms(torch.empty(0)) == 0.0
+
+
+def test_outliers_lie_beyond_the_factor_either_way():
+    sizes = {"a": 1.0, "b": 1.5, "c": 0.2, "d": 4.1}
+    assert outliers(sizes, 1.0, 4.0) == {"c": 0.2, "d": 4.1}
+    assert outliers(sizes, 0.0, 4.0) == outliers(sizes, float("inf"), 4.0) == {}
+    assert outliers({"a": 1.0, "b": 9.0, "c": 10.0}, 1.0, 4.0) == {}    # never most of the cut
+    with pytest.raises(ValueError):
+        outliers(sizes, 1.0, 1.0)
+
+
+def test_the_typical_size_is_the_median_while_the_step_agrees_with_itself_and_its_past():
+    assert typical_size([1.0, 1.2, 0.9, 10.0], history=1.1, anchor=1.0, factor=4) == pytest.approx(1.1)
+    assert typical_size([1.0, 1.2, 0.9], history=None, anchor=None, factor=4) == 1.0
+
+
+def test_a_step_where_half_lie_takes_the_middle_value_nearest_the_coordinators_own():
+    honest, liars = [1.0, 1.1, 0.9, 1.2, 1.05], [10.0, 11.0, 9.5, 12.0, 10.5]
+    # the median of ten is between the two halves (5.35): it would flag everyone
+    assert typical_size(honest + liars, history=None, anchor=0.8, factor=4) == 1.2
+    assert typical_size(honest + liars, history=None, anchor=None, factor=4) == pytest.approx(5.35)
+
+
+def test_a_step_where_most_lie_keeps_the_past_size_the_coordinators_own_agrees_with():
+    sizes = [1.0, 1.1, 10.0, 11.0, 12.0]
+    assert typical_size(sizes, history=1.05, anchor=1.3, factor=4) == 1.05
+    # every device's activations grew together (the coordinator's own did too): the step stands
+    assert typical_size([9.0, 10.0, 11.0], history=1.0, anchor=10.5, factor=4) == 10.0
