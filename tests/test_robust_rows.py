@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfl_core.options.robust.rows import cut_sizes, outliers, rms, typical_size
+from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 
 
 def test_sizes_are_compared_within_a_cut_that_three_devices_share():
@@ -16,13 +16,13 @@ def test_sizes_are_compared_within_a_cut_that_three_devices_share():
     assert rms(torch.empty(0)) == 0.0
 
 
-def test_outliers_lie_beyond_the_factor_either_way():
+def test_far_rows_lie_beyond_the_factor_either_way():
     sizes = {"a": 1.0, "b": 1.5, "c": 0.2, "d": 4.1}
-    assert outliers(sizes, 1.0, 4.0) == {"c": 0.2, "d": 4.1}
-    assert outliers(sizes, 0.0, 4.0) == outliers(sizes, float("inf"), 4.0) == {}
-    assert outliers({"a": 1.0, "b": 9.0, "c": 10.0}, 1.0, 4.0) == {}    # never most of the cut
+    assert far_rows(sizes, 1.0, 4.0) == {"c": 0.2, "d": 4.1}
+    assert far_rows(sizes, 0.0, 4.0) == far_rows(sizes, float("inf"), 4.0) == {}
+    assert far_rows({"a": 1.0, "b": 9.0, "c": 10.0}, 1.0, 4.0) == {}    # never most of the cut
     with pytest.raises(ValueError):
-        outliers(sizes, 1.0, 1.0)
+        far_rows(sizes, 1.0, 1.0)
 
 
 def test_the_typical_size_is_the_median_while_the_step_agrees_with_itself_and_its_past():

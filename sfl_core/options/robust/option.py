@@ -26,7 +26,7 @@ import torch
 
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
-from sfl_core.options.robust.rows import cut_sizes, outliers, rms, typical_size
+from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import change_sizes, coordinate_median, multi_krum, trimmed_mean, typical_changes
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class Robust(RoundOption):
                 ref = ctx.reference_rows(*cut)
                 self._anchors[cut] = rms(ref) if ref is not None else None
             typical = typical_size(list(sizes.values()), self.typical.get(cut), self._anchors[cut], factor)
-            far = outliers(sizes, typical, factor)
+            far = far_rows(sizes, typical, factor)
             kept = [x for a, x in sizes.items() if a not in far]
             if kept:
                 self.typical[cut] = statistics.median(kept)
@@ -139,8 +139,8 @@ class Robust(RoundOption):
             f = krum_f(len(ids), s.attackers)
             keep, scores = multi_krum([clients[a] for a in ids], f)
             out = sorted(ids[i] for i in range(len(ids)) if i not in keep)
-            typical = statistics.median(scores)
-            outliers = [a for a in out if scores[ids.index(a)] > OUTLIER_SCORE * typical]
+            median_score = statistics.median(scores)
+            outliers = [a for a in out if scores[ids.index(a)] > OUTLIER_SCORE * median_score]
             if out:
                 self.last["left_out"] = out
                 self.last["outliers"] = outliers

@@ -25,11 +25,13 @@ labels flipped or a backdoor's trigger, which leave the activations' scale alone
 from __future__ import annotations
 
 import math
-from typing import Hashable, Mapping, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
-__all__ = ["MIN_HOLDERS", "cut_sizes", "outliers", "rms", "typical_size"]
+__all__ = ["MIN_HOLDERS", "cut_sizes", "far_rows", "rms", "typical_size"]
+
+Cut = TypeVar("Cut", bound=Hashable)
 
 MIN_HOLDERS = 3
 """Devices that must share a cut for it to have a typical scale."""
@@ -40,10 +42,10 @@ def rms(x: torch.Tensor) -> float:
     return float(x.detach().float().pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
-def cut_sizes(rows: Mapping[str, torch.Tensor], cut: Mapping[str, Hashable]) -> dict[Hashable, dict[str, float]]:
+def cut_sizes(rows: Mapping[str, torch.Tensor], cut: Mapping[str, Cut]) -> dict[Cut, dict[str, float]]:
     """Per cut (``cut``: device -> its cut, any hashable) that at least :data:`MIN_HOLDERS`
     devices share, each such device's activations' RMS."""
-    by_cut: dict[Hashable, dict[str, float]] = {}
+    by_cut: dict[Cut, dict[str, float]] = {}
     for a, x in rows.items():
         by_cut.setdefault(cut[a], {})[a] = rms(x)
     return {c: sizes for c, sizes in by_cut.items() if len(sizes) >= MIN_HOLDERS}
@@ -75,7 +77,7 @@ def typical_size(sizes: Sequence[float], history: Optional[float], anchor: Optio
     return min(candidates, key=lambda v: abs(math.log(v / anchor)))
 
 
-def outliers(sizes: Mapping[str, float], typical: float, factor: float) -> dict[str, float]:
+def far_rows(sizes: Mapping[str, float], typical: float, factor: float) -> dict[str, float]:
     """The devices whose RMS in ``sizes`` lies outside ``[typical/factor, typical·factor]``,
     with their scale (RMS over ``typical``); none where that would be more than half of them (the
     typical size is then not the honest devices': a screen must not take out most of a fleet)."""
