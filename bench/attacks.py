@@ -5,14 +5,15 @@ what cost on an honest fleet?" A fleet of 20 simulated devices at Dirichlet 0.1 
 split learning with one merged server copy) trains with the attackers among them
 (:mod:`simulation.adversary`): the first 10 % or 30 % of the fleet label-flipping, planting a
 pixel-pattern backdoor, scaling their update x10 or x1000, sending NaN or random weights,
-scaling and noising their activations, or claiming 1000x their samples. Per defense
-(``robust.aggregate``: the plain mean with the default weight cap, clipping at 10x (the default)
-and 3x the round's typical change, the trimmed mean, the median, Multi-Krum; each with the default
-quarantine after 3 flagged rounds in a row) and attack it reports the final clean accuracy, the attack's success
+scaling and noising their activations, or claiming 1000x their samples. Per defense (no
+defense at all, ``off``; then each ``robust.aggregate`` with the default weight cap and screen of
+the server's rows: the plain mean, clipping at 10x (the default) and 3x the round's typical
+change, the trimmed mean, the median, Multi-Krum; each with the default quarantine after 3
+flagged rounds in a row) and attack it reports the final clean accuracy, the attack's success
 rate (label flip: test images sent to the flipped class; backdoor: triggered test images of
 other classes sent to the target), the honest devices flagged (false positives) and the
 attackers flagged, and the coordinator's wall seconds per round. The reference in the same run
-is the plain mean without attackers.
+is no defense without attackers.
 
     python bench/attacks.py --data digits --seeds 2 --jobs 2
 """
@@ -29,8 +30,9 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
-RULES = ("mean", "clip", "clip:3", "trimmed_mean", "median", "multi_krum")
-"""``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 10)."""
+RULES = ("off", "mean", "clip", "clip:3", "trimmed_mean", "median", "multi_krum")
+"""``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 10);
+``off`` is no defense at all: the plain mean, no weight cap, no screen of the server's rows."""
 ATTACKS = {   # name -> (kind, factor, noise)
     "none": None,
     "label flip": ("label_flip", 1.0, 0.0),
@@ -48,6 +50,8 @@ TARGET = 0
 
 def robust_section(rule: str) -> dict[str, Any]:
     """The run config's ``robust:`` for a bench rule (``clip:3``: clip at factor 3)."""
+    if rule == "off":
+        return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0}
     name, _, factor = rule.partition(":")
     return {"aggregate": name, **({"clip_factor": float(factor)} if factor else {})}
 
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     if args.quick:
-        args.seeds, args.rounds, args.rules, args.attacks, args.shares = 1, 2, ["mean", "clip"], ["none", "scale x1000"], [0.3]
+        args.seeds, args.rounds, args.rules, args.attacks, args.shares = 1, 2, ["off", "clip"], ["none", "scale x1000"], [0.3]
     jobs = [{"rule": rule, "attack": attack, "share": share if attack != "none" else 0.0, "seed": args.seed + s,
              "agents": args.agents, "rounds": args.rounds, "alpha": args.alpha, "data": args.data, "work": str(args.work)}
             for rule in args.rules for attack in args.attacks for share in (args.shares if attack != "none" else [0.0])
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.time()
     results = common.run_jobs(run_one, jobs, args)
     rows = []
-    clean = mean([r["accuracy"] for r in results if r["rule"] == "mean" and r["attack"] == "none"])
+    clean = mean([r["accuracy"] for r in results if r["rule"] == "off" and r["attack"] == "none"])
     for rule in args.rules:
         for attack in args.attacks:
             for share in (args.shares if attack != "none" else [0.0]):
@@ -152,10 +156,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "attackers_flagged": mean([r.get("attackers_flagged") for r in runs]),
                     "coordinator_s_per_round": mean([r.get("coordinator_s_per_round") for r in runs])})
     _print(rows)
-    payload = {"config": common.config_record(args), "reference": "the plain mean (robust: mean) without attackers, same seeds",
+    payload = {"config": common.config_record(args), "reference": "no defense (rule off: the plain mean, no weight cap, no "
+               "screen of the server's rows) without attackers, same seeds",
                "clean_accuracy": clean, "baseline_rates": {
-                   "flip_rate": mean([r["flip_rate"] for r in results if r["attack"] == "none" and r["rule"] == "mean"]),
-                   "backdoor_rate": mean([r["backdoor_rate"] for r in results if r["attack"] == "none" and r["rule"] == "mean"])},
+                   "flip_rate": mean([r["flip_rate"] for r in results if r["attack"] == "none" and r["rule"] == "off"]),
+                   "backdoor_rate": mean([r["backdoor_rate"] for r in results if r["attack"] == "none" and r["rule"] == "off"])},
                "rows": rows, "runs": results, "wall_s": time.time() - t0}
     path = common.write_result(args.out, "attacks" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else ""),
                                payload)

@@ -155,3 +155,11 @@ def test_identical_quick_writes_a_reference_and_finds_the_same_run_identical(tmp
     proc = subprocess.run([sys.executable, str(BENCH / "identical.py"), "--quick", "--check", str(ref)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "runs/demo.yaml: [1].accuracy:" in proc.stdout, proc.stdout
+
+
+def test_attack_signals_quick(tmp_path: Path) -> None:
+    doc = _run("attack_signals.py", tmp_path, "--work", str(tmp_path / "work"))
+    assert doc["benchmark"] == "attack_signals-quick"
+    assert {r["statistic"] for r in doc["results"]} == {"loss", "accuracy"}
+    for r in doc["results"]:
+        assert 0 <= r["honest"][0] <= r["honest"][1] and 0 <= r["flippers"][0] <= r["flippers"][1]
