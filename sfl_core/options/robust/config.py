@@ -37,20 +37,22 @@ class RobustConfig(OptionSection):
     KEY: ClassVar[str] = "robust"
     SHORTHAND: ClassVar[str] = "aggregate"
     DOCS: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("", "what a device that lies can do to the average (docs/methods/robust.md): its claimed weight is "
-             "capped and the round's states may be combined by a robust rule; 'robust: median' is short for "
+        ("", "what a device that lies can do to the round (docs/methods/robust.md): its claimed weight is "
+             "capped, its activations screened out of the server's step where their size is far from its cut's, "
+             "and the round's states combined by a robust rule; 'robust: median' is short for "
              "{aggregate: median}."),
         ("aggregate",
-         "mean (the method's weighted layer-wise average) | clip (default: each agent's change from the round's "
-         "start scaled down to at most clip_factor x the round's typical change; agents clipped are named) | trimmed_mean (coordinate-wise, the trim largest and smallest share of "
+         "mean (the method's weighted layer-wise average) | clip (default: an agent whose change from the round's "
+         "start is over clip_factor x the round's typical change is left out of the round, and named) | trimmed_mean (coordinate-wise, the trim largest and smallest share of "
          "values dropped; Yin et al. 2018) | median (coordinate-wise median; Yin et al. 2018) | multi_krum (the "
          "agents whose changes lie closest to their neighbours, the attackers share of the round's agents left "
          "out and named; Blanchard et al. 2017). The coordinate-wise rules ignore the weights."),
         ("clip_factor", "clip: how large an agent's change may be against the round's typical change, > 0 (1: "
-                        "typical; each layer's change against the median of that layer's holders, combined over "
-                        "its layers weighted by their elements, per unit of learning rate). The default 10 leaves "
+                        "typical; each layer's change against the median of that layer's holders, at most 3x the "
+                        "layer's typical change of the round before, combined over its layers weighted by their "
+                        "elements, per unit of learning rate). The default 10 leaves "
                         "honest devices alone (up to 8.6 on the shipped configs, small skewed fleets; under 3 on a "
-                        "20-device one) while random weights and updates scaled x1000 are bounded, named and, round "
+                        "20-device one) while random weights and updates scaled x1000 are left out, named and, round "
                         "after round, quarantined; 3 bounds tightly where a fleet's changes are alike."),
         ("trim", "trimmed_mean: the share of values dropped at each end of every coordinate, in [0, 0.5)."),
         ("attackers", "multi_krum: the share of a round's agents assumed malicious (f = floor(share x agents), "
