@@ -27,6 +27,7 @@ def _run(tmp_path, name: str, attack: Attack | None, rounds: int = 8, **robust):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     history, _ = _run(tmp_path_factory.mktemp("clean"), "clean", None)
+    assert all("robust" not in r for r in history), [r.get("robust") for r in history]   # the default: nobody flagged
     return history[-1]["accuracy"]
 
 
@@ -83,6 +84,9 @@ def test_poisoned_activations_are_left_out_of_the_server_step_by_default_and_the
     assert all("robust" not in r or not r["robust"].get("rows_left_out") for r in history[4:])
     named = [m for m in caplog.messages if "rows of sim-000 left out of the server's step" in m]
     assert len(named) == 3 and all("\n" not in m for m in named)    # once a round, not once a step
+    from coordinator.web import FleetPage
+    rows = {row["agent"]: row for row in FleetPage(tmp_path / "activations").state()["fleet"]}
+    assert rows["sim-000"]["flagged"].startswith("round 3: rows left out (activations")
     assert history[-1]["accuracy"] > clean - 0.1
 
 
