@@ -59,6 +59,11 @@ def capped_weights(weights: Mapping[str, float], cap: float) -> dict[str, float]
     return {a: min(w, bound) for a, w in weights.items()}
 
 
+def _farther(x: float, y: float) -> bool:
+    """Whether scale ``x`` lies farther from 1 than ``y``, either way (0: farthest)."""
+    return x <= 0 or (y > 0 and abs(math.log(x)) > abs(math.log(y)))
+
+
 class Robust(RoundOption):
     SECTION: ClassVar[type[RobustConfig]] = RobustConfig
 
@@ -72,7 +77,8 @@ class Robust(RoundOption):
         self.streak: dict[str, int] = {}
         """Per agent, its rounds in a row flagged (the rounds it took part in)."""
         self.rows: dict[str, tuple[int, float]] = {}
-        """This round's agents whose rows a server step left out: the steps, the largest scale."""
+        """This round's agents whose rows a server step left out: the steps, and the scale (their
+        activations' size over the typical) farthest from 1."""
         self._rows_round = -1
         self.typical: dict[tuple[int, int], float] = {}
         """Per cut (split, width), the median activations' RMS its accepted devices sent last."""
@@ -103,7 +109,7 @@ class Robust(RoundOption):
                     ctx.log(f"robust: round {r}: rows of {a} left out of the server's step {step}: its activations' "
                             f"size is {scale:.3g}x the typical size at its cut (limit {factor:g}x either way); "
                             f"its update is left out of the round's average", warning=True)
-                self.rows[a] = (steps + 1, max(worst, scale if scale >= 1 else (1 / scale if scale > 0 else math.inf)))
+                self.rows[a] = (steps + 1, scale if _farther(scale, worst) else worst)
             out |= set(far)
         return out
 
