@@ -153,8 +153,10 @@ class OptionHost:
         if not len(x):
             return None
         client = copy.deepcopy(self.model.client(split)).train()   # a device's mode; the model's statistics untouched
-        with torch.no_grad():
-            out = client(x.to(next(self.model.parameters()).device))
+        device = next(self.model.parameters()).device
+        # a user's model may hold dropout: the run's random streams must not move for this pass
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            out = client(x.to(device))
         return out[:, :width] if width else out
 
     def client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:

@@ -42,3 +42,34 @@ def test_a_step_where_most_lie_keeps_the_past_size_the_coordinators_own_agrees_w
     assert typical_size(sizes, history=1.05, anchor=1.3, factor=4) == 1.05
     # every device's activations grew together (the coordinator's own did too): the step stands
     assert typical_size([9.0, 10.0, 11.0], history=1.0, anchor=10.5, factor=4) == 10.0
+
+
+def test_the_coordinators_own_activations_leave_its_model_and_random_streams_alone(tmp_path):
+    """A user's model may hold dropout and BatchNorm: the reference pass must not move the run's
+    random stream nor the model's running statistics (an honest run is the same with the screen)."""
+    from torch import nn
+
+    from coordinator.option_host import OptionHost
+    from coordinator.validation import ValidationSet
+
+    class Host(OptionHost):
+        def __init__(self, model):
+            self.model, self.validation = model, ValidationSet(torch.randn(80, 4), torch.zeros(80, dtype=torch.long))
+
+    class Model(nn.Module):   # the two methods of a SplitModel the pass uses
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5))
+
+        def client(self, split):
+            return self.body
+
+    model = Model()
+    host = Host(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    out = host.reference_rows(1, 4)
+    assert out.shape == (64, 4) and torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
