@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution
 
-__all__ = ["Evidence", "label_skew", "absent_classes", "swing"]
+__all__ = ["Evidence", "label_skew", "absent_classes", "swing", "climb"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,17 @@ def swing(accuracy: Sequence[float], last: int = 5) -> Optional[float]:
     if len(tail) < last:
         return None
     return sum(max(0.0, a - b) for a, b in zip(tail, tail[1:])) / (len(tail) - 1)
+
+
+def climb(accuracy: Sequence[float], last: int = 5) -> Optional[float]:
+    """How much the validation accuracy gains a round, net, over the ``last`` scored rounds (the
+    last one's less the first one's, over the rounds between; None before there are that many).
+    A run whose :func:`swing` matches or exceeds its climb has stopped improving on the whole: its
+    rounds only move the model around where it has got to."""
+    tail = list(accuracy)[-last:]
+    if len(tail) < last:
+        return None
+    return (tail[-1] - tail[0]) / (len(tail) - 1)
 
 
 def evidence_of(*, histograms: Mapping[str, Sequence[int]], classes: int, per_round: int,

@@ -13,7 +13,7 @@ import pytest
 from sfl_core import option_registry
 from sfl_core.config.run import run_config_from_dict
 from sfl_core.config.section import OptionSection
-from sfl_core.evidence import Evidence, absent_classes, evidence_of, label_skew, swing
+from sfl_core.evidence import Evidence, absent_classes, climb, evidence_of, label_skew, swing
 from sfl_core.methods.auto.learning import LearningOptions
 from sfl_core.methods.auto.structure import (DEPTH_COST, SELECTION_SHARE, SEQUENTIAL_SERVER_BLOCKS, selection_for,
                                              server_mode_for, shallow_cuts)
@@ -48,6 +48,8 @@ def test_swing_counts_falls_back_not_progress():
     assert swing([0.1, 0.3, 0.5, 0.6]) is None                        # too few scored rounds
     assert swing([0.1, 0.3, 0.5, 0.6, 0.7]) == 0.0                    # only improving
     assert swing([0.5, 0.4, 0.6, 0.5, 0.6]) == pytest.approx((0.1 + 0.1) / 4)
+    assert climb([0.1, 0.3, 0.5, 0.6]) is None
+    assert climb([0.5, 0.4, 0.6, 0.5, 0.6]) == pytest.approx(0.1 / 4)   # net, from the first to the last
     ev = evidence_of(histograms={"a": [10, 0], "b": [0, 10], "c": [5, 5]}, classes=2, per_round=2,
                      batch_norm=False)
     assert (ev.agents, ev.per_round, ev.partial, ev.skewed) == (3, 2, True, True)
@@ -62,11 +64,15 @@ def test_drift_correction_pays_on_skewed_labels_only():
         assert off.changes is None and "close enough" in off.reason
 
 
-def test_server_momentum_needs_a_sample_of_skewed_devices():
-    assert ServerOpt.recommend(_cfg(), SKEWED, False).changes == {"kind": "momentum", "lr": 1.0, "beta1": 0.5}
-    everyone = dataclasses.replace(SKEWED, per_round=40)
-    assert ServerOpt.recommend(_cfg(), everyone, False).changes is None
-    assert ServerOpt.recommend(_cfg(), ALIKE, False).changes is None
+def test_server_momentum_wherever_a_round_trains_a_sample_of_the_fleet():
+    momentum = {"kind": "momentum", "lr": 1.0, "beta1": 0.5}
+    assert ServerOpt.recommend(_cfg(), SKEWED, False).changes == momentum
+    # balanced labels too: the rounds' samples still differ (S2FL's setting at Dirichlet 0.5 and IID)
+    alike = ServerOpt.recommend(_cfg(), ALIKE, False)
+    assert alike.changes == momentum and "8 of 40 devices (mean KL 0.02" in alike.reason
+    for fleet in (SKEWED, ALIKE, MILD):                # every device every round: nothing to even out
+        everyone = ServerOpt.recommend(_cfg(), dataclasses.replace(fleet, per_round=40), False)
+        assert everyone.changes is None and "every device trains every round" in everyone.reason
 
 
 def test_federated_statistics_need_batchnorm_and_skew():
@@ -83,11 +89,29 @@ def test_the_delivered_average_follows_the_swings_and_then_stays():
     assert ModelEma.recommend(_cfg(), steady, False).changes is None
     swinging = dataclasses.replace(ALIKE, accuracy=(0.6, 0.5, 0.62, 0.52, 0.63))   # falls 10 + 10 points
     assert ModelEma.recommend(_cfg(), swinging, False).changes == {"decay": 0.8}
-    calmer = dataclasses.replace(ALIKE, accuracy=(0.60, 0.58, 0.60, 0.58, 0.60))   # falls of 1 point a round
+    everyone = dataclasses.replace(ALIKE, per_round=40)
+    calmer = dataclasses.replace(everyone, accuracy=(0.60, 0.58, 0.60, 0.58, 0.60))   # falls of 1 point a round
     assert ModelEma.recommend(_cfg(), calmer, False).changes is None
     # once on, the scored accuracy is the average's: its calm is no evidence the model steadied
     assert ModelEma.recommend(_cfg(), calmer, True).changes == {"decay": 0.8}
     assert ModelEma.recommend(_cfg(), steady, True).changes == {"decay": 0.8}
+
+
+def test_the_average_where_a_sample_of_the_fleet_has_stopped_climbing():
+    """A round's sample moves a model that has stopped improving around where it got to: from
+    there the average (not before: on a climbing run it lags)."""
+    plateau = (0.84, 0.86, 0.82, 0.85, 0.86)              # falls 4 points over 4 rounds, gains 2 net
+    on = ModelEma.recommend(_cfg(), dataclasses.replace(ALIKE, accuracy=plateau), False)
+    assert on.changes == {"decay": 0.8}
+    assert "8 of 40 devices a round and the accuracy has stopped climbing (net +0.5 points a round, " \
+           "falls back 1.0)" in on.reason
+    climbing = dataclasses.replace(ALIKE, accuracy=(0.70, 0.74, 0.72, 0.77, 0.78))   # falls 2, gains 8
+    still = ModelEma.recommend(_cfg(), climbing, False)
+    assert still.changes is None and "still climbs" in still.reason
+    flat = dataclasses.replace(ALIKE, accuracy=(0.85,) * 5)                # no sample noise to average out
+    assert ModelEma.recommend(_cfg(), flat, False).changes is None
+    everyone = dataclasses.replace(ALIKE, per_round=40, accuracy=plateau)  # the demo: every device every round
+    assert ModelEma.recommend(_cfg(), everyone, False).changes is None
 
 
 # ---------------------------------------------------------------- the server mode and the cut's depth

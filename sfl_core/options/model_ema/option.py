@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping, Optional
 
 import torch
 
-from sfl_core.evidence import swing
+from sfl_core.evidence import climb, swing
 from sfl_core.options.base import Recommendation, RoundContext, RoundOption
 from sfl_core.options.model_ema.average import STATE_PREFIX, ModelAverage, delivered_weights
 from sfl_core.options.model_ema.config import ModelEmaConfig
@@ -41,19 +41,28 @@ class ModelEma(RoundOption):
     @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
         """The average (decay 0.8) once the global model swings from round to round: the scored
-        accuracy falls back by :attr:`SWINGS` a round on average. Not from the label skew alone:
-        on a run still climbing, the average of the last rounds lags the last one (it cost
-        accuracy on short skewed runs). Once on it stays on: the scored accuracy is then the
+        accuracy falls back by :attr:`SWINGS` a round on average; or, where a round trains a
+        sample of the fleet, once the accuracy has stopped climbing (it falls back as much as it
+        gains over the last 5 scored rounds, :func:`~sfl_core.evidence.climb`): from there each
+        round's sample only moves the model around where it has got to, and the average sits in
+        the middle. Not from the label skew alone, nor earlier: on a run still climbing, the
+        average of the last rounds lags the last one (it cost accuracy on short skewed runs, and
+        time to the target everywhere). Once on it stays on: the scored accuracy is then the
         average's, which no longer shows the swings that switched it on (switching off on its
         calm made the average flap on and off at the hard end, losing it each time)."""
         if on:
             return Recommendation({"decay": 0.8}, "kept: the scored accuracy is the average's from here on")
-        s = swing(evidence.accuracy)
+        s, c = swing(evidence.accuracy), climb(evidence.accuracy)
         if s is not None and s >= cls.SWINGS:
             return Recommendation({"decay": 0.8}, f"the accuracy falls back {100 * s:.1f} points a round: "
                                                   f"the delivered model averages the last rounds' (decay 0.8)")
-        return Recommendation(None, "the accuracy does not fall back" + ("" if s is not None else " (yet)") +
-                                    ": the global model is delivered as it is")
+        if evidence.partial and s is not None and c is not None and s > 0 and s >= c:
+            return Recommendation({"decay": 0.8}, f"{evidence.per_round} of {evidence.agents} devices a round and "
+                                                  f"the accuracy has stopped climbing (net {100 * c:+.1f} points a "
+                                                  f"round, falls back {100 * s:.1f}): the delivered model averages "
+                                                  f"the last rounds' (decay 0.8)")
+        return Recommendation(None, "the accuracy " + ("does not fall back" if not s else "still climbs") +
+                                    ("" if s is not None else " (yet)") + ": the global model is delivered as it is")
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)

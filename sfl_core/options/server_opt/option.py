@@ -35,15 +35,18 @@ class ServerOpt(RoundOption):
 
     @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
-        """Server momentum (FedAvgM, β = 0.5) where each round trains a different sample of
-        label-skewed devices, whose averages point different ways from round to round; nothing
-        more crosses the wire."""
-        if evidence.strongly_skewed and evidence.partial:
+        """Server momentum (FedAvgM, beta 0.5) wherever a round trains a sample of the fleet: each
+        round's average follows the devices it happened to take (their classes where labels are
+        skewed, their batches' noise where they are not), and momentum keeps the direction the
+        rounds share. Nothing more crosses the wire. Where every device trains every round the
+        rounds do not differ by their sample, and plain averaging stays."""
+        if evidence.partial:
+            why = ("label-skewed devices" if evidence.strongly_skewed else
+                   f"devices (mean KL {evidence.label_skew:.2f} nats to the fleet's mix)")
             return Recommendation({"kind": "momentum", "lr": 1.0, "beta1": 0.5},
-                                  f"{evidence.per_round} of {evidence.agents} label-skewed devices a round: "
-                                  f"server momentum (FedAvgM) evens out the rounds' directions")
-        why = "every device trains every round" if evidence.strongly_skewed else "devices' label mixes close enough"
-        return Recommendation(None, f"{why}: plain averaging")
+                                  f"{evidence.per_round} of {evidence.agents} {why} a round: server momentum "
+                                  f"(FedAvgM) evens out the directions of the rounds' samples")
+        return Recommendation(None, "every device trains every round: plain averaging")
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)
