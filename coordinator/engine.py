@@ -182,7 +182,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
             losses = self._train_steps(r, agents, mine)
             log.info("server worker %d: round %d trained %s (last loss %s)", self.shards.rank, r,
                      ", ".join(mine) or "-", f"{losses[-1]:.4f}" if losses else "-")
-            self.shards.gather({a: shard_round.counters(ra) for a, ra in agents.items()})
+            self.shards.gather(shard_round.report(agents, self.worker_findings(r)))
         self.shards.close()
 
     def run_counted_round(self, r: int) -> dict[str, Any]:
@@ -272,7 +272,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         uploads = self.session.collect(agents, "weights", r, self.cfg.local_iters - 1)
         self.session.deadline = None
         if self.shards is not None:
-            shard_round.merge_counters(self.shards, self.transport, agents, mine)
+            self.merge_worker_findings(r, shard_round.merge_counters(self.shards, self.transport, agents, mine))
         return self._aggregate_and_record(r, plan, agents, uploads, losses, time.monotonic() - wall0)
 
     def _train_steps(self, r: int, agents: dict[str, RoundAgent], mine: list[str]) -> list[float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, cast
 
 import torch
 
@@ -90,6 +90,19 @@ class OptionHost:
             out |= option.screen_rows(ctx, r, step, {a: b[0] for a, b in batches.items() if a not in out},
                                       {a: agents[a].assignment for a in batches})
         return out
+
+    def worker_findings(self, r: int) -> dict[str, Any]:
+        """A server worker's options' findings on its rows this round, by option key."""
+        return {o.SECTION.KEY: found for o in self.options if (found := o.worker_findings(r))}
+
+    def merge_worker_findings(self, r: int, reports: Sequence[Mapping[str, Any]]) -> None:
+        """The leader's options hear what the workers' copies found (:meth:`worker_findings`)."""
+        ctx = cast("RoundContext", self)
+        for found in reports:
+            for option in self.options:
+                mine = found.get(option.SECTION.KEY) if isinstance(found, Mapping) else None
+                if isinstance(mine, Mapping):
+                    option.merge_worker_findings(ctx, r, mine)
 
     def server_loss(self) -> "LossSpec":
         """How the server scores its rows: the method's loss, as the run's options change it."""

@@ -5,7 +5,8 @@ The leader plans the round as usual, shares its split agents out among the ranks
 and waits until each has subscribed to its agents; each rank then runs the server steps of its
 own agents, the ranks' gradients all-reduced at every step. At the end the workers send back
 what they counted for their agents (bytes, messages, times), so the leader prices and records
-the whole round as one.
+the whole round as one, and what the run's options found on their rows (an agent whose rows
+the defense left out), so the leader's aggregation hears of it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sfl_core.wire.assignment import Assignment
 
 log = logging.getLogger("sfl.coord")
 
-__all__ = ["lead", "follow", "counters", "merge_counters"]
+__all__ = ["lead", "follow", "counters", "report", "merge_counters"]
 
 
 def lead(shards: ServerShards, transport: Transport, model: SplitModel, r: int, plan: RoundPlan,
@@ -76,13 +77,22 @@ def counters(ra: RoundAgent) -> dict[str, Any]:
             "server_s": ra.server_s, "labels_withheld": ra.labels_withheld}
 
 
+def report(agents: dict[str, RoundAgent], findings: dict[str, Any]) -> dict[str, Any]:
+    """A server worker's end of a round, sent to the leader: what it counted for its agents, and
+    what the run's options found on their rows (:meth:`RoundOption.worker_findings`, by option key)."""
+    return {"agents": {a: counters(ra) for a, ra in agents.items()}, "options": findings}
+
+
 def merge_counters(shards: ServerShards, transport: Transport, agents: dict[str, RoundAgent],
-                   mine: list[str]) -> None:
+                   mine: list[str]) -> list[dict[str, Any]]:
     """The leader's end of a round: add what the other workers counted for their agents to what
-    the leader counted itself (the assignment and the weights)."""
+    the leader counted itself (the assignment and the weights); returns what the options found on
+    each other worker's rows (:func:`report`), for the leader's options to merge."""
     transport.not_mine = frozenset()
-    for theirs in shards.gather({a: counters(agents[a]) for a in mine if a in agents})[1:]:
-        for a, c in theirs.items():
+    found: list[dict[str, Any]] = []
+    for doc in shards.gather(report({a: agents[a] for a in mine if a in agents}, {}))[1:]:
+        found.append(doc.get("options") or {})
+        for a, c in (doc.get("agents") or {}).items():
             ra = agents.get(a)
             if ra is None:
                 continue
@@ -94,3 +104,4 @@ def merge_counters(shards: ServerShards, transport: Transport, agents: dict[str,
             ra.busy_s = c["busy_s"]
             if c["labels_withheld"]:
                 ra.labels_withheld = True
+    return found

@@ -13,6 +13,7 @@ import signal
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,6 +89,92 @@ def test_two_gloo_ranks_train_the_server_model_one_process_trains(tmp_path):
     assert sorted(shared) == sorted(grads)
     for key, g in grads.items():
         torch.testing.assert_close(shared[key], g, rtol=1e-5, atol=1e-6)
+
+
+def _screening_rank(rank: int, world: int, init: str, out: str) -> None:
+    """Rank 1 screens its four agents' rows (one sends activations 100x the others'); rank 0, the
+    leader, holds no rows, hears of it at the round's end and aggregates without that agent."""
+    import json
+
+    from coordinator import shard_round
+    from coordinator.option_host import OptionHost
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.options.robust.option import Robust
+
+    class Host(OptionHost):
+        def __init__(self, robust):
+            self.options, self.lines = [robust], []
+
+        def log(self, text, *, warning=False):
+            self.lines.append(text)
+
+        def reference_rows(self, split, width):
+            return None
+
+        def quarantine(self, agent_id, why):
+            self.lines.append(f"quarantined {agent_id}")
+
+    class Transport:
+        not_mine = frozenset({"w0", "w1", "w2", "liar"})
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    shards = ServerShards(rank, world, torch.device("cpu"))
+    cfg = run_config_from_dict({"model": "small_cnn", "min_agents": 2})
+    host = Host(Robust(cfg, build_model("small_cnn", (1, 8, 8), 10)))
+    ids = ["w0", "w1", "w2", "liar"]
+    assignments = {a: SimpleNamespace(split=1, width=0, lr=0.1) for a in ids}   # what the screens read
+    if rank == 1:
+        gen = torch.Generator().manual_seed(1)
+        for step in range(2):
+            rows = {a: torch.randn(4, 8, generator=gen) * (100.0 if a == "liar" else 1.0) for a in ids}
+            assert host.screen_rows(3, step, {a: SimpleNamespace(assignment=assignments[a]) for a in ids},
+                                    {a: (x, None) for a, x in rows.items()}) == {"liar"}
+        shards.gather(shard_round.report({}, host.worker_findings(3)))
+    else:
+        host.merge_worker_findings(3, shard_round.merge_counters(shards, Transport(), {}, []))
+        start = {"w": torch.zeros(3)}
+        clients = {a: {"w": torch.full((3,), 0.1 * (i + 1))} for i, a in enumerate(ids)}
+        kept, weights = host.options[0].screen(host, 3, start, clients, {a: 1.0 for a in ids}, assignments)
+        with open(f"{out}/leader.json", "w") as f:
+            json.dump({"kept": sorted(kept), "weights": sorted(weights), "lines": host.lines,
+                       "metrics": host.options[0].round_metrics()}, f)
+    shards.close()
+
+
+def test_a_workers_screened_agent_is_left_out_of_the_leaders_average_and_named(tmp_path):
+    """The server portion's screen runs where the rows are, on each server worker; the leader's
+    aggregation hears of the agents it left out (their update out, named in the leader's log and
+    metrics, counted towards quarantine), through the round's end report over the ranks."""
+    import json
+
+    mp.start_processes(_screening_rank, args=(2, f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    leader = json.loads((tmp_path / "leader.json").read_text())
+    assert leader["kept"] == leader["weights"] == ["w0", "w1", "w2"]
+    assert leader["metrics"]["rows_left_out"] == {"liar": 2}
+    assert leader["metrics"]["activation_scale"]["liar"] > 20
+    assert any(line.startswith("robust: round 3: a server worker left the rows of liar out of 2 of its steps")
+               for line in leader["lines"]), leader["lines"]
+
+
+def test_a_malformed_worker_finding_is_named_and_ignored():
+    from coordinator.option_host import OptionHost
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.options.robust.option import Robust
+
+    class Host(OptionHost):
+        def __init__(self, robust):
+            self.options, self.lines = [robust], []
+
+        def log(self, text, *, warning=False):
+            self.lines.append(text)
+
+    robust = Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), build_model("small_cnn", (1, 8, 8), 10))
+    host = Host(robust)
+    host.merge_worker_findings(2, [{"robust": {"rows": {"a": [0, 5.0], "b": ["x", 1], "c": [1, float("nan")],
+                                                          "d": [2, 9.0]}}}, {"robust": "junk"}, "junk"])
+    assert robust.rows == {"d": (2, 9.0)}
+    assert sum("malformed" in line for line in host.lines) == 3
 
 
 @pytest.mark.slow

@@ -238,6 +238,17 @@ class RoundOption:
         zero gradient back. Called before the server's forward, on every server worker."""
         return set()
 
+    def worker_findings(self, r: int) -> dict[str, Any]:
+        """With server workers (``sfl-coord serve --server-workers N``): what this option found in
+        round ``r`` on a worker's own rows (:meth:`screen_rows`) that the leader's copy must hear
+        of to aggregate (msgpack-able: plain numbers, strings, lists, dicts). Empty: nothing."""
+        return {}
+
+    def merge_worker_findings(self, ctx: RoundContext, r: int, findings: Mapping[str, Any]) -> None:
+        """On the leader, before the round's aggregation: what a worker's copy of this option
+        reported (:meth:`worker_findings`). It comes from the run's own processes, but is checked
+        like anything received."""
+
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
                assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:

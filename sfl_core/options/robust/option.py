@@ -113,6 +113,31 @@ class Robust(RoundOption):
             out |= set(far)
         return out
 
+    def worker_findings(self, r: int) -> dict[str, Any]:
+        rows = self.rows if self._rows_round == r else {}
+        return {"rows": {a: [steps, scale] for a, (steps, scale) in rows.items()}} if rows else {}
+
+    def merge_worker_findings(self, ctx: RoundContext, r: int, findings: Mapping[str, Any]) -> None:
+        """A worker's agents whose rows it left out: their updates are left out here, they are
+        named in the leader's log and metrics and counted towards quarantine, as the leader's own."""
+        rows = findings.get("rows") if isinstance(findings, Mapping) else None
+        if not isinstance(rows, Mapping):
+            return
+        if r != self._rows_round:
+            self.rows, self._rows_round, self._anchors = {}, r, {}
+        for a, found in rows.items():
+            if not (isinstance(a, str) and isinstance(found, (list, tuple)) and len(found) == 2
+                    and isinstance(found[0], int) and found[0] > 0 and isinstance(found[1], (int, float))
+                    and math.isfinite(found[1]) and found[1] >= 0):
+                ctx.log(f"robust: round {r}: a server worker's finding for {a!r} is malformed; ignored", warning=True)
+                continue
+            steps, scale = int(found[0]), float(found[1])
+            ctx.log(f"robust: round {r}: a server worker left the rows of {a} out of {steps} of its steps "
+                    f"(activations {scale:.3g}x the typical size at its cut); its update is left out of the "
+                    f"round's average", warning=True)
+            mine = self.rows.get(a, (0, 1.0))
+            self.rows[a] = (mine[0] + steps, scale if _farther(scale, mine[1]) else mine[1])
+
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
                assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
