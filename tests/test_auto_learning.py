@@ -116,16 +116,20 @@ def test_the_average_where_a_sample_of_the_fleet_has_stopped_climbing():
 
 # ---------------------------------------------------------------- the server mode and the cut's depth
 
-def test_the_server_is_sequential_on_strong_skew_over_a_shallow_server_portion_only():
+def test_the_server_is_sequential_except_on_strong_skew_over_a_deep_server_portion():
     mode, why = server_mode_for(SKEWED, server_blocks=4, shared=False)
     assert mode == "sequential" and "0.90 nats" in why
     assert server_mode_for(dataclasses.replace(ALIKE, absent=0.45), server_blocks=3, shared=False)[0] == "sequential"
-    for fleet in (ALIKE, MILD):
-        assert server_mode_for(fleet, server_blocks=3, shared=False)[0] == "merged"
     mode, why = server_mode_for(SKEWED, server_blocks=SEQUENTIAL_SERVER_BLOCKS + 1, shared=False)
     assert mode == "merged" and f"{SEQUENTIAL_SERVER_BLOCKS + 1} blocks" in why   # a deep server portion
-    mode, why = server_mode_for(SKEWED, server_blocks=3, shared=True)
-    assert mode == "merged" and "server workers" in why
+    # mixes close to the fleet's: a device's batch is like the fleet's, at any depth (S2FL's VGG-16)
+    for fleet in (ALIKE, MILD):
+        for blocks in (3, 12):
+            mode, why = server_mode_for(fleet, server_blocks=blocks, shared=False)
+            assert mode == "sequential" and "close to the fleet's" in why
+    for fleet in (SKEWED, ALIKE):
+        mode, why = server_mode_for(fleet, server_blocks=3, shared=True)
+        assert mode == "merged" and "server workers" in why
 
 
 def test_label_mix_selection_where_a_round_takes_a_small_share_of_the_fleet_only():
@@ -183,7 +187,7 @@ SKEWED_COUNTS = [[30 if i == k else 0 for i in range(10)] for k in range(4)]
 ALIKE_COUNTS = [[3] * 10] * 4
 
 
-def test_auto_decides_the_server_mode_and_the_depth_on_a_skewed_fleet_only():
+def test_auto_decides_the_server_mode_and_the_depth_from_the_skew():
     settled, lines, every, method = _auto(SKEWED_COUNTS)
     assert settled.server_mode == "sequential"
     assert any(line.startswith("auto: server: server_mode sequential (round 1: strongly label-skewed") for line in lines)
@@ -193,8 +197,9 @@ def test_auto_decides_the_server_mode_and_the_depth_on_a_skewed_fleet_only():
     assert method._round_over(tuple(kept), method.agents) <= DEPTH_COST * method._round_over(
         tuple(s for s in every if s != method.model.num_blocks), method.agents) + 1e-12
     settled, lines, every, method = _auto(ALIKE_COUNTS)
-    assert settled.server_mode == "merged" and method.candidates == every     # merged, every cut
-    assert method.round_metrics()["learning"]["server"] == {"server_mode": "merged"}
+    assert settled.server_mode == "sequential" and method.candidates == every     # every cut
+    assert method.round_metrics()["learning"]["server"] == {"server_mode": "sequential"}
+    assert "cut" not in method.round_metrics()["learning"]
 
 
 def test_a_server_portion_deeper_than_the_bound_stays_merged(monkeypatch):

@@ -81,7 +81,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ('strategy',
      'sfl (split learning) | fedavg (whole model on the agent) | s2fl (sliding split + data-balance groups, see s2fl) | auto (split, codec and batch planned per agent every round, see auto).'),
     ('server_mode',
-     'auto (the default: merged, except that strategy auto decides it from the fleet: sequential on a strongly label-skewed fleet, docs/methods/auto.md) | merged (feature merging: one server forward/backward over the concatenated activations of all agents) | per_agent (SplitFed v1: one server copy per agent, copies averaged) | sequential (SplitFed v2: one server copy updated agent after agent).'),
+     'auto (the default: merged, except that strategy auto decides it from the fleet: sequential, unless the devices are strongly label-skewed over a deep server portion or server workers share the round, docs/methods/auto.md) | merged (feature merging: one server forward/backward over the concatenated activations of all agents) | per_agent (SplitFed v1: one server copy per agent, copies averaged) | sequential (SplitFed v2: one server copy updated agent after agent).'),
     ('split',
      "split point s (client portion = layers[:s]), >= 1; null = the model's default."),
     ('batch_size',
