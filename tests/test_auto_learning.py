@@ -110,6 +110,9 @@ def test_the_average_where_a_sample_of_the_fleet_has_stopped_climbing():
     assert still.changes is None and "still climbs" in still.reason
     flat = dataclasses.replace(ALIKE, accuracy=(0.85,) * 5)                # no sample noise to average out
     assert ModelEma.recommend(_cfg(), flat, False).changes is None
+    # a model stuck at chance (MergeSFL's setting, some seeds for 30 rounds) has not yet climbed
+    stuck = dataclasses.replace(ALIKE, accuracy=(0.11, 0.11, 0.10, 0.10, 0.10))
+    assert ModelEma.recommend(_cfg(), stuck, False).changes is None
     everyone = dataclasses.replace(ALIKE, per_round=40, accuracy=plateau)  # the demo: every device every round
     assert ModelEma.recommend(_cfg(), everyone, False).changes is None
 

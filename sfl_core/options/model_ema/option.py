@@ -45,7 +45,7 @@ class ModelEma(RoundOption):
         sample of the fleet, once the accuracy has stopped climbing (it falls back as much as it
         gains over the last 5 scored rounds, :func:`~sfl_core.evidence.climb`): from there each
         round's sample only moves the model around where it has got to, and the average sits in
-        the middle. Not from the label skew alone, nor earlier: on a run still climbing, the
+        the middle; not while the accuracy is still near chance (:meth:`_learned`). Not from the label skew alone, nor earlier: on a run still climbing, the
         average of the last rounds lags the last one (it cost accuracy on short skewed runs, and
         time to the target everywhere). Once on it stays on: the scored accuracy is then the
         average's, which no longer shows the swings that switched it on (switching off on its
@@ -56,13 +56,21 @@ class ModelEma(RoundOption):
         if s is not None and s >= cls.SWINGS:
             return Recommendation({"decay": 0.8}, f"the accuracy falls back {100 * s:.1f} points a round: "
                                                   f"the delivered model averages the last rounds' (decay 0.8)")
-        if evidence.partial and s is not None and c is not None and s > 0 and s >= c:
+        if evidence.partial and s is not None and c is not None and s > 0 and s >= c and cls._learned(evidence):
             return Recommendation({"decay": 0.8}, f"{evidence.per_round} of {evidence.agents} devices a round and "
                                                   f"the accuracy has stopped climbing (net {100 * c:+.1f} points a "
                                                   f"round, falls back {100 * s:.1f}): the delivered model averages "
                                                   f"the last rounds' (decay 0.8)")
         return Recommendation(None, "the accuracy " + ("does not fall back" if not s else "still climbs") +
                                     ("" if s is not None else " (yet)") + ": the global model is delivered as it is")
+
+    @staticmethod
+    def _learned(evidence: "Evidence") -> bool:
+        """The last 5 scored rounds all lie clearly above chance (twice it): a run that has not
+        started climbing yet (a model stuck at chance for tens of rounds) has not stopped
+        climbing either, and an average switched on there would lag the climb when it comes."""
+        tail = list(evidence.accuracy)[-5:]
+        return bool(tail) and evidence.classes > 0 and min(tail) >= 2 / evidence.classes
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)
