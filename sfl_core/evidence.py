@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from sfl_core.label_mix import dist_matrix, kl_rows, population_distribution
 
-__all__ = ["Evidence", "label_skew", "absent_classes", "swing", "climb"]
+__all__ = ["Evidence", "label_skew", "absent_classes", "swing", "climb", "above_chance"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,14 @@ def climb(accuracy: Sequence[float], last: int = 5) -> Optional[float]:
     if len(tail) < last:
         return None
     return (tail[-1] - tail[0]) / (len(tail) - 1)
+
+
+def above_chance(accuracy: Sequence[float], classes: int, last: int = 5) -> bool:
+    """Whether each of the ``last`` scored rounds lies clearly above chance (twice it, for
+    ``classes`` classes): a run stuck at chance for tens of rounds has not started climbing, so
+    it has not stopped climbing either."""
+    tail = list(accuracy)[-last:]
+    return len(tail) == last and classes > 0 and min(tail) >= 2 / classes
 
 
 def evidence_of(*, histograms: Mapping[str, Sequence[int]], classes: int, per_round: int,

@@ -13,7 +13,7 @@ import pytest
 from sfl_core import option_registry
 from sfl_core.config.run import run_config_from_dict
 from sfl_core.config.section import OptionSection
-from sfl_core.evidence import Evidence, absent_classes, climb, evidence_of, label_skew, swing
+from sfl_core.evidence import Evidence, above_chance, absent_classes, climb, evidence_of, label_skew, swing
 from sfl_core.methods.auto.learning import LearningOptions
 from sfl_core.methods.auto.structure import (DEPTH_COST, SELECTION_SHARE, SEQUENTIAL_SERVER_BLOCKS, selection_for,
                                              server_mode_for, shallow_cuts)
@@ -50,6 +50,8 @@ def test_swing_counts_falls_back_not_progress():
     assert swing([0.5, 0.4, 0.6, 0.5, 0.6]) == pytest.approx((0.1 + 0.1) / 4)
     assert climb([0.1, 0.3, 0.5, 0.6]) is None
     assert climb([0.5, 0.4, 0.6, 0.5, 0.6]) == pytest.approx(0.1 / 4)   # net, from the first to the last
+    assert above_chance([0.1, 0.3, 0.3, 0.3, 0.3, 0.3], 10)                 # the last 5, each >= 2 / 10
+    assert not above_chance([0.3, 0.3, 0.19, 0.3, 0.3], 10) and not above_chance([0.3] * 4, 10)
     ev = evidence_of(histograms={"a": [10, 0], "b": [0, 10], "c": [5, 5]}, classes=2, per_round=2,
                      batch_norm=False)
     assert (ev.agents, ev.per_round, ev.partial, ev.skewed) == (3, 2, True, True)
@@ -112,7 +114,8 @@ def test_the_average_where_a_sample_of_the_fleet_has_stopped_climbing():
     assert ModelEma.recommend(_cfg(), flat, False).changes is None
     # a model stuck at chance (MergeSFL's setting, some seeds for 30 rounds) has not yet climbed
     stuck = dataclasses.replace(ALIKE, accuracy=(0.11, 0.11, 0.10, 0.10, 0.10))
-    assert ModelEma.recommend(_cfg(), stuck, False).changes is None
+    waiting = ModelEma.recommend(_cfg(), stuck, False)
+    assert waiting.changes is None and "near chance" in waiting.reason
     everyone = dataclasses.replace(ALIKE, per_round=40, accuracy=plateau)  # the demo: every device every round
     assert ModelEma.recommend(_cfg(), everyone, False).changes is None
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping, Optional
 
 import torch
 
-from sfl_core.evidence import climb, swing
+from sfl_core.evidence import above_chance, climb, swing
 from sfl_core.options.base import Recommendation, RoundContext, RoundOption
 from sfl_core.options.model_ema.average import STATE_PREFIX, ModelAverage, delivered_weights
 from sfl_core.options.model_ema.config import ModelEmaConfig
@@ -43,34 +43,32 @@ class ModelEma(RoundOption):
         """The average (decay 0.8) once the global model swings from round to round: the scored
         accuracy falls back by :attr:`SWINGS` a round on average; or, where a round trains a
         sample of the fleet, once the accuracy has stopped climbing (it falls back as much as it
-        gains over the last 5 scored rounds, :func:`~sfl_core.evidence.climb`): from there each
-        round's sample only moves the model around where it has got to, and the average sits in
-        the middle; not while the accuracy is still near chance (:meth:`_learned`). Not from the label skew alone, nor earlier: on a run still climbing, the
-        average of the last rounds lags the last one (it cost accuracy on short skewed runs, and
-        time to the target everywhere). Once on it stays on: the scored accuracy is then the
-        average's, which no longer shows the swings that switched it on (switching off on its
-        calm made the average flap on and off at the hard end, losing it each time)."""
+        gains over the last 5 scored rounds, all clearly above chance:
+        :func:`~sfl_core.evidence.climb`, :func:`~sfl_core.evidence.above_chance`): from there
+        each round's sample only moves the model around where it has got to, and the average sits
+        in the middle. Not from the label skew alone, nor earlier: on a run still climbing, or
+        stuck at chance before it climbs, the average of the last rounds lags the last one (it
+        cost accuracy on short skewed runs, and time to the target everywhere). Once on it stays
+        on: the scored accuracy is then the average's, which no longer shows the swings that
+        switched it on (switching off on its calm made the average flap on and off at the hard
+        end, losing it each time)."""
         if on:
             return Recommendation({"decay": 0.8}, "kept: the scored accuracy is the average's from here on")
         s, c = swing(evidence.accuracy), climb(evidence.accuracy)
         if s is not None and s >= cls.SWINGS:
             return Recommendation({"decay": 0.8}, f"the accuracy falls back {100 * s:.1f} points a round: "
                                                   f"the delivered model averages the last rounds' (decay 0.8)")
-        if evidence.partial and s is not None and c is not None and s > 0 and s >= c and cls._learned(evidence):
+        if s is None or c is None:
+            return Recommendation(None, "too few scored rounds yet: the global model is delivered as it is")
+        if not above_chance(evidence.accuracy, evidence.classes):
+            return Recommendation(None, "the accuracy is still near chance: the global model is delivered as it is")
+        if evidence.partial and 0 < s and c <= s:
             return Recommendation({"decay": 0.8}, f"{evidence.per_round} of {evidence.agents} devices a round and "
                                                   f"the accuracy has stopped climbing (net {100 * c:+.1f} points a "
                                                   f"round, falls back {100 * s:.1f}): the delivered model averages "
                                                   f"the last rounds' (decay 0.8)")
         return Recommendation(None, "the accuracy " + ("does not fall back" if not s else "still climbs") +
-                                    ("" if s is not None else " (yet)") + ": the global model is delivered as it is")
-
-    @staticmethod
-    def _learned(evidence: "Evidence") -> bool:
-        """The last 5 scored rounds all lie clearly above chance (twice it): a run that has not
-        started climbing yet (a model stuck at chance for tens of rounds) has not stopped
-        climbing either, and an average switched on there would lag the climb when it comes."""
-        tail = list(evidence.accuracy)[-5:]
-        return bool(tail) and evidence.classes > 0 and min(tail) >= 2 / evidence.classes
+                                    ": the global model is delivered as it is")
 
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)

@@ -86,11 +86,15 @@ class Robust(RoundOption):
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
 
+    def _start_round(self, r: int) -> None:
+        """Forget the last round's rows left out (and its anchors) at the first word of round ``r``."""
+        if r != self._rows_round:
+            self.rows, self._rows_round, self._anchors = {}, r, {}
+
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                     assignments: Mapping[str, "Assignment"]) -> set[str]:
         factor = self.section.activation_factor
-        if r != self._rows_round:
-            self.rows, self._rows_round, self._anchors = {}, r, {}
+        self._start_round(r)
         if not factor:
             return set()
         out: set[str] = set()
@@ -123,8 +127,7 @@ class Robust(RoundOption):
         rows = findings.get("rows") if isinstance(findings, Mapping) else None
         if not isinstance(rows, Mapping):
             return
-        if r != self._rows_round:
-            self.rows, self._rows_round, self._anchors = {}, r, {}
+        self._start_round(r)
         for a, found in rows.items():
             if not (isinstance(a, str) and isinstance(found, (list, tuple)) and len(found) == 2
                     and isinstance(found[0], int) and found[0] > 0 and isinstance(found[1], (int, float))
