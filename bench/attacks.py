@@ -30,9 +30,11 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
-RULES = ("off", "mean", "clip", "clip:3", "trimmed_mean", "median", "multi_krum")
-"""``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 10);
-``off`` is no defense at all: the plain mean, no weight cap, no screen of the server's rows."""
+RULES = ("off", "mean", "clip", "clip@0", "clip:3", "trimmed_mean", "median", "multi_krum")
+"""``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 10),
+``clip@0`` clip with ``label_margin: 0`` (no label screen; ``@M`` sets the label screen's margin
+of any rule); ``off`` is no defense at all: the plain mean, no weight cap, no screen of the
+server's rows."""
 ATTACKS = {   # name -> (kind, factor, noise)
     "none": None,
     "label flip": ("label_flip", 1.0, 0.0),
@@ -51,9 +53,11 @@ TARGET = 0
 def robust_section(rule: str) -> dict[str, Any]:
     """The run config's ``robust:`` for a bench rule (``clip:3``: clip at factor 3)."""
     if rule == "off":
-        return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0}
+        return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0, "label_margin": 0}
+    rule, _, margin = rule.partition("@")
     name, _, factor = rule.partition(":")
-    return {"aggregate": name, **({"clip_factor": float(factor)} if factor else {})}
+    return {"aggregate": name, **({"clip_factor": float(factor)} if factor else {}),
+            **({"label_margin": float(margin)} if margin else {})}
 
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--alpha", type=float, default=0.1)
     p.add_argument("--shares", type=float, nargs="*", default=[0.1, 0.3])
-    p.add_argument("--rules", nargs="*", default=list(RULES), choices=RULES)
+    p.add_argument("--rules", nargs="*", default=list(RULES),
+                   help="defenses: " + ", ".join(RULES) + " (any with @M: the label screen's margin M)")
     p.add_argument("--attacks", nargs="*", default=list(ATTACKS), choices=list(ATTACKS))
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one CPU thread each)")
     p.add_argument("--work", type=Path, default=Path("/tmp/sfl-bench-attacks"))

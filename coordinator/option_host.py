@@ -39,6 +39,9 @@ log = logging.getLogger("sfl.coord")
 REFERENCE_ROWS = 64
 """Held-out inputs the coordinator runs a client portion on for :meth:`OptionHost.reference_rows`."""
 
+LABELLED_REFERENCE_ROWS = 512
+"""Held-out samples behind :meth:`OptionHost.labelled_reference` (about 50 a class of ten)."""
+
 
 class OptionHost:
     """The engine's side of the option seam (a part of :class:`coordinator.engine.RoundEngine`)."""
@@ -87,8 +90,10 @@ class OptionHost:
         ctx = cast("RoundContext", self)
         out: set[str] = set()
         for option in self.options:
-            out |= option.screen_rows(ctx, r, step, {a: b[0] for a, b in batches.items() if a not in out},
-                                      {a: agents[a].assignment for a in batches})
+            kept = [a for a in batches if a not in out]
+            out |= option.screen_rows(ctx, r, step, {a: batches[a][0] for a in kept},
+                                      {a: agents[a].assignment for a in batches},
+                                      {a: y for a in kept if (y := batches[a][1]) is not None})
         return out
 
     def worker_findings(self, r: int) -> dict[str, Any]:
@@ -162,7 +167,15 @@ class OptionHost:
         return {k: v for k, v in state.items() if k in self.parameter_names}
 
     def reference_rows(self, split: int, width: int) -> Optional[torch.Tensor]:
-        x = self.validation.x[:REFERENCE_ROWS]
+        return self._client_rows(split, width, self.validation.x[:REFERENCE_ROWS])
+
+    def labelled_reference(self, split: int, width: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        n = min(LABELLED_REFERENCE_ROWS, len(self.validation))
+        rows = self._client_rows(split, width, self.validation.x[:n]) if n else None
+        return None if rows is None else (rows.cpu(), self.validation.y[:n].cpu())
+
+    def _client_rows(self, split: int, width: int, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The round's client portion at ``split`` (``width``) on held-out inputs ``x``, as a device runs it."""
         if not len(x):
             return None
         client = copy.deepcopy(self.model.client(split)).train()   # a device's mode; the model's statistics untouched

@@ -375,6 +375,8 @@ class FleetPage(_Served):
                 flagged[a] = f"round {rec['round']}: left out (an outlier)"
             for a, scale in (rb.get("activation_scale") or {}).items():
                 flagged[a] = f"round {rec['round']}: rows left out (activations {scale:.3g}x their cut's median)"
+            for a, excess in (rb.get("label_mismatch") or {}).items():
+                flagged[a] = f"round {rec['round']}: rows left out (labels disagree with its inputs, +{excess:.2f})"
         engine = self.engine
         if engine is not None:
             online = set(engine.session.online())

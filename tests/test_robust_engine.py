@@ -90,6 +90,63 @@ def test_poisoned_activations_are_left_out_of_the_server_step_by_default_and_the
     assert history[-1]["accuracy"] > clean - 0.1
 
 
+def _attack_rates(engine):
+    """The global model's share of digits' test images sent to the flipped class, and of
+    triggered images of other classes sent to the backdoor's target (0)."""
+    import torch
+
+    from sfl_core.data.builtin import load_dataset
+
+    data = load_dataset("digits")
+    model = engine.model.eval()
+    with torch.no_grad():
+        flipped = float((model(data.x_test).argmax(1) == 9 - data.y_test).float().mean())
+        others = data.y_test != 0
+        backdoor = float((model(trigger(data.x_test[others], 3)).argmax(1) == 0).float().mean())
+    return flipped, backdoor
+
+
+@pytest.mark.parametrize("kind", ["label_flip", "backdoor"])
+def test_labels_that_disagree_with_the_inputs_are_screened_out_by_default_and_the_senders_named(tmp_path, clean,
+                                                                                             caplog, kind):
+    with caplog.at_level(logging.WARNING):
+        history, engine = _run(tmp_path, kind, Attack(kind))
+    quarantined: dict[str, int] = {}
+    for record in history:   # judged on their first step, left out of every step from there; nobody else
+        found = record.get("robust", {})
+        assert set(found.get("label_mismatch", {})) <= set(ATTACKERS)
+        assert all(x > 0.3 for x in found.get("label_mismatch", {}).values())
+        assert all(found["rows_left_out"][a] == 10 for a in found.get("label_mismatch", {}))
+        assert not found.get("activation_scale")
+        assert not set(record["selected"]) & set(quarantined)
+        quarantined.update({a: record["round"] for a in found.get("quarantined", [])})
+    assert sorted(quarantined) == list(ATTACKERS) and max(quarantined.values()) <= 6
+    assert history[2]["robust"]["rows_left_out"].keys() >= {"sim-000", "sim-002"}
+    named = [m for m in caplog.messages if "rows of sim-000 left out of the server's steps" in m]
+    assert len(named) >= 2 and all("labels disagree with its inputs" in m and "\n" not in m for m in named)
+    from coordinator.web import FleetPage
+    rows = {row["agent"]: row for row in FleetPage(tmp_path / kind).state()["fleet"]}
+    assert "rows left out (labels disagree" in rows["sim-000"]["flagged"] and rows["sim-005"]["flagged"] == ""
+    assert history[-1]["accuracy"] > clean - 0.1
+    screened = _attack_rates(engine)
+    _, unscreened = _run(tmp_path, f"{kind}-unscreened", Attack(kind), label_margin=0)
+    plain = _attack_rates(unscreened)
+    i = 0 if kind == "label_flip" else 1   # the attack's own success rate
+    assert plain[i] > screened[i] + 0.1, (plain, screened)
+
+
+def test_the_label_screen_stays_off_by_default_where_the_devices_layers_hold_batchnorm(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        spec = {"run": "robust", "model": "vgg_mini:width=0.25", "strategy": "sfl", "server_mode": "merged",
+                "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0},
+                "fleet": [{"profile": "s2fl-mid-mid", "count": 10}], "rounds": 2, "batch_size": 16, "lr": 0.05,
+                "local_iters": 4, "output_dir": str(tmp_path / "bn")}
+        history, _ = run_simulation(run_config_from_dict(spec), device="cpu",
+                                    attacks={a: Attack("label_flip") for a in ATTACKERS})
+    assert all(not r.get("robust", {}).get("label_mismatch") for r in history)
+    assert sum("the label screen is off at split 3" in m for m in caplog.messages) == 1
+
+
 def test_a_claimed_sample_count_is_capped_by_default_and_named(tmp_path):
     history, engine = _run(tmp_path, "claim", Attack("claim", factor=1000.0), rounds=1)
     capped = history[-1]["robust"]["capped"]

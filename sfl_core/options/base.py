@@ -144,6 +144,11 @@ class RoundContext(Protocol):
         validation data."""
         ...
 
+    def labelled_reference(self, split: int, width: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Up to 512 of the server's held-out samples as :meth:`reference_rows` makes them (on the
+        CPU), with their labels; None: the server holds no validation data."""
+        ...
+
     def quarantine(self, agent_id: str, why: str) -> None:
         """Stop selecting the agent until an operator readmits it (logged, kept in the checkpoint)."""
         ...
@@ -232,10 +237,11 @@ class RoundOption:
         return spec
 
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
-                    assignments: Mapping[str, "Assignment"]) -> set[str]:
+                    assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
         """The agents whose ``rows`` (the activations this server step received, decoded and
-        validated) this option leaves out of the step: their rows join no forward and they get a
-        zero gradient back. Called before the server's forward, on every server worker."""
+        validated; ``labels``: the labels that came with them, for the agents that send labels)
+        this option leaves out of the step: their rows join no forward and they get a zero
+        gradient back. Called before the server's forward, on every server worker."""
         return set()
 
     def worker_findings(self, r: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 from pydantic.dataclasses import dataclass
 from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
@@ -18,6 +18,15 @@ def _activation_factor(v: Any, fail: Fail) -> float:
     x = number(v)
     if x is None or not (x == 0 or x > 1):
         fail("0 (off) or a number > 1")
+    return float(x)
+
+
+def _label_margin(v: Any, fail: Fail) -> Union[str, float]:
+    if v == "auto":
+        return "auto"
+    x = number(v)
+    if x is None or not 0 <= x < 1:
+        fail('"auto" or a number in [0, 1)')
     return float(x)
 
 
@@ -69,6 +78,16 @@ class RobustConfig(OptionSection):
                               "at one cut stay within 2x of each other whatever their labels; activations scaled "
                               "x10 or noised to that size are caught. Cuts fewer than 3 devices share are not "
                               "screened."),
+        ("label_margin", "the label screen: each device's first rows of a round are compared with the coordinator's "
+                         "labelled held-out data run through the round's client portion; a device whose share of rows "
+                         "nearer another class's held-out centroid than their label's is more than this margin over "
+                         "the share expected of those classes (measured on the held-out rows) has its rows left out "
+                         "of the round's server steps and its update out of the average, and is named (flipped labels, "
+                         "a backdoor's triggered rows); a number in (0, 1), 0 = off, auto (default) = 0.3 where the "
+                         "device's layers hold no BatchNorm and off where they do (a batch's own statistics move its "
+                         "activations by its mix of labels: honest label-skewed devices were flagged). Needs labels "
+                         "sent with the activations and validation data on the server. Devices that poison fewer "
+                         "than this share of their rows go unseen."),
         ("quarantine", "a device flagged (capped, clipped, left out, or its rows left out) in this many of its rounds in a row is no "
                        "longer selected until an operator readmits it (sfl-coord agents readmit RUN_DIR ID); the "
                        "log names it and the checkpoint keeps it; 0 = never. A resumed run counts the rounds afresh."),
@@ -82,8 +101,21 @@ class RobustConfig(OptionSection):
                                                   what="a number in [0, 0.5)"))] = 0.3
     weight_cap: Annotated[float, checked(_cap)] = 10.0
     activation_factor: Annotated[float, checked(_activation_factor)] = 4.0
+    label_margin: Annotated[Union[str, float], checked(_label_margin)] = "auto"
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
+
+    LABEL_MARGIN: ClassVar[float] = 0.3
+    """The label screen's margin where ``label_margin`` is auto."""
+
+    def label_screen(self, batch_norm: bool) -> float:
+        """The label screen's margin at a cut (0: off); ``batch_norm``: the device's layers
+        normalise by their batch's statistics, which move a batch's activations by its mix of
+        labels: auto leaves the screen off there."""
+        if self.label_margin == "auto":
+            return 0.0 if batch_norm else self.LABEL_MARGIN
+        return float(self.label_margin)
 
     @property
     def on(self) -> bool:
-        return self.aggregate != "mean" or self.weight_cap > 0 or self.activation_factor > 0
+        return (self.aggregate != "mean" or self.weight_cap > 0 or self.activation_factor > 0
+                or self.label_margin != 0)

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
+from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
+from sfl_core.options.robust.labels import MIN_ROWS, LabelCount, Reference, class_centroids, count_mismatches, label_outliers
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import change_sizes, coordinate_median, multi_krum, trimmed_mean, typical_changes
 
@@ -83,6 +85,13 @@ class Robust(RoundOption):
         self.typical: dict[tuple[int, int], float] = {}
         """Per cut (split, width), the median activations' RMS its accepted devices sent last."""
         self._anchors: dict[tuple[int, int], Optional[float]] = {}
+        self._margins: dict[int, float] = {}
+        """Per split, the label screen's margin (0: off there)."""
+        self.labels: dict[str, tuple[int, float]] = {}
+        """This round's agents whose rows the label screen left out: the steps, and their share of
+        mismatched rows over the expected share."""
+        self._label_counts: dict[str, LabelCount] = {}
+        self._label_refs: dict[tuple[int, int], Optional[Reference]] = {}
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
 
@@ -90,11 +99,66 @@ class Robust(RoundOption):
         """Forget the last round's rows left out (and its anchors) at the first word of round ``r``."""
         if r != self._rows_round:
             self.rows, self._rows_round, self._anchors = {}, r, {}
+            self.labels, self._label_counts, self._label_refs = {}, {}, {}
 
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
-                    assignments: Mapping[str, "Assignment"]) -> set[str]:
-        factor = self.section.activation_factor
+                    assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
         self._start_round(r)
+        out = self._screen_sizes(ctx, r, step, rows, assignments)
+        if self.section.label_margin != 0:
+            out |= self._screen_labels(ctx, r, step, {a: x for a, x in rows.items() if a not in out},
+                                       assignments, labels)
+        return out
+
+    def _label_margin(self, ctx: RoundContext, split: int) -> float:
+        """The label screen's margin at ``split``, decided once per split (and logged where auto
+        leaves it off)."""
+        if split not in self._margins:
+            batch_norm = bool(batch_norm_layers(ctx.model.client(split)))
+            self._margins[split] = self.section.label_screen(batch_norm)
+            if batch_norm and not self._margins[split]:
+                ctx.log(f"robust: the label screen is off at split {split}: the devices' layers hold BatchNorm, "
+                        f"whose batch statistics move a batch's activations by its mix of labels (set "
+                        f"robust.label_margin to screen anyway)")
+        return self._margins[split]
+
+    def _screen_labels(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
+                       assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
+        """The label screen (:mod:`sfl_core.options.robust.labels`): each agent's rows are judged
+        from the round's first steps until it has sent :data:`~sfl_core.options.robust.labels.MIN_ROWS`
+        (its client portion is still the round's, the one the held-out rows ran through); an agent
+        whose labels disagree with its inputs has its rows left out for the rest of the round."""
+        for a, x in rows.items():
+            if a in self.labels or a not in labels or self._label_counts.get(a, LabelCount()).rows >= MIN_ROWS:
+                continue
+            cut = (assignments[a].split, assignments[a].width)
+            if not self._label_margin(ctx, cut[0]):
+                continue
+            if cut not in self._label_refs:
+                ref = ctx.labelled_reference(*cut)
+                self._label_refs[cut] = None if ref is None else class_centroids(ref[0], ref[1], ctx.model.num_classes)
+            reference = self._label_refs[cut]
+            if reference is not None:
+                self._label_counts.setdefault(a, LabelCount()).add(count_mismatches(x.cpu(), labels[a].cpu(), reference))
+        margin = max(self._margins.values(), default=0.0)   # one margin wherever the screen is on
+        if not margin:
+            return set()
+        for a, excess in label_outliers({a: c for a, c in self._label_counts.items() if a not in self.labels},
+                                        margin).items():
+            c = self._label_counts[a]
+            ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its labels "
+                    f"disagree with its inputs ({c.mismatched} of {c.rows} rows nearer another class's held-out "
+                    f"centroid at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit {margin:g}); its "
+                    f"update is left out of the round's average", warning=True)
+            self.labels[a] = (0, excess)
+        out = {a for a in rows if a in self.labels}
+        for a in out:
+            self.labels[a] = (self.labels[a][0] + 1, self.labels[a][1])
+        return out
+
+    def _screen_sizes(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
+                      assignments: Mapping[str, "Assignment"]) -> set[str]:
+        factor = self.section.activation_factor
         if not factor:
             return set()
         out: set[str] = set()
@@ -118,39 +182,56 @@ class Robust(RoundOption):
         return out
 
     def worker_findings(self, r: int) -> dict[str, Any]:
-        rows = self.rows if self._rows_round == r else {}
-        return {"rows": {a: [steps, scale] for a, (steps, scale) in rows.items()}} if rows else {}
+        if self._rows_round != r:
+            return {}
+        found = {key: {a: [steps, x] for a, (steps, x) in mine.items()}
+                 for key, mine in (("rows", self.rows), ("labels", self.labels)) if mine}
+        return found
 
     def merge_worker_findings(self, ctx: RoundContext, r: int, findings: Mapping[str, Any]) -> None:
         """A worker's agents whose rows it left out: their updates are left out here, they are
         named in the leader's log and metrics and counted towards quarantine, as the leader's own."""
-        rows = findings.get("rows") if isinstance(findings, Mapping) else None
-        if not isinstance(rows, Mapping):
+        if not isinstance(findings, Mapping):
             return
         self._start_round(r)
-        for a, found in rows.items():
-            if not (isinstance(a, str) and isinstance(found, (list, tuple)) and len(found) == 2
-                    and isinstance(found[0], int) and found[0] > 0 and isinstance(found[1], (int, float))
-                    and math.isfinite(found[1]) and found[1] >= 0):
-                ctx.log(f"robust: round {r}: a server worker's finding for {a!r} is malformed; ignored", warning=True)
-                continue
-            steps, scale = int(found[0]), float(found[1])
-            ctx.log(f"robust: round {r}: a server worker left the rows of {a} out of {steps} of its steps "
-                    f"(activations {scale:.3g}x the typical size at its cut); its update is left out of the "
-                    f"round's average", warning=True)
-            mine = self.rows.get(a, (0, 1.0))
-            self.rows[a] = (mine[0] + steps, scale if _farther(scale, mine[1]) else mine[1])
+        for key, why in (("rows", "activations {:.3g}x the typical size at its cut"),
+                         ("labels", "labels disagree with its inputs, over the expected share by {:.2f}")):
+            found_by = findings.get(key)
+            for a, found in (found_by.items() if isinstance(found_by, Mapping) else ()):
+                if not (isinstance(a, str) and isinstance(found, (list, tuple)) and len(found) == 2
+                        and isinstance(found[0], int) and found[0] > 0 and isinstance(found[1], (int, float))
+                        and math.isfinite(found[1]) and found[1] >= 0):
+                    ctx.log(f"robust: round {r}: a server worker's finding for {a!r} is malformed; ignored",
+                            warning=True)
+                    continue
+                steps, x = int(found[0]), float(found[1])
+                ctx.log(f"robust: round {r}: a server worker left the rows of {a} out of {steps} of its steps "
+                        f"({why.format(x)}); its update is left out of the round's average", warning=True)
+                if key == "rows":
+                    mine = self.rows.get(a, (0, 1.0))
+                    self.rows[a] = (mine[0] + steps, x if _farther(x, mine[1]) else mine[1])
+                else:
+                    mine = self.labels.get(a, (0, 0.0))
+                    self.labels[a] = (mine[0] + steps, max(x, mine[1]))
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
                assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         s = self.section
         self.last = {}
-        rows = {a: v for a, v in self.rows.items() if a in weights and self._rows_round == r}
-        if rows:   # a device that lied to the server's step: its update is not let in either
-            self.last["rows_left_out"] = {a: steps for a, (steps, _) in rows.items()}
-            self.last["activation_scale"] = {a: round(x, 4) for a, (_, x) in rows.items()}
-            clients = {a: c for a, c in clients.items() if a not in rows}
+        this_round = self._rows_round == r
+        rows = {a: v for a, v in self.rows.items() if a in weights and this_round}
+        labelled = {a: v for a, v in self.labels.items() if a in weights and this_round}
+        if rows or labelled:   # a device that lied to the server's step: its update is not let in either
+            steps = {a: n for a, (n, _) in labelled.items()}
+            for a, (n, _) in rows.items():
+                steps[a] = steps.get(a, 0) + n
+            self.last["rows_left_out"] = steps
+            if rows:
+                self.last["activation_scale"] = {a: round(x, 4) for a, (_, x) in rows.items()}
+            if labelled:
+                self.last["label_mismatch"] = {a: round(x, 4) for a, (_, x) in labelled.items()}
+            clients = {a: c for a, c in clients.items() if a not in steps}
         bounded = capped_weights(weights, s.weight_cap)
         capped = sorted(a for a in weights if bounded[a] < weights[a])
         if capped:

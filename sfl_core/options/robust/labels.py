@@ -1,0 +1,132 @@
+"""The label screen: which devices' labels disagree with what their inputs look like at the cut.
+
+In split learning the labels reach the server with the activations, and the server portion
+trains on them as sent: a device that flips its labels (``c -> 9 - c``) or plants a backdoor
+(its images with a trigger, labelled with the attacker's class) poisons the server's layers
+through the loss, with activations of an honest scale (:mod:`sfl_core.options.robust.rows`
+cannot see it) and an honest-looking update.
+
+What gives it away is the pair: the activations of a flipped row look like their true class.
+The coordinator holds labelled held-out data; run through the round's client portion (as a
+device runs it) it gives each class's centroid at the cut. A row whose nearest centroid is not
+its label's is a *mismatch*. Even an honest row mismatches where the classes are close at that
+layer, so each class's own rate is measured on the held-out rows themselves, leaving each row
+out of its class's centroid (:func:`class_centroids`): a device's *expected* mismatches are the
+sum of its rows' classes' rates. Honest devices mismatch about as expected whatever their mix of
+labels (label skew changes which classes a device holds, not what they look like); a flipper
+mismatches nearly every row, a backdoor its triggered share. A device whose share of mismatches
+is more than ``margin`` over its expected share is flagged (:func:`label_outliers`).
+
+Limits: the rows must be labelled (a device that keeps its labels, U-shaped, is not screened),
+the server must hold labelled held-out data of the same task, and a class missing from it is
+not judged. An attacker that poisons fewer than ``margin`` of its rows goes unseen; so does
+one whose held-out rates are near chance (early rounds, a cut where the classes do not
+separate yet), since its expected share leaves no room for the margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+__all__ = ["MIN_ROWS", "LabelCount", "Reference", "class_centroids", "count_mismatches", "label_outliers"]
+
+MIN_ROWS = 16
+"""Rows a device must have sent in a round before its share of mismatches is judged."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Each class's centroid at a cut, and its rows' rate of mismatches (nan: a class with fewer
+    than 2 held-out rows, not judged)."""
+
+    centroids: torch.Tensor
+    """(classes, features): the mean flattened activation of each class's held-out rows."""
+    rates: torch.Tensor
+    """(classes,): the share of a class's held-out rows nearer another class's centroid than
+    their own class's centroid without them."""
+
+
+@dataclass
+class LabelCount:
+    """A device's rows in a round: how many, how many mismatched, how many were expected to."""
+
+    rows: int = 0
+    mismatched: int = 0
+    expected: float = 0.0
+
+    def add(self, other: "LabelCount") -> None:
+        self.rows += other.rows
+        self.mismatched += other.mismatched
+        self.expected += other.expected
+
+    @property
+    def excess(self) -> float:
+        """The share of mismatched rows over the expected share (0 with no rows)."""
+        return (self.mismatched - self.expected) / self.rows if self.rows else 0.0
+
+
+def class_centroids(rows: torch.Tensor, labels: torch.Tensor, classes: int) -> Reference:
+    """Centroids and leave-one-out mismatch rates of the held-out ``rows`` (N, ...) with ``labels``.
+
+    A held-out row of class ``c`` (``n_c`` rows, centroid ``m_c``) is compared with its class's
+    centroid without itself, ``(n_c m_c - x) / (n_c - 1)``, and with every other class's: it
+    mismatches where another lies nearer. Cost: one (N x classes) distance matrix."""
+    f = rows.detach().flatten(1).float()
+    labels = labels.long()
+    centroids = torch.full((classes, f.shape[1]), float("nan"))
+    rates = torch.full((classes,), float("nan"))
+    counts = torch.bincount(labels[(labels >= 0) & (labels < classes)], minlength=classes)
+    for c in range(classes):
+        if counts[c] >= 2:
+            centroids[c] = f[labels == c].mean(0)
+    far = torch.nan_to_num(centroids, nan=float("inf"))
+    for c in range(classes):
+        n = int(counts[c])
+        if n < 2:
+            continue
+        fc = f[labels == c]
+        own = (fc - (n * centroids[c] - fc) / (n - 1)).norm(dim=1)
+        others = _distances(fc, far)
+        others[:, c] = float("inf")
+        rates[c] = (others.min(1).values < own).float().mean()
+    return Reference(centroids, rates)
+
+
+def _distances(f: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """(rows, classes) Euclidean distances; a class without a centroid (inf) is infinitely far."""
+    known = torch.isfinite(centroids).all(1)
+    d = torch.full((f.shape[0], centroids.shape[0]), float("inf"))
+    if known.any():
+        d[:, known] = torch.cdist(f, centroids[known])
+    return d
+
+
+def count_mismatches(rows: torch.Tensor, labels: torch.Tensor, ref: Reference) -> LabelCount:
+    """A device's rows of one step against ``ref``: rows of a judged class, how many lie nearer
+    another class's centroid than their label's, and how many were expected to (the sum of their
+    classes' rates). Rows of a class the reference does not judge are not counted."""
+    labels = labels.long()
+    classes = ref.rates.shape[0]
+    inside = (labels >= 0) & (labels < classes)
+    judged = inside.clone()
+    judged[inside] = ~torch.isnan(ref.rates[labels[inside]])
+    if not judged.any():
+        return LabelCount()
+    f, y = rows.detach().flatten(1).float()[judged], labels[judged]
+    nearest = _distances(f, ref.centroids).argmin(1)
+    return LabelCount(int(y.numel()), int((nearest != y).sum()), float(ref.rates[y].sum()))
+
+
+def label_outliers(counts: Mapping[str, LabelCount], margin: float) -> dict[str, float]:
+    """The devices (of at least :data:`MIN_ROWS` rows) whose share of mismatched rows is more
+    than ``margin`` over their expected share, with that excess; none where that would be more
+    than half of the devices judged (the held-out data then does not describe the fleet's, and a
+    screen must not take out most of a round)."""
+    if not 0 < margin < 1:
+        raise ValueError(f"margin must be in (0, 1), got {margin}")
+    judged = {a: c for a, c in counts.items() if c.rows >= MIN_ROWS}
+    out = {a: round(c.excess, 4) for a, c in sorted(judged.items()) if c.excess > margin}
+    return out if 2 * len(out) <= len(judged) else {}

@@ -1,0 +1,75 @@
+"""The label screen's rule (sfl_core/options/robust/labels.py) against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sfl_core.options.robust.labels import LabelCount, class_centroids, count_mismatches, label_outliers
+
+
+def _reference():
+    # one feature; class 0 at 0, 0, 9; class 1 at 10, 10; class 2 a single row (not judged)
+    rows = torch.tensor([[0.0], [0.0], [9.0], [10.0], [10.0], [50.0]])
+    return class_centroids(rows, torch.tensor([0, 0, 0, 1, 1, 2]), classes=4)
+
+
+def test_each_class_centroid_and_its_leave_one_out_mismatch_rate():
+    ref = _reference()
+    assert ref.centroids[:2].flatten().tolist() == [3.0, 10.0]
+    # class 0's row at 9: its class's centroid without it is 0 (9 away), class 1's is 1 away;
+    # its rows at 0: their class's centroid without them is 4.5, class 1's 10 away
+    assert ref.rates[0].item() == pytest.approx(1 / 3)
+    assert ref.rates[1].item() == 0.0
+    assert math.isnan(ref.rates[2].item()) and math.isnan(ref.rates[3].item())   # 1 row, none: not judged
+
+
+def test_a_devices_mismatches_and_the_number_expected_of_its_classes():
+    ref = _reference()
+    # 1 -> class 0 (2 away against 9), 9 -> class 1 (1 away against 6): a mismatch, 10 -> class 1;
+    # a row of class 2 or out of range is not counted
+    c = count_mismatches(torch.tensor([[1.0], [9.0], [10.0], [50.0], [3.0]]), torch.tensor([0, 0, 1, 2, 7]), ref)
+    assert (c.rows, c.mismatched) == (3, 1) and c.expected == pytest.approx(2 / 3)
+    assert c.excess == pytest.approx((1 - 2 / 3) / 3)
+    flipped = count_mismatches(torch.tensor([[0.0], [10.0]]), torch.tensor([1, 0]), ref)
+    assert (flipped.rows, flipped.mismatched) == (2, 2) and flipped.expected == pytest.approx(1 / 3)
+    assert count_mismatches(torch.tensor([[50.0]]), torch.tensor([2]), ref) == LabelCount()
+
+
+def test_counts_add_up_over_a_rounds_steps():
+    c = LabelCount(10, 2, 1.5)
+    c.add(LabelCount(6, 6, 0.5))
+    assert (c.rows, c.mismatched, c.expected) == (16, 8, 2.0) and c.excess == pytest.approx(6 / 16)
+    assert LabelCount().excess == 0.0
+
+
+def test_outliers_are_the_devices_over_the_margin_never_most_of_them():
+    counts = {"flipper": LabelCount(32, 30, 4.0),    # (30 - 4) / 32 = 0.8125 over
+              "honest": LabelCount(32, 9, 6.0),      # 0.09 over
+              "skewed": LabelCount(32, 2, 5.0),      # under what its classes lead to expect
+              "few": LabelCount(8, 8, 0.0)}          # under MIN_ROWS rows: not judged yet
+    assert label_outliers(counts, 0.3) == {"flipper": 0.8125}
+    assert label_outliers(counts, 0.9) == {}
+    # more than half of those judged over the margin: the held-out data is not the fleet's
+    assert label_outliers({**counts, "honest": LabelCount(32, 32, 0.0)}, 0.3) == {}
+    with pytest.raises(ValueError):
+        label_outliers(counts, 0.0)
+
+
+def test_auto_screens_labels_only_where_the_devices_layers_keep_no_batch_statistics():
+    from sfl_core.config.run import ConfigError, run_config_from_dict
+
+    def robust(extra=None):
+        return run_config_from_dict({"model": "small_cnn", "min_agents": 2, **(extra or {})}).sections["robust"]
+
+    auto = robust()
+    assert auto.label_margin == "auto"
+    assert auto.label_screen(batch_norm=False) == 0.3 and auto.label_screen(batch_norm=True) == 0.0
+    set_ = robust({"robust": {"label_margin": 0.5}})
+    assert set_.label_screen(batch_norm=True) == 0.5
+    assert robust({"robust": {"label_margin": 0}}).label_screen(False) == 0
+    for bad in (1, -0.1, "on"):
+        with pytest.raises(ConfigError, match="label_margin"):
+            robust({"robust": {"label_margin": bad}})
