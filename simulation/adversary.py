@@ -67,6 +67,8 @@ def poison_data(x: torch.Tensor, y: torch.Tensor, num_classes: int, attack: Atta
         return x, (num_classes - 1 - y).to(y.dtype)
     if attack.kind == "backdoor":
         n = int(round(attack.share * len(y)))
+        if not n:   # a device of a sample or none: nothing to carry the trigger
+            return x, y
         idx = torch.randperm(len(y), generator=generator)[:n]
         x, y = x.clone(), y.clone()
         x[idx] = trigger(x[idx], attack.size)

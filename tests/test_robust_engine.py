@@ -167,6 +167,8 @@ def test_data_attacks_poison_what_the_attacker_trains_on():
     assert bool((px[marked][..., -2:, -2:] == x.amax()).all())
     assert torch.equal(px[marked][..., :-2, :], x[marked][..., :-2, :])   # only the corner changes
     assert torch.equal(trigger(torch.zeros(1, 1, 4, 4), 2), torch.zeros(1, 1, 4, 4))
+    one = poison_data(x[:1], y[:1], 10, Attack("backdoor", share=0.4))   # 0.4 of one sample: none triggered
+    assert torch.equal(one[0], x[:1]) and torch.equal(one[1], y[:1])
 
 
 def test_a_device_flagged_round_after_round_is_quarantined_until_an_operator_readmits_it(tmp_path, caplog):
