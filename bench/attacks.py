@@ -6,16 +6,18 @@ split learning with one merged server copy) trains with the attackers among them
 (:mod:`simulation.adversary`): the first 10 % or 30 % of the fleet label-flipping, planting a
 pixel-pattern backdoor, scaling their update x10 or x1000, sending NaN or random weights,
 scaling and noising their activations, or claiming 1000x their samples. Per defense (no
-defense at all, ``off``; then each ``robust.aggregate`` with the default weight cap and screen of
-the server's rows: the plain mean, clipping at 10x (the default) and 3x the round's typical
-change, the trimmed mean, the median, Multi-Krum; each with the default quarantine after 3
-flagged rounds in a row) and attack it reports the final clean accuracy, the attack's success
+defense at all, ``off``; then each ``robust.aggregate`` with the default weight cap and screens of
+the server's rows (activations out of scale, labels that disagree with the inputs): the plain
+mean, clipping at 10x (the default) and 3x the round's typical change, clipping without the
+label screen (``clip@0``), the trimmed mean, the median, Multi-Krum; each with the default
+quarantine after 3 flagged rounds in a row) and attack it reports the final clean accuracy, the attack's success
 rate (label flip: test images sent to the flipped class; backdoor: triggered test images of
 other classes sent to the target), the honest devices flagged (false positives) and the
 attackers flagged, and the coordinator's wall seconds per round. The reference in the same run
 is no defense without attackers.
 
-    python bench/attacks.py --data digits --seeds 2 --jobs 2
+    python bench/attacks.py --data digits --seeds 4 --jobs 2
+    python bench/attacks.py --data PATH/TO/mnist --seeds 2 --rules off clip@0 clip --attacks none "label flip" backdoor
 """
 
 from __future__ import annotations
