@@ -5,7 +5,7 @@ them): "on my label-skewed fleet, does a device training on flipped labels stand
 honest devices by its loss on the server, or by how often the global model gets its rows
 right?" The fleet of ``bench/attacks.py`` (20 simulated devices on the 8×8 digits at
 Dirichlet 0.1, 10 a round, one merged server copy, 15 rounds) trains with its first 30 %
-flipping labels (``c -> 9 - c``) under the plain mean; the server's loss is instrumented to
+flipping labels (``c -> 9 - c``) under the plain mean without the label screen; the server's loss is instrumented to
 record, at each round's first step (the round's global model, before it trains on the
 round's rows), each device's mean loss over the round's median and the share of its rows
 the model predicts right. Reference in the same run: the honest devices' ranges. A statistic
@@ -54,7 +54,7 @@ def run_one(seed: int, work: Path, rounds: int = 15) -> dict[str, Any]:
             "run": "signals", "model": "small_cnn", "strategy": "sfl", "server_mode": "merged",
             "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.1, "seed": seed},
             "fleet": [{"profile": "s2fl-mid-mid", "count": 20}], "per_round": 10, "rounds": rounds, "batch_size": 32,
-            "lr": 0.05, "local_iters": 10, "seed": seed, "robust": {"aggregate": "mean"},
+            "lr": 0.05, "local_iters": 10, "seed": seed, "robust": {"aggregate": "mean", "label_margin": 0},
             "output_dir": str(work / f"signals-s{seed}")})
         run_simulation(cfg, device="cpu", attacks={a: Attack("label_flip") for a in attackers})
     finally:
