@@ -29,6 +29,16 @@ def number_in(lo: float | None = None, lo_open: bool = True, hi: float | None = 
     return conv
 
 
+def auto_or_share(v: Any, fail: Fail) -> "str | float":
+    """``"auto"`` (the method decides) or a number in [0, 1)."""
+    if v == "auto":
+        return "auto"
+    x = number(v)
+    if x is None or not 0 <= x < 1:
+        fail('"auto" or a number in [0, 1)')
+    return float(x)
+
+
 def integer_in(lo: int, hi: int | None = None, what: str = "an integer") -> Conv:
     def conv(v: Any, fail: Fail) -> int:
         x = number(v)

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Union
+from typing import ClassVar, Union
 
 from pydantic.dataclasses import dataclass
 from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
-from sfl_core.config.fields import STRICT, Fail, checked, number
+from sfl_core.config.fields import STRICT, checked
 from sfl_core.config.section import OptionSection
-
-
-def _decay(v: Any, fail: Fail) -> Union[str, float]:
-    if v == "auto":
-        return "auto"
-    x = number(v)
-    if x is None or not 0 <= x < 1:
-        fail('"auto" or a number in [0, 1)')
-    return float(x)
+from sfl_core.config.values import auto_or_share
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -35,7 +27,7 @@ class ModelEmaConfig(OptionSection):
      "decay d in [0, 1) of an exponential moving average of the global model over rounds, the model the run delivers: a <- d a + (1 - d) x after each round's aggregation (and statistics pass), BatchNorm statistics averaged with the weights; the average is scored on the validation set, sent for federated evaluation and exported, while training goes on from the global model x; it damps the round-to-round swings of label-skewed rounds (docs/methods/server-optimisers.md); kept on the coordinator, nothing more crosses the wire; 0 = off; auto (default) = strategy auto decides from the fleet and the run's accuracy (docs/methods/auto.md), other strategies: off."),
     )
 
-    decay: Annotated[Union[str, float], checked(_decay)] = "auto"
+    decay: Annotated[Union[str, float], checked(auto_or_share)] = "auto"
     """Decay d of the average; 0: off; auto: strategy auto decides (any other strategy: off)."""
 
     @property

@@ -9,7 +9,7 @@ from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
 
 from sfl_core.config.fields import STRICT, Fail, checked, number
 from sfl_core.config.section import OptionSection
-from sfl_core.config.values import NONNEG_INTEGER, number_in, one_of
+from sfl_core.config.values import NONNEG_INTEGER, auto_or_share, number_in, one_of
 
 RULES = ("mean", "clip", "trimmed_mean", "median", "multi_krum")
 
@@ -18,15 +18,6 @@ def _activation_factor(v: Any, fail: Fail) -> float:
     x = number(v)
     if x is None or not (x == 0 or x > 1):
         fail("0 (off) or a number > 1")
-    return float(x)
-
-
-def _label_margin(v: Any, fail: Fail) -> Union[str, float]:
-    if v == "auto":
-        return "auto"
-    x = number(v)
-    if x is None or not 0 <= x < 1:
-        fail('"auto" or a number in [0, 1)')
     return float(x)
 
 
@@ -101,7 +92,7 @@ class RobustConfig(OptionSection):
                                                   what="a number in [0, 0.5)"))] = 0.3
     weight_cap: Annotated[float, checked(_cap)] = 10.0
     activation_factor: Annotated[float, checked(_activation_factor)] = 4.0
-    label_margin: Annotated[Union[str, float], checked(_label_margin)] = "auto"
+    label_margin: Annotated[Union[str, float], checked(auto_or_share)] = "auto"
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
 
     LABEL_MARGIN: ClassVar[float] = 0.3

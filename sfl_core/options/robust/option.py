@@ -4,9 +4,11 @@ do to the round's average is bounded, and every device a rule acts on is named.
 * The weight cap holds by default: an agent's weight (its claimed data size, or the batch the
   coordinator assigned) is at most ``weight_cap`` times the round's median weight. The median
   is an honest device's while fewer than half lie.
-* The server portion's screen holds by default (:mod:`sfl_core.options.robust.rows`): a
-  device whose activations' scale lies far from its cut's median has its rows left out of the
-  server's step, and its update out of the round's average.
+* The server portion's screens hold by default: a device whose activations' scale lies far
+  from its cut's median (:mod:`sfl_core.options.robust.rows`), or whose labels disagree with
+  what its inputs look like at the cut (:mod:`sfl_core.options.robust.labels`; where the
+  devices' layers hold no BatchNorm), has its rows left out of the server's steps, and its
+  update out of the round's average.
 * ``aggregate`` picks the rule (:mod:`sfl_core.options.robust.rules`): clipping and Multi-Krum
   act on the client states before the layer-wise average (the states the devices sent; the
   server copies are the coordinator's own), the coordinate-wise median and trimmed mean
