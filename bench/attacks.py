@@ -79,7 +79,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     dataset = {"dataset": data.name} if job["data"] in ("digits", "mnist", "fashion-mnist") and not Path(job["data"]).exists() \
         else {"dataset": data.name, "root": job["data"]}
     cfg = run_config_from_dict({
-        "run": "attacks", "model": "small_cnn", "strategy": "sfl", "server_mode": "merged",
+        "run": "attacks", "model": job["model"], "strategy": "sfl", "server_mode": "merged",
         "data": {**dataset, "partition": "dirichlet", "alpha": job["alpha"], "seed": job["seed"]},
         "fleet": [{"profile": "s2fl-mid-mid", "count": n}], "per_round": n // 2, "rounds": job["rounds"],
         "batch_size": 32, "lr": 0.05, "local_iters": 10, "seed": job["seed"], "robust": robust_section(job["rule"]),
@@ -135,11 +135,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one CPU thread each)")
     p.add_argument("--work", type=Path, default=Path("/tmp/sfl-bench-attacks"))
     p.add_argument("--tag", default="")
+    p.add_argument("--model", default="small_cnn",
+                   help="the fleet's model (e.g. vgg_mini:width=0.5: BatchNorm in the devices' layers)")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.rounds, args.rules, args.attacks, args.shares = 1, 2, ["off", "clip"], ["none", "scale x1000"], [0.3]
     jobs = [{"rule": rule, "attack": attack, "share": share if attack != "none" else 0.0, "seed": args.seed + s,
-             "agents": args.agents, "rounds": args.rounds, "alpha": args.alpha, "data": args.data, "work": str(args.work)}
+             "agents": args.agents, "rounds": args.rounds, "alpha": args.alpha, "data": args.data, "work": str(args.work),
+             "model": args.model}
             for rule in args.rules for attack in args.attacks for share in (args.shares if attack != "none" else [0.0])
             for s in range(args.seeds)]
     t0 = time.time()

@@ -169,10 +169,14 @@ class OptionHost:
     def reference_rows(self, split: int, width: int) -> Optional[torch.Tensor]:
         return self._client_rows(split, width, self.validation.x[:REFERENCE_ROWS])
 
-    def labelled_reference(self, split: int, width: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def labelled_reference(self, split: int, width: int,
+                           select: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         n = min(LABELLED_REFERENCE_ROWS, len(self.validation))
-        rows = self._client_rows(split, width, self.validation.x[:n]) if n else None
-        return None if rows is None else (rows.cpu(), self.validation.y[:n].cpu())
+        x, y = self.validation.x[:n], self.validation.y[:n]
+        if select is not None:
+            x, y = x[select], y[select]
+        rows = self._client_rows(split, width, x) if n else None
+        return None if rows is None else (rows.cpu(), y.cpu())
 
     def _client_rows(self, split: int, width: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The round's client portion at ``split`` (``width``) on held-out inputs ``x``, as a device runs it."""

@@ -73,3 +73,29 @@ def test_auto_screens_labels_only_where_the_devices_layers_keep_no_batch_statist
     for bad in (1, -0.1, "on"):
         with pytest.raises(ConfigError, match="label_margin"):
             robust({"robust": {"label_margin": bad}})
+
+
+def test_a_matched_reference_takes_the_devices_mix_of_classes():
+    from sfl_core.options.robust.labels import matched_selection
+
+    held = torch.tensor([0] * 10 + [1] * 10 + [2] * 3)
+    # 6 of class 0 and 2 of class 1: all 10 of class 0 and 10 * 2/6 of class 1; class 2 has too
+    # few held-out samples to be judged, class 3 none
+    picked = matched_selection(torch.tensor([0] * 6 + [1] * 2 + [2] * 4 + [3]), held, classes=4)
+    assert torch.bincount(held[picked], minlength=4).tolist() == [10, 4, 0, 0]
+    one = matched_selection(torch.tensor([1, 1]), held, classes=4)
+    assert held[one].tolist() == [1] * 10
+    assert len(matched_selection(torch.tensor([3]), held, classes=4)) == 0
+
+
+def test_far_rows_against_the_matched_reference_by_hand():
+    from sfl_core.options.robust.labels import count_far
+
+    # class 0's held-out rows at 0, 1, 2, 3, 4 (centroid 2); left out of it, each lies
+    # |x - (10 - x) / 4| away: 2.5, 1.25, 0, 1.25, 2.5; the 0.9 quantile 2.5, none beyond it
+    ref = torch.tensor([[0.0], [1.0], [2.0], [3.0], [4.0]])
+    c = count_far(torch.tensor([[2.0], [4.4], [5.0], [9.0]]), torch.tensor([0, 0, 0, 0]), ref, torch.zeros(5), 0.9)
+    assert (c.rows, c.mismatched) == (4, 2) and c.expected == 0.0    # 5 and 9 lie beyond 2.5 from 2
+    c = count_far(torch.tensor([[2.0], [8.0]]), torch.tensor([0, 1]), ref, torch.zeros(5), 0.5)
+    # bound: the median 1.25; the held-out rows beyond it, 2 of 5: 0.4 expected per row; class 1 has no reference
+    assert (c.rows, c.mismatched) == (1, 0) and c.expected == pytest.approx(0.4)

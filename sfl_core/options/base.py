@@ -144,9 +144,11 @@ class RoundContext(Protocol):
         validation data."""
         ...
 
-    def labelled_reference(self, split: int, width: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def labelled_reference(self, split: int, width: int,
+                           select: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Up to 512 of the server's held-out samples as :meth:`reference_rows` makes them (on the
-        CPU), with their labels; None: the server holds no validation data."""
+        CPU), with their labels; ``select``: only those of them (indices), run as one batch; None:
+        the server holds no validation data."""
         ...
 
     def quarantine(self, agent_id: str, why: str) -> None:

@@ -75,10 +75,12 @@ class RobustConfig(OptionSection):
                          "the share expected of those classes (measured on the held-out rows) has its rows left out "
                          "of the round's server steps and its update out of the average, and is named (flipped labels, "
                          "a backdoor's triggered rows); a number in (0, 1), 0 = off, auto (default) = 0.3 where the "
-                         "device's layers hold no BatchNorm and off where they do (a batch's own statistics move its "
-                         "activations by its mix of labels: honest label-skewed devices were flagged). Needs labels "
-                         "sent with the activations and validation data on the server. Devices that poison fewer "
-                         "than this share of their rows go unseen."),
+                         "device's layers hold no BatchNorm and off where they do. Where they do, a number screens "
+                         "each device against held-out samples of its own mix of classes run as one batch (a batch's "
+                         "own statistics move its activations by its mix of labels), a row being unlike its label "
+                         "where it lies farther from its class's held-out centroid than 90 % of the class's held-out "
+                         "rows. Needs labels sent with the activations and validation data on the server. Devices "
+                         "that poison fewer than this share of their rows go unseen."),
         ("quarantine", "a device flagged (capped, clipped, left out, or its rows left out) in this many of its rounds in a row is no "
                        "longer selected until an operator readmits it (sfl-coord agents readmit RUN_DIR ID); the "
                        "log names it and the checkpoint keeps it; 0 = never. A resumed run counts the rounds afresh."),

@@ -17,6 +17,15 @@ labels (label skew changes which classes a device holds, not what they look like
 mismatches nearly every row, a backdoor its triggered share. A device whose share of mismatches
 is more than ``margin`` over its expected share is flagged (:func:`label_outliers`).
 
+Where the device's layers hold BatchNorm, a batch is normalised by its own statistics: a batch
+of one or two classes comes out shifted against a mixed held-out batch, and honest devices
+mismatch. There the reference is matched to the device instead (:func:`matched_selection`,
+:func:`count_far`): held-out samples in the device's claimed mix of classes, run as one batch
+as the device ran its own, and a row is a mismatch where it lies farther from its claimed
+class's centroid than ``quantile`` of that class's held-out rows do (each left out of the
+centroid). A flipped row is of another class and lies far; an honest one lies as close as the
+held-out rows of its class, in a batch normalised like its own.
+
 Limits: the rows must be labelled (a device that keeps its labels, U-shaped, is not screened),
 the server must hold labelled held-out data of the same task, and a class missing from it is
 not judged. An attacker that poisons fewer than ``margin`` of its rows goes unseen; so does
@@ -31,10 +40,19 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["MIN_ROWS", "LabelCount", "Reference", "class_centroids", "count_mismatches", "label_outliers"]
+__all__ = ["MIN_ROWS", "QUANTILE", "LabelCount", "Reference", "class_centroids", "count_far", "count_mismatches",
+           "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
+
+
+QUANTILE = 0.9
+"""Matched reference: a row is far from its class where it lies farther than this share of the
+class's held-out rows."""
+
+MATCHED_LEAST = 4
+"""Matched reference: held-out samples a class needs to be judged."""
 
 
 @dataclass(frozen=True)
@@ -130,3 +148,41 @@ def label_outliers(counts: Mapping[str, LabelCount], margin: float) -> dict[str,
     judged = {a: c for a, c in counts.items() if c.rows >= MIN_ROWS}
     out = {a: round(c.excess, 4) for a, c in sorted(judged.items()) if c.excess > margin}
     return out if 2 * len(out) <= len(judged) else {}
+
+
+def matched_selection(claimed: torch.Tensor, held: torch.Tensor, classes: int) -> torch.Tensor:
+    """Indices into the held-out labels ``held`` whose mix of classes is the device's ``claimed``
+    labels' (each class in proportion, as many as the scarcest allows, at least
+    :data:`MATCHED_LEAST` of each); a class with fewer held-out samples is left out (not judged)."""
+    claimed, held = claimed.long(), held.long()
+    counts = torch.bincount(claimed[(claimed >= 0) & (claimed < classes)], minlength=classes)
+    avail = {k: (held == k).nonzero().flatten() for k in range(classes) if counts[k] > 0}
+    avail = {k: idx for k, idx in avail.items() if len(idx) >= MATCHED_LEAST}
+    if not avail:
+        return torch.zeros(0, dtype=torch.long)
+    scale = min(len(idx) / int(counts[k]) for k, idx in avail.items())
+    return torch.cat([idx[:max(MATCHED_LEAST, round(int(counts[k]) * scale))] for k, idx in avail.items()])
+
+
+def count_far(rows: torch.Tensor, labels: torch.Tensor, ref_rows: torch.Tensor, ref_labels: torch.Tensor,
+              quantile: float = QUANTILE) -> LabelCount:
+    """A device's rows against held-out rows of its claimed classes run as one batch like its own
+    (:func:`matched_selection`). Per claimed class ``k`` with at least 2 held-out rows: its centroid
+    ``m_k``, and the ``quantile`` of its held-out rows' distances to it (each left out of it) as
+    the bound; a device row of class ``k`` beyond the bound is a mismatch, and the expected
+    number is the share of the held-out rows beyond it, per row."""
+    f, labels = rows.detach().flatten(1).float(), labels.long()
+    ref, ref_labels = ref_rows.detach().flatten(1).float(), ref_labels.long()
+    out = LabelCount()
+    for k in labels.unique().tolist():
+        fk = ref[ref_labels == k]
+        n = len(fk)
+        if n < 2:
+            continue
+        m = fk.mean(0)
+        loo = (fk - (n * m - fk) / (n - 1)).norm(dim=1)
+        bound = torch.quantile(loo, quantile)
+        mine = f[labels == k]
+        out.add(LabelCount(len(mine), int(((mine - m).norm(dim=1) > bound).sum()),
+                           len(mine) * float((loo > bound).float().mean())))
+    return out

@@ -29,7 +29,8 @@ import torch
 from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
-from sfl_core.options.robust.labels import MIN_ROWS, LabelCount, Reference, class_centroids, count_mismatches, label_outliers
+from sfl_core.options.robust.labels import (MIN_ROWS, LabelCount, Reference, class_centroids, count_far,
+                                           count_mismatches, label_outliers, matched_selection)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import change_sizes, coordinate_median, multi_krum, trimmed_mean, typical_changes
 
@@ -89,11 +90,15 @@ class Robust(RoundOption):
         self._anchors: dict[tuple[int, int], Optional[float]] = {}
         self._margins: dict[int, float] = {}
         """Per split, the label screen's margin (0: off there)."""
+        self._matched: dict[int, bool] = {}
+        """Per split, whether the devices' layers hold BatchNorm (the reference is then matched to
+        each device's mix of classes)."""
         self.labels: dict[str, tuple[int, float]] = {}
         """This round's agents whose rows the label screen left out: the steps, and their share of
         mismatched rows over the expected share."""
         self._label_counts: dict[str, LabelCount] = {}
         self._label_refs: dict[tuple[int, int], Optional[Reference]] = {}
+        self._label_held: dict[tuple[int, int], torch.Tensor] = {}
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
 
@@ -117,11 +122,12 @@ class Robust(RoundOption):
         leaves it off)."""
         if split not in self._margins:
             batch_norm = bool(batch_norm_layers(ctx.model.client(split)))
+            self._matched[split] = batch_norm
             self._margins[split] = self.section.label_screen(batch_norm)
             if batch_norm and not self._margins[split]:
                 ctx.log(f"robust: the label screen is off at split {split}: the devices' layers hold BatchNorm, "
                         f"whose batch statistics move a batch's activations by its mix of labels (set "
-                        f"robust.label_margin to screen anyway)")
+                        f"robust.label_margin to screen against held-out samples of each device's mix)")
         return self._margins[split]
 
     def _screen_labels(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
@@ -139,9 +145,19 @@ class Robust(RoundOption):
             if cut not in self._label_refs:
                 ref = ctx.labelled_reference(*cut)
                 self._label_refs[cut] = None if ref is None else class_centroids(ref[0], ref[1], ctx.model.num_classes)
+                if ref is not None:
+                    self._label_held[cut] = ref[1]
             reference = self._label_refs[cut]
-            if reference is not None:
-                self._label_counts.setdefault(a, LabelCount()).add(count_mismatches(x.cpu(), labels[a].cpu(), reference))
+            if reference is None:
+                continue
+            y = labels[a].cpu()
+            if self._matched[cut[0]]:   # held-out samples of the device's mix, normalised as one batch like its own
+                select = matched_selection(y, self._label_held[cut], reference.rates.shape[0])
+                ref = ctx.labelled_reference(*cut, select=select) if len(select) else None
+                found = count_far(x.cpu(), y, *ref) if ref is not None else LabelCount()
+            else:
+                found = count_mismatches(x.cpu(), y, reference)
+            self._label_counts.setdefault(a, LabelCount()).add(found)
         margin = max(self._margins.values(), default=0.0)   # one margin wherever the screen is on
         if not margin:
             return set()
@@ -149,8 +165,8 @@ class Robust(RoundOption):
                                         margin).items():
             c = self._label_counts[a]
             ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its labels "
-                    f"disagree with its inputs ({c.mismatched} of {c.rows} rows nearer another class's held-out "
-                    f"centroid at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit {margin:g}); its "
+                    f"disagree with its inputs ({c.mismatched} of {c.rows} rows unlike the held-out rows of their "
+                    f"label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit {margin:g}); its "
                     f"update is left out of the round's average", warning=True)
             self.labels[a] = (0, excess)
         out = {a for a in rows if a in self.labels}
