@@ -88,17 +88,15 @@ class Robust(RoundOption):
         self.typical: dict[tuple[int, int], float] = {}
         """Per cut (split, width), the median activations' RMS its accepted devices sent last."""
         self._anchors: dict[tuple[int, int], Optional[float]] = {}
-        self._margins: dict[int, float] = {}
-        """Per split, the label screen's margin (0: off there)."""
-        self._matched: dict[int, bool] = {}
-        """Per split, whether the devices' layers hold BatchNorm (the reference is then matched to
-        each device's mix of classes)."""
+        self._label_screen: dict[int, tuple[float, bool]] = {}
+        """Per split, the label screen's margin (0: off there) and whether the devices' layers hold
+        BatchNorm (the reference is then matched to each device's mix of classes)."""
         self.labels: dict[str, tuple[int, float]] = {}
         """This round's agents whose rows the label screen left out: the steps, and their share of
         mismatched rows over the expected share."""
         self._label_counts: dict[str, LabelCount] = {}
-        self._label_refs: dict[tuple[int, int], Optional[Reference]] = {}
-        self._label_held: dict[tuple[int, int], torch.Tensor] = {}
+        self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
+        """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
 
@@ -117,18 +115,17 @@ class Robust(RoundOption):
                                        assignments, labels)
         return out
 
-    def _label_margin(self, ctx: RoundContext, split: int) -> float:
-        """The label screen's margin at ``split``, decided once per split (and logged where auto
-        leaves it off)."""
-        if split not in self._margins:
+    def _label_screen_at(self, ctx: RoundContext, split: int) -> tuple[float, bool]:
+        """The label screen's margin at ``split`` and whether its reference is matched (BatchNorm),
+        decided once per split (and logged where auto leaves it off)."""
+        if split not in self._label_screen:
             batch_norm = bool(batch_norm_layers(ctx.model.client(split)))
-            self._matched[split] = batch_norm
-            self._margins[split] = self.section.label_screen(batch_norm)
-            if batch_norm and not self._margins[split]:
+            self._label_screen[split] = (self.section.label_screen(batch_norm), batch_norm)
+            if batch_norm and not self._label_screen[split][0]:
                 ctx.log(f"robust: the label screen is off at split {split}: the devices' layers hold BatchNorm, "
                         f"whose batch statistics move a batch's activations by its mix of labels (set "
                         f"robust.label_margin to screen against held-out samples of each device's mix)")
-        return self._margins[split]
+        return self._label_screen[split]
 
     def _screen_labels(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                        assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
@@ -140,25 +137,25 @@ class Robust(RoundOption):
             if a in self.labels or a not in labels or self._label_counts.get(a, LabelCount()).rows >= MIN_ROWS:
                 continue
             cut = (assignments[a].split, assignments[a].width)
-            if not self._label_margin(ctx, cut[0]):
+            margin, matched = self._label_screen_at(ctx, cut[0])
+            if not margin:
                 continue
             if cut not in self._label_refs:
                 ref = ctx.labelled_reference(*cut)
-                self._label_refs[cut] = None if ref is None else class_centroids(ref[0], ref[1], ctx.model.num_classes)
-                if ref is not None:
-                    self._label_held[cut] = ref[1]
-            reference = self._label_refs[cut]
-            if reference is None:
+                self._label_refs[cut] = None if ref is None else (
+                    ref[1], None if matched else class_centroids(ref[0], ref[1], ctx.model.num_classes))
+            held = self._label_refs[cut]
+            if held is None:
                 continue
             y = labels[a].cpu()
-            if self._matched[cut[0]]:   # held-out samples of the device's mix, normalised as one batch like its own
-                select = matched_selection(y, self._label_held[cut], reference.rates.shape[0])
+            if held[1] is None:   # held-out samples of the device's mix, normalised as one batch like its own
+                select = matched_selection(y, held[0], ctx.model.num_classes)
                 ref = ctx.labelled_reference(*cut, select=select) if len(select) else None
                 found = count_far(x.cpu(), y, *ref) if ref is not None else LabelCount()
             else:
-                found = count_mismatches(x.cpu(), y, reference)
+                found = count_mismatches(x.cpu(), y, held[1])
             self._label_counts.setdefault(a, LabelCount()).add(found)
-        margin = max(self._margins.values(), default=0.0)   # one margin wherever the screen is on
+        margin = max((m for m, _ in self._label_screen.values()), default=0.0)   # one margin wherever it is on
         if not margin:
             return set()
         for a, excess in label_outliers({a: c for a, c in self._label_counts.items() if a not in self.labels},
@@ -202,9 +199,8 @@ class Robust(RoundOption):
     def worker_findings(self, r: int) -> dict[str, Any]:
         if self._rows_round != r:
             return {}
-        found = {key: {a: [steps, x] for a, (steps, x) in mine.items()}
-                 for key, mine in (("rows", self.rows), ("labels", self.labels)) if mine}
-        return found
+        return {key: {a: [steps, x] for a, (steps, x) in mine.items()}
+                for key, mine in (("rows", self.rows), ("labels", self.labels)) if mine}
 
     def merge_worker_findings(self, ctx: RoundContext, r: int, findings: Mapping[str, Any]) -> None:
         """A worker's agents whose rows it left out: their updates are left out here, they are
