@@ -10,6 +10,7 @@ replays and resends are the fleet session's (:mod:`coordinator.session`).
 from __future__ import annotations
 
 import functools
+import math
 import logging
 import time
 from pathlib import Path
@@ -232,7 +233,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         widen_bottlenecks(self.model, plan, self._latest_width, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
-        decay = self.cfg.lr_decay ** max(0, r - 1)
+        decay = self.cfg.lr_decay ** max(0, r - 1) * math.prod(o.lr_factor(r) for o in self.options)
         windows = {a: window_for(self.cfg, self.costs, plan, a, self.registry.agents[a]) for a in selected}
         agents = {a: RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
                                                     batches.get(a), decay, windows[a]), last_heard=now,

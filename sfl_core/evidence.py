@@ -34,6 +34,8 @@ class Evidence:
     """The model normalises with batch statistics (BatchNorm layers)."""
     accuracy: tuple[float, ...] = ()
     """Validation accuracy of the scored rounds so far, oldest first."""
+    round: int = 0
+    """The round about to be trained (0: before the run)."""
 
     @property
     def skewed(self) -> bool:
@@ -53,6 +55,15 @@ class Evidence:
     def partial(self) -> bool:
         """A round trains a sample of the fleet, not all of it."""
         return self.per_round < self.agents
+
+    @property
+    def stopped_climbing(self) -> bool:
+        """The scored accuracy has stopped climbing: over the last 5 scored rounds, all clearly
+        above chance (:func:`above_chance`), it falls back (:func:`swing`) at least as much as it
+        gains net (:func:`climb`). From there a round only moves the model around where it has
+        got to; a run stuck at chance has not started climbing, so it has not stopped either."""
+        s, c = swing(self.accuracy), climb(self.accuracy)
+        return s is not None and c is not None and above_chance(self.accuracy, self.classes) and 0 < s and c <= s
 
 
 def label_skew(histograms: Iterable[Sequence[int]]) -> float:
@@ -104,9 +115,10 @@ def above_chance(accuracy: Sequence[float], classes: int, last: int = 5) -> bool
 
 
 def evidence_of(*, histograms: Mapping[str, Sequence[int]], classes: int, per_round: int,
-                batch_norm: bool, accuracy: Sequence[float] = ()) -> Evidence:
+                batch_norm: bool, accuracy: Sequence[float] = (), round: int = 0) -> Evidence:
     """The evidence from the registered devices' label histograms and the run so far."""
     hists = list(histograms.values())
     return Evidence(agents=len(hists), per_round=min(per_round, len(hists)) if hists else per_round,
                     classes=classes, label_skew=label_skew(hists),
-                    absent=absent_classes(hists, classes), batch_norm=batch_norm, accuracy=tuple(accuracy))
+                    absent=absent_classes(hists, classes), batch_norm=batch_norm, accuracy=tuple(accuracy),
+                    round=round)

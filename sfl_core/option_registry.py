@@ -32,6 +32,7 @@ _OPTIONS: dict[str, Union[str, type[RoundOption]]] = {
     "server_opt": "sfl_core.options.server_opt.option:ServerOpt",
     "norm_stats": "sfl_core.options.norm_stats.option:NormStats",
     "model_ema": "sfl_core.options.model_ema.option:ModelEma",
+    "lr_anneal": "sfl_core.options.lr_anneal.option:LrAnneal",
     "loss": "sfl_core.options.calibrated_loss.option:CalibratedLoss",
     "robust": "sfl_core.options.robust.option:Robust",
 }
@@ -41,6 +42,7 @@ _SECTIONS: dict[str, Union[str, type[OptionSection]]] = {
     "server_opt": "sfl_core.options.server_opt.config:ServerOptConfig",
     "norm_stats": "sfl_core.options.norm_stats.config:NormStatsConfig",
     "model_ema": "sfl_core.options.model_ema.config:ModelEmaConfig",
+    "lr_anneal": "sfl_core.options.lr_anneal.config:LrAnnealConfig",
     "loss": "sfl_core.options.calibrated_loss.config:LossConfig",
     "robust": "sfl_core.options.robust.config:RobustConfig",
 }

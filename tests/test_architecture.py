@@ -249,6 +249,7 @@ OPTION_HOMES = {   # an option's section key, wire names and kinds -> where they
     **{name: "sfl_core/options/norm_stats/" for name in ("norm_stats", "norm_pass", "norm_sums", "freeze_norm",
                                                           "local_norm", "fedbn", "fixbn")},
     **{name: "sfl_core/options/model_ema/" for name in ("model_ema", "ema")},
+    **{name: "sfl_core/options/lr_anneal/" for name in ("lr_anneal",)},
     **{name: "sfl_core/options/calibrated_loss/" for name in ("calibration_tau",)},
 }
 OPTION_REGISTRATION = "sfl_core/option_registry.py"

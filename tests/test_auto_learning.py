@@ -19,6 +19,8 @@ from sfl_core.methods.auto.structure import (DEPTH_COST, SELECTION_SHARE, SEQUEN
                                              server_mode_for, shallow_cuts)
 from sfl_core.options.base import Recommendation, RoundOption
 from sfl_core.options.drift.option import Drift
+from sfl_core.options.lr_anneal.option import LrAnneal
+from sfl_core.options.lr_anneal.schedule import anneal_factor
 from sfl_core.options.model_ema.option import ModelEma
 from sfl_core.options.norm_stats.option import NormStats
 from sfl_core.options.server_opt.option import ServerOpt
@@ -227,21 +229,68 @@ def test_the_users_server_mode_and_cuts_win_and_workers_keep_it_merged():
 
 # ---------------------------------------------------------------- the decisions
 
+def test_the_learning_rate_anneals_where_a_round_samples_skewed_devices_that_stopped_climbing():
+    level = (0.80, 0.78, 0.81, 0.79, 0.80)              # falls back 1.5 points a round, gains 0 net
+    climbing = (0.50, 0.60, 0.58, 0.70, 0.80)           # falls back 0.5, gains 7.5 a round
+    stuck = (0.10, 0.12, 0.10, 0.11, 0.10)              # level, but at chance: not started
+    on = LrAnneal.recommend(_cfg(rounds=10), dataclasses.replace(SKEWED, accuracy=level, round=5), False)
+    assert on.changes == {"share": 0.5} and "8 of 40 label-skewed devices a round" in on.reason
+    for accuracy in ((), climbing, stuck):
+        off = LrAnneal.recommend(_cfg(), dataclasses.replace(SKEWED, accuracy=accuracy), False)
+        assert off.changes is None and "still climbing" in off.reason
+    for fleet in (ALIKE, MILD):                         # milder skew: not measured to pay
+        off = LrAnneal.recommend(_cfg(), dataclasses.replace(fleet, accuracy=level), False)
+        assert off.changes is None and "close enough" in off.reason
+    late = dataclasses.replace(SKEWED, accuracy=level, round=51)          # levelled off only in the last half
+    assert LrAnneal.recommend(_cfg(rounds=100), dataclasses.replace(late, round=50), False).changes == {"share": 0.5}
+    assert "still climbing when the run's last half began" in LrAnneal.recommend(_cfg(rounds=100), late, False).reason
+    assert LrAnneal.recommend(_cfg(rounds=100), late, True).changes == {"share": 0.5}
+    everyone = LrAnneal.recommend(_cfg(), dataclasses.replace(SKEWED, per_round=40, accuracy=level), False)
+    assert everyone.changes is None and "every device trains every round" in everyone.reason
+    assert LrAnneal.recommend(_cfg(), SKEWED, True).changes == {"share": 0.5}   # once on, to the end
+
+
+def test_the_annealed_factor_by_hand():
+    # 10 rounds, the last half: 1 up to round 5, then 1 - 0.9 (r - 5) / 5, a tenth at round 10
+    assert [round(anneal_factor(r, 10, 0.5), 6) for r in range(1, 12)] == [
+        1, 1, 1, 1, 1, 0.82, 0.64, 0.46, 0.28, 0.1, 0.1]
+    assert anneal_factor(3, 4, 0.25) == 1 and anneal_factor(4, 4, 0.25) == pytest.approx(0.1)
+    assert all(anneal_factor(r, 10, 0.0) == 1 for r in range(1, 12))
+    assert anneal_factor(8, 10, 0.5, floor=0.5) == pytest.approx(1 - 0.5 * 3 / 5)
+
+
+def test_a_users_annealed_rate_reaches_every_device_on_any_strategy(tmp_path):
+    from simulation import run_simulation
+
+    cfg = run_config_from_dict({
+        "run": "anneal", "model": "small_cnn", "strategy": "sfl", "data": {"dataset": "digits", "partition": "iid"},
+        "fleet": [{"profile": "s2fl-mid-mid", "count": 2}], "rounds": 4, "batch_size": 16, "lr": 0.05,
+        "local_iters": 2, "lr_anneal": 0.5, "output_dir": str(tmp_path / "out")})
+    history, engine = run_simulation(cfg, device="cpu")
+    # the last half of 4 rounds: 1, 1, then 1 - 0.9 x 1/2, a tenth at the last
+    assert [sorted({a["lr"] for a in h["agents"].values()}) for h in history[1:]] == [
+        [0.05], [0.05], [pytest.approx(0.05 * 0.55)], [pytest.approx(0.005)]]
+    assert "LrAnneal" in {type(o).__name__ for o in engine.options}
+
+
 def test_auto_decides_only_what_the_config_leaves_to_it():
     cfg = _cfg(drift="none", server_opt={"kind": "adam", "lr": 0.03})   # the user's settings win
-    assert {o.SECTION.KEY for o in option_registry.left_to_auto(cfg)} == {"norm_stats", "model_ema"}
+    assert {o.SECTION.KEY for o in option_registry.left_to_auto(cfg)} == {"norm_stats", "model_ema", "lr_anneal"}
     learner = LearningOptions(cfg)
     changed = learner.decide(1, SKEWED)
-    assert {d.key for d in changed} == {"norm_stats", "model_ema"}
+    assert {d.key for d in changed} == {"norm_stats", "model_ema", "lr_anneal"}   # lr_anneal: off for now
     settled = learner.config()
     assert Drift.settings(settled).kind == "none" and ServerOpt.settings(settled).kind == "adam"
     assert NormStats.settings(settled).mode == "federated" and ModelEma.settings(settled).decay == "auto"
     assert learner.decide(2, SKEWED) == []                     # nothing new: nothing said again
-    assert learner.summary() == {"norm_stats": {"mode": "federated"}, "model_ema": "off"}
+    assert learner.summary() == {"norm_stats": {"mode": "federated"}, "model_ema": "off", "lr_anneal": "off"}
     swings = dataclasses.replace(SKEWED, accuracy=(0.6, 0.5, 0.62, 0.52, 0.63))
     assert [d.line() for d in learner.decide(7, swings)] == [
         "auto: model_ema: decay 0.8 (round 7: the accuracy falls back 5.0 points a round: the delivered model "
-        "averages the last rounds' (decay 0.8))"]
+        "averages the last rounds' (decay 0.8))",
+        "auto: lr_anneal: share 0.5 (round 7: 8 of 40 label-skewed devices a round (mean KL 0.90 nats) and the "
+        "accuracy has stopped climbing: the learning rate falls to a tenth over the last half of the run, "
+        "shrinking each round's pull towards its sample's classes)"]
     line = next(d.line() for d in changed if d.key == "norm_stats")
     assert line.startswith("auto: norm_stats: mode federated (round 1: BatchNorm layers on label-skewed devices")
     again = LearningOptions(cfg)
@@ -255,7 +304,7 @@ def test_an_option_left_to_auto_is_off_under_any_other_strategy():
     cfg = _cfg(strategy="sfl")
     assert [o.SECTION.KEY for o in option_registry.wanted(cfg)] == ["robust"]   # on by default, not auto's
     assert [o.SECTION.KEY for o in option_registry.left_to_auto(cfg)] == ["drift", "server_opt", "norm_stats",
-                                                                           "model_ema"]
+                                                                           "model_ema", "lr_anneal"]
 
 
 # ---------------------------------------------------------------- the engine
@@ -331,6 +380,7 @@ def test_a_skewed_demo_fleet_gets_its_options_and_keeps_them_across_a_resume(tmp
     assert decided["server"] == {"server_mode": "sequential"} and engine.cfg.server_mode == "sequential"
     assert decided["norm_stats"] == "off"                                   # small_cnn has no BatchNorm
     assert decided["selection"] == {"selection": "uniform"}                # 3 of 4 a round
+    assert decided["lr_anneal"] == "off"                                   # no scored climb to judge yet
     assert {type(o).__name__ for o in engine.options} == {"Drift", "ServerOpt", "Robust"}
     held = {a: dict(c) for a, c in engine.option(Drift).variates.ci.items()}
     assert held

@@ -230,6 +230,10 @@ class RoundOption:
                      assignments: Mapping[str, "Assignment"], terms: ServerTerms) -> None:
         """Add what the server's copies need this round to ``terms``."""
 
+    def lr_factor(self, r: int) -> float:
+        """What round ``r``'s learning rate, of devices and server alike, is multiplied by."""
+        return 1.0
+
     def assign_fields(self, ctx: RoundContext, r: int, agent: str, split: int, width: int) -> dict[str, Any]:
         """The fields of :attr:`ASSIGN_FIELDS` this agent's assignment carries this round."""
         return {}

@@ -407,7 +407,7 @@ class Auto(Method):
             hists = {a: info.label_counts for a, info in agents.items() if sum(info.label_counts or []) > 0}
             evidence = evidence_of(histograms=hists, classes=max((len(h) for h in hists.values()), default=0),
                                    per_round=self.cfg.per_round or len(agents),
-                                   batch_norm=bool(batch_norm_layers(self.model)), accuracy=accuracy)
+                                   batch_norm=bool(batch_norm_layers(self.model)), accuracy=accuracy, round=r)
             lines = [d.line() for d in self.learner.decide(r, evidence)]
             whole = self.model.num_blocks
             if AutoConfig.of(self.cfg).whole_model == "auto" and evidence.skewed and whole in self._candidates:

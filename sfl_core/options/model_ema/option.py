@@ -62,7 +62,7 @@ class ModelEma(RoundOption):
             return Recommendation(None, "too few scored rounds yet: the global model is delivered as it is")
         if not above_chance(evidence.accuracy, evidence.classes):
             return Recommendation(None, "the accuracy is still near chance: the global model is delivered as it is")
-        if evidence.partial and 0 < s and c <= s:
+        if evidence.partial and evidence.stopped_climbing:
             return Recommendation({"decay": 0.8}, f"{evidence.per_round} of {evidence.agents} devices a round and "
                                                   f"the accuracy has stopped climbing (net {100 * c:+.1f} points a "
                                                   f"round, falls back {100 * s:.1f}): the delivered model averages "
