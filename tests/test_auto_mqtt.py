@@ -67,7 +67,9 @@ def test_the_default_decides_the_learning_options_of_a_skewed_fleet_over_mosquit
         assert r["learning"]["drift"] == {"kind": "scaffold"}
         assert r["learning"]["server_opt"] == {"kind": "momentum", "lr": 1.0, "beta1": 0.5}
         assert r["learning"]["norm_stats"] == "off"
+        assert r["learning"]["lr_anneal"] == "off"       # six rounds: no levelled-off first half to judge
     log = (tmp_path / "coord.log").read_text()
+    assert "auto: lr_anneal: off (round 1: the accuracy is still climbing (or not yet scored)" in log
     assert "auto: drift: kind scaffold (round 1: label-skewed devices" in log
     assert "auto: norm_stats: off (round 1: the model has no BatchNorm layers)" in log
     assert m[6]["accuracy"] > m[0]["accuracy"] + 0.25, [r["accuracy"] for r in m]
