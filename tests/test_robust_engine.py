@@ -62,6 +62,20 @@ def test_multi_krum_leaves_out_random_weights_and_names_them(tmp_path, clean):
     assert history[-1]["accuracy"] > clean - 0.1
 
 
+def test_replaced_weights_are_left_out_whatever_the_rounds_typical_change(tmp_path, clean, caplog):
+    """Random weights stay out where the bound on the typical change would let them in (a fleet
+    stuck at chance, whose honest changes grow; here a clip factor too large to be reached)."""
+    with caplog.at_level(logging.WARNING):
+        history, _ = _run(tmp_path, "replaced", Attack("random"), aggregate="clip", clip_factor=1e6)
+    for record in history[1:4]:
+        assert set(record["robust"]["replaced"]) == set(ATTACKERS) and "clipped" not in record["robust"]
+        assert all(x > 1.2 for x in record["robust"]["replaced"].values())   # about sqrt(2): a fresh draw
+    assert history[3]["robust"]["quarantined"] == list(ATTACKERS)
+    assert all(set(r["selected"]).isdisjoint(ATTACKERS) for r in history[4:])
+    assert any("as large as the weights it started from" in m and "sim-000" in m for m in caplog.messages)
+    assert history[-1]["accuracy"] > clean - 0.1
+
+
 def test_non_finite_weights_are_refused_and_the_sender_named(tmp_path, clean, caplog):
     with caplog.at_level(logging.WARNING):
         history, _ = _run(tmp_path, "nan", Attack("nan"))

@@ -8,7 +8,8 @@ import torch
 from sfl_core.aggregation import layerwise_average, participants, weighted_average
 from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.options.robust.option import capped_weights, krum_f
-from sfl_core.options.robust.rules import change_sizes, coordinate_median, multi_krum, trimmed_mean, typical_changes
+from sfl_core.options.robust.rules import (change_sizes, coordinate_median, multi_krum, relative_changes, trimmed_mean,
+                                           typical_changes)
 
 
 def t(*v):
@@ -58,6 +59,16 @@ def test_the_typical_change_grows_at_most_threefold_a_round_so_a_round_where_mos
     assert typical_changes(start, honest + liars, past=past) == pytest.approx({"w": 3 * 0.7})
     assert change_sizes(start, honest + liars, typical={"w": 2.1})[2:] == pytest.approx([50 / 2 ** 0.5 / 2.1] * 2 + [50 / 2.1])
     assert typical_changes(start, honest + honest[:1], past={"w": 10.0}) == pytest.approx({"w": 0.5 ** 0.5})   # shrinking: free
+
+
+def test_a_change_against_the_size_of_the_weights_it_started_from_by_hand():
+    start = {"w": t(3, 4), "b": t(0, 0), "n": torch.tensor(3), "c": t(1, 1, 1, 1)}
+    states = [{"w": t(3, 4.5), "b": t(0, 0), "n": torch.tensor(9)},   # 0.5 over 5: an ordinary step
+              {"w": t(0, 0), "b": t(0, 0)},                           # zeroed: as large as the weights
+              {"w": t(-3, -4)},                                       # 10 over 5
+              {"b": t(1, 1)},                                         # it started from nothing: not compared
+              {"c": t(2, 1)}]                                         # a narrow prefix: 1 over sqrt(2)
+    assert relative_changes(start, states) == pytest.approx([0.1, 1.0, 2.0, 0.0, 0.5 ** 0.5])
 
 
 def test_the_coordinate_median_and_trimmed_mean_by_hand():

@@ -32,7 +32,8 @@ from sfl_core.options.robust.config import RobustConfig
 from sfl_core.options.robust.labels import (MIN_ROWS, LabelCount, Reference, class_centroids, count_far,
                                            count_mismatches, label_outliers, matched_selection)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
-from sfl_core.options.robust.rules import change_sizes, coordinate_median, multi_krum, trimmed_mean, typical_changes
+from sfl_core.options.robust.rules import (change_sizes, coordinate_median, multi_krum, relative_changes, trimmed_mean,
+                                           typical_changes)
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
@@ -41,8 +42,12 @@ if TYPE_CHECKING:
 
 __all__ = ["FLAGS", "OUTLIER_SCORE", "Robust", "krum_f"]
 
-FLAGS = ("capped", "clipped", "outliers", "rows_left_out")
+FLAGS = ("capped", "clipped", "replaced", "outliers", "rows_left_out")
 """What counts as a flag towards quarantine: the round's metrics' keys that name agents."""
+
+REPLACED = 1.0
+"""A change at least this many times the size of the weights it started from (``relative_changes``)
+is left out under ``clip``: honest rounds move the weights by a fraction of their size."""
 
 OUTLIER_SCORE = 2.0
 """Multi-Krum leaves ``f`` devices out every round, honest ones too where fewer attack; a device
@@ -263,7 +268,14 @@ class Robust(RoundOption):
                 self.last["clipped"] = over
                 ctx.log(f"robust: round {r}: left out, a change over {s.clip_factor:g}x the round's typical change: "
                         + ", ".join(f"{a} ({x:.3g}x)" for a, x in sorted(over.items())), warning=True)
-                clients = {a: c for a, c in clients.items() if a not in over}
+            replaced = {a: round(x, 4) for a, x in zip(ids, relative_changes(start, states))
+                        if x >= REPLACED and a not in over}
+            if replaced:
+                self.last["replaced"] = replaced
+                ctx.log(f"robust: round {r}: left out, a change as large as the weights it started from "
+                        "(they were replaced, not trained): "
+                        + ", ".join(f"{a} ({x:.3g}x their size)" for a, x in sorted(replaced.items())), warning=True)
+            clients = {a: c for a, c in clients.items() if a not in over and a not in replaced}
         elif s.aggregate == "multi_krum" and len(ids) > 3:
             f = krum_f(len(ids), s.attackers)
             keep, scores = multi_krum([clients[a] for a in ids], f)

@@ -15,6 +15,12 @@ over the states that hold the element, as the plain weighted average does.
   so a round where most devices lie does not set it (:func:`typical_changes`). Norm bounding:
   Sun et al., "Can You Really Backdoor Federated Learning?", 2019; the median makes the bound
   need no tuning.
+* :func:`relative_changes` — each state's change against the size of the weights it started
+  from. An honest round of SGD moves the weights by a fraction of their size; a change as large
+  as the weights themselves replaces them (random or zeroed weights) rather than trains them.
+  Unlike the typical change, this bound does not move with the round: where the fleet is stuck
+  and honest changes grow, the typical change grows with them, and a replacement that was ten
+  times it on the first rounds passes under it later.
 * :func:`coordinate_median` and :func:`trimmed_mean` — coordinate-wise median and β-trimmed
   mean (Yin et al., "Byzantine-Robust Distributed Learning: Towards Optimal Statistical
   Rates", ICML 2018). Both ignore the weights: a weight is what a device claims.
@@ -35,7 +41,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["GROWTH", "change_sizes", "coordinate_median", "multi_krum", "trimmed_mean", "typical_changes"]
+__all__ = ["GROWTH", "change_sizes", "coordinate_median", "multi_krum", "relative_changes", "trimmed_mean",
+           "typical_changes"]
 
 State = Mapping[str, torch.Tensor]
 
@@ -113,6 +120,24 @@ def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence
             total[i] += n * (v / typical[key]) ** 2
             count[i] += n
     return [math.sqrt(total[i] / count[i]) if count[i] else 0.0 for i in range(len(states))]
+
+
+def relative_changes(start: State, states: Sequence[State]) -> list[float]:
+    """Each state's change from ``start`` over the size of what it changed: ``||x - s|| / ||s||``
+    over the floating-point elements it holds (a narrow HeteroSFL bottleneck: its prefix of a
+    layer); 0 where it holds none, or where they were all zero."""
+    out = []
+    for state in states:
+        moved = size = 0.0
+        for key, t in state.items():
+            ref = start.get(key)
+            if ref is None or not _floating(t) or t.dim() != ref.dim() or t.numel() == 0:
+                continue
+            r = _prefix(ref.detach(), t.shape).to(torch.float64)
+            moved += float(((t.detach().to(torch.float64) - r) ** 2).sum())
+            size += float((r * r).sum())
+        out.append(math.sqrt(moved / size) if size > 0 else 0.0)
+    return out
 
 
 def _stacked(key: str, states: Sequence[State], default: Optional[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]]:
