@@ -233,10 +233,11 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         widen_bottlenecks(self.model, plan, self._latest_width, self.registry.agents)
         self.on_event("round_start", {"round": r, "agents": selected, "phase": plan.phase})
         now = self._now()
-        decay = self.cfg.lr_decay ** max(0, r - 1) * math.prod(o.lr_factor(r) for o in self.options)
+        # the round's learning-rate factor: lr_decay's, times each option's
+        lr_scale = self.cfg.lr_decay ** max(0, r - 1) * math.prod(o.lr_factor(r) for o in self.options)
         windows = {a: window_for(self.cfg, self.costs, plan, a, self.registry.agents[a]) for a in selected}
         agents = {a: RoundAgent(a, self._assignment(plan.splits[a], plan.widths.get(a, 0), plan.codecs.get(a),
-                                                    batches.get(a), decay, windows[a]), last_heard=now,
+                                                    batches.get(a), lr_scale, windows[a]), last_heard=now,
                                 last_sent_at=now, instance=self.registry.agents[a].instance)
                   for a in selected}
         label_counts = {a: self.registry.agents[a].label_counts for a in selected}
@@ -247,10 +248,10 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         for option in self.options:
             option.server_terms(self, r, plan, split_agents, {a: ra.assignment for a, ra in agents.items()}, terms)
         mine = shard_round.lead(self.shards, self.transport, self.model, r, plan, agents, split_agents,
-                                label_counts=label_counts, population=population, lr=self.cfg.lr * decay,
+                                label_counts=label_counts, population=population, lr=self.cfg.lr * lr_scale,
                                 terms=terms, encode=self.encode_state) if self.shards is not None else split_agents
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
-                                lr=self.cfg.lr * decay, sequential=plan.sequential, population_counts=population,
+                                lr=self.cfg.lr * lr_scale, sequential=plan.sequential, population_counts=population,
                                 frozen_norms=terms.frozen_norms, corrections=terms.corrections, proximal=terms.proximal)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         assigns: list[tuple[RoundAgent, Message]] = []

@@ -37,7 +37,7 @@ differences); the coordinate-wise rules sort ``n`` values per element.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,16 @@ def _floating(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
 
+def _held(start: State, state: State) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The floating-point layers ``state`` holds that ``start`` has too: each as (key, the
+    state's values, the start's values it holds: a narrow bottleneck's prefix), in float64."""
+    for key, t in state.items():
+        ref = start.get(key)
+        if ref is None or not _floating(t) or t.dim() != ref.dim() or t.numel() == 0:
+            continue
+        yield key, t.detach().to(torch.float64), _prefix(ref.detach(), t.shape).to(torch.float64)
+
+
 def _layer_changes(start: State, states: Sequence[State],
                    rates: Optional[Sequence[float]]) -> dict[str, dict[int, tuple[float, int]]]:
     """Per layer, per state holding it: its RMS change per element per unit of learning rate,
@@ -68,11 +78,8 @@ def _layer_changes(start: State, states: Sequence[State],
         raise ValueError("need one positive rate per state")
     per_layer: dict[str, dict[int, tuple[float, int]]] = {}
     for i, s in enumerate(states):
-        for key, t in s.items():
-            ref = start.get(key)
-            if ref is None or not _floating(t) or t.dim() != ref.dim() or t.numel() == 0:
-                continue
-            d = t.detach().to(torch.float64) - _prefix(ref.detach(), t.shape).to(torch.float64)
+        for key, t, ref in _held(start, s):
+            d = t - ref
             per_layer.setdefault(key, {})[i] = (math.sqrt(float((d * d).mean())) / rate[i], d.numel())
     return per_layer
 
@@ -129,13 +136,9 @@ def relative_changes(start: State, states: Sequence[State]) -> list[float]:
     out = []
     for state in states:
         moved = size = 0.0
-        for key, t in state.items():
-            ref = start.get(key)
-            if ref is None or not _floating(t) or t.dim() != ref.dim() or t.numel() == 0:
-                continue
-            r = _prefix(ref.detach(), t.shape).to(torch.float64)
-            moved += float(((t.detach().to(torch.float64) - r) ** 2).sum())
-            size += float((r * r).sum())
+        for _, t, ref in _held(start, state):
+            moved += float(((t - ref) ** 2).sum())
+            size += float((ref * ref).sum())
         out.append(math.sqrt(moved / size) if size > 0 else 0.0)
     return out
 
