@@ -103,6 +103,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         self.options = build_options(cfg, self.model)   # the training options (sfl_core.options), in hook order
         self._round_start: dict[str, torch.Tensor] = {}
         self._terms = ServerTerms()   # what the options asked of this round's server copies
+        self._refused: dict[str, str] = {}   # this round's agents whose uploads were refused as invalid, and why
         self._round_wall0 = time.monotonic()   # when the current round began, on this host
         self._latest_width: dict[str, int] = {}          # "split/agent" -> the agent's latest bottleneck width there
         self.server = ServerTrainer(self.model, lr=cfg.lr, momentum=cfg.momentum, device=self.device,
@@ -228,6 +229,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         if self.cfg.stragglers == "replan" and set(online) - set(self.session.late):
             online = [a for a in online if a not in self.session.late]   # planned again without them
         wall0 = self._round_wall0 = time.monotonic()
+        self._refused = {}
         selected, batches = self.method.select(r, online, self.registry.agents, self.select(r, online))
         plan = self.method.plan(r, selected, self.registry.agents)
         widen_bottlenecks(self.model, plan, self._latest_width, self.registry.agents)
@@ -353,6 +355,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
             batch = decode_activations(msg.body, ra.assignment, self.num_classes)
         except wire.WireError as exc:
             self.session.rejections.reject("invalid", f"activations from {ra.info_id}: {exc}")
+            self._refused[ra.info_id] = "invalid activations"
             return None
         return self.server.stage(batch)
 
@@ -374,6 +377,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
                 g, loss = decode_logit_gradients(replies[a].body, tuple(logits[a].shape))
             except wire.WireError as exc:
                 self.session.rejections.reject("invalid", f"logit gradients from {a}: {exc}")
+                self._refused[a] = "invalid logit gradients"
                 self.session.drop(agents, a, "sent invalid logit gradients")
                 continue
             out[a] = (g, loss)

@@ -38,6 +38,7 @@ class RoundAverage:
     options: "list[RoundOption]"
     device: torch.device
     _round_start: dict[str, torch.Tensor]
+    _refused: dict[str, str]
     _terms: "ServerTerms"
 
     if TYPE_CHECKING:   # the engine's
@@ -65,6 +66,7 @@ class RoundAverage:
                 clients[a] = wire.decode_state(msg.body["weights"], held[split, width])
             except wire.WireError as exc:
                 self.session.rejections.reject("invalid", f"weights from {a}: {exc}")
+                self._refused[a] = "invalid weights"
                 continue
             weights[a] = self.method.aggregation_weight(self.registry.agents[a], agents[a].assignment.batch_size)
             done.append(a)
@@ -79,7 +81,7 @@ class RoundAverage:
             raise RoundVoid(f"{len(done)} of {len(plan.splits)} selected agent(s) completed it, {need} needed")
         for option in self.options:
             clients, weights = option.screen(ctx, r, self._round_start, clients, weights,
-                                             {a: agents[a].assignment for a in clients})
+                                             {a: agents[a].assignment for a in clients}, self._refused)
         servers = {a: s for a, s in servers.items() if a in clients}
         for option in self.options:
             option.observe_updates(ctx, self._round_start, clients, servers,

@@ -373,6 +373,8 @@ class FleetPage(_Served):
                 flagged[a] = f"round {rec['round']}: update left out ({size:.3g}x the typical change)"
             for a, size in (rb.get("replaced") or {}).items():
                 flagged[a] = f"round {rec['round']}: update left out (weights replaced: {size:.3g}x their size)"
+            for a, why in (rb.get("refused") or {}).items():
+                flagged[a] = f"round {rec['round']}: refused ({why})"
             for a in rb.get("outliers") or []:
                 flagged[a] = f"round {rec['round']}: left out (an outlier)"
             for a, scale in (rb.get("activation_scale") or {}).items():

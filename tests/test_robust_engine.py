@@ -76,13 +76,23 @@ def test_replaced_weights_are_left_out_whatever_the_rounds_typical_change(tmp_pa
     assert history[-1]["accuracy"] > clean - 0.1
 
 
-def test_non_finite_weights_are_refused_and_the_sender_named(tmp_path, clean, caplog):
+def test_non_finite_weights_are_refused_the_sender_named_and_quarantined(tmp_path, clean, caplog):
+    """Refused at decoding, each round they are sent in; flagged like a clipped update, so a
+    device that sends them round after round stops taking honest devices' places."""
     with caplog.at_level(logging.WARNING):
         history, _ = _run(tmp_path, "nan", Attack("nan"))
     assert all(set(r["completed"]).isdisjoint(ATTACKERS) for r in history[1:])
-    assert all(r["rejected"].get("invalid", 0) >= 3 for r in history[1:])
+    for record in history[1:4]:
+        assert record["rejected"].get("invalid", 0) >= 3
+        assert record["robust"]["refused"] == {a: "invalid weights" for a in ATTACKERS}
+    assert history[3]["robust"]["quarantined"] == list(ATTACKERS)
+    assert all(set(r["selected"]).isdisjoint(ATTACKERS) and "robust" not in r for r in history[4:])
     named = [m for m in caplog.messages if "weights from sim-000" in m]
     assert named and all("\n" not in m for m in named)
+    assert any("sim-000" in m and "quarantine" in m and "refused" in m for m in caplog.messages)
+    from coordinator.web import FleetPage
+    rows = {row["agent"]: row for row in FleetPage(tmp_path / "nan").state()["fleet"]}
+    assert rows["sim-000"]["flagged"] == "round 3: refused (invalid weights)"
     assert history[-1]["accuracy"] > clean - 0.1
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import sys
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -134,7 +132,7 @@ def _screening_rank(rank: int, world: int, init: str, out: str) -> None:
         host.merge_worker_findings(3, shard_round.merge_counters(shards, Transport(), {}, []))
         start = {"w": torch.zeros(3)}
         clients = {a: {"w": torch.full((3,), 0.1 * (i + 1))} for i, a in enumerate(ids)}
-        kept, weights = host.options[0].screen(host, 3, start, clients, {a: 1.0 for a in ids}, assignments)
+        kept, weights = host.options[0].screen(host, 3, start, clients, {a: 1.0 for a in ids}, assignments, {})
         with open(f"{out}/leader.json", "w") as f:
             json.dump({"kept": sorted(kept), "weights": sorted(weights), "lines": host.lines,
                        "metrics": host.options[0].round_metrics()}, f)

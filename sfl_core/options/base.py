@@ -263,10 +263,13 @@ class RoundOption:
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
-               assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+               assignments: Mapping[str, "Assignment"],
+               refused: Mapping[str, str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         """The round's client states and their weights in the average, as this option lets them
         in (bounded, clipped, or an agent left out: both dicts without it); ``assignments``:
-        what each agent was asked to train."""
+        what each agent was asked to train; ``refused``: the round's agents whose activations,
+        logit gradients or weights the coordinator refused as invalid (NaN, out of range), and
+        why: they are in neither dict."""
         return clients, weights
 
     def aggregate(self, ctx: RoundContext, states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FLAGS", "OUTLIER_SCORE", "Robust", "krum_f"]
 
-FLAGS = ("capped", "clipped", "replaced", "outliers", "rows_left_out")
+FLAGS = ("refused", "capped", "clipped", "replaced", "outliers", "rows_left_out")
 """What counts as a flag towards quarantine: the round's metrics' keys that name agents."""
 
 REPLACED = 1.0
@@ -235,9 +235,12 @@ class Robust(RoundOption):
 
     def screen(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
                clients: dict[str, dict[str, torch.Tensor]], weights: dict[str, float],
-               assignments: Mapping[str, "Assignment"]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+               assignments: Mapping[str, "Assignment"],
+               refused: Mapping[str, str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         s = self.section
         self.last = {}
+        if refused:   # what it sent was refused at decoding (and logged there): flagged like a clipped update
+            self.last["refused"] = dict(sorted(refused.items()))
         this_round = self._rows_round == r
         rows = {a: v for a, v in self.rows.items() if a in weights and this_round}
         labelled = {a: v for a, v in self.labels.items() if a in weights and this_round}
@@ -289,13 +292,13 @@ class Robust(RoundOption):
                 ctx.log(f"robust: round {r}: Multi-Krum left out {', '.join(out)} (f = {f}; outliers, over "
                         f"{OUTLIER_SCORE:g}x the median score: {', '.join(outliers) or 'none'})", warning=True)
             clients = {a: clients[a] for a in ids if a not in out}
-        self._count(ctx, r, list(weights))
+        self._count(ctx, r, list(weights) + [a for a in refused if a not in weights])
         return clients, {a: bounded[a] for a in clients}
 
     def _count(self, ctx: RoundContext, r: int, took_part: Sequence[str]) -> None:
-        """Each agent's flagged rounds in a row (capped, clipped, a Multi-Krum outlier, or its rows
-        left out of a server step); quarantine
-        at ``quarantine`` of them."""
+        """Each agent's flagged rounds in a row (what it sent refused as invalid, its weight capped,
+        its update clipped or replaced, a Multi-Krum outlier, or its rows left out of a server
+        step); quarantine at ``quarantine`` of them."""
         flagged = {a for key in FLAGS for a in self.last.get(key, ())}
         for a in took_part:
             self.streak[a] = self.streak.get(a, 0) + 1 if a in flagged else 0
