@@ -34,13 +34,16 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-__all__ = ["ServerShards", "cannot_share", "shard_agents", "worker_user", "launch_workers", "from_env", "GradReducer", "WorkerLost"]
+if TYPE_CHECKING:
+    from sfl_core.config.run import RunConfig
+
+__all__ = ["ServerShards", "cannot_share", "held_out_samples", "shard_agents", "worker_user", "launch_workers", "from_env", "GradReducer", "WorkerLost"]
 
 
 class WorkerLost(ConnectionError):
@@ -68,6 +71,15 @@ def cannot_share(server_mode: str, has_broker: bool) -> str | None:
         return ("server workers cannot share server_mode: sequential (SplitFed v2 trains on one agent after "
                 "another); use merged or per_agent")
     return None
+
+
+def held_out_samples(cfg: "RunConfig", reference_rows: int) -> int:
+    """How many of the server's held-out samples a worker other than the leader keeps: the
+    ``reference_rows`` the robust screens of its own agents' rows read, none where the run
+    standardises inputs with statistics the leader agrees with the fleet (``task.normalize:
+    federated``): the worker never learns them, and rows scaled otherwise than the agents'
+    would set every honest row apart. A worker never scores the model."""
+    return 0 if cfg.task is not None and cfg.task.normalize == "federated" else reference_rows
 
 
 def worker_user(user: str, rank: int) -> str:

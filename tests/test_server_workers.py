@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from coordinator.server_trainer import ServerTrainer
-from coordinator.server_workers import GradReducer, ServerShards, shard_agents
+from coordinator.server_workers import GradReducer, ServerShards, held_out_samples, shard_agents
 from sfl_core.model.zoo import build_model
 
 from helpers import finish, logs, metrics, start_agents, start_coord, write_config
@@ -67,6 +67,15 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
 def test_shard_agents_is_round_robin_over_sorted_ids():
     assert shard_agents(["c", "a", "b", "d", "e"], 2) == {"a": 0, "b": 1, "c": 0, "d": 1, "e": 0}
     assert set(shard_agents(["x"], 3).values()) == {0}
+
+
+def test_a_worker_holds_held_out_samples_for_its_screens_unless_the_leader_agrees_the_scaling():
+    """A worker screens its own agents' rows against the server's held-out samples (robust:),
+    except where only the leader knows how the agents standardise their inputs."""
+    assert held_out_samples(SimpleNamespace(task=None), 512) == 512
+    assert held_out_samples(SimpleNamespace(task=SimpleNamespace(normalize="none")), 512) == 512
+    assert held_out_samples(SimpleNamespace(task=SimpleNamespace(normalize=((0.5,), (0.2,)))), 512) == 512
+    assert held_out_samples(SimpleNamespace(task=SimpleNamespace(normalize="federated")), 512) == 0
 
 
 def test_two_gloo_ranks_train_the_server_model_one_process_trains(tmp_path):
