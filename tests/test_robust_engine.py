@@ -186,6 +186,21 @@ def test_a_claimed_sample_count_is_capped_by_default_and_named(tmp_path):
     assert "robust" not in history[-1]
 
 
+def test_a_large_claim_short_of_implausible_is_capped_and_named_every_round_but_never_quarantined(tmp_path):
+    """A device of a skewed fleet can honestly hold many times the median's data: capping bounds
+    what it weighs, and only a claim over IMPLAUSIBLE times the cap counts towards quarantine."""
+    from sfl_core.options.robust.option import IMPLAUSIBLE
+
+    history, engine = _run(tmp_path, "large", Attack("claim", factor=30.0), rounds=5)
+    for record in history[1:]:
+        capped = record["robust"]["capped"]
+        assert set(capped) == set(ATTACKERS) and "quarantined" not in record["robust"]
+        median = sorted(engine.registry.agents[a].num_samples for a in record["selected"])[4:6]
+        assert all(10 * sum(median) / 2 < c < IMPLAUSIBLE * 10 * sum(median) / 2 for c in capped.values())
+        assert set(ATTACKERS) <= set(record["completed"])
+    assert not any(engine.registry.agents[a].quarantined for a in ATTACKERS)
+
+
 def test_data_attacks_poison_what_the_attacker_trains_on():
     import torch
 

@@ -40,10 +40,17 @@ if TYPE_CHECKING:
     from sfl_core.model.zoo import SplitModel
     from sfl_core.wire.assignment import Assignment
 
-__all__ = ["FLAGS", "OUTLIER_SCORE", "Robust", "krum_f"]
+__all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "Robust", "krum_f"]
 
 FLAGS = ("refused", "capped", "clipped", "replaced", "outliers", "rows_left_out")
-"""What counts as a flag towards quarantine: the round's metrics' keys that name agents."""
+"""The round's metrics' keys that name agents; each counts towards quarantine (``capped`` only
+over :data:`IMPLAUSIBLE`)."""
+
+IMPLAUSIBLE = 10.0
+"""A capped claim counts towards quarantine only where it is over this many times the cap (by
+default a hundred times the round's median): honest devices of a skewed fleet can hold over ten
+times the median's data (Dirichlet 0.1 splits over 20-100 devices: up to about 60 times), and
+capping bounds what they weigh; quarantining them would lose their data."""
 
 REPLACED = 1.0
 """A change at least this many times the size of the weights it started from (``relative_changes``)
@@ -102,6 +109,8 @@ class Robust(RoundOption):
         self._label_counts: dict[str, LabelCount] = {}
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
+        self._implausible: set[str] = set()
+        """This round's capped agents whose claims count towards quarantine."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
 
@@ -238,7 +247,7 @@ class Robust(RoundOption):
                assignments: Mapping[str, "Assignment"],
                refused: Mapping[str, str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         s = self.section
-        self.last = {}
+        self.last, self._implausible = {}, set()
         if refused:   # what it sent was refused at decoding (and logged there): flagged like a clipped update
             self.last["refused"] = dict(sorted(refused.items()))
         this_round = self._rows_round == r
@@ -258,6 +267,7 @@ class Robust(RoundOption):
         capped = sorted(a for a in weights if bounded[a] < weights[a])
         if capped:
             self.last["capped"] = {a: weights[a] for a in capped}
+            self._implausible = {a for a in capped if weights[a] > IMPLAUSIBLE * bounded[a]}
             ctx.log(f"robust: round {r}: weight capped at {s.weight_cap:g}x the round's median for "
                     f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})", warning=True)
         ids = list(clients)
@@ -296,10 +306,10 @@ class Robust(RoundOption):
         return clients, {a: bounded[a] for a in clients}
 
     def _count(self, ctx: RoundContext, r: int, took_part: Sequence[str]) -> None:
-        """Each agent's flagged rounds in a row (what it sent refused as invalid, its weight capped,
-        its update clipped or replaced, a Multi-Krum outlier, or its rows left out of a server
-        step); quarantine at ``quarantine`` of them."""
-        flagged = {a for key in FLAGS for a in self.last.get(key, ())}
+        """Each agent's flagged rounds in a row (what it sent refused as invalid, a claim over
+        :data:`IMPLAUSIBLE` times the weight cap, its update clipped or replaced, a Multi-Krum
+        outlier, or its rows left out of a server step); quarantine at ``quarantine`` of them."""
+        flagged = {a for key in FLAGS if key != "capped" for a in self.last.get(key, ())} | self._implausible
         for a in took_part:
             self.streak[a] = self.streak.get(a, 0) + 1 if a in flagged else 0
             k = self.section.quarantine
