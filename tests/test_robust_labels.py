@@ -33,16 +33,31 @@ def test_a_devices_mismatches_and_the_number_expected_of_its_classes():
     c = count_mismatches(torch.tensor([[1.0], [9.0], [10.0], [50.0], [3.0]]), torch.tensor([0, 0, 1, 2, 7]), ref)
     assert (c.rows, c.mismatched) == (3, 1) and c.expected == pytest.approx(2 / 3)
     assert c.excess == pytest.approx((1 - 2 / 3) / 3)
+    assert c.variance == pytest.approx(2 * (1 / 3) * (2 / 3))   # two rows of class 0 at rate 1/3, one at 0
     flipped = count_mismatches(torch.tensor([[0.0], [10.0]]), torch.tensor([1, 0]), ref)
     assert (flipped.rows, flipped.mismatched) == (2, 2) and flipped.expected == pytest.approx(1 / 3)
     assert count_mismatches(torch.tensor([[50.0]]), torch.tensor([2]), ref) == LabelCount()
 
 
 def test_counts_add_up_over_a_rounds_steps():
-    c = LabelCount(10, 2, 1.5)
-    c.add(LabelCount(6, 6, 0.5))
+    c = LabelCount(10, 2, 1.5, 1.0)
+    c.add(LabelCount(6, 6, 0.5, 0.44))
     assert (c.rows, c.mismatched, c.expected) == (16, 8, 2.0) and c.excess == pytest.approx(6 / 16)
-    assert LabelCount().excess == 0.0
+    assert c.variance == pytest.approx(1.44) and c.significance == pytest.approx(6 / 1.2)
+    assert LabelCount().excess == 0.0 and LabelCount().significance == 0.0
+    assert LabelCount(16, 1, 0.0).significance == math.inf   # no mismatch expected, one found
+
+
+def test_a_share_over_the_margin_that_chance_explains_is_not_flagged():
+    # 16 rows each mismatching with chance 0.11: 1.76 expected, variance 16 * 0.11 * 0.89 = 1.5664;
+    # 6 found is (6 - 1.76) / 16 = 0.265 over the expected share but 4.24 / 1.2516 = 3.39 deviations
+    chance = LabelCount(16, 6, 1.76, 1.5664)
+    # a backdoor's 32 rows, half triggered: 16 found against 3.52 expected, 7.05 deviations
+    backdoor = LabelCount(32, 16, 3.52, 3.1328)
+    honest = {f"h{i}": LabelCount(32, 4, 3.52, 3.1328) for i in range(3)}
+    assert label_outliers({"chance": chance, "backdoor": backdoor, **honest}, 0.2) == {"backdoor": 0.39}
+    assert label_outliers({"chance": chance, "backdoor": backdoor, **honest}, 0.2, significance=3.0) == \
+        {"backdoor": 0.39, "chance": 0.265}
 
 
 def test_outliers_are_the_devices_over_the_margin_never_most_of_them():
@@ -58,7 +73,7 @@ def test_outliers_are_the_devices_over_the_margin_never_most_of_them():
         label_outliers(counts, 0.0)
 
 
-def test_auto_screens_labels_only_where_the_devices_layers_keep_no_batch_statistics():
+def test_auto_screens_labels_at_a_margin_of_its_own_where_the_devices_layers_keep_batch_statistics():
     from sfl_core.config.run import ConfigError, run_config_from_dict
 
     def robust(extra=None):
@@ -66,7 +81,7 @@ def test_auto_screens_labels_only_where_the_devices_layers_keep_no_batch_statist
 
     auto = robust()
     assert auto.label_margin == "auto"
-    assert auto.label_screen(batch_norm=False) == 0.3 and auto.label_screen(batch_norm=True) == 0.0
+    assert auto.label_screen(batch_norm=False) == 0.3 and auto.label_screen(batch_norm=True) == 0.2
     set_ = robust({"robust": {"label_margin": 0.5}})
     assert set_.label_screen(batch_norm=True) == 0.5
     assert robust({"robust": {"label_margin": 0}}).label_screen(False) == 0

@@ -74,13 +74,14 @@ class RobustConfig(OptionSection):
                          "nearer another class's held-out centroid than their label's is more than this margin over "
                          "the share expected of those classes (measured on the held-out rows) has its rows left out "
                          "of the round's server steps and its update out of the average, and is named (flipped labels, "
-                         "a backdoor's triggered rows); a number in (0, 1), 0 = off, auto (default) = 0.3 where the "
-                         "device's layers hold no BatchNorm and off where they do. Where they do, a number screens "
-                         "each device against held-out samples of its own mix of classes run as one batch (a batch's "
-                         "own statistics move its activations by its mix of labels), a row being unlike its label "
-                         "where it lies farther from its class's held-out centroid than 90 % of the class's held-out "
-                         "rows. Needs labels sent with the activations and validation data on the server. Devices "
-                         "that poison fewer than this share of their rows go unseen."),
+                         "a backdoor's triggered rows), where chance explains it by fewer than 4 standard deviations "
+                         "it passes; a number in (0, 1), 0 = off, auto (default) = 0.3 where the device's layers "
+                         "hold no BatchNorm and 0.2 where they do. Where they do, each device is screened against "
+                         "held-out samples of its own mix of classes run as one batch (a batch's own statistics move "
+                         "its activations by its mix of labels), a row being unlike its label where it lies farther "
+                         "from its class's held-out centroid than 90 % of the class's held-out rows. Needs labels "
+                         "sent with the activations and validation data on the server. Devices that poison fewer "
+                         "than this share of their rows go unseen."),
         ("quarantine", "a device flagged (capped, clipped, left out, or its rows left out) in this many of its rounds in a row is no "
                        "longer selected until an operator readmits it (sfl-coord agents readmit RUN_DIR ID); the "
                        "log names it and the checkpoint keeps it; 0 = never. A resumed run counts the rounds afresh."),
@@ -98,14 +99,19 @@ class RobustConfig(OptionSection):
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
 
     LABEL_MARGIN: ClassVar[float] = 0.3
-    """The label screen's margin where ``label_margin`` is auto."""
+    """The label screen's margin where ``label_margin`` is auto (chosen on the attack bench's
+    seeds 0-1 between 0.3 and 0.5)."""
+    MATCHED_LABEL_MARGIN: ClassVar[float] = 0.2
+    """... where the devices' layers hold BatchNorm (the matched screen, chosen on the BatchNorm
+    attack bench's seeds 0-1 between 0.15, 0.2 and 0.3): its distances to a class's own held-out
+    rows leave a triggered share less room than the nearest-centroid test."""
 
     def label_screen(self, batch_norm: bool) -> float:
         """The label screen's margin at a cut (0: off); ``batch_norm``: the device's layers
         normalise by their batch's statistics, which move a batch's activations by its mix of
-        labels: auto leaves the screen off there."""
+        labels: each device is then screened against held-out samples of its own mix."""
         if self.label_margin == "auto":
-            return 0.0 if batch_norm else self.LABEL_MARGIN
+            return self.MATCHED_LABEL_MARGIN if batch_norm else self.LABEL_MARGIN
         return float(self.label_margin)
 
     @property

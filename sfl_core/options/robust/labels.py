@@ -40,12 +40,16 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["MIN_ROWS", "QUANTILE", "LabelCount", "Reference", "class_centroids", "count_far", "count_mismatches",
+__all__ = ["MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids", "count_far", "count_mismatches",
            "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
 
+
+SIGNIFICANCE = 4.0
+"""Standard deviations of chance (binomial, at the expected rates) a device's mismatches must
+lie over the expected number to be flagged (:func:`label_outliers`)."""
 
 QUANTILE = 0.9
 """Matched reference: a row is far from its class where it lies farther than this share of the
@@ -74,11 +78,24 @@ class LabelCount:
     rows: int = 0
     mismatched: int = 0
     expected: float = 0.0
+    variance: float = 0.0
+    """Of the mismatches expected of an honest device: ``sum p (1 - p)`` over its rows, each row
+    mismatching with its class's rate ``p`` (a sum of Bernoulli trials)."""
 
     def add(self, other: "LabelCount") -> None:
         self.rows += other.rows
         self.mismatched += other.mismatched
         self.expected += other.expected
+        self.variance += other.variance
+
+    @property
+    def significance(self) -> float:
+        """How many standard deviations of chance the mismatches lie over the expected number
+        (infinite where chance leaves no spread and there are more)."""
+        over = self.mismatched - self.expected
+        if self.variance > 0:
+            return over / self.variance ** 0.5
+        return float("inf") if over > 0 else 0.0
 
     @property
     def excess(self) -> float:
@@ -135,18 +152,24 @@ def count_mismatches(rows: torch.Tensor, labels: torch.Tensor, ref: Reference) -
         return LabelCount()
     f, y = rows.detach().flatten(1).float()[judged], labels[judged]
     nearest = _distances(f, ref.centroids).argmin(1)
-    return LabelCount(int(y.numel()), int((nearest != y).sum()), float(ref.rates[y].sum()))
+    p = ref.rates[y]
+    return LabelCount(int(y.numel()), int((nearest != y).sum()), float(p.sum()), float((p * (1 - p)).sum()))
 
 
-def label_outliers(counts: Mapping[str, LabelCount], margin: float) -> dict[str, float]:
+def label_outliers(counts: Mapping[str, LabelCount], margin: float,
+                   significance: float = SIGNIFICANCE) -> dict[str, float]:
     """The devices (of at least :data:`MIN_ROWS` rows) whose share of mismatched rows is more
-    than ``margin`` over their expected share, with that excess; none where that would be more
-    than half of the devices judged (the held-out data then does not describe the fleet's, and a
-    screen must not take out most of a round)."""
+    than ``margin`` over their expected share, and more than chance explains (``significance``
+    standard deviations), with that excess; none where that would be more than half of the
+    devices judged (the held-out data then does not describe the fleet's, and a screen must not
+    take out most of a round). Why both: over a device's first 16-32 rows chance alone puts an
+    honest share a tenth or two over the expected one now and then; the margin is what an
+    attack must exceed, the significance what chance must not explain."""
     if not 0 < margin < 1:
         raise ValueError(f"margin must be in (0, 1), got {margin}")
     judged = {a: c for a, c in counts.items() if c.rows >= MIN_ROWS}
-    out = {a: round(c.excess, 4) for a, c in sorted(judged.items()) if c.excess > margin}
+    out = {a: round(c.excess, 4) for a, c in sorted(judged.items())
+           if c.excess > margin and c.significance > significance}
     return out if 2 * len(out) <= len(judged) else {}
 
 
@@ -183,6 +206,7 @@ def count_far(rows: torch.Tensor, labels: torch.Tensor, ref_rows: torch.Tensor, 
         loo = (fk - (n * m - fk) / (n - 1)).norm(dim=1)
         bound = torch.quantile(loo, quantile)
         mine = f[labels == k]
-        out.add(LabelCount(len(mine), int(((mine - m).norm(dim=1) > bound).sum()),
-                           len(mine) * float((loo > bound).float().mean())))
+        p = float((loo > bound).float().mean())
+        out.add(LabelCount(len(mine), int(((mine - m).norm(dim=1) > bound).sum()), len(mine) * p,
+                           len(mine) * p * (1 - p)))
     return out

@@ -7,8 +7,9 @@ do to the round's average is bounded, and every device a rule acts on is named.
 * The server portion's screens hold by default: a device whose activations' scale lies far
   from its cut's median (:mod:`sfl_core.options.robust.rows`), or whose labels disagree with
   what its inputs look like at the cut (:mod:`sfl_core.options.robust.labels`; where the
-  devices' layers hold no BatchNorm), has its rows left out of the server's steps, and its
-  update out of the round's average.
+  devices' layers hold BatchNorm, against held-out samples of each device's own mix of
+  classes), has its rows left out of the server's steps, and its update out of the round's
+  average.
 * ``aggregate`` picks the rule (:mod:`sfl_core.options.robust.rules`): clipping and Multi-Krum
   act on the client states before the layer-wise average (the states the devices sent; the
   server copies are the coordinator's own), the coordinate-wise median and trimmed mean
@@ -107,6 +108,8 @@ class Robust(RoundOption):
         """This round's agents whose rows the label screen left out: the steps, and their share of
         mismatched rows over the expected share."""
         self._label_counts: dict[str, LabelCount] = {}
+        self._label_margins: dict[str, float] = {}
+        """This round's screened agents: the label screen's margin at each one's cut."""
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
         self._implausible: set[str] = set()
@@ -118,7 +121,7 @@ class Robust(RoundOption):
         """Forget the last round's rows left out (and its anchors) at the first word of round ``r``."""
         if r != self._rows_round:
             self.rows, self._rows_round, self._anchors = {}, r, {}
-            self.labels, self._label_counts, self._label_refs = {}, {}, {}
+            self.labels, self._label_counts, self._label_refs, self._label_margins = {}, {}, {}, {}
 
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                     assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
@@ -131,14 +134,10 @@ class Robust(RoundOption):
 
     def _label_screen_at(self, ctx: RoundContext, split: int) -> tuple[float, bool]:
         """The label screen's margin at ``split`` and whether its reference is matched (BatchNorm),
-        decided once per split (and logged where auto leaves it off)."""
+        decided once per split."""
         if split not in self._label_screen:
             batch_norm = bool(batch_norm_layers(ctx.model.client(split)))
             self._label_screen[split] = (self.section.label_screen(batch_norm), batch_norm)
-            if batch_norm and not self._label_screen[split][0]:
-                ctx.log(f"robust: the label screen is off at split {split}: the devices' layers hold BatchNorm, "
-                        f"whose batch statistics move a batch's activations by its mix of labels (set "
-                        f"robust.label_margin to screen against held-out samples of each device's mix)")
         return self._label_screen[split]
 
     def _screen_labels(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
@@ -154,6 +153,7 @@ class Robust(RoundOption):
             margin, matched = self._label_screen_at(ctx, cut[0])
             if not margin:
                 continue
+            self._label_margins[a] = margin
             if cut not in self._label_refs:
                 ref = ctx.labelled_reference(*cut)
                 self._label_refs[cut] = None if ref is None else (
@@ -169,17 +169,17 @@ class Robust(RoundOption):
             else:
                 found = count_mismatches(x.cpu(), y, held[1])
             self._label_counts.setdefault(a, LabelCount()).add(found)
-        margin = max((m for m, _ in self._label_screen.values()), default=0.0)   # one margin wherever it is on
-        if not margin:
-            return set()
-        for a, excess in label_outliers({a: c for a, c in self._label_counts.items() if a not in self.labels},
-                                        margin).items():
-            c = self._label_counts[a]
-            ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its labels "
-                    f"disagree with its inputs ({c.mismatched} of {c.rows} rows unlike the held-out rows of their "
-                    f"label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit {margin:g}); its "
-                    f"update is left out of the round's average", warning=True)
-            self.labels[a] = (0, excess)
+        for margin in sorted(set(self._label_margins.values())):   # the agents of each margin judged together
+            judged = {a: c for a, c in self._label_counts.items()
+                      if a not in self.labels and self._label_margins.get(a) == margin}
+            for a, excess in label_outliers(judged, margin).items():
+                c = self._label_counts[a]
+                ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its "
+                        f"labels disagree with its inputs ({c.mismatched} of {c.rows} rows unlike the held-out rows "
+                        f"of their label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit "
+                        f"{margin:g}; {c.significance:.1f} standard deviations of chance); its update is left out "
+                        f"of the round's average", warning=True)
+                self.labels[a] = (0, excess)
         out = {a for a in rows if a in self.labels}
         for a in out:
             self.labels[a] = (self.labels[a][0] + 1, self.labels[a][1])
