@@ -178,6 +178,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
             mine = list(agents)
             corrections = {a: wire.decode_state(body, self.server_params(plan.splits[a], plan.widths.get(a, 0)))
                            for a, body in doc["corrections"].items()}
+            self._terms = ServerTerms(frozen_norms=doc["frozen_norms"], devices_own_norms=doc["devices_own_norms"])
             self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=doc["label_counts"],
                                     lr=doc["lr"], population_counts=doc["population"], frozen_norms=doc["frozen_norms"],
                                     corrections=corrections, proximal=doc["proximal"])

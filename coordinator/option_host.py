@@ -13,8 +13,9 @@ import torch
 
 from coordinator.session import RoundAgent
 from sfl_core.model.bottleneck import slice_state
+from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.option_registry import build_options
-from sfl_core.options.base import PhaseAgent, RoundContext, RoundOption
+from sfl_core.options.base import PhaseAgent, RoundContext, RoundOption, ServerTerms
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import Assignment
@@ -58,6 +59,7 @@ class OptionHost:
     shards: Optional["ServerShards"]
     on_event: Callable[[str, dict[str, Any]], None]
     _now: Callable[[], float]
+    _terms: "ServerTerms"
 
     validation: "ValidationSet"
 
@@ -179,10 +181,14 @@ class OptionHost:
         return None if rows is None else (rows.cpu(), y.cpu())
 
     def _client_rows(self, split: int, width: int, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The round's client portion at ``split`` (``width``) on held-out inputs ``x``, as a device runs it."""
-        if not len(x):
+        """The round's client portion at ``split`` (``width``) on held-out inputs ``x``, as a device
+        runs it; None where no device runs it so (its BatchNorm layers are its own)."""
+        if not len(x) or self._terms.devices_own_norms:
             return None
         client = copy.deepcopy(self.model.client(split)).train()   # a device's mode; the model's statistics untouched
+        if self._terms.frozen_norms:   # the devices normalise with the model's statistics
+            for layer in batch_norm_layers(client).values():
+                layer.eval()
         device = next(self.model.parameters()).device
         # a user's model may hold dropout: the run's random streams must not move for this pass
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

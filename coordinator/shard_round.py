@@ -46,7 +46,7 @@ def lead(shards: ServerShards, transport: Transport, model: SplitModel, r: int, 
         "infer_widths": {k: pair.infer_width for k, pair in model.bottlenecks.items()},
         "label_counts": label_counts, "population": population,
         "corrections": {a: encode(c) for a, c in terms.corrections.items()}, "proximal": terms.proximal,
-        "frozen_norms": terms.frozen_norms})
+        "frozen_norms": terms.frozen_norms, "devices_own_norms": terms.devices_own_norms})
     shards.broadcast_model(model)
     shards.barrier()
     log.info("round %d: server workers' agents: %s", r, "; ".join(

@@ -173,6 +173,29 @@ def test_where_the_devices_layers_hold_batchnorm_the_label_screen_matches_each_d
     assert all(not r.get("robust", {}).get("label_mismatch") for r in history)
 
 
+def test_the_label_screen_runs_the_client_portion_as_the_devices_normalise(tmp_path):
+    """Frozen statistics (FixBN): the held-out rows are normalised with the model's statistics as
+    the devices' are, and flippers are still named; the devices' own BatchNorm layers (FedBN):
+    nothing the coordinator runs is what a device runs, so nobody is judged by it."""
+    spec = {"run": "robust", "model": "vgg_mini:width=0.25", "strategy": "sfl", "server_mode": "merged",
+            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0},
+            "fleet": [{"profile": "s2fl-mid-mid", "count": 10}], "rounds": 3, "batch_size": 16, "lr": 0.05,
+            "local_iters": 4, "norm_stats": {"freeze_after": 1}, "output_dir": str(tmp_path / "frozen")}
+    history, _ = run_simulation(run_config_from_dict(spec), device="cpu",
+                                attacks={a: Attack("label_flip") for a in ATTACKERS})
+    assert all(set(r["robust"]["label_mismatch"]) == set(ATTACKERS) for r in history[2:])
+    # the demo's skewed four, on their own layers: judged against the model's, two were flagged
+    import yaml
+
+    from sfl_core.config.profiles import default_profiles_dir
+
+    demo = yaml.safe_load((default_profiles_dir() / "runs" / "demo.yaml").read_text())
+    demo.update(model="vgg_mini:width=0.5", rounds=2, norm_stats={"freeze_after": 1, "local": True},
+                output_dir=str(tmp_path / "own"))
+    history, _ = run_simulation(run_config_from_dict(demo), device="cpu")
+    assert all(not r.get("robust", {}).get("label_mismatch") for r in history)
+
+
 def test_a_claimed_sample_count_is_capped_by_default_and_named(tmp_path):
     history, engine = _run(tmp_path, "claim", Attack("claim", factor=1000.0), rounds=1)
     capped = history[-1]["robust"]["capped"]

@@ -76,7 +76,11 @@ class ServerTerms:
     proximal: float = 0.0
     """A proximal term ``μ (w − x)`` on every copy (0: none)."""
     frozen_norms: bool = False
-    """The copies' BatchNorm layers normalise with the model's statistics and keep them."""
+    """The copies' BatchNorm layers normalise with the model's statistics and keep them (the
+    devices' too)."""
+    devices_own_norms: bool = False
+    """The devices' BatchNorm layers are their own, not the model's (FedBN): the coordinator cannot
+    run a client portion as a device runs it (:meth:`RoundContext.reference_rows` is None)."""
 
 
 class PhaseAgent(Protocol):
@@ -141,14 +145,14 @@ class RoundContext(Protocol):
     def reference_rows(self, split: int, width: int) -> Optional[torch.Tensor]:
         """The activations the round's client portion at ``split`` (bottleneck ``width``) makes of a
         batch of the server's held-out inputs, run as a device runs it; None: the server holds no
-        validation data."""
+        validation data, or the devices run layers of their own (:class:`ServerTerms`)."""
         ...
 
     def labelled_reference(self, split: int, width: int,
                            select: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Up to 512 of the server's held-out samples as :meth:`reference_rows` makes them (on the
         CPU), with their labels; ``select``: only those of them (indices), run as one batch; None:
-        the server holds no validation data."""
+        as :meth:`reference_rows`."""
         ...
 
     def quarantine(self, agent_id: str, why: str) -> None:

@@ -153,6 +153,7 @@ class NormStats(RoundOption):
     def server_terms(self, ctx: RoundContext, r: int, plan: "RoundPlan", split_agents: Sequence[str],
                      assignments: Mapping[str, "Assignment"], terms: ServerTerms) -> None:
         terms.frozen_norms = terms.frozen_norms or self.frozen(r)
+        terms.devices_own_norms = terms.devices_own_norms or self.section.local
 
     def assign_fields(self, ctx: RoundContext, r: int, agent: str, split: int, width: int) -> dict[str, Any]:
         return {**({"freeze_norm": True} if self.frozen(r) else {}),
