@@ -205,12 +205,15 @@ def test_a_claimed_sample_count_is_capped_by_default_and_named(tmp_path):
     assert "robust" not in history[-1]
 
 
-def test_a_large_claim_short_of_implausible_is_capped_and_named_every_round_but_never_quarantined(tmp_path):
+def test_a_large_claim_short_of_implausible_is_capped_and_named_every_round_but_never_quarantined(tmp_path, caplog):
     """A device of a skewed fleet can honestly hold many times the median's data: capping bounds
     what it weighs, and only a claim over IMPLAUSIBLE times the cap counts towards quarantine."""
     from sfl_core.options.robust.option import IMPLAUSIBLE
 
-    history, engine = _run(tmp_path, "large", Attack("claim", factor=30.0), rounds=5)
+    with caplog.at_level(logging.WARNING):
+        history, engine = _run(tmp_path, "large", Attack("claim", factor=30.0), rounds=5)
+    assert any("weight capped" in m for m in caplog.messages)
+    assert not any("towards quarantine" in m for m in caplog.messages)
     for record in history[1:]:
         capped = record["robust"]["capped"]
         assert set(capped) == set(ATTACKERS) and "quarantined" not in record["robust"]
@@ -245,6 +248,7 @@ def test_a_device_flagged_round_after_round_is_quarantined_until_an_operator_rea
     assert [sorted(r.get("robust", {}).get("quarantined", [])) for r in history[1:]] == [[], [], list(ATTACKERS), []]
     assert set(history[4]["selected"]).isdisjoint(ATTACKERS) and len(history[4]["selected"]) == 7
     assert all("3 of its rounds in a row" in engine.registry.agents[a].quarantined for a in ATTACKERS)
+    assert any("over 10x the cap, counted towards quarantine: sim-000, sim-001, sim-002" in m for m in caplog.messages)
     line = next(m for m in caplog.messages if m.startswith("quarantined sim-000"))
     assert "sfl-coord agents readmit" in line and "\n" not in line
     run_dir = tmp_path / "q"

@@ -59,9 +59,10 @@ class RobustConfig(OptionSection):
                       "at most (agents - 3) / 2), in [0, 0.5)."),
         ("weight_cap", "an agent's weight in the average (its claimed data size, or the batch the coordinator "
                        "assigned) at most this many times the round's median weight, >= 1; 0 = no cap. A device's "
-                       "data size cannot be verified; the default 10 leaves the benches' honest fleets as they are "
-                       "(their largest device holds under 10x the median) and keeps one device from outweighing "
-                       "the round by a claim."),
+                       "data size cannot be verified; the default 10 leaves most honest fleets as they are and "
+                       "keeps one device from outweighing the round by a claim. A capped device is named; it "
+                       "counts towards quarantine only where its claim is over 10x the cap (a large honest "
+                       "device of a skewed fleet stays in, weighing the cap)."),
         ("activation_factor", "the server portion's screen: a device whose activations' root mean square lies over "
                               "this many times (or under 1/this) the median of the devices cut at the same layer "
                               "in a server step has its rows left out of that step (a zero gradient back) and its "

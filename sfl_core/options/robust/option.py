@@ -269,7 +269,9 @@ class Robust(RoundOption):
             self.last["capped"] = {a: weights[a] for a in capped}
             self._implausible = {a for a in capped if weights[a] > IMPLAUSIBLE * bounded[a]}
             ctx.log(f"robust: round {r}: weight capped at {s.weight_cap:g}x the round's median for "
-                    f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})", warning=True)
+                    f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})"
+                    + (f"; over {IMPLAUSIBLE:g}x the cap, counted towards quarantine: "
+                       f"{', '.join(sorted(self._implausible))}" if self._implausible else ""), warning=True)
         ids = list(clients)
         if s.aggregate == "clip" and len(ids) > 1:
             states, rates = [clients[a] for a in ids], [assignments[a].lr for a in ids]
