@@ -51,10 +51,12 @@ def test_the_coordinators_own_activations_leave_its_model_and_random_streams_alo
 
     from coordinator.option_host import OptionHost
     from coordinator.validation import ValidationSet
+    from sfl_core.options.base import ServerTerms
 
     class Host(OptionHost):
         def __init__(self, model):
             self.model, self.validation = model, ValidationSet(torch.randn(80, 4), torch.zeros(80, dtype=torch.long))
+            self._terms = ServerTerms()   # no option changes how the devices normalise
 
     class Model(nn.Module):   # the two methods of a SplitModel the pass uses
         def __init__(self):
