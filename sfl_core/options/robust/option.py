@@ -112,8 +112,6 @@ class Robust(RoundOption):
         """This round's screened agents: the label screen's margin at each one's cut."""
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
-        self._implausible: set[str] = set()
-        """This round's capped agents whose claims count towards quarantine."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
 
@@ -247,7 +245,8 @@ class Robust(RoundOption):
                assignments: Mapping[str, "Assignment"],
                refused: Mapping[str, str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
         s = self.section
-        self.last, self._implausible = {}, set()
+        self.last = {}
+        implausible: set[str] = set()   # capped claims that count towards quarantine
         if refused:   # what it sent was refused at decoding (and logged there): flagged like a clipped update
             self.last["refused"] = dict(sorted(refused.items()))
         this_round = self._rows_round == r
@@ -267,11 +266,11 @@ class Robust(RoundOption):
         capped = sorted(a for a in weights if bounded[a] < weights[a])
         if capped:
             self.last["capped"] = {a: weights[a] for a in capped}
-            self._implausible = {a for a in capped if weights[a] > IMPLAUSIBLE * bounded[a]}
+            implausible = {a for a in capped if weights[a] > IMPLAUSIBLE * bounded[a]}
             ctx.log(f"robust: round {r}: weight capped at {s.weight_cap:g}x the round's median for "
                     f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})"
                     + (f"; over {IMPLAUSIBLE:g}x the cap, counted towards quarantine: "
-                       f"{', '.join(sorted(self._implausible))}" if self._implausible else ""), warning=True)
+                       f"{', '.join(sorted(implausible))}" if implausible else ""), warning=True)
         ids = list(clients)
         if s.aggregate == "clip" and len(ids) > 1:
             states, rates = [clients[a] for a in ids], [assignments[a].lr for a in ids]
@@ -304,14 +303,15 @@ class Robust(RoundOption):
                 ctx.log(f"robust: round {r}: Multi-Krum left out {', '.join(out)} (f = {f}; outliers, over "
                         f"{OUTLIER_SCORE:g}x the median score: {', '.join(outliers) or 'none'})", warning=True)
             clients = {a: clients[a] for a in ids if a not in out}
-        self._count(ctx, r, list(weights) + [a for a in refused if a not in weights])
+        self._count(ctx, r, list(weights) + [a for a in refused if a not in weights], implausible)
         return clients, {a: bounded[a] for a in clients}
 
-    def _count(self, ctx: RoundContext, r: int, took_part: Sequence[str]) -> None:
+    def _count(self, ctx: RoundContext, r: int, took_part: Sequence[str], implausible: set[str]) -> None:
         """Each agent's flagged rounds in a row (what it sent refused as invalid, a claim over
         :data:`IMPLAUSIBLE` times the weight cap, its update clipped or replaced, a Multi-Krum
-        outlier, or its rows left out of a server step); quarantine at ``quarantine`` of them."""
-        flagged = {a for key in FLAGS if key != "capped" for a in self.last.get(key, ())} | self._implausible
+        outlier, or its rows left out of a server step); quarantine at ``quarantine`` of them.
+        ``implausible``: the round's capped agents whose claims count."""
+        flagged = {a for key in FLAGS if key != "capped" for a in self.last.get(key, ())} | implausible
         for a in took_part:
             self.streak[a] = self.streak.get(a, 0) + 1 if a in flagged else 0
             k = self.section.quarantine
