@@ -14,7 +14,12 @@ quarantine after 3 flagged rounds in a row) and attack it reports the final clea
 rate (label flip: test images sent to the flipped class; backdoor: triggered test images of
 other classes sent to the target), the honest devices flagged (false positives) and the
 attackers flagged, and the coordinator's wall seconds per round. The reference in the same run
-is no defense without attackers.
+is no defense without attackers. One more rule, ``absent``, is the default defense with the
+attackers never selected (as if quarantined before round 1): what a perfect detector would
+leave, so that what the defense costs and what losing the attackers' data costs are told apart.
+Honest devices whose claimed samples the weight cap bounds are counted apart from those flagged
+(a cap is not an accusation: it never leaves an update out nor counts towards quarantine unless
+the claim is implausible).
 
     python bench/attacks.py --data digits --seeds 4 --jobs 2
     python bench/attacks.py --data PATH/TO/mnist --seeds 2 --rules off clip@0 clip --attacks none "label flip" backdoor
@@ -22,21 +27,22 @@ is no defense without attackers.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
-RULES = ("off", "mean", "clip", "clip@0", "clip:3", "trimmed_mean", "median", "multi_krum")
+RULES = ("off", "mean", "clip", "clip@0", "clip:3", "trimmed_mean", "median", "multi_krum", "absent")
 """``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 10),
 ``clip@0`` clip with ``label_margin: 0`` (no label screen; ``@M`` sets the label screen's margin
 of any rule); ``off`` is no defense at all: the plain mean, no weight cap, no screen of the
-server's rows."""
+server's rows; ``absent`` the default with the attackers never selected."""
 ATTACKS = {   # name -> (kind, factor, noise)
     "none": None,
     "label flip": ("label_flip", 1.0, 0.0),
@@ -56,6 +62,8 @@ def robust_section(rule: str) -> dict[str, Any]:
     """The run config's ``robust:`` for a bench rule (``clip:3``: clip at factor 3)."""
     if rule == "off":
         return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0, "label_margin": 0}
+    if rule == "absent":
+        return {}
     rule, _, margin = rule.partition("@")
     name, _, factor = rule.partition(":")
     return {"aggregate": name, **({"clip_factor": float(factor)} if factor else {}),
@@ -86,7 +94,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "output_dir": str(Path(job["work"]) / f"{job['rule']}-{job['attack']}-{share}-s{job['seed']}".replace(" ", "_"))})
     t0 = time.time()
     try:
-        history, engine = run_simulation(cfg, device="cpu", attacks={a: attack for a in attackers})
+        with never_selected(attackers if job["rule"] == "absent" else []):
+            history, engine = run_simulation(cfg, device="cpu", attacks={a: attack for a in attackers})
     except RoundFailed as exc:
         print(f"{job['rule']:>12} {job['attack']:>24} {share:.0%} seed {job['seed']}: failed", flush=True)
         return {**job, "failed": str(exc).splitlines()[0], "accuracy": None}
@@ -99,22 +108,46 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         others = y != TARGET
         backdoor = float((model(trigger(x[others], 3)).argmax(1) == TARGET).float().mean())
     flagged: dict[str, int] = {}
+    capped: dict[str, int] = {}
     seen: dict[str, int] = {}
     for r in history[1:]:
         for a in r.get("selected", []):
             seen[a] = seen.get(a, 0) + 1
         rb = r.get("robust", {})
-        for a in {a for key in FLAGS for a in rb.get(key, ())}:
+        accused = {a for key in FLAGS if key != "capped" for a in rb.get(key, ())}
+        for a in accused | set(rb.get("capped", ())):
             flagged[a] = flagged.get(a, 0) + 1
+        for a in set(rb.get("capped", ())) - accused:
+            capped[a] = capped.get(a, 0) + 1
     honest_seen = sum(v for a, v in seen.items() if a not in attackers)
     bad_seen = sum(v for a, v in seen.items() if a in attackers)
     print(f"{job['rule']:>12} {job['attack']:>24} {share:.0%} seed {job['seed']}: acc {history[-1]['accuracy']:.3f} "
           f"({wall:.0f} s)", flush=True)
     return {**job, "accuracy": history[-1]["accuracy"], "flip_rate": flipped, "backdoor_rate": backdoor,
-            "honest_flagged": sum(v for a, v in flagged.items() if a not in attackers) / max(1, honest_seen),
+            "honest_flagged": sum(v - capped.get(a, 0) for a, v in flagged.items() if a not in attackers)
+            / max(1, honest_seen),
+            "honest_capped": sum(v for a, v in capped.items() if a not in attackers) / max(1, honest_seen),
             "attackers_flagged": (sum(v for a, v in flagged.items() if a in attackers) / bad_seen) if bad_seen else None,
             "named": sorted(a for a in flagged if a in attackers),
             "coordinator_s_per_round": statistics.mean(r["wall_s"] for r in history[1:]), "wall_s": wall}
+
+
+@contextlib.contextmanager
+def never_selected(agents: list[str]) -> Iterator[None]:
+    """While inside, ``agents`` register quarantined (the ``absent`` reference: never selected)."""
+    from coordinator.registry import Registry
+    register = Registry.register
+
+    def quarantined_at_once(self: Registry, msg: Any) -> Any:
+        info = register(self, msg)
+        if info.agent_id in agents:
+            info.quarantined = "absent from this reference run"
+        return info
+    Registry.register = quarantined_at_once  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Registry.register = register  # type: ignore[method-assign]
 
 
 def mean(xs: list[float | None]) -> float | None:
@@ -163,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "success_rate": mean([r.get("flip_rate") if attack == "label flip" else r.get("backdoor_rate")
                                           for r in runs]) if attack in ("label flip", "backdoor") else None,
                     "honest_flagged": mean([r.get("honest_flagged") for r in runs]),
+                    "honest_capped": mean([r.get("honest_capped") for r in runs]),
                     "attackers_flagged": mean([r.get("attackers_flagged") for r in runs]),
                     "coordinator_s_per_round": mean([r.get("coordinator_s_per_round") for r in runs])})
     _print(rows)
@@ -182,11 +216,11 @@ def _print(rows: list[dict[str, Any]]) -> None:
     def f(x: Any, pct: bool = True) -> str:
         return "—" if x is None else (f"{100 * x:.1f}" if pct else f"{x:.3f}")
     print(f"{'defense':>12} {'attack':>24} {'share':>5} {'acc %':>6} {'worst':>6} {'Δ clean':>8} {'ASR %':>6} "
-          f"{'FP %':>5} {'named %':>7} {'coord s/rd':>10}")
+          f"{'FP %':>5} {'cap %':>5} {'named %':>7} {'coord s/rd':>10}")
     for r in rows:
         fails = f" ({r['failed']} of {r['runs']} failed)" if r["failed"] else ""
         print(f"{r['rule']:>12} {r['attack']:>24} {r['share']:>5.0%} {f(r['accuracy']):>6} {f(r['worst']):>6} "
-              f"{f(r['vs_clean']):>8} {f(r['success_rate']):>6} {f(r['honest_flagged']):>5} "
+              f"{f(r['vs_clean']):>8} {f(r['success_rate']):>6} {f(r['honest_flagged']):>5} {f(r['honest_capped']):>5} "
               f"{f(r['attackers_flagged']):>7} {f(r['coordinator_s_per_round'], False):>10}{fails}")
 
 
