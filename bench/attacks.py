@@ -95,7 +95,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.time()
     try:
         with never_selected(attackers if job["rule"] == "absent" else []):
-            history, engine = run_simulation(cfg, device="cpu", attacks={a: attack for a in attackers})
+            history, engine = run_simulation(cfg, device="cpu", attacks={a: attack for a in attackers} if attack else None)
     except RoundFailed as exc:
         print(f"{job['rule']:>12} {job['attack']:>24} {share:.0%} seed {job['seed']}: failed", flush=True)
         return {**job, "failed": str(exc).splitlines()[0], "accuracy": None}
@@ -150,9 +150,9 @@ def never_selected(agents: list[str]) -> Iterator[None]:
         Registry.register = register  # type: ignore[method-assign]
 
 
-def mean(xs: list[float | None]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.mean(xs) if xs else None
+def mean(xs: list[Any]) -> float | None:
+    known = [float(x) for x in xs if x is not None]
+    return statistics.mean(known) if known else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -188,11 +188,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs = [r for r in results if r["rule"] == rule and r["attack"] == attack and r["share"] == share]
                 accs = [r["accuracy"] for r in runs]
                 ok = [a for a in accs if a is not None]
+                acc = mean(ok)
                 rows.append({
                     "rule": rule, "attack": attack, "share": share, "runs": len(runs),
                     "failed": sum(a is None for a in accs),
-                    "accuracy": mean(ok), "worst": min(ok) if len(ok) == len(accs) and ok else None,
-                    "vs_clean": (mean(ok) - clean) if ok and clean is not None and len(ok) == len(accs) else None,
+                    "accuracy": acc, "worst": min(ok) if len(ok) == len(accs) and ok else None,
+                    "vs_clean": (acc - clean) if acc is not None and clean is not None and len(ok) == len(accs) else None,
                     "success_rate": mean([r.get("flip_rate") if attack == "label flip" else r.get("backdoor_rate")
                                           for r in runs]) if attack in ("label flip", "backdoor") else None,
                     "honest_flagged": mean([r.get("honest_flagged") for r in runs]),
