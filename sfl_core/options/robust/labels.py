@@ -117,25 +117,31 @@ def class_centroids(rows: torch.Tensor, labels: torch.Tensor, classes: int) -> R
     for c in range(classes):
         if counts[c] >= 2:
             centroids[c] = f[labels == c].mean(0)
-    far = torch.nan_to_num(centroids, nan=float("inf"))
+    known = counts >= 2
     for c in range(classes):
         n = int(counts[c])
         if n < 2:
             continue
         fc = f[labels == c]
         own = (fc - (n * centroids[c] - fc) / (n - 1)).norm(dim=1)
-        others = _distances(fc, far)
+        others = _distances(fc, centroids, known)
         others[:, c] = float("inf")
         rates[c] = (others.min(1).values < own).float().mean()
     return Reference(centroids, rates)
 
 
-def _distances(f: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """(rows, classes) Euclidean distances; a class without a centroid (inf) is infinitely far."""
-    known = torch.isfinite(centroids).all(1)
+def _distances(f: torch.Tensor, centroids: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+    """(rows, classes) Euclidean distances to the ``known`` classes' centroids; the others are
+    infinitely far.
+
+    Computed as ``|x|² + |m|² - 2 x·m`` (one matrix product): a fraction of the time of the
+    element-wise differences on a step's rows, which the coordinator pays per device and step,
+    at a relative error of about 1e-5 in float32."""
+    if bool(known.all()):
+        return torch.cdist(f, centroids, compute_mode="use_mm_for_euclid_dist")
     d = torch.full((f.shape[0], centroids.shape[0]), float("inf"))
     if known.any():
-        d[:, known] = torch.cdist(f, centroids[known])
+        d[:, known] = torch.cdist(f, centroids[known], compute_mode="use_mm_for_euclid_dist")
     return d
 
 
@@ -145,13 +151,11 @@ def count_mismatches(rows: torch.Tensor, labels: torch.Tensor, ref: Reference) -
     classes' rates). Rows of a class the reference does not judge are not counted."""
     labels = labels.long()
     classes = ref.rates.shape[0]
-    inside = (labels >= 0) & (labels < classes)
-    judged = inside.clone()
-    judged[inside] = ~torch.isnan(ref.rates[labels[inside]])
+    judged = (labels >= 0) & (labels < classes) & ~torch.isnan(ref.rates[labels.clamp(0, classes - 1)])
     if not judged.any():
         return LabelCount()
     f, y = rows.detach().flatten(1).float()[judged], labels[judged]
-    nearest = _distances(f, ref.centroids).argmin(1)
+    nearest = _distances(f, ref.centroids, ~torch.isnan(ref.rates)).argmin(1)
     p = ref.rates[y]
     return LabelCount(int(y.numel()), int((nearest != y).sum()), float(p.sum()), float((p * (1 - p)).sum()))
 
