@@ -107,28 +107,28 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         flipped = float((pred == (data.num_classes - 1 - y)).float().mean())
         others = y != TARGET
         backdoor = float((model(trigger(x[others], 3)).argmax(1) == TARGET).float().mean())
-    flagged: dict[str, int] = {}
-    capped: dict[str, int] = {}
+    named: dict[str, int] = {}     # rounds an agent was named in: flagged or capped
+    flagged: dict[str, int] = {}   # rounds it was flagged in (a cap alone is not a flag)
     seen: dict[str, int] = {}
     for r in history[1:]:
         for a in r.get("selected", []):
             seen[a] = seen.get(a, 0) + 1
         rb = r.get("robust", {})
         accused = {a for key in FLAGS if key != "capped" for a in rb.get(key, ())}
-        for a in accused | set(rb.get("capped", ())):
+        for a in accused:
             flagged[a] = flagged.get(a, 0) + 1
-        for a in set(rb.get("capped", ())) - accused:
-            capped[a] = capped.get(a, 0) + 1
+        for a in accused | set(rb.get("capped", ())):
+            named[a] = named.get(a, 0) + 1
     honest_seen = sum(v for a, v in seen.items() if a not in attackers)
     bad_seen = sum(v for a, v in seen.items() if a in attackers)
     print(f"{job['rule']:>12} {job['attack']:>24} {share:.0%} seed {job['seed']}: acc {history[-1]['accuracy']:.3f} "
           f"({wall:.0f} s)", flush=True)
     return {**job, "accuracy": history[-1]["accuracy"], "flip_rate": flipped, "backdoor_rate": backdoor,
-            "honest_flagged": sum(v - capped.get(a, 0) for a, v in flagged.items() if a not in attackers)
+            "honest_flagged": sum(v for a, v in flagged.items() if a not in attackers) / max(1, honest_seen),
+            "honest_capped": sum(v - flagged.get(a, 0) for a, v in named.items() if a not in attackers)
             / max(1, honest_seen),
-            "honest_capped": sum(v for a, v in capped.items() if a not in attackers) / max(1, honest_seen),
-            "attackers_flagged": (sum(v for a, v in flagged.items() if a in attackers) / bad_seen) if bad_seen else None,
-            "named": sorted(a for a in flagged if a in attackers),
+            "attackers_flagged": (sum(v for a, v in named.items() if a in attackers) / bad_seen) if bad_seen else None,
+            "named": sorted(a for a in named if a in attackers),
             "coordinator_s_per_round": statistics.mean(r["wall_s"] for r in history[1:]), "wall_s": wall}
 
 
