@@ -38,10 +38,11 @@ import common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
-RULES = ("off", "mean", "clip", "clip@0", "clip:3", "trimmed_mean", "median", "multi_krum", "absent")
+RULES = ("off", "mean", "clip", "clip~0", "clip@0", "clip:3", "trimmed_mean", "median", "multi_krum", "absent")
 """``robust.aggregate`` values; ``clip:3`` is clip with ``clip_factor: 3`` (the default factor is 10),
 ``clip@0`` clip with ``label_margin: 0`` (no label screen; ``@M`` sets the label screen's margin
-of any rule); ``off`` is no defense at all: the plain mean, no weight cap, no screen of the
+of any rule), ``clip~0`` clip with ``peer_factor: 0`` (no bound against peers; ``~P`` sets it,
+after any ``@M``); ``off`` is no defense at all: the plain mean, no weight cap, no screen of the
 server's rows; ``absent`` the default with the attackers never selected."""
 ATTACKS = {   # name -> (kind, factor, noise)
     "none": None,
@@ -64,10 +65,12 @@ def robust_section(rule: str) -> dict[str, Any]:
         return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0, "label_margin": 0}
     if rule == "absent":
         return {}
+    rule, _, peers = rule.partition("~")
     rule, _, margin = rule.partition("@")
     name, _, factor = rule.partition(":")
     return {"aggregate": name, **({"clip_factor": float(factor)} if factor else {}),
-            **({"label_margin": float(margin)} if margin else {})}
+            **({"label_margin": float(margin)} if margin else {}),
+            **({"peer_factor": float(peers)} if peers else {})}
 
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:

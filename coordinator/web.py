@@ -371,6 +371,8 @@ class FleetPage(_Served):
                 flagged[a] = f"round {rec['round']}: weight capped (claimed {claimed:g})"
             for a, size in (rb.get("clipped") or {}).items():
                 flagged[a] = f"round {rec['round']}: update left out ({size:.3g}x the typical change)"
+            for a, size in (rb.get("clipped_by_peers") or {}).items():
+                flagged[a] = f"round {rec['round']}: update left out ({size:.3g}x its peers' typical change)"
             for a, size in (rb.get("replaced") or {}).items():
                 flagged[a] = f"round {rec['round']}: update left out (weights replaced: {size:.3g}x their size)"
             for a, why in (rb.get("refused") or {}).items():

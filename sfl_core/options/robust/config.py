@@ -14,7 +14,7 @@ from sfl_core.config.values import NONNEG_INTEGER, auto_or_share, number_in, one
 RULES = ("mean", "clip", "trimmed_mean", "median", "multi_krum")
 
 
-def _activation_factor(v: Any, fail: Fail) -> float:
+def _factor_or_off(v: Any, fail: Fail) -> float:
     x = number(v)
     if x is None or not (x == 0 or x > 1):
         fail("0 (off) or a number > 1")
@@ -53,7 +53,13 @@ class RobustConfig(OptionSection):
                         "elements, per unit of learning rate). The default 10 leaves "
                         "honest devices alone (up to 8.6 on the shipped configs, small skewed fleets; under 3 on a "
                         "20-device one) while random weights and updates scaled x1000 are left out, named and, round "
-                        "after round, quarantined; 3 bounds tightly where a fleet's changes are alike."),
+                        "after round, quarantined; where devices train alike, peer_factor bounds tightly."),
+        ("peer_factor", "clip: how large an agent's change may be against its peers' typical change, where 3 or "
+                        "more of the round's agents were given the same assignment (cut, bottleneck width, batch, "
+                        "steps); > 1, 0 = off. Peers train alike, so the bound is tighter than clip_factor, which "
+                        "holds across cuts, widths and batches: the default 3 leaves out and names updates scaled "
+                        "x10 that pass under the round's bound, while honest peers stay within about 2.6x of their "
+                        "median on the attack bench's skewed fleets."),
         ("trim", "trimmed_mean: the share of values dropped at each end of every coordinate, in [0, 0.5)."),
         ("attackers", "multi_krum: the share of a round's agents assumed malicious (f = floor(share x agents), "
                       "at most (agents - 3) / 2), in [0, 0.5)."),
@@ -91,11 +97,12 @@ class RobustConfig(OptionSection):
     aggregate: Annotated[str, checked(one_of(*RULES))] = "clip"
     """The rule that combines the round's states."""
     clip_factor: Annotated[float, checked(number_in(0.0, what="a number > 0"))] = 10.0
+    peer_factor: Annotated[float, checked(_factor_or_off)] = 3.0
     trim: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True, what="a number in [0, 0.5)"))] = 0.3
     attackers: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True,
                                                   what="a number in [0, 0.5)"))] = 0.3
     weight_cap: Annotated[float, checked(_cap)] = 10.0
-    activation_factor: Annotated[float, checked(_activation_factor)] = 4.0
+    activation_factor: Annotated[float, checked(_factor_or_off)] = 4.0
     label_margin: Annotated[Union[str, float], checked(auto_or_share)] = "auto"
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
 

@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from sfl_core.model.zoo import SplitModel
     from sfl_core.wire.assignment import Assignment
 
-__all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "Robust", "krum_f"]
+__all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "PEERS", "Robust", "krum_f", "peer_key"]
 
-FLAGS = ("refused", "capped", "clipped", "replaced", "outliers", "rows_left_out")
+FLAGS = ("refused", "capped", "clipped", "clipped_by_peers", "replaced", "outliers", "rows_left_out")
 """The round's metrics' keys that name agents; each counts towards quarantine (``capped`` only
 over :data:`IMPLAUSIBLE`)."""
 
@@ -57,6 +57,10 @@ REPLACED = 1.0
 """A change at least this many times the size of the weights it started from (``relative_changes``)
 is left out under ``clip``: honest rounds move the weights by a fraction of their size."""
 
+PEERS = 3
+"""The fewest agents of a round sharing an assignment whose changes are compared as peers
+(``peer_factor``): the median of three or more is an honest change while fewer than half lie."""
+
 OUTLIER_SCORE = 2.0
 """Multi-Krum leaves ``f`` devices out every round, honest ones too where fewer attack; a device
 left out counts as flagged (named, towards quarantine) only where its score is over this many
@@ -67,6 +71,14 @@ def krum_f(agents: int, share: float) -> int:
     """Multi-Krum's ``f``: ``floor(share · agents)``, at most ``(agents − 3) // 2`` (Krum needs
     ``n > 2f + 2``), at least 0."""
     return max(0, min(int(share * agents), (agents - 3) // 2))
+
+
+def peer_key(assignment: "Assignment") -> tuple[Any, ...]:
+    """What makes agents peers for ``peer_factor``: the same training mode, cut, bottleneck width,
+    batch, steps and window (what sets how far an honest round moves the weights, per unit of
+    learning rate)."""
+    return (assignment.mode, assignment.split, assignment.width, assignment.batch_size, assignment.tau,
+            assignment.window)
 
 
 def capped_weights(weights: Mapping[str, float], cap: float) -> dict[str, float]:
@@ -114,6 +126,8 @@ class Robust(RoundOption):
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
+        self.past_peer_change: dict[tuple[Any, ...], dict[str, float]] = {}
+        """The same, per assignment that peers shared (:func:`peer_key`)."""
 
     def _start_round(self, r: int) -> None:
         """Forget the last round's rows left out (and its anchors) at the first word of round ``r``."""
@@ -289,7 +303,9 @@ class Robust(RoundOption):
                 ctx.log(f"robust: round {r}: left out, a change as large as the weights it started from "
                         "(they were replaced, not trained): "
                         + ", ".join(f"{a} ({x:.3g}x their size)" for a, x in sorted(replaced.items())), warning=True)
-            clients = {a: c for a, c in clients.items() if a not in over and a not in replaced}
+            kept = {a: clients[a] for a in ids if a not in over and a not in replaced}
+            peers = self._clip_by_peers(ctx, r, start, kept, assignments)
+            clients = {a: c for a, c in kept.items() if a not in peers}
         elif s.aggregate == "multi_krum" and len(ids) > 3:
             f = krum_f(len(ids), s.attackers)
             keep, scores = multi_krum([clients[a] for a in ids], f)
@@ -305,6 +321,35 @@ class Robust(RoundOption):
             clients = {a: clients[a] for a in ids if a not in out}
         self._count(ctx, r, list(weights) + [a for a in refused if a not in weights], implausible)
         return clients, {a: bounded[a] for a in clients}
+
+    def _clip_by_peers(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
+                       clients: Mapping[str, Mapping[str, torch.Tensor]],
+                       assignments: Mapping[str, "Assignment"]) -> dict[str, float]:
+        """The agents whose change is over ``peer_factor`` times that of their peers: the round's
+        agents given the same assignment (:func:`peer_key`), :data:`PEERS` of them or more. Peers
+        train alike, so their honest changes are alike, and the bound can be tight; across the
+        round, cuts, widths and batches make honest changes differ up to tenfold, and a change
+        scaled by less than ``clip_factor`` passes under the round's bound (named here)."""
+        factor = self.section.peer_factor
+        out: dict[str, float] = {}
+        if not factor:
+            return out
+        groups: dict[tuple[Any, ...], list[str]] = {}
+        for a in clients:
+            groups.setdefault(peer_key(assignments[a]), []).append(a)
+        for key, ids in groups.items():
+            if len(ids) < PEERS:
+                continue
+            states, rates = [clients[a] for a in ids], [assignments[a].lr for a in ids]
+            typical = typical_changes(start, states, rates, self.past_peer_change.get(key))
+            self.past_peer_change.setdefault(key, {}).update(typical)
+            out.update({a: round(x, 4) for a, x in zip(ids, change_sizes(start, states, rates, typical)) if x > factor})
+        if out:
+            self.last["clipped_by_peers"] = dict(sorted(out.items()))
+            ctx.log(f"robust: round {r}: left out, a change over {factor:g}x the typical change of its peers (the "
+                    "round's agents given the same cut, width, batch and steps): "
+                    + ", ".join(f"{a} ({x:.3g}x)" for a, x in sorted(out.items())), warning=True)
+        return out
 
     def _count(self, ctx: RoundContext, r: int, took_part: Sequence[str], implausible: set[str]) -> None:
         """Each agent's flagged rounds in a row (what it sent refused as invalid, a claim over
