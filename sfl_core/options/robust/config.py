@@ -43,7 +43,7 @@ class RobustConfig(OptionSection):
              "{aggregate: median}."),
         ("aggregate",
          "mean (the method's weighted layer-wise average) | clip (default: an agent whose change from the round's "
-         "start is over clip_factor x the round's typical change, or as large as the weights it started from (they were replaced, not trained), is left out of the round, and named) | trimmed_mean (coordinate-wise, the trim largest and smallest share of "
+         "start is over clip_factor x the round's typical change, or over peer_factor x that of its peers, or as large as the weights it started from (they were replaced, not trained), is left out of the round, and named) | trimmed_mean (coordinate-wise, the trim largest and smallest share of "
          "values dropped; Yin et al. 2018) | median (coordinate-wise median; Yin et al. 2018) | multi_krum (the "
          "agents whose changes lie closest to their neighbours, the attackers share of the round's agents left "
          "out and named; Blanchard et al. 2017). The coordinate-wise rules ignore the weights."),
