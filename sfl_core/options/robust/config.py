@@ -57,8 +57,8 @@ class RobustConfig(OptionSection):
         ("peer_factor", "clip: how large an agent's change may be against its peers' typical change, where 3 or "
                         "more of the round's agents were given the same assignment (cut, bottleneck width, batch, "
                         "steps); > 1, 0 = off. Peers train alike, so the bound is tighter than clip_factor, which "
-                        "holds across cuts, widths and batches: the default 3 leaves out and names updates scaled "
-                        "x10 that pass under the round's bound, while honest peers stay within about 2.6x of their "
+                        "holds across cuts, widths and batches: the default 4 leaves out and names updates scaled "
+                        "x10 that pass under the round's bound, while honest peers stayed within 3.3x of their "
                         "median on the attack bench's skewed fleets."),
         ("trim", "trimmed_mean: the share of values dropped at each end of every coordinate, in [0, 0.5)."),
         ("attackers", "multi_krum: the share of a round's agents assumed malicious (f = floor(share x agents), "
@@ -97,7 +97,7 @@ class RobustConfig(OptionSection):
     aggregate: Annotated[str, checked(one_of(*RULES))] = "clip"
     """The rule that combines the round's states."""
     clip_factor: Annotated[float, checked(number_in(0.0, what="a number > 0"))] = 10.0
-    peer_factor: Annotated[float, checked(_factor_or_off)] = 3.0
+    peer_factor: Annotated[float, checked(_factor_or_off)] = 4.0
     trim: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True, what="a number in [0, 0.5)"))] = 0.3
     attackers: Annotated[float, checked(number_in(0.0, lo_open=False, hi=0.5, hi_open=True,
                                                   what="a number in [0, 0.5)"))] = 0.3
