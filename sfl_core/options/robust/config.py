@@ -54,7 +54,7 @@ class RobustConfig(OptionSection):
                         "honest devices alone (up to 8.6 on the shipped configs, small skewed fleets; under 3 on a "
                         "20-device one) while random weights and updates scaled x1000 are left out, named and, round "
                         "after round, quarantined; where devices train alike, peer_factor bounds tightly."),
-        ("peer_factor", "clip: how large an agent's change may be against its peers' typical change, where 3 or "
+        ("peer_factor", "clip: how large an agent's change may be against its peers' typical change, where 5 or "
                         "more of the round's agents were given the same assignment (cut, bottleneck width, batch, "
                         "steps); > 1, 0 = off. Peers train alike, so the bound is tighter than clip_factor, which "
                         "holds across cuts, widths and batches: the default 4 leaves out and names updates scaled "

@@ -57,9 +57,11 @@ REPLACED = 1.0
 """A change at least this many times the size of the weights it started from (``relative_changes``)
 is left out under ``clip``: honest rounds move the weights by a fraction of their size."""
 
-PEERS = 3
+PEERS = 5
 """The fewest agents of a round sharing an assignment whose changes are compared as peers
-(``peer_factor``): the median of three or more is an honest change while fewer than half lie."""
+(``peer_factor``). The median of three is an honest change while fewer than half lie, but not
+a steady one: on a label-skewed BatchNorm fleet an honest device in a group of four lay over
+four times the other three's median."""
 
 OUTLIER_SCORE = 2.0
 """Multi-Krum leaves ``f`` devices out every round, honest ones too where fewer attack; a device
