@@ -59,7 +59,7 @@ class RobustConfig(OptionSection):
                         "steps); > 1, 0 = off. Peers train alike, so the bound is tighter than clip_factor, which "
                         "holds across cuts, widths and batches: the default 4 leaves out and names updates scaled "
                         "x10 that pass under the round's bound, while honest peers stayed within 3.3x of their "
-                        "median on the attack bench's skewed fleets."),
+                        "median on the attack bench's skewed fleets (one BatchNorm device reached 5.5x once)."),
         ("trim", "trimmed_mean: the share of values dropped at each end of every coordinate, in [0, 0.5)."),
         ("attackers", "multi_krum: the share of a round's agents assumed malicious (f = floor(share x agents), "
                       "at most (agents - 3) / 2), in [0, 0.5)."),
