@@ -162,7 +162,8 @@ def device_name(device: torch.device | str = "cpu") -> str:
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """Facts needed to compare two result files: software, hardware, source revision."""
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain") if commit else None
+    # results written by earlier runs are not source: a run from a tree holding them is at the commit
+    status = _git("status", "--porcelain", "--", ".", ":(exclude)bench/results") if commit else None
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
