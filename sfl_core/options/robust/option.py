@@ -13,7 +13,9 @@ do to the round's average is bounded, and every device a rule acts on is named.
 * ``aggregate`` picks the rule (:mod:`sfl_core.options.robust.rules`): clipping and Multi-Krum
   act on the client states before the layer-wise average (the states the devices sent; the
   server copies are the coordinator's own), the coordinate-wise median and trimmed mean
-  replace the average itself over its participants.
+  replace the average itself over its participants. Clipping bounds each change by the
+  round's typical change and, among agents given the same assignment (peers train alike),
+  more tightly by their own.
 
 Nothing more crosses the wire; each round's metrics record who was capped, clipped or left
 out (``robust``), and the coordinator's log names them in one line.
