@@ -129,7 +129,8 @@ def _screening_rank(rank: int, world: int, init: str, out: str) -> None:
     cfg = run_config_from_dict({"model": "small_cnn", "min_agents": 2})
     host = Host(Robust(cfg, build_model("small_cnn", (1, 8, 8), 10)))
     ids = ["w0", "w1", "w2", "liar"]
-    assignments = {a: SimpleNamespace(split=1, width=0, lr=0.1) for a in ids}   # what the screens read
+    assignments = {a: SimpleNamespace(mode="split", split=1, width=0, batch_size=4, tau=2, window=1, lr=0.1)
+                   for a in ids}   # what the screens read
     if rank == 1:
         gen = torch.Generator().manual_seed(1)
         for step in range(2):
