@@ -41,7 +41,8 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 Two references in the same invocation, per codec level: the floor (the same messages decoded,
 trained on and answered in one thread with no broker) and the transport's floor (a bare paho
 client, no product code, receiving and publishing messages of the same sizes through the same
-broker). Their sum is the least a coordinator built on paho could spend per agent-step. Under
+broker). Their sum is the least a coordinator built on paho could spend per agent-step; ``x its floor``
+is the coordinator's CPU per agent-step over it (``floor_ratio`` in the JSON). Under
 the floor's server step lies the physical bound: its floating-point operations (counted by
 ``sfl_core.model.flops``, i.e. PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU
 sustains on a large fp32 matrix product.
@@ -836,17 +837,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             bounds[level] = floor(args, payloads[level])
             bounds[level]["transport"] = transport_floor(broker.url, bounds[level]["act_bytes"],
                                                          bounds[level]["grad_bytes"], 300 if args.quick else 3000)
+    for r in results:   # the coordinator against the least any coordinator on paho spends, in this run
+        b = bounds[r["zstd_level"]]
+        r["floor_ms"] = b["total_ms"] + b["transport"]["total_ms"]
+        r["floor_ratio"] = r["coord_cpu_ms_per_agent_step"] / r["floor_ms"]
     cores = os.cpu_count()
     rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
-             r["coord_cpu_ms_per_agent_step"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
+             r["coord_cpu_ms_per_agent_step"], r["floor_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
              r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
         f"shared by all processes",
         ["zstd level", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
-         "coord CPU %", "CPU ms/agent-step", "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
+         "coord CPU %", "CPU ms/agent-step", "x its floor", "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
          "server step %", "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     common.print_table(

@@ -43,9 +43,13 @@ ENGINE_STAGES = (
     ("aggregate", "coordinator.engine", "RoundEngine._aggregate"),
     ("evaluate", "coordinator.engine", "RoundEngine.evaluate"),
     ("checkpoint", "coordinator.state", "save"),
+    ("screen rows", "coordinator.option_host", "OptionHost.screen_rows"),
 )
 """``collect`` is taking messages off the network thread's queue: the replay guard, the
-bookkeeping of who answered, heartbeats and registrations (its waits cost no CPU)."""
+bookkeeping of who answered, heartbeats and registrations (its waits cost no CPU). ``screen
+rows`` is the options' screens of each step's rows before the server step (the default
+defense's, with its passes over held-out inputs); their screens of the round's updates count
+in ``aggregate``."""
 NETWORK_STAGES = (("parse/validate", "coordinator.mqtt_transport", "MqttTransport._on_message"),)
 """On paho's network thread: reassembly, envelope and schema checks, queueing. The thread's rest
 is paho's own: reading packets, acknowledging them, writing what the engine published."""

@@ -43,6 +43,11 @@ REFERENCE_ROWS = 64
 LABELLED_REFERENCE_ROWS = 512
 """Held-out samples behind :meth:`OptionHost.labelled_reference` (about 50 a class of ten)."""
 
+PASS_ROWS = 64
+"""Held-out inputs the client portion runs on at a time where no layer normalises by its batch:
+the same rows come out as in one pass, and a pass's activations stay in the CPU's caches (a
+first convolution's output over 512 images does not)."""
+
 
 class OptionHost:
     """The engine's side of the option seam (a part of :class:`coordinator.engine.RoundEngine`)."""
@@ -169,30 +174,31 @@ class OptionHost:
         return {k: v for k, v in state.items() if k in self.parameter_names}
 
     def reference_rows(self, split: int, width: int) -> Optional[torch.Tensor]:
-        return self._client_rows(split, width, self.validation.x[:REFERENCE_ROWS])
+        return self._client_rows(split, width, slice(0, min(REFERENCE_ROWS, len(self.validation))))
 
     def labelled_reference(self, split: int, width: int,
                            select: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         n = min(LABELLED_REFERENCE_ROWS, len(self.validation))
-        x, y = self.validation.x[:n], self.validation.y[:n]
-        if select is not None:
-            x, y = x[select], y[select]
-        rows = self._client_rows(split, width, x) if n else None
-        return None if rows is None else (rows.cpu(), y.cpu())
+        index = slice(0, n) if select is None else select
+        rows = self._client_rows(split, width, index)
+        return None if rows is None else (rows.cpu(), self.validation.y[index].cpu())
 
-    def _client_rows(self, split: int, width: int, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The round's client portion at ``split`` (``width``) on held-out inputs ``x``, as a device
-        runs it; None where no device runs it so (its BatchNorm layers are its own)."""
-        if not len(x) or self._terms.devices_own_norms:
+    def _client_rows(self, split: int, width: int, index: "slice | torch.Tensor") -> Optional[torch.Tensor]:
+        """The round's client portion at ``split`` (``width``) on the held-out inputs at ``index``,
+        as a device runs it; None where there are none, or where no device runs it so (its
+        BatchNorm layers are its own)."""
+        if not len(self.validation.y[index]) or self._terms.devices_own_norms:
             return None
         client = copy.deepcopy(self.model.client(split)).train()   # a device's mode; the model's statistics untouched
+        norms = batch_norm_layers(client).values()
         if self._terms.frozen_norms:   # the devices normalise with the model's statistics
-            for layer in batch_norm_layers(client).values():
+            for layer in norms:
                 layer.eval()
+        by_batch = any(layer.training or layer.running_mean is None for layer in norms)   # batch statistics
         device = next(self.model.parameters()).device
         # a user's model may hold dropout: the run's random streams must not move for this pass
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            out = client(x.to(device))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            out = self.validation.forward(client, device, index, len(self.validation.y) if by_batch else PASS_ROWS)
         return out[:, :width] if width else out
 
     def client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ global model is then scored only by the devices (:mod:`coordinator.evaluation`).
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from sfl_core.data.preprocessing import Normalization
 
 __all__ = ["ValidationSet", "evaluation_batch"]
+
+T = TypeVar("T")
 
 CPU_EVAL_BYTES = 8 * 2**20
 """Largest block output of one evaluation batch on a CPU: past the caches, a bigger batch is slower."""
@@ -69,28 +71,48 @@ class ValidationSet:
         """Accuracy and mean cross-entropy of ``model`` (the full global model) on this set;
         (None, None) when the set is empty. The model is left in training mode.
 
-        The set is moved to ``device`` once and kept there (a GPU server scores it every round).
-        On a CPU, images are scored by a copy of the model in channels-last order, where oneDNN's
-        convolutions run inference faster (a model whose ``forward`` cannot take that order, e.g.
-        one that calls ``.view`` on a feature map, is scored as it is)."""
+        The set is moved to ``device`` once and kept there (a GPU server scores it every round),
+        and scored in channels-last order on a CPU where the model takes it (:meth:`_ordered`)."""
         if not len(self.y):
             return None, None
         device = torch.device(device)
         try:
-            if self._channels_last is not False and device.type == "cpu" and self.x.dim() == 4:
-                with torch.no_grad():
-                    reordered = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-                try:
-                    scores = _score(reordered, *self._on(device, torch.channels_last), batch_size)
-                    self._channels_last = True
-                    return scores
-                except RuntimeError:
-                    if self._channels_last:   # it worked before: a real error, not the order
-                        raise
-                    self._channels_last = False
-            return _score(model, *self._on(device), batch_size)
+            return self._ordered(model, device, lambda m, order: _score(m, *self._on(device, order), batch_size))
         finally:
             model.train()
+
+    def forward(self, module: torch.nn.Module, device: torch.device, index: torch.Tensor | slice,
+                batch_size: int) -> torch.Tensor:
+        """``module`` (a client portion, in the mode the caller set) on the inputs at ``index``,
+        ``batch_size`` of them at a time, without gradients; channels-last on a CPU where it
+        takes that order (:meth:`_ordered`), the result in the usual order."""
+        device = torch.device(device)
+
+        def run(m: torch.nn.Module, order: torch.memory_format) -> torch.Tensor:
+            x = self._on(device, order)[0][index]
+            with torch.no_grad():
+                return torch.cat([m(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]).contiguous()
+
+        return self._ordered(module, device, run)
+
+    def _ordered(self, model: torch.nn.Module, device: torch.device,
+                 run: Callable[[torch.nn.Module, torch.memory_format], T]) -> T:
+        """``run(model, order)`` with images in channels-last order on a CPU, on a copy of the model
+        in that order, where oneDNN's convolutions run inference faster; as they are where the
+        model cannot take that order (a ``forward`` that calls ``.view`` on a feature map), which
+        is learnt on the first try and kept."""
+        if self._channels_last is not False and device.type == "cpu" and self.x.dim() == 4:
+            with torch.no_grad():
+                reordered = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+            try:
+                out = run(reordered, torch.channels_last)
+                self._channels_last = True
+                return out
+            except RuntimeError:
+                if self._channels_last:   # it worked before: a real error, not the order
+                    raise
+                self._channels_last = False
+        return run(model, torch.contiguous_format)
 
     def _on(self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
             ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,21 @@ def test_a_devices_mismatches_and_the_number_expected_of_its_classes():
     assert count_mismatches(torch.tensor([[50.0]]), torch.tensor([2]), ref) == LabelCount()
 
 
+def test_the_nearest_centroid_by_one_matrix_product_is_the_nearest_by_distance():
+    """A device's rows go to the judged class whose centroid lies nearest, computed as the least
+    ``|m|² - 2 x·m``: the same class the full Euclidean distances give, unjudged classes never."""
+    torch.manual_seed(0)
+    centres = 3 * torch.randn(10, 1, 5, 5)
+    labels = torch.arange(200) % 10
+    labels[labels == 7] = 3                                   # class 7 held out of the reference: not judged
+    ref = class_centroids(centres[labels] + torch.randn(200, 1, 5, 5), labels, classes=10)
+    rows = (centres[torch.arange(64) % 10] + torch.randn(64, 1, 5, 5)).flatten(1)
+    known = ~torch.isnan(ref.rates)
+    full = torch.cdist(rows, ref.centroids[known]).argmin(1)
+    assert torch.equal(ref.nearest(rows), known.nonzero().flatten()[full])
+    assert 7 not in ref.nearest(rows).tolist() and len(set(ref.nearest(rows).tolist())) == 9
+
+
 def test_counts_add_up_over_a_rounds_steps():
     c = LabelCount(10, 2, 1.5, 1.0)
     c.add(LabelCount(6, 6, 0.5, 0.44))

@@ -75,3 +75,42 @@ def test_the_coordinators_own_activations_leave_its_model_and_random_streams_alo
     out = host.reference_rows(1, 4)
     assert out.shape == (64, 4) and torch.equal(torch.rand(3), expected)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_coordinators_pass_runs_by_the_batch_only_where_a_layer_normalises_by_its_batch():
+    """The held-out rows of a client portion come out as one pass over them would give: run a
+    cache-sized batch at a time, channels-last on a CPU, where no layer normalises by its batch;
+    in one batch where one does (BatchNorm in training mode), as the device normalises its own."""
+    import copy
+
+    from torch import nn
+
+    from coordinator.option_host import LABELLED_REFERENCE_ROWS, PASS_ROWS, OptionHost
+    from coordinator.validation import ValidationSet
+    from sfl_core.options.base import ServerTerms
+
+    torch.manual_seed(0)
+    images = torch.randn(3 * PASS_ROWS + 5, 1, 8, 8)
+
+    class Host(OptionHost):
+        def __init__(self, body, frozen):
+            self.model, self.validation = body, ValidationSet(images, torch.arange(len(images)) % 10)
+            self._terms = ServerTerms(frozen_norms=frozen)
+
+    body = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    body.client = lambda split: body
+    with torch.no_grad():
+        body[1].running_mean.fill_(0.5)
+        as_one = copy.deepcopy(body).train()(images)
+        by_chunk = torch.cat([copy.deepcopy(body).train()(images[i:i + PASS_ROWS])
+                              for i in range(0, len(images), PASS_ROWS)])
+        frozen = body.eval()(images)
+    body.train()
+    rows, labels = Host(body, frozen=False).labelled_reference(1, 0)
+    assert len(images) < LABELLED_REFERENCE_ROWS and torch.equal(labels, torch.arange(len(images)) % 10)
+    assert torch.allclose(rows, as_one, atol=1e-5)        # the batch's own statistics: one batch
+    assert not torch.allclose(by_chunk, as_one, atol=1e-3)   # chunks would have normalised otherwise
+    host = Host(body, frozen=True)
+    assert torch.allclose(host.labelled_reference(1, 0)[0], frozen, atol=1e-5)   # running statistics: by chunks
+    assert host.validation._channels_last is True and rows.is_contiguous()
+    assert torch.allclose(host.labelled_reference(1, 0, select=torch.tensor([7, 2]))[0], frozen[[7, 2]], atol=1e-5)

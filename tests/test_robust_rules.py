@@ -8,8 +8,8 @@ import torch
 from sfl_core.aggregation import layerwise_average, participants, weighted_average
 from sfl_core.config.run import ConfigError, run_config_from_dict
 from sfl_core.options.robust.option import capped_weights, krum_f
-from sfl_core.options.robust.rules import (change_sizes, coordinate_median, multi_krum, relative_changes, trimmed_mean,
-                                           typical_changes)
+from sfl_core.options.robust.rules import (change_sizes, coordinate_median, measure_changes, multi_krum, relative_changes,
+                                           relative_of, sizes_of, trimmed_mean, typical_changes, typical_of)
 
 
 def t(*v):
@@ -69,6 +69,28 @@ def test_a_change_against_the_size_of_the_weights_it_started_from_by_hand():
               {"b": t(1, 1)},                                         # it started from nothing: not compared
               {"c": t(2, 1)}]                                         # a narrow prefix: 1 over sqrt(2)
     assert relative_changes(start, states) == pytest.approx([0.1, 1.0, 2.0, 0.0, 0.5 ** 0.5])
+
+
+def test_one_measurement_of_the_changes_serves_every_bound_and_a_subset_is_its_states_own():
+    """The clip rule measures a round's changes once (the round's bound, the replaced-weights
+    bound, the bound among peers): each read of it equals the rule computed afresh, and the
+    changes of some of the states equal those states' own, renumbered."""
+    torch.manual_seed(0)
+    start = {"w": torch.randn(4, 3), "b": torch.randn(3), "n": torch.tensor(2)}
+    states = [{k: v + 0.1 * (i + 1) * torch.randn_like(v.float()) if v.is_floating_point() else v
+               for k, v in start.items()} for i in range(6)]
+    states[2] = {"w": states[2]["w"][:2]}                     # a narrow holder of one layer
+    rates = [0.1, 0.1, 0.2, 0.1, 0.05, 0.1]
+    changes = measure_changes(start, states, rates)
+    assert typical_of(changes) == typical_changes(start, states, rates)
+    assert sizes_of(changes) == change_sizes(start, states, rates)
+    assert relative_of(changes) == relative_changes(start, states)
+    some = [5, 1, 2, 3]
+    theirs = changes.subset(some)
+    mine = [states[i] for i in some], [rates[i] for i in some]
+    assert typical_of(theirs) == typical_changes(start, *mine)
+    assert sizes_of(theirs, {"w": 1.0}) == change_sizes(start, *mine, typical={"w": 1.0})
+    assert relative_of(theirs) == relative_changes(start, mine[0])
 
 
 def test_the_coordinate_median_and_trimmed_mean_by_hand():

@@ -35,8 +35,8 @@ from sfl_core.options.robust.config import RobustConfig
 from sfl_core.options.robust.labels import (MIN_ROWS, LabelCount, Reference, class_centroids, count_far,
                                            count_mismatches, label_outliers, matched_selection)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
-from sfl_core.options.robust.rules import (change_sizes, coordinate_median, multi_krum, relative_changes, trimmed_mean,
-                                           typical_changes)
+from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
+                                           sizes_of, trimmed_mean, typical_of)
 
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
@@ -291,25 +291,25 @@ class Robust(RoundOption):
                        f"{', '.join(sorted(implausible))}" if implausible else ""), warning=True)
         ids = list(clients)
         if s.aggregate == "clip" and len(ids) > 1:
-            states, rates = [clients[a] for a in ids], [assignments[a].lr for a in ids]
-            typical = typical_changes(start, states, rates, self.past_change)
+            changes = measure_changes(start, [clients[a] for a in ids], [assignments[a].lr for a in ids])
+            typical = typical_of(changes, self.past_change)
             self.past_change.update(typical)
-            sizes = change_sizes(start, states, rates, typical)
+            sizes = sizes_of(changes, typical)
             over = {a: round(x, 4) for a, x in zip(ids, sizes) if x > s.clip_factor}
             if over:
                 self.last["clipped"] = over
                 ctx.log(f"robust: round {r}: left out, a change over {s.clip_factor:g}x the round's typical change: "
                         + ", ".join(f"{a} ({x:.3g}x)" for a, x in sorted(over.items())), warning=True)
-            replaced = {a: round(x, 4) for a, x in zip(ids, relative_changes(start, states))
+            replaced = {a: round(x, 4) for a, x in zip(ids, relative_of(changes))
                         if x >= REPLACED and a not in over}
             if replaced:
                 self.last["replaced"] = replaced
                 ctx.log(f"robust: round {r}: left out, a change as large as the weights it started from "
                         "(they were replaced, not trained): "
                         + ", ".join(f"{a} ({x:.3g}x their size)" for a, x in sorted(replaced.items())), warning=True)
-            kept = {a: clients[a] for a in ids if a not in over and a not in replaced}
-            peers = self._clip_by_peers(ctx, r, start, kept, assignments)
-            clients = {a: c for a, c in kept.items() if a not in peers}
+            kept = [i for i, a in enumerate(ids) if a not in over and a not in replaced]
+            peers = self._clip_by_peers(ctx, r, [ids[i] for i in kept], changes.subset(kept), assignments)
+            clients = {ids[i]: clients[ids[i]] for i in kept if ids[i] not in peers}
         elif s.aggregate == "multi_krum" and len(ids) > 3:
             f = krum_f(len(ids), s.attackers)
             keep, scores = multi_krum([clients[a] for a in ids], f)
@@ -326,8 +326,7 @@ class Robust(RoundOption):
         self._count(ctx, r, list(weights) + [a for a in refused if a not in weights], implausible)
         return clients, {a: bounded[a] for a in clients}
 
-    def _clip_by_peers(self, ctx: RoundContext, r: int, start: Mapping[str, torch.Tensor],
-                       clients: Mapping[str, Mapping[str, torch.Tensor]],
+    def _clip_by_peers(self, ctx: RoundContext, r: int, ids: Sequence[str], changes: Changes,
                        assignments: Mapping[str, "Assignment"]) -> dict[str, float]:
         """The agents whose change is over ``peer_factor`` times that of their peers: the round's
         agents given the same assignment (:func:`peer_key`), :data:`PEERS` of them or more. Peers
@@ -338,16 +337,16 @@ class Robust(RoundOption):
         out: dict[str, float] = {}
         if not factor:
             return out
-        groups: dict[tuple[Any, ...], list[str]] = {}
-        for a in clients:
-            groups.setdefault(peer_key(assignments[a]), []).append(a)
-        for key, ids in groups.items():
-            if len(ids) < PEERS:
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, a in enumerate(ids):
+            groups.setdefault(peer_key(assignments[a]), []).append(i)
+        for key, group in groups.items():
+            if len(group) < PEERS:
                 continue
-            states, rates = [clients[a] for a in ids], [assignments[a].lr for a in ids]
-            typical = typical_changes(start, states, rates, self.past_peer_change.get(key))
+            theirs = changes.subset(group)
+            typical = typical_of(theirs, self.past_peer_change.get(key))
             self.past_peer_change.setdefault(key, {}).update(typical)
-            out.update({a: round(x, 4) for a, x in zip(ids, change_sizes(start, states, rates, typical)) if x > factor})
+            out.update({ids[i]: round(x, 4) for i, x in zip(group, sizes_of(theirs, typical)) if x > factor})
         if out:
             self.last["clipped_by_peers"] = dict(sorted(out.items()))
             ctx.log(f"robust: round {r}: left out, a change over {factor:g}x the typical change of its peers (the "

@@ -30,19 +30,21 @@ over the states that hold the element, as the plain weighted average does.
   Distances are mean squared differences over the elements both states hold, so states cut at
   different depths compare on their common layers.
 
-Cost: the sizes and Krum read every state once per layer (Krum pairwise: ``n²`` layer
-differences); the coordinate-wise rules sort ``n`` values per element.
+Cost: the sizes read every state once per layer (:func:`measure_changes`: one pass serves every
+bound of a round), Krum pairwise (``n²`` layer differences); the coordinate-wise rules sort ``n``
+values per element.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["GROWTH", "change_sizes", "coordinate_median", "multi_krum", "relative_changes", "trimmed_mean",
-           "typical_changes"]
+__all__ = ["GROWTH", "Changes", "change_sizes", "coordinate_median", "measure_changes", "multi_krum",
+           "relative_changes", "relative_of", "sizes_of", "trimmed_mean", "typical_changes", "typical_of"]
 
 State = Mapping[str, torch.Tensor]
 
@@ -69,19 +71,77 @@ def _held(start: State, state: State) -> Iterator[tuple[str, torch.Tensor, torch
         yield key, t.detach().to(torch.float64), _prefix(ref.detach(), t.shape).to(torch.float64)
 
 
-def _layer_changes(start: State, states: Sequence[State],
-                   rates: Optional[Sequence[float]]) -> dict[str, dict[int, tuple[float, int]]]:
+@dataclass(frozen=True)
+class Changes:
+    """The round's states' changes from the model it began from, measured in one pass over their
+    layers (:func:`measure_changes`): every bound of the ``clip`` rule reads them from here."""
+
+    layers: dict[str, dict[int, tuple[float, int]]]
     """Per layer, per state holding it: its RMS change per element per unit of learning rate,
     and its elements."""
+    moved: list[float]
+    """Per state: the sum of its squared changes."""
+    size: list[float]
+    """Per state: the sum of the squares of the start's values it holds."""
+
+    def subset(self, indices: Sequence[int]) -> "Changes":
+        """The changes of the states at ``indices``, numbered 0.. in that order."""
+        at = {i: j for j, i in enumerate(indices)}
+        layers = {key: {at[i]: v for i, v in holders.items() if i in at} for key, holders in self.layers.items()}
+        return Changes({k: h for k, h in layers.items() if h}, [self.moved[i] for i in indices],
+                       [self.size[i] for i in indices])
+
+
+def measure_changes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None) -> Changes:
+    """Each state's change from ``start``, per layer (per unit of its learning rate ``rates``)
+    and in all (see :class:`Changes`). Why one pass: the layers are read in float64, and the
+    clip rule's bounds (:func:`typical_of`, :func:`sizes_of`, :meth:`Changes.relative`, and the
+    same among peers) would otherwise each read every state again."""
     rate = list(rates) if rates is not None else [1.0] * len(states)
     if len(rate) != len(states) or any(not r > 0 for r in rate):
         raise ValueError("need one positive rate per state")
-    per_layer: dict[str, dict[int, tuple[float, int]]] = {}
+    layers: dict[str, dict[int, tuple[float, int]]] = {}
+    moved, size = [0.0] * len(states), [0.0] * len(states)
     for i, s in enumerate(states):
         for key, t, ref in _held(start, s):
             d = t - ref
-            per_layer.setdefault(key, {})[i] = (math.sqrt(float((d * d).mean())) / rate[i], d.numel())
-    return per_layer
+            squared = d * d
+            layers.setdefault(key, {})[i] = (math.sqrt(float(squared.mean())) / rate[i], d.numel())
+            moved[i] += float(squared.sum())
+            size[i] += float((ref * ref).sum())
+    return Changes(layers, moved, size)
+
+
+def typical_of(changes: Changes, past: Optional[Mapping[str, float]] = None, growth: float = GROWTH) -> dict[str, float]:
+    """:func:`typical_changes` of measured ``changes``."""
+    out: dict[str, float] = {}
+    for key, holders in changes.layers.items():
+        typical = float(torch.tensor(sorted(v for v, _ in holders.values())).median())
+        if past is not None and past.get(key, 0) > 0:
+            typical = min(typical, growth * past[key])
+        if len(holders) >= 3 and typical > 0:
+            out[key] = typical
+    return out
+
+
+def sizes_of(changes: Changes, typical: Optional[Mapping[str, float]] = None) -> list[float]:
+    """:func:`change_sizes` of measured ``changes`` (``typical`` by default their own)."""
+    typical = typical_of(changes) if typical is None else typical
+    states = len(changes.moved)
+    total = [0.0] * states
+    count = [0] * states
+    for key, holders in changes.layers.items():
+        if key not in typical:   # no typical change to compare with: the layer says nothing
+            continue
+        for i, (v, n) in holders.items():
+            total[i] += n * (v / typical[key]) ** 2
+            count[i] += n
+    return [math.sqrt(total[i] / count[i]) if count[i] else 0.0 for i in range(states)]
+
+
+def relative_of(changes: Changes) -> list[float]:
+    """:func:`relative_changes` of measured ``changes``."""
+    return [math.sqrt(m / z) if z > 0 else 0.0 for m, z in zip(changes.moved, changes.size)]
 
 
 def typical_changes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None,
@@ -93,14 +153,7 @@ def typical_changes(start: State, states: Sequence[State], rates: Optional[Seque
     attackers), the bound from the round before keeps the typical change an honest one. Honest
     changes shrink as a run converges, or grow slowly. A layer fewer than three states hold, or
     that most did not change, has none (it is not compared)."""
-    out: dict[str, float] = {}
-    for key, holders in _layer_changes(start, states, rates).items():
-        typical = float(torch.tensor(sorted(v for v, _ in holders.values())).median())
-        if past is not None and past.get(key, 0) > 0:
-            typical = min(typical, growth * past[key])
-        if len(holders) >= 3 and typical > 0:
-            out[key] = typical
-    return out
+    return typical_of(measure_changes(start, states, rates), past, growth)
 
 
 def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None,
@@ -116,31 +169,14 @@ def change_sizes(start: State, states: Sequence[State], rates: Optional[Sequence
     (batch regulation scales a device's rate with its batch, and its change with it). A narrow
     HeteroSFL bottleneck's prefix of a layer counts for the elements it holds. A layer without
     a typical change is not compared (0: nothing compared)."""
-    per_layer = _layer_changes(start, states, rates)
-    typical = typical_changes(start, states, rates) if typical is None else typical
-    total = [0.0] * len(states)
-    count = [0] * len(states)
-    for key, holders in per_layer.items():
-        if key not in typical:   # no typical change to compare with: the layer says nothing
-            continue
-        for i, (v, n) in holders.items():
-            total[i] += n * (v / typical[key]) ** 2
-            count[i] += n
-    return [math.sqrt(total[i] / count[i]) if count[i] else 0.0 for i in range(len(states))]
+    return sizes_of(measure_changes(start, states, rates), typical)
 
 
 def relative_changes(start: State, states: Sequence[State]) -> list[float]:
     """Each state's change from ``start`` over the size of what it changed: ``||x - s|| / ||s||``
     over the floating-point elements it holds (a narrow HeteroSFL bottleneck: its prefix of a
     layer); 0 where it holds none, or where they were all zero."""
-    out = []
-    for state in states:
-        moved = size = 0.0
-        for _, t, ref in _held(start, state):
-            moved += float(((t - ref) ** 2).sum())
-            size += float((ref * ref).sum())
-        out.append(math.sqrt(moved / size) if size > 0 else 0.0)
-    return out
+    return relative_of(measure_changes(start, states))
 
 
 def _stacked(key: str, states: Sequence[State], default: Optional[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]]:
