@@ -41,8 +41,9 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 Two references in the same invocation, per codec level: the floor (the same messages decoded,
 trained on and answered in one thread with no broker) and the transport's floor (a bare paho
 client, no product code, receiving and publishing messages of the same sizes through the same
-broker). Their sum is the least a coordinator built on paho could spend per agent-step; ``x its floor``
-is the coordinator's CPU per agent-step over it (``floor_ratio`` in the JSON). Under
+broker). Their sum is the least a coordinator built on paho could spend per agent-step, the server step
+taken on the merged batch of the load level's agents (``its floor ms``); ``x its floor`` is the
+coordinator's CPU per agent-step over it (``floor_ms``, ``floor_ratio`` in the JSON). Under
 the floor's server step lies the physical bound: its floating-point operations (counted by
 ``sfl_core.model.flops``, i.e. PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU
 sustains on a large fp32 matrix product.
@@ -72,7 +73,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import common  # noqa: F401  (puts the repository on sys.path)
 import stage_timers
@@ -535,11 +536,14 @@ def stage_ms(doc: dict[str, Any], agent_steps: int) -> dict[str, float]:
     return {s: round(1e3 * (last[s] - first[s]) / agent_steps, 4) + 0.0 for s in doc["stages"]}
 
 
-def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
+def floor(args: Any, payload: Payload, agents: int = 100, levels: Sequence[int] = ()) -> dict[str, Any]:
     """The coordinator's unavoidable work per agent-step, in this process with no broker: decoding
     and validating one real activations message (envelope, schema, tensor, labels), the server
     portion's forward/backward/update on the merged batch of ``agents`` such messages (per
-    agent), and encoding one gradients message. Milliseconds of one thread each."""
+    agent), and encoding one gradients message. Milliseconds of one thread each. The server
+    step is also measured on the merged batch of each load level of ``levels`` (agents per
+    round), ``server_step_ms_at``: the same step on five times the rows costs more per row once
+    they outgrow the CPU's caches, and a coordinator at that load pays it too."""
     from coordinator.uploads import decode_activations
 
     torch.set_num_threads(1)
@@ -558,8 +562,12 @@ def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
     model = build_model(args.model, data.input_shape, data.num_classes)
     server = model.server(args.split)
     opt = torch.optim.SGD(server.parameters(), lr=0.01)
-    x = decode().repeat(agents, *([1] * len(shape))).requires_grad_()
-    y = torch.zeros(agents * args.batch, dtype=torch.int64)
+    one = decode()
+
+    def merged(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (one.repeat(n, *([1] * len(shape))).requires_grad_(), torch.zeros(n * args.batch, dtype=torch.int64))
+
+    x, y = merged(agents)
 
     def step() -> torch.Tensor:
         opt.zero_grad()
@@ -585,6 +593,12 @@ def floor(args: Any, payload: Payload, agents: int = 100) -> dict[str, float]:
            "encode_ms": per_call_ms(encode, 400)}
     out["total_ms"] = sum(out.values())
     out["act_bytes"], out["grad_bytes"] = len(act), len(encode())
+    at: dict[str, float] = {}
+    for n in sorted(set(levels)):
+        x, y = merged(n)
+        at[str(n)] = per_call_ms(step, max(2, 1000 // n)) / n
+    x, y = merged(agents)
+    out["server_step_ms_at"] = at
     with flop_counter() as flops:
         step()
     out["server_step_mflop"] = flops.get_total_flops() / agents / 1e6
@@ -834,24 +848,26 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         bounds = {}
         for level in args.zstd_levels:
             args.zstd_level = level
-            bounds[level] = floor(args, payloads[level])
+            bounds[level] = floor(args, payloads[level], levels=[r["agents"] for r in results])
             bounds[level]["transport"] = transport_floor(broker.url, bounds[level]["act_bytes"],
                                                          bounds[level]["grad_bytes"], 300 if args.quick else 3000)
-    for r in results:   # the coordinator against the least any coordinator on paho spends, in this run
+    for r in results:   # the coordinator against the least any coordinator on paho spends, at its load, in this run
         b = bounds[r["zstd_level"]]
-        r["floor_ms"] = b["total_ms"] + b["transport"]["total_ms"]
+        r["floor_ms"] = (b["total_ms"] - b["server_step_ms"] + b["server_step_ms_at"][str(r["agents"])]
+                         + b["transport"]["total_ms"])
         r["floor_ratio"] = r["coord_cpu_ms_per_agent_step"] / r["floor_ms"]
     cores = os.cpu_count()
     rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
-             r["coord_cpu_ms_per_agent_step"], r["floor_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
+             r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["coord_faults_per_agent_step"],
+             r["coord_rss_mb"],
              r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
         f"shared by all processes",
         ["zstd level", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
-         "coord CPU %", "CPU ms/agent-step", "x its floor", "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
+         "coord CPU %", "CPU ms/agent-step", "its floor ms", "x its floor", "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
          "server step %", "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     common.print_table(
@@ -859,12 +875,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out)",
         ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core",
          "paho receive ms", "paho receive at QoS 0 ms", "paho publish ms", "product link publish ms",
-         "total with paho ms", "server step MFLOP", "core's matmul GFLOP/s", "server step at that rate ms"],
+         "total with paho ms", "server step MFLOP", "core's matmul GFLOP/s", "server step at that rate ms",
+         "server step ms at each load (agents: ms)"],
         [[level, b["decode_ms"], b["server_step_ms"], b["encode_ms"], b["total_ms"], 1e3 / b["total_ms"],
           b["transport"]["receive_ms"], b["transport"]["receive_qos0_ms"], b["transport"]["publish_ms"],
           b["transport"]["link_publish_ms"],
           b["total_ms"] + b["transport"]["total_ms"],
-          b["server_step_mflop"], b["matmul_gflops"], b["server_step_bound_ms"]]
+          b["server_step_mflop"], b["matmul_gflops"], b["server_step_bound_ms"],
+          ", ".join(f"{n}: {ms:.3f}" for n, ms in b["server_step_ms_at"].items())]
          for level, b in bounds.items()])
     bound = bounds[args.zstd_levels[0]]
     fleets = (10, 2_000, 10_000)
