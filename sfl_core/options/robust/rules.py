@@ -95,7 +95,7 @@ class Changes:
 def measure_changes(start: State, states: Sequence[State], rates: Optional[Sequence[float]] = None) -> Changes:
     """Each state's change from ``start``, per layer (per unit of its learning rate ``rates``)
     and in all (see :class:`Changes`). Why one pass: the layers are read in float64, and the
-    clip rule's bounds (:func:`typical_of`, :func:`sizes_of`, :meth:`Changes.relative`, and the
+    clip rule's bounds (:func:`typical_of`, :func:`sizes_of`, :func:`relative_of`, and the
     same among peers) would otherwise each read every state again."""
     rate = list(rates) if rates is not None else [1.0] * len(states)
     if len(rate) != len(states) or any(not r > 0 for r in rate):
