@@ -3,7 +3,8 @@
 Compute is stretched to the profile's FLOP/s and the link is throttled to its rate, so a
 laptop can host a heterogeneous fleet whose wall-clock times mean something. The link moves
 one message at a time each way, beside the compute (the uplink in the agent's sending thread,
-the downlink timed from each message's arrival), as a device's radio does. Emulation
+the downlink timed from each message's arrival), as a device's radio does; on a
+``half_duplex`` link (a WiFi cell) one message at a time in either direction. Emulation
 can only slow down: if this machine is slower than the profile, the real time stands
 (and a warning says so once).
 
@@ -15,6 +16,7 @@ profile's numbers, i.e. an unexpected straggler (thermal throttling, a congested
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from sfl_core.config.run import DeviceProfile
@@ -31,6 +33,8 @@ class Emulator:
         self.slowdown = float(slowdown)
         self._warned = False
         self._down_free = 0.0   # when the emulated downlink finishes what it is receiving
+        self._air_free = 0.0    # half duplex: when the shared medium finishes what it carries
+        self._air = threading.Lock()   # the sending thread and the receiving one both book the medium
 
     def at_round(self, r: int) -> None:
         """Follow the profile's capacity schedule: from round ``r`` on, run at its scaled rates."""
@@ -48,7 +52,11 @@ class Emulator:
         return actual_s
 
     def uplink(self, nbytes: int) -> None:
-        time.sleep((nbytes / self.profile.link_bytes_per_s + self.profile.latency_s) * self.slowdown)
+        seconds = (nbytes / self.profile.link_bytes_per_s + self.profile.latency_s) * self.slowdown
+        if self.profile.half_duplex:
+            self.wait_until(self._book_air(seconds))
+        else:
+            time.sleep(seconds)
 
     def downlink(self, nbytes: int) -> None:
         time.sleep(self.downlink_s(nbytes))
@@ -58,10 +66,19 @@ class Emulator:
 
     def arrival(self, nbytes: int) -> float:
         """When a message that starts arriving now is all in over the emulated downlink: one
-        message at a time, while the device computes (a radio receives beside the processor)."""
+        message at a time, while the device computes (a radio receives beside the processor);
+        on a half-duplex link, after what the medium already carries either way."""
+        if self.profile.half_duplex:
+            return self._book_air(self.downlink_s(nbytes))
         start = max(time.monotonic(), self._down_free)
         self._down_free = start + self.downlink_s(nbytes)
         return self._down_free
+
+    def _book_air(self, seconds: float) -> float:
+        """Book the shared medium for ``seconds`` after what it already carries; when it is done."""
+        with self._air:
+            self._air_free = max(time.monotonic(), self._air_free) + seconds
+            return self._air_free
 
     def wait_until(self, when: float) -> None:
         """Sleep until monotonic time ``when`` (a message's :meth:`arrival`)."""

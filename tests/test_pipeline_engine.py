@@ -21,7 +21,8 @@ from sfl_core.wire import protocol
 from sfl_core.wire.protocol import Message
 
 FLEET = [{"profile": "s2fl-low-low", "count": 1}, {"profile": "s2fl-mid-mid", "count": 1},
-         {"profile": "jetson-nano", "count": 1}]
+         {"profile": "heterosfl-high", "count": 1}]
+"""Full-duplex links (the shipped WiFi boards' are half duplex: see the last test)."""
 
 
 def _cfg(tmp_path: Path, name: str, **over):
@@ -43,6 +44,21 @@ def test_a_window_hides_the_link_and_the_run_learns_as_in_lockstep(tmp_path):
     assert all("window" not in row for row in lockstep[-1]["agents"].values())   # lock-step records nothing new
     # the same bytes move either way: a window changes when, not what
     assert piped[-1]["bytes_up"] == pytest.approx(lockstep[-1]["bytes_up"], rel=0.05)
+
+
+def test_on_a_wifi_board_a_window_hides_only_its_compute_and_latency(tmp_path):
+    """The shipped boards' WiFi is half duplex: the profile says so at registration, and the
+    clock lets a window overlap the board's compute and latency with its transfers, never its
+    upload with its download."""
+    fleet = [{"profile": "jetson-nano", "count": 2}]
+    lockstep, _ = run_simulation(_cfg(tmp_path, "h1", fleet=fleet, rounds=2))
+    piped, engine = run_simulation(_cfg(tmp_path, "h4", fleet=fleet, rounds=2, window=4))
+    assert all(info.profile.half_duplex for info in engine.registry.agents.values())
+    rate = engine.registry.agents["sim-000"].profile.link_bytes_per_s
+    for row in piped[-1]["agents"].values():
+        assert row["window"] == 4 and 0 < row["overlap_s"]
+        assert row["time_s"] >= (row["bytes_up"] + row["bytes_down"]) / rate   # every byte end to end
+    assert piped[-1]["round_time_s"] > 0.8 * lockstep[-1]["round_time_s"]
 
 
 def test_auto_plans_the_window_with_the_cut_and_the_batch(tmp_path):

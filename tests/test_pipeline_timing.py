@@ -27,6 +27,17 @@ def test_a_step_in_flight_repeats_at_the_busiest_resource_or_the_round_trip_over
     assert timing.pipelined_step_s(**compute_bound, window=4) == pytest.approx(0.200)
 
 
+def test_on_a_half_duplex_link_the_activations_and_the_gradients_take_turns():
+    """A WiFi cell carries one direction at a time: the uplink and the downlink are one
+    resource, busy for both transfers of every step, and a window hides only the rest."""
+    step = dict(client_s=0.010, up_s=0.040, server_s=0.002, down_s=0.030, latency_s=0.005)
+    assert timing.pipelined_step_s(**step, window=1, half_duplex=True) == pytest.approx(0.092)
+    assert timing.pipelined_step_s(**step, window=2, half_duplex=True) == pytest.approx(0.070)   # up + down
+    assert timing.pipelined_step_s(**step, window=8, half_duplex=True) == pytest.approx(0.070)
+    kw = dict(client_s=0.10, up_s=0.40, server_s=0.02, down_s=0.30, latency_s=0.005)
+    assert timing.pipeline_overlap_s(steps=10, window=4, half_duplex=True, **kw) == pytest.approx(9 * (0.092 - 0.070))
+
+
 def test_a_window_hides_all_steps_but_the_first_ones_chain():
     # 10 steps with the totals of 10 x the chain above
     kw = dict(client_s=0.10, up_s=0.40, server_s=0.02, down_s=0.30, latency_s=0.005)
@@ -41,20 +52,22 @@ LINK_BOUND = dict(split=1, codec="fp32", tau=10, client_flops=1e6, server_flops=
                   uplink_bytes_per_s=1e6, downlink_bytes_per_s=2e6, latency_s=0.02, messages=22)
 
 
-def by_hand(batch: int, window: int) -> float:
+def by_hand(batch: int, window: int, half_duplex: bool = False) -> float:
     """LINK_BOUND's round: weights both ways, the first step's chain, then 9 pipelined steps."""
     c, u, d, v = batch * 1e-3, batch * 1e4 / 1e6, batch * 1e4 / 2e6, batch * 1e-5
     chain = c + u + d + v + 2 * 0.02
     weights = 1e5 / 1e6 + 1e5 / 2e6 + 2 * 0.02
-    return weights + chain + 9 * max(chain / window, c, u, d, v)
+    links = (u + d,) if half_duplex else (u, d)
+    return weights + chain + 9 * max(chain / window, c, v, *links)
 
 
+@pytest.mark.parametrize("half_duplex", [False, True])
 @pytest.mark.parametrize("window", [1, 2, 4, 8])
-def test_the_planners_round_is_the_pipelines_by_hand_at_every_batch(window):
-    option = timing.option_for(**LINK_BOUND, window=window)
+def test_the_planners_round_is_the_pipelines_by_hand_at_every_batch(window, half_duplex):
+    option = timing.option_for(**LINK_BOUND, window=window, half_duplex=half_duplex)
     assert option.window == window
     for batch in (0, 1, 7, 32, 500):
-        assert option.time(batch) == pytest.approx(by_hand(batch, window), rel=1e-9)
+        assert option.time(batch) == pytest.approx(by_hand(batch, window, half_duplex), rel=1e-9)
         assert option.serial_time(batch) == pytest.approx(by_hand(batch, 1), rel=1e-9)
 
 
@@ -73,8 +86,9 @@ def _cfg(**over):
                                  "batch_size": 16, "local_iters": 10, **over})
 
 
-def _agent(compute_flops: float, link: float) -> AgentInfo:
-    profile = DeviceProfile(name="x", compute_flops=compute_flops, link_bytes_per_s=link, latency_s=0.005)
+def _agent(compute_flops: float, link: float, half_duplex: bool = False) -> AgentInfo:
+    profile = DeviceProfile(name="x", compute_flops=compute_flops, link_bytes_per_s=link, latency_s=0.005,
+                            half_duplex=half_duplex)
     return AgentInfo(agent_id="a", index=0, profile=profile, measured={}, label_counts=[], num_samples=0)
 
 
@@ -90,18 +104,22 @@ def test_auto_takes_the_smallest_window_within_five_percent_of_the_fastest():
     assert slow_link.time(16) <= min(priced.values()) * (1 + timing.WINDOW_SLACK)
     smaller = [w for w in timing.AUTO_WINDOWS if w < slow_link.window]
     assert all(priced[w] > min(priced.values()) * (1 + timing.WINDOW_SLACK) for w in smaller)
+    # on a half-duplex link the same device's window hides only its compute and latency: not
+    # 5 % of its round, so auto keeps it in lock-step
+    assert timing.price_option(cfg, cost, "fp32", _agent(1e10, 2e5, half_duplex=True), ratio=1.0).window == 1
     # withheld labels keep an agent in lock-step whatever the window
     withheld = _agent(1e10, 2e5)
     withheld.privacy = {"withhold_labels": True}
     assert timing.price_option(_cfg(window=4), cost, "fp32", withheld, ratio=1.0).window == 1
 
 
-def test_the_virtual_clock_charges_what_the_planner_predicts_with_a_window():
+@pytest.mark.parametrize("half_duplex", [False, True])
+def test_the_virtual_clock_charges_what_the_planner_predicts_with_a_window(half_duplex):
     """One entry point: a round of the bytes and FLOPs the option assumes, charged by the
-    virtual clock, lasts what :func:`price_option` predicted."""
+    virtual clock, lasts what :func:`price_option` predicted, on either kind of link."""
     cfg = _cfg(window=4)
     cost = model_costs("small_cnn", (1, 8, 8), 10)[2]
-    info = _agent(5e8, 2e5)
+    info = _agent(5e8, 2e5, half_duplex=half_duplex)
     option = timing.price_option(cfg, cost, "fp32", info, ratio=1.0)
     batch, tau = 16, cfg.local_iters
     samples = batch * tau

@@ -27,6 +27,7 @@ from sfl_core.config.fields import (
     validate,
 )
 from sfl_core.config.values import (
+    BOOLEAN,
     NONEMPTY_STRING,
     OPTIONAL_POSITIVE_NUMBER,
     POSITIVE_NUMBER,
@@ -94,6 +95,10 @@ class DeviceProfile(Section):
     link_bytes_per_s: Annotated[float, POSITIVE_NUMBER]  # uplink rate, bytes/s
     downlink_bytes_per_s: Annotated[Optional[float], OPTIONAL_POSITIVE_NUMBER] = None  # None -> link_bytes_per_s
     latency_s: Annotated[float, checked(nonneg_number)] = 0.0  # one-way latency
+    half_duplex: Annotated[bool, BOOLEAN] = False
+    """Uploads and downloads share one medium and take turns (a WiFi cell), so steps in flight
+    cannot overlap the activations going up with the gradients coming down
+    (:func:`sfl_core.timing.pipelined_step_s`); False: a full-duplex link (Ethernet, cellular)."""
     memory_bytes: Annotated[Optional[float], OPTIONAL_POSITIVE_NUMBER] = None
     description: Annotated[str, checked(_text)] = ""
     source: Annotated[str, checked(_text)] = ""  # where the numbers come from

@@ -360,6 +360,8 @@ def profile_body(profile: Any) -> dict[str, Any]:
         body["capacity"] = [[int(r), float(c), float(lk)] for r, c, lk in profile.capacity]
     if getattr(profile, "memory_bytes", None):
         body["memory_bytes"] = float(profile.memory_bytes)   # what a planner may place on the device
+    if getattr(profile, "half_duplex", False):
+        body["half_duplex"] = True   # uploads and downloads take turns: how steps in flight are priced
     return body
 
 

@@ -1,0 +1,42 @@
+"""``--emulate``'s link: a full-duplex link carries an upload and a download at once; a
+half-duplex one (a WiFi cell) books one medium for both, so a download waits for the upload
+that holds it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from edge_agent.emulation import Emulator
+from sfl_core.config.run import DeviceProfile
+
+RATE, SIZE = 1e6, 200_000   # 0.2 s a message each way
+
+
+def _upload_then_download(half_duplex: bool) -> float:
+    """Seconds from an upload's start until a download that begins arriving just after it is in."""
+    emulator = Emulator(DeviceProfile(name="x", compute_flops=1e9, link_bytes_per_s=RATE, half_duplex=half_duplex))
+    sending = threading.Thread(target=emulator.uplink, args=(SIZE,))
+    t0 = time.monotonic()
+    sending.start()
+    time.sleep(0.02)   # the upload holds the link now
+    arrived = emulator.arrival(SIZE) - t0
+    sending.join()
+    return arrived
+
+
+@pytest.mark.parametrize("half_duplex, low, high", [(False, 0.2, 0.35), (True, 0.4, 0.55)])
+def test_a_download_overlaps_an_upload_only_on_a_full_duplex_link(half_duplex, low, high):
+    assert low <= _upload_then_download(half_duplex) < high
+
+
+def test_a_half_duplex_profile_is_read_and_sent_as_it_says():
+    from sfl_core.config.run import profile_from_dict
+
+    profile = profile_from_dict({"name": "wifi", "compute_flops": 1e9, "link_bytes_per_s": 1e6, "half_duplex": True})
+    assert profile.half_duplex and profile_from_dict(profile.to_dict()).half_duplex
+    assert not profile_from_dict({"name": "eth", "compute_flops": 1e9, "link_bytes_per_s": 1e6}).half_duplex
+    with pytest.raises(Exception, match="half_duplex"):
+        profile_from_dict({"name": "x", "compute_flops": 1e9, "link_bytes_per_s": 1e6, "half_duplex": "sometimes"})
