@@ -436,7 +436,8 @@ def main() -> None:
                        caption=f"target: 90 % of window 1's mean final accuracy; the links allow rounds at most "
                                f"{min(bounds):.2f}-{max(bounds):.2f}x shorter (the time model, compute free); "
                                f"links per agent: {LINKS[:n]}")
-    path = common.write_result(args.out, "pipeline-shaped-quick" if args.quick else "pipeline-shaped",
+    name = "pipeline-shaped" + ("" if args.links == "boards" else f"-{args.links}") + ("-quick" if args.quick else "")
+    path = common.write_result(args.out, name,
                                {"config": common.config_record(args), "links_set": args.links, "links": LINKS[:n],
                                 "goodput": GOODPUT, "links_bound": bounds, "summary": summary, "netem": NETEM, "runs": runs})
     print(f"wrote {path}")
