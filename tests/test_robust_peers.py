@@ -9,7 +9,7 @@ import torch
 
 from sfl_core.config.run import run_config_from_dict
 from sfl_core.model.zoo import build_model
-from sfl_core.options.robust.option import Robust, peer_key
+from sfl_core.options.robust.option import Robust, change_scale, peer_key
 
 
 class Host:
@@ -25,8 +25,8 @@ class Host:
         self.lines.append(f"quarantined {agent_id}")
 
 
-def assignment(batch: int = 16, split: int = 1):
-    return SimpleNamespace(mode="split", split=split, width=0, batch_size=batch, tau=10, window=1, lr=0.1)
+def assignment(batch: int = 16, split: int = 1, lr: float = 0.1):
+    return SimpleNamespace(mode="split", split=split, width=0, batch_size=batch, tau=10, window=1, lr=lr)
 
 
 def screen(clients, assignments, **robust):
@@ -67,3 +67,22 @@ def test_fewer_than_five_peers_are_not_compared():
     assignments = {a: assignment() for a in clients} | {"x": assignment(batch=2)}
     kept, metrics, _ = screen(clients, assignments)   # four peers: the median of so few is not steady
     assert kept == sorted(clients) and "clipped_by_peers" not in metrics
+
+
+def test_the_rounds_bound_measures_a_change_over_its_learning_rate_and_the_root_of_its_batch():
+    """The demo's case: the joint planner gives slow devices a batch of 2 and a learning rate
+    scaled with it; per unit of learning rate their honest changes (mostly their gradients'
+    noise) are 12 times those of devices given 30. Over the root of the batch too, 3.1 times:
+    they stay in, and one of them scaled x10 is left out."""
+    big, small = assignment(batch=30, lr=0.1), assignment(batch=2, lr=0.1 * 2 / 30)
+    assert change_scale(big) == 0.1 / 30 ** 0.5
+    # big devices: 1.0 per unit of learning rate; small ones 12
+    clients = {"a": change(0.1), "b": change(0.1), "s1": change(12 * small.lr), "s2": change(12 * small.lr)}
+    assignments = {"a": big, "b": big, "s1": small, "s2": small}
+    kept, metrics, _ = screen(clients, assignments)
+    assert kept == ["a", "b", "s1", "s2"] and "clipped" not in metrics
+    # per change scale: big 0.1 / 0.01826 = 5.48, small 0.08 / 0.004714 = 16.97 (3.1x the
+    # round's typical, the lower median of the four); scaled x10, 169.7: 31x
+    clients["s2"] = change(120 * small.lr)
+    kept, metrics, _ = screen(clients, assignments)
+    assert kept == ["a", "b", "s1"] and round(metrics["clipped"]["s2"], 1) == 31.0

@@ -50,9 +50,10 @@ class RobustConfig(OptionSection):
         ("clip_factor", "clip: how large an agent's change may be against the round's typical change, > 0 (1: "
                         "typical; each layer's change against the median of that layer's holders, at most 3x the "
                         "layer's typical change of the round before, combined over its layers weighted by their "
-                        "elements, per unit of learning rate). The default 10 leaves "
-                        "honest devices alone (up to 8.6 on the shipped configs, small skewed fleets; under 3 on a "
-                        "20-device one) while random weights and updates scaled x1000 are left out, named and, round "
+                        "elements, per unit of its learning rate over the square root of its batch: a small batch's "
+                        "change is mostly noise). The default 10 leaves honest devices alone (up to 7.6 on the "
+                        "shipped configs, small skewed fleets given batches of 2 to 32 by the joint planner; under "
+                        "3 on a 20-device one) while random weights and updates scaled x1000 are left out, named and, round "
                         "after round, quarantined; where devices train alike, peer_factor bounds tightly."),
         ("peer_factor", "clip: how large an agent's change may be against its peers' typical change, where 5 or "
                         "more of the round's agents were given the same assignment (cut, bottleneck width, batch, "

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from sfl_core.model.zoo import SplitModel
     from sfl_core.wire.assignment import Assignment
 
-__all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "PEERS", "Robust", "krum_f", "peer_key"]
+__all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "PEERS", "Robust", "change_scale", "krum_f", "peer_key"]
 
 FLAGS = ("refused", "capped", "clipped", "clipped_by_peers", "replaced", "outliers", "rows_left_out")
 """The round's metrics' keys that name agents; each counts towards quarantine (``capped`` only
@@ -83,6 +83,16 @@ def peer_key(assignment: "Assignment") -> tuple[Any, ...]:
     learning rate)."""
     return (assignment.mode, assignment.split, assignment.width, assignment.batch_size, assignment.tau,
             assignment.window)
+
+
+def change_scale(assignment: "Assignment") -> float:
+    """The scale of an honest round's change for ``assignment``: its learning rate over the
+    square root of its batch. Per unit of learning rate a change is its steps' gradients; a
+    small batch's are mostly noise, whose size goes as one over the square root of the batch,
+    and the planners scale the learning rate with the batch, not its root, so per unit of
+    learning rate alone the small batches the joint planner gives slow devices look like
+    attacks beside the large ones. Devices given the same batch compare as before."""
+    return assignment.lr / math.sqrt(max(assignment.batch_size, 1))
 
 
 def capped_weights(weights: Mapping[str, float], cap: float) -> dict[str, float]:
@@ -129,7 +139,7 @@ class Robust(RoundOption):
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
         self.past_change: dict[str, float] = {}
-        """Per layer, the typical change (per unit of learning rate) clipping last measured it by."""
+        """Per layer, the typical change (per unit of :func:`change_scale`) clipping last measured it by."""
         self.past_peer_change: dict[tuple[Any, ...], dict[str, float]] = {}
         """The same, per assignment that peers shared (:func:`peer_key`)."""
 
@@ -291,7 +301,7 @@ class Robust(RoundOption):
                        f"{', '.join(sorted(implausible))}" if implausible else ""), warning=True)
         ids = list(clients)
         if s.aggregate == "clip" and len(ids) > 1:
-            changes = measure_changes(start, [clients[a] for a in ids], [assignments[a].lr for a in ids])
+            changes = measure_changes(start, [clients[a] for a in ids], [change_scale(assignments[a]) for a in ids])
             typical = typical_of(changes, self.past_change)
             self.past_change.update(typical)
             sizes = sizes_of(changes, typical)
@@ -331,7 +341,7 @@ class Robust(RoundOption):
         """The agents whose change is over ``peer_factor`` times that of their peers: the round's
         agents given the same assignment (:func:`peer_key`), :data:`PEERS` of them or more. Peers
         train alike, so their honest changes are alike, and the bound can be tight; across the
-        round, cuts, widths and batches make honest changes differ up to tenfold, and a change
+        round, cuts, widths and batches make honest changes differ tenfold and more, and a change
         scaled by less than ``clip_factor`` passes under the round's bound (named here)."""
         factor = self.section.peer_factor
         out: dict[str, float] = {}
