@@ -59,7 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 HUB, SUBNET, PORT = "sflp-hub", "10.89.0", 1883
 BOARDS = ("rpi4", "jetson-nano", "jetson-xavier-nx")
 """The shipped profiles whose links ``--links boards`` shapes, one per agent in turn."""
-HOME: list[dict[str, float]] = [   # per agent: uplink and downlink in bit/s, one-way delay in ms (home WiFi, a weak and a good link)
+HOME: list[dict[str, float]] = [
+    # per agent: uplink and downlink in bit/s, one-way delay in ms (home broadband, a weak and a good link)
     {"up": 2_000_000, "down": 4_000_000, "delay_ms": 10},
     {"up": 4_000_000, "down": 8_000_000, "delay_ms": 10},
     {"up": 8_000_000, "down": 16_000_000, "delay_ms": 5},
@@ -84,8 +85,7 @@ def board_links() -> list[dict[str, float]]:
     out = []
     for name in BOARDS:
         p = load_profile(name)
-        out.append({"up": round(8 * p.link_bytes_per_s), "down": round(8 * (p.downlink_bytes_per_s or p.link_bytes_per_s)),
-                    "delay_ms": 1000 * p.latency_s})
+        out.append({"up": round(8 * p.link_bytes_per_s), "down": round(8 * p.downlink), "delay_ms": 1000 * p.latency_s})
     return out
 
 
@@ -439,7 +439,8 @@ def main() -> None:
     name = "pipeline-shaped" + ("" if args.links == "boards" else f"-{args.links}") + ("-quick" if args.quick else "")
     path = common.write_result(args.out, name,
                                {"config": common.config_record(args), "links_set": args.links, "links": LINKS[:n],
-                                "goodput": GOODPUT, "links_bound": bounds, "summary": summary, "netem": NETEM, "runs": runs})
+                                "goodput": GOODPUT, "links_bound": bounds, "summary": summary, "netem": NETEM,
+                                "runs": runs})
     print(f"wrote {path}")
 
 

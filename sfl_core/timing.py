@@ -202,8 +202,8 @@ def pipeline_overlap_s(*, steps: int, window: int, client_s: float, up_s: float,
     """
     if window <= 1 or steps <= 1:
         return 0.0
-    per: dict[str, Any] = dict(client_s=client_s / steps, up_s=up_s / steps, down_s=down_s / steps, server_s=server_s / steps,
-               latency_s=latency_s)
+    per: dict[str, Any] = dict(client_s=client_s / steps, up_s=up_s / steps, down_s=down_s / steps,
+                               server_s=server_s / steps, latency_s=latency_s)
     serial = pipelined_step_s(**per, window=1)
     return (steps - 1) * max(0.0, serial - pipelined_step_s(**per, window=window, half_duplex=half_duplex))
 
@@ -323,10 +323,11 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
         def stages(batch: int) -> tuple[float, list[float]]:
             """(the round without its last tau - 1 steps, each resource's and the window's per-step seconds)."""
             t, n = parts(batch), tau * batch
-            step: dict[str, Any] = dict(client_s=t.client_compute_s * compute_scale / tau,
-                        up_s=2 * up_share * n * activation_bytes / uplink_bytes_per_s * link_scale / tau,
-                        down_s=2 * (1 - up_share) * n * activation_bytes / downlink_bytes_per_s * link_scale / tau,
-                        server_s=(t.server_compute_s + t.coordinator_s) / tau, latency_s=latency_s * link_scale)
+            step: dict[str, Any] = dict(
+                client_s=t.client_compute_s * compute_scale / tau,
+                up_s=2 * up_share * n * activation_bytes / uplink_bytes_per_s * link_scale / tau,
+                down_s=2 * (1 - up_share) * n * activation_bytes / downlink_bytes_per_s * link_scale / tau,
+                server_s=(t.server_compute_s + t.coordinator_s) / tau, latency_s=latency_s * link_scale)
             serial = pipelined_step_s(**step, window=1)
             links = [step["up_s"] + step["down_s"]] if half_duplex else [step["up_s"], step["down_s"]]
             bounds = [serial / window, step["client_s"], step["server_s"], *links]

@@ -53,8 +53,9 @@ class RobustConfig(OptionSection):
                         "elements, per unit of its learning rate over the square root of its batch: a small batch's "
                         "change is mostly noise). The default 10 leaves honest devices alone (up to 7.6 on the "
                         "shipped configs, small skewed fleets given batches of 2 to 32 by the joint planner; under "
-                        "3 on a 20-device one) while random weights and updates scaled x1000 are left out, named and, round "
-                        "after round, quarantined; where devices train alike, peer_factor bounds tightly."),
+                        "3 on a 20-device one) while random weights and updates scaled x1000 are left out, named "
+                        "and, round after round, quarantined; where devices train alike, peer_factor bounds "
+                        "tightly."),
         ("peer_factor", "clip: how large an agent's change may be against its peers' typical change, where 5 or "
                         "more of the round's agents were given the same assignment (cut, bottleneck width, batch, "
                         "steps); > 1, 0 = off. Peers train alike, so the bound is tighter than clip_factor, which "

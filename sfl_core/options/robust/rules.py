@@ -9,10 +9,11 @@ over the states that hold the element, as the plain weighted average does.
 
 * :func:`change_sizes` — the size of each state's change against the round's typical change
   (layer by layer against the median of the layer's holders, combined weighted by elements, per
-  unit of each state's rate: for ``clip``, its learning rate over the root of its batch), for a norm bound with an adaptive bound (the ``clip`` rule: a change
-  over ``factor`` times the typical one is left out). The bound adapts to the round, so honest
-  updates, whose sizes are alike, pass, and grows at most threefold from one round to the next,
-  so a round where most devices lie does not set it (:func:`typical_changes`). Norm bounding:
+  unit of each state's rate: for ``clip``, its learning rate over the root of its batch), for
+  a norm bound with an adaptive bound (the ``clip`` rule: a change over ``factor`` times the
+  typical one is left out). The bound adapts to the round, so honest updates, whose sizes are
+  alike, pass, and grows at most threefold from one round to the next, so a round where most
+  devices lie does not set it (:func:`typical_changes`). Norm bounding:
   Sun et al., "Can You Really Backdoor Federated Learning?", 2019; the median makes the bound
   need no tuning.
 * :func:`relative_changes` — each state's change against the size of the weights it started
