@@ -184,11 +184,20 @@ def pipelined_step_s(*, client_s: float, up_s: float, down_s: float, server_s: f
     a time (a WiFi cell), one resource busy ``u + d`` of every step:
     ``max(s / W, c, u + d, v)``.
     """
-    serial = client_s + up_s + down_s + server_s + 2 * latency_s
     if window <= 1:
-        return serial
+        return client_s + up_s + down_s + server_s + 2 * latency_s
+    return max(pipeline_bounds(client_s=client_s, up_s=up_s, down_s=down_s, server_s=server_s, latency_s=latency_s,
+                               window=window, half_duplex=half_duplex))
+
+
+def pipeline_bounds(*, client_s: float, up_s: float, down_s: float, server_s: float, latency_s: float,
+                    window: int, half_duplex: bool = False) -> tuple[float, ...]:
+    """The terms :func:`pipelined_step_s` takes the largest of: the round trip over the window,
+    then each resource's seconds per step (the links as one resource where ``half_duplex``).
+    The planners price a window as the largest of these, each a line in the batch."""
+    serial = client_s + up_s + down_s + server_s + 2 * latency_s
     links = (up_s + down_s,) if half_duplex else (up_s, down_s)
-    return max(serial / window, client_s, server_s, *links)
+    return (serial / window, client_s, server_s, *links)
 
 
 def pipeline_overlap_s(*, steps: int, window: int, client_s: float, up_s: float, down_s: float,
@@ -329,8 +338,7 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
                 down_s=2 * (1 - up_share) * n * activation_bytes / downlink_bytes_per_s * link_scale / tau,
                 server_s=(t.server_compute_s + t.coordinator_s) / tau, latency_s=latency_s * link_scale)
             serial = pipelined_step_s(**step, window=1)
-            links = [step["up_s"] + step["down_s"]] if half_duplex else [step["up_s"], step["down_s"]]
-            bounds = [serial / window, step["client_s"], step["server_s"], *links]
+            bounds = pipeline_bounds(**step, window=window, half_duplex=half_duplex)
             return scaled(t) - (tau - 1) * serial, [(tau - 1) * x for x in bounds]
         (head0, at0), (head1, at1) = stages(0), stages(1)
         lines = tuple((head0 + a0, (head1 + a1) - (head0 + a0)) for a0, a1 in zip(at0, at1))
