@@ -94,6 +94,7 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
     while sum(b"activations" in p for p in captured) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert captured, logs(tmp_path)
+    agents[2].send_signal(signal.SIGKILL)   # vanishes mid-run (before the 64 MB message below takes seconds to send)
     send(up, b"\x00\x01garbage")                                                   # not msgpack
     send(up, b"\xc5" + b"x" * 100)                                                 # truncated msgpack
     env = wire.unpack(next(p for p in captured if b"activations" in p))
@@ -110,8 +111,6 @@ def test_bad_input_and_vanishing_agent(mosquitto, tmp_path):
     attacker.loop_stop()
     attacker.disconnect()
 
-    time.sleep(1.0)
-    agents[2].send_signal(signal.SIGKILL)                                          # vanishes mid-run
     codes = finish([coord, agents[0], agents[1]], timeout=150)
     assert codes == [0, 0, 0], logs(tmp_path)
     text = (tmp_path / "coord.log").read_text()
