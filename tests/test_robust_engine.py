@@ -15,9 +15,9 @@ from simulation.adversary import Attack, poison_data, trigger
 ATTACKERS = ("sim-000", "sim-001", "sim-002")   # 30 % of 10
 
 
-def _run(tmp_path, name: str, attack: Attack | None, rounds: int = 8, **robust):
+def _run(tmp_path, name: str, attack: Attack | None, rounds: int = 8, per_round: int | None = None, **robust):
     spec = {"run": "robust", "model": "small_cnn", "strategy": "sfl", "server_mode": "merged",
-            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0},
+            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0}, "per_round": per_round,
             "fleet": [{"profile": "s2fl-mid-mid", "count": 10}], "rounds": rounds, "batch_size": 16, "lr": 0.05,
             "local_iters": 10, "robust": robust, "output_dir": str(tmp_path / name)}
     attacks = {a: attack for a in ATTACKERS} if attack is not None else None
@@ -222,6 +222,19 @@ def test_a_claimed_sample_count_is_capped_by_default_and_named(tmp_path):
     assert all(engine.registry.agents[a].num_samples == capped[a] for a in ATTACKERS)
     history, _ = _run(tmp_path, "claim-uncapped", Attack("claim", factor=1000.0), rounds=1, weight_cap=0)
     assert "robust" not in history[-1]
+
+
+def test_claims_are_capped_against_the_fleets_median_even_in_a_round_the_liars_hold_half_of(tmp_path):
+    """Four of ten a round, three of them lying: a round the liars hold half of has a liar's
+    claim for its median. The cap's median is over every registered agent's claim, so every
+    liar selected is capped, in every round."""
+    history, _ = _run(tmp_path, "claim-rounds", Attack("claim", factor=1000.0), rounds=8, per_round=4, quarantine=0)
+    held = 0
+    for record in history[1:]:
+        liars = set(ATTACKERS) & set(record["selected"])
+        held += len(liars) >= 2
+        assert liars == set(record.get("robust", {}).get("capped", {})), (record["selected"], record.get("robust"))
+    assert held, "no round drew two liars: the case is not exercised"
 
 
 def test_a_large_claim_short_of_implausible_is_capped_and_named_every_round_but_never_quarantined(tmp_path, caplog):

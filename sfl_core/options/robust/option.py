@@ -2,8 +2,10 @@
 do to the round's average is bounded, and every device a rule acts on is named.
 
 * The weight cap holds by default: an agent's weight (its claimed data size, or the batch the
-  coordinator assigned) is at most ``weight_cap`` times the round's median weight. The median
-  is an honest device's while fewer than half lie.
+  coordinator assigned) is at most ``weight_cap`` times the fleet's median weight: where the
+  weights are the claims, every registered agent's claim; otherwise (batches) each agent's
+  latest seen. The median is an honest device's while fewer than half the fleet lie, whatever
+  share of one round they take.
 * The server portion's screens hold by default: a device whose activations' scale lies far
   from its cut's median (:mod:`sfl_core.options.robust.rows`), or whose labels disagree with
   what its inputs look like at the cut (:mod:`sfl_core.options.robust.labels`; where the
@@ -51,9 +53,10 @@ over :data:`IMPLAUSIBLE`)."""
 
 IMPLAUSIBLE = 10.0
 """A capped claim counts towards quarantine only where it is over this many times the cap (by
-default a hundred times the round's median): honest devices of a skewed fleet can hold over ten
-times the median's data (Dirichlet 0.1 splits over 20-100 devices: up to about 60 times), and
-capping bounds what they weigh; quarantining them would lose their data."""
+default a hundred times the fleet's median): an honest device can hold over ten times the
+median's data (Dirichlet 0.1 splits over 20-100 devices held up to 9 times the fleet's median,
+and up to about 60 times a round's; fleets of unequal shards hold more), and capping bounds
+what it weighs; quarantining it would lose its data."""
 
 REPLACED = 1.0
 """A change at least this many times the size of the weights it started from (``relative_changes``)
@@ -95,11 +98,15 @@ def change_scale(assignment: "Assignment") -> float:
     return assignment.lr / math.sqrt(max(assignment.batch_size, 1))
 
 
-def capped_weights(weights: Mapping[str, float], cap: float) -> dict[str, float]:
-    """Each weight at most ``cap`` times the median weight (``cap`` 0: as they are)."""
+def capped_weights(weights: Mapping[str, float], cap: float,
+                   seen: Optional[Mapping[str, float]] = None) -> dict[str, float]:
+    """Each weight at most ``cap`` times the median weight of ``seen`` (every agent's latest
+    weight so far; default: ``weights``). ``cap`` 0: as they are. Why the agents seen and not
+    the round's alone: a round of ten drawn from a fleet where three in ten lie has a liars'
+    majority about one round in twelve, and its median is then a lie."""
     if cap <= 0 or not weights:
         return dict(weights)
-    bound = cap * statistics.median(weights.values())
+    bound = cap * statistics.median((seen or weights).values())
     return {a: min(w, bound) for a, w in weights.items()}
 
 
@@ -138,10 +145,22 @@ class Robust(RoundOption):
         """This round's screened agents: the label screen's margin at each one's cut."""
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
+        self.weights_seen: dict[str, float] = {}
+        """Each agent's latest weight in the average (what the weight cap's median is over)."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of :func:`change_scale`) clipping last measured it by."""
         self.past_peer_change: dict[tuple[Any, ...], dict[str, float]] = {}
         """The same, per assignment that peers shared (:func:`peer_key`)."""
+
+    def _fleet_weights(self, ctx: RoundContext, weights: Mapping[str, float]) -> Mapping[str, float]:
+        """What the weight cap's median is over: every registered agent's claimed data size where
+        the round's weights are those claims (each one known from registration), else each
+        agent's latest weight seen (assigned batches, known only for agents selected)."""
+        claims = {a: float(info.num_samples) for a, info in ctx.fleet.items()}
+        if all(claims.get(a) == w for a, w in weights.items()):
+            return claims
+        self.weights_seen.update(weights)
+        return self.weights_seen
 
     def _start_round(self, r: int) -> None:
         """Forget the last round's rows left out (and its anchors) at the first word of round ``r``."""
@@ -290,12 +309,12 @@ class Robust(RoundOption):
             if labelled:
                 self.last["label_mismatch"] = {a: round(x, 4) for a, (_, x) in labelled.items()}
             clients = {a: c for a, c in clients.items() if a not in steps}
-        bounded = capped_weights(weights, s.weight_cap)
+        bounded = capped_weights(weights, s.weight_cap, self._fleet_weights(ctx, weights))
         capped = sorted(a for a in weights if bounded[a] < weights[a])
         if capped:
             self.last["capped"] = {a: weights[a] for a in capped}
             implausible = {a for a in capped if weights[a] > IMPLAUSIBLE * bounded[a]}
-            ctx.log(f"robust: round {r}: weight capped at {s.weight_cap:g}x the round's median for "
+            ctx.log(f"robust: round {r}: weight capped at {s.weight_cap:g}x the fleet's median for "
                     f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})"
                     + (f"; over {IMPLAUSIBLE:g}x the cap, counted towards quarantine: "
                        f"{', '.join(sorted(implausible))}" if implausible else ""), warning=True)
