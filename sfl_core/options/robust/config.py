@@ -66,8 +66,8 @@ class RobustConfig(OptionSection):
         ("attackers", "multi_krum: the share of a round's agents assumed malicious (f = floor(share x agents), "
                       "at most (agents - 3) / 2), in [0, 0.5)."),
         ("weight_cap", "an agent's weight in the average (its claimed data size, or the batch the coordinator "
-                       "assigned) at most this many times the fleet's median weight (every registered agent's claim; "
-                       "for batches, each agent's latest), >= 1; 0 = no cap. A device's "
+                       "assigned) at most this many times the median weight (of every registered agent's claim; of "
+                       "the round's batches), >= 1; 0 = no cap. A device's "
                        "data size cannot be verified; the default 10 leaves most honest fleets as they are and "
                        "keeps one device from outweighing the round by a claim. A capped device is named; it "
                        "counts towards quarantine only where its claim is over 10x the cap (a large honest "

@@ -2,10 +2,9 @@
 do to the round's average is bounded, and every device a rule acts on is named.
 
 * The weight cap holds by default: an agent's weight (its claimed data size, or the batch the
-  coordinator assigned) is at most ``weight_cap`` times the fleet's median weight: where the
-  weights are the claims, every registered agent's claim; otherwise (batches) each agent's
-  latest seen. The median is an honest device's while fewer than half the fleet lie, whatever
-  share of one round they take.
+  coordinator assigned) is at most ``weight_cap`` times the median weight: of every registered
+  agent's claim where the weights are claims, else of the round's. A claimed median is an
+  honest device's while fewer than half the fleet lie, whatever share of one round they take.
 * The server portion's screens hold by default: a device whose activations' scale lies far
   from its cut's median (:mod:`sfl_core.options.robust.rows`), or whose labels disagree with
   what its inputs look like at the cut (:mod:`sfl_core.options.robust.labels`; where the
@@ -99,14 +98,14 @@ def change_scale(assignment: "Assignment") -> float:
 
 
 def capped_weights(weights: Mapping[str, float], cap: float,
-                   seen: Optional[Mapping[str, float]] = None) -> dict[str, float]:
-    """Each weight at most ``cap`` times the median weight of ``seen`` (every agent's latest
-    weight so far; default: ``weights``). ``cap`` 0: as they are. Why the agents seen and not
-    the round's alone: a round of ten drawn from a fleet where three in ten lie has a liars'
-    majority about one round in twelve, and its median is then a lie."""
+                   over: Optional[Mapping[str, float]] = None) -> dict[str, float]:
+    """Each weight at most ``cap`` times the median of ``over`` (the fleet's claims; default:
+    ``weights``). ``cap`` 0: as they are. Why the fleet's and not the round's alone: a round of
+    ten drawn from a fleet where three in ten lie has a liars' majority about one round in
+    twelve, and its median is then a lie."""
     if cap <= 0 or not weights:
         return dict(weights)
-    bound = cap * statistics.median((seen or weights).values())
+    bound = cap * statistics.median((over or weights).values())
     return {a: min(w, bound) for a, w in weights.items()}
 
 
@@ -145,22 +144,18 @@ class Robust(RoundOption):
         """This round's screened agents: the label screen's margin at each one's cut."""
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
-        self.weights_seen: dict[str, float] = {}
-        """Each agent's latest weight in the average (what the weight cap's median is over)."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of :func:`change_scale`) clipping last measured it by."""
         self.past_peer_change: dict[tuple[Any, ...], dict[str, float]] = {}
         """The same, per assignment that peers shared (:func:`peer_key`)."""
 
-    def _fleet_weights(self, ctx: RoundContext, weights: Mapping[str, float]) -> Mapping[str, float]:
+    @staticmethod
+    def _cap_median_over(ctx: RoundContext, weights: Mapping[str, float]) -> Mapping[str, float]:
         """What the weight cap's median is over: every registered agent's claimed data size where
-        the round's weights are those claims (each one known from registration), else each
-        agent's latest weight seen (assigned batches, known only for agents selected)."""
+        the round's weights are those claims (each one known from registration), else the
+        round's weights (batches the coordinator assigned: nothing in them is a device's word)."""
         claims = {a: float(info.num_samples) for a, info in ctx.fleet.items()}
-        if all(claims.get(a) == w for a, w in weights.items()):
-            return claims
-        self.weights_seen.update(weights)
-        return self.weights_seen
+        return claims if all(claims.get(a) == w for a, w in weights.items()) else weights
 
     def _start_round(self, r: int) -> None:
         """Forget the last round's rows left out (and its anchors) at the first word of round ``r``."""
@@ -309,12 +304,12 @@ class Robust(RoundOption):
             if labelled:
                 self.last["label_mismatch"] = {a: round(x, 4) for a, (_, x) in labelled.items()}
             clients = {a: c for a, c in clients.items() if a not in steps}
-        bounded = capped_weights(weights, s.weight_cap, self._fleet_weights(ctx, weights))
+        bounded = capped_weights(weights, s.weight_cap, self._cap_median_over(ctx, weights))
         capped = sorted(a for a in weights if bounded[a] < weights[a])
         if capped:
             self.last["capped"] = {a: weights[a] for a in capped}
             implausible = {a for a in capped if weights[a] > IMPLAUSIBLE * bounded[a]}
-            ctx.log(f"robust: round {r}: weight capped at {s.weight_cap:g}x the fleet's median for "
+            ctx.log(f"robust: round {r}: weight capped at {s.weight_cap:g}x the median weight for "
                     f"{', '.join(capped)} (claimed {', '.join(f'{weights[a]:g}' for a in capped)})"
                     + (f"; over {IMPLAUSIBLE:g}x the cap, counted towards quarantine: "
                        f"{', '.join(sorted(implausible))}" if implausible else ""), warning=True)
