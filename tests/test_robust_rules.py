@@ -24,12 +24,12 @@ def test_the_weight_cap_bounds_a_claim_by_the_rounds_median_and_leaves_honest_we
     assert capped_weights(lying, 0) == lying                         # no cap
 
 
-def test_the_weight_caps_median_is_the_fleets_seen_so_far_so_a_rounds_majority_of_liars_is_still_capped():
-    seen = {"a": 600.0, "b": 300.0, "c": 900.0, "d": 2000.0, "e": 700.0, "f": 500.0, "g": 800.0}
+def test_the_weight_caps_median_can_be_the_fleets_claims_so_a_rounds_majority_of_liars_is_still_capped():
+    honest = {"a": 600.0, "b": 300.0, "c": 900.0, "d": 2000.0, "e": 700.0, "f": 500.0, "g": 800.0}
     liars = {"x": 1e6, "y": 1e6, "z": 1e6}
     this_round = {"a": 600.0, "b": 300.0, **liars}                   # three of five lie: the round's median is a lie
     assert capped_weights(this_round, 10) == this_round
-    fleet = {**seen, **liars}                                        # ten seen: median (800 + 900) / 2 = 850
+    fleet = {**honest, **liars}                                      # ten claims: median (800 + 900) / 2 = 850
     assert capped_weights(this_round, 10, fleet) == {"a": 600.0, "b": 300.0, "x": 8500.0, "y": 8500.0, "z": 8500.0}
 
 
