@@ -5,10 +5,10 @@ a few steps in flight, how much sooner do I reach my accuracy, and what does the
 cost?" Rows, on the same config and seeds, the default ``strategy: auto`` planning cut, codec
 and batch with each window priced by the time model (docs/methods/pipeline.md):
 ``window`` 1 (lock-step, the reference), 2, 4, 8 and ``auto`` (per device the smallest of 1, 2, 4
-within 5 % of the fastest), and ``window 2, first cut``: window 2 with the planner held to the
-first cut, which tells the staleness's cost apart from the cut's (a window makes a deeper cut's
-larger compute cheap next to its smaller activations, and on label-skewed data a deeper client
-portion learns less).
+within 5 % of the fastest), and ``window 2, first cut``: window 2 with ``auto.candidates: [1]``
+(a run with a bottleneck keeps the bottleneck's cut beside it), which tells the staleness's
+cost apart from the cut's (a window makes a deeper cut's larger compute cheap next to its
+smaller activations, and on label-skewed data a deeper client portion learns less).
 
 Fleets: the demo's (4 devices, digits, Dirichlet 0.5) and the 40 boards of the shipped
 profiles (Jetson Nano/TX2/Xavier NX, Raspberry Pi 4 on WiFi; MNIST, Dirichlet 0.3, 8 a round,
