@@ -13,10 +13,12 @@ from sfl_core.options.robust.option import Robust, change_scale, peer_key
 
 
 class Host:
-    """What :meth:`Robust.screen` uses of the round engine: a log and the quarantine."""
+    """What :meth:`Robust.screen` uses of the round engine: a log, the quarantine and the fleet
+    (nobody registered: the weight cap's median is the round's)."""
 
     def __init__(self):
         self.lines: list[str] = []
+        self.fleet: dict = {}
 
     def log(self, text, *, warning=False):
         self.lines.append(text)

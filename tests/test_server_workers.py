@@ -111,6 +111,7 @@ def _screening_rank(rank: int, world: int, init: str, out: str) -> None:
     class Host(OptionHost):
         def __init__(self, robust):
             self.options, self.lines = [robust], []
+            self.registry = SimpleNamespace(agents={})   # nobody registered: the weight cap's median is the round's
 
         def log(self, text, *, warning=False):
             self.lines.append(text)
