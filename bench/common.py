@@ -199,6 +199,12 @@ def write_result(out_dir: Path, name: str, payload: dict[str, Any], device: torc
 # --------------------------------------------------------------------------- tables
 
 
+def at_time(curve: list[dict[str, Any]], budget_s: float) -> float:
+    """The accuracy of the last model evaluated within ``budget_s`` seconds of ``curve``'s
+    ``elapsed_s`` (a row read at a reference run's time)."""
+    return [r for r in curve if r["elapsed_s"] <= budget_s + 1e-9][-1]["accuracy"]
+
+
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], caption: str | None = None) -> None:
     """Print a right-aligned rich table; floats are shown with 3 significant digits."""
     from rich.console import Console

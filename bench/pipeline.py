@@ -61,11 +61,6 @@ def run_row(base: dict[str, Any], extra: dict[str, Any], seed: int, work: Path, 
             "cuts": {c: cuts.count(c) for c in sorted(set(cuts))}}
 
 
-def at_time(curve: list[dict[str, Any]], budget_s: float) -> float:
-    """The accuracy of the last model evaluated within ``budget_s`` virtual seconds."""
-    return [r for r in curve if r["elapsed_s"] <= budget_s + 1e-9][-1]["accuracy"]
-
-
 def main() -> None:
     p = common.base_parser(__doc__)
     p.add_argument("--seeds", type=int, default=2)
@@ -95,7 +90,7 @@ def main() -> None:
         rounds = lockstep[0]["curve"][-1]["round"]
         target = 0.9 * statistics.mean(r["curve"][-1]["accuracy"] for r in lockstep)
         for row, runs in rows.items():
-            finals = [at_time(r["curve"], t) for r, t in zip(runs, budgets)]
+            finals = [common.at_time(r["curve"], t) for r, t in zip(runs, budgets)]
             times = [time_to(r["curve"], target) for r in runs]
             errors = [r["plan_error"] for r in runs if r["plan_error"] is not None]
             summary.setdefault(name, {})[row] = {

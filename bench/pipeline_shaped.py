@@ -332,11 +332,6 @@ def training_curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for i, r in enumerate(history)]
 
 
-def at_time(curve: list[dict[str, Any]], budget_s: float) -> float:
-    """The accuracy of the last model evaluated within ``budget_s`` seconds of rounds."""
-    return [r for r in curve if r["elapsed_s"] <= budget_s + 1e-9][-1]["accuracy"]
-
-
 def links_bound(tmp: Path, seed: int, args: Any, n: int) -> float:
     """How many times shorter the links alone let a round be with steps in flight: the time
     model's round with compute free (:data:`FREE_FLOPS`) at window 1 over window 8."""
@@ -428,7 +423,7 @@ def main() -> None:
     ref_t = ref_round = None
     ref_times: list[float | None] = []
     for row, rs in runs.items():
-        finals = [at_time(c, t) for c, t in zip(curves[row], budgets)]
+        finals = [common.at_time(c, t) for c, t in zip(curves[row], budgets)]
         times = [time_to(c, target) for c in curves[row]]
         errors = [(s["round_time_s"] - m["round_time_s"]) / m["round_time_s"]
                   for r in rs for m, s in zip(r["real"][1:], r["sim"][1:]) if m["round_time_s"] > 0]
