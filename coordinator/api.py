@@ -324,12 +324,15 @@ def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) ->
     """A server worker other than the leader: its own MQTT connection, its agents' rows."""
     from coordinator.mqtt_transport import MqttTransport
     from coordinator.server_workers import held_out_samples
+    from coordinator.validation import screened_samples
 
     held = held_out_samples(cfg, LABELLED_REFERENCE_ROWS)   # for the robust screens of its agents' rows
+    total = len(data.y_test) if cfg.eval_samples is None else min(cfg.eval_samples, len(data.y_test))
+    kept = screened_samples(total, held)   # the leader's samples, read in the leader's order
     transport = MqttTransport(broker, cfg.run_id, worker=shards.rank)
     try:
         transport.start()
-        engine = RoundEngine(cfg, transport, WallClock(), (data.x_test[:held], data.y_test[:held]),
+        engine = RoundEngine(cfg, transport, WallClock(), (data.x_test[kept], data.y_test[kept]),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=output_dir(cfg),
                              device=shards.device, preprocessing=data.preprocessing, shards=shards)
         engine.serve_shard()

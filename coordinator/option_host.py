@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, ca
 import torch
 
 from coordinator.session import RoundAgent
+from coordinator.validation import screen_draw
 from sfl_core.model.bottleneck import slice_state
 from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.option_registry import build_options
@@ -174,16 +175,20 @@ class OptionHost:
         return {k: v for k, v in state.items() if k in self.parameter_names}
 
     def reference_rows(self, split: int, width: int) -> Optional[torch.Tensor]:
-        return self._client_rows(split, width, slice(0, min(REFERENCE_ROWS, len(self.validation))))
+        return self._client_rows(split, width, self._screened()[:REFERENCE_ROWS])
 
     def labelled_reference(self, split: int, width: int,
                            select: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        n = min(LABELLED_REFERENCE_ROWS, len(self.validation))
-        index = slice(0, n) if select is None else select
+        """``select``: indices into the labels this returns without it (a device's mix of classes)."""
+        index = self._screened() if select is None else self._screened()[select]
         rows = self._client_rows(split, width, index)
         return None if rows is None else (rows.cpu(), self.validation.y[index].cpu())
 
-    def _client_rows(self, split: int, width: int, index: "slice | torch.Tensor") -> Optional[torch.Tensor]:
+    def _screened(self) -> torch.Tensor:
+        """The held-out samples the screens read (:func:`~coordinator.validation.screen_draw`)."""
+        return screen_draw(len(self.validation), LABELLED_REFERENCE_ROWS)
+
+    def _client_rows(self, split: int, width: int, index: torch.Tensor) -> Optional[torch.Tensor]:
         """The round's client portion at ``split`` (``width``) on the held-out inputs at ``index``,
         as a device runs it; None where there are none, or where no device runs it so (its
         BatchNorm layers are its own)."""

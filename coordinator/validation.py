@@ -18,12 +18,37 @@ import torch.nn.functional as F
 
 from sfl_core.data.preprocessing import Normalization
 
-__all__ = ["ValidationSet", "evaluation_batch"]
+__all__ = ["ValidationSet", "evaluation_batch", "screen_draw", "screened_samples"]
 
 T = TypeVar("T")
 
 CPU_EVAL_BYTES = 8 * 2**20
 """Largest block output of one evaluation batch on a CPU: past the caches, a bigger batch is slower."""
+
+
+SCREEN_SEED = 0
+"""Seed of :func:`screen_draw`: fixed, so every process holding the same set draws the same samples."""
+
+
+def screen_draw(total: int, n: int) -> torch.Tensor:
+    """Indices of the samples, of a held-out set of ``total``, that the robust screens read: a
+    fixed random draw of ``n`` of them (all where there are no more), in random order, so that
+    any prefix of it is a random draw too.
+
+    Why not the first ``n``: held-out sets come ordered. MNIST's test set begins with the digits
+    of its neater writers, and a folder of images is read class by class. A reference built from
+    a part of the data describes that part: honest devices' digits look unlike their class's
+    held-out ones, and a class outside the first ``n`` is not judged at all. The seed is fixed
+    (:data:`SCREEN_SEED`): the same set gives the same draw in every process."""
+    return torch.randperm(total, generator=torch.Generator().manual_seed(SCREEN_SEED))[:n]
+
+
+def screened_samples(total: int, n: int) -> torch.Tensor:
+    """What a process that keeps only the screens' samples keeps (a server worker:
+    ``x[screened_samples(total, n)]``), ordered so that its own :func:`screen_draw` over them
+    reads them in the order the process holding all ``total`` reads them."""
+    draw = screen_draw(total, n)
+    return draw[torch.argsort(screen_draw(len(draw), n))]
 
 
 def evaluation_batch(block_output_bytes: int, device: torch.device) -> int:

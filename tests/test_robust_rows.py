@@ -86,7 +86,7 @@ def test_the_coordinators_pass_runs_by_the_batch_only_where_a_layer_normalises_b
     from torch import nn
 
     from coordinator.option_host import LABELLED_REFERENCE_ROWS, PASS_ROWS, OptionHost
-    from coordinator.validation import ValidationSet
+    from coordinator.validation import ValidationSet, screen_draw
     from sfl_core.options.base import ServerTerms
 
     torch.manual_seed(0)
@@ -107,10 +107,51 @@ def test_the_coordinators_pass_runs_by_the_batch_only_where_a_layer_normalises_b
         frozen = body.eval()(images)
     body.train()
     rows, labels = Host(body, frozen=False).labelled_reference(1, 0)
-    assert len(images) < LABELLED_REFERENCE_ROWS and torch.equal(labels, torch.arange(len(images)) % 10)
-    assert torch.allclose(rows, as_one, atol=1e-5)        # the batch's own statistics: one batch
+    order = screen_draw(len(images), LABELLED_REFERENCE_ROWS)   # all of them, in the screens' order
+    assert len(images) < LABELLED_REFERENCE_ROWS and torch.equal(labels, order % 10)
+    assert torch.allclose(rows, as_one[order], atol=1e-5)        # the batch's own statistics: one batch
     assert not torch.allclose(by_chunk, as_one, atol=1e-3)   # chunks would have normalised otherwise
     host = Host(body, frozen=True)
-    assert torch.allclose(host.labelled_reference(1, 0)[0], frozen, atol=1e-5)   # running statistics: by chunks
+    assert torch.allclose(host.labelled_reference(1, 0)[0], frozen[order], atol=1e-5)   # running statistics: by chunks
     assert host.validation._channels_last is True and rows.is_contiguous()
-    assert torch.allclose(host.labelled_reference(1, 0, select=torch.tensor([7, 2]))[0], frozen[[7, 2]], atol=1e-5)
+    assert torch.allclose(host.labelled_reference(1, 0, select=torch.tensor([7, 2]))[0], frozen[order[[7, 2]]],
+                          atol=1e-5)
+
+
+def test_the_screens_read_a_fixed_random_draw_of_the_held_out_set_not_its_first_samples():
+    """A held-out set read class by class (a folder of images) or by source (MNIST's test set)
+    would give the screens a reference of a part of the data: every class must be judged, and a
+    server worker that keeps only the drawn samples must read the leader's, in its order."""
+    from torch import nn
+
+    from coordinator.option_host import LABELLED_REFERENCE_ROWS, REFERENCE_ROWS, OptionHost
+    from coordinator.validation import ValidationSet, screen_draw, screened_samples
+    from sfl_core.options.base import ServerTerms
+
+    n = 10 * LABELLED_REFERENCE_ROWS
+    images, labels = torch.arange(n, dtype=torch.float32)[:, None], torch.arange(n) * 10 // n   # sorted by class
+
+    class Host(OptionHost):
+        def __init__(self, x, y):
+            self.model, self.validation = body, ValidationSet(x, y)
+            self._terms = ServerTerms()
+
+    body = nn.Linear(1, 1, bias=False)   # each row is its sample's index
+    nn.init.ones_(body.weight)
+    body.client = lambda split: body
+    leader = Host(images, labels)
+    rows, held = leader.labelled_reference(1, 0)
+    assert len(rows) == LABELLED_REFERENCE_ROWS and len(set(rows.flatten().tolist())) == LABELLED_REFERENCE_ROWS
+    assert torch.equal(held, labels[rows.flatten().long()])
+    assert set(held.tolist()) == set(range(10))                       # the first 512 held class 0 alone
+    assert min(torch.bincount(held, minlength=10).tolist()) > 20      # about 51 a class
+    anchor = leader.reference_rows(1, 0)
+    assert torch.equal(anchor, rows[:REFERENCE_ROWS]) and len(set(labels[anchor.flatten().long()].tolist())) >= 5
+    assert torch.equal(leader.labelled_reference(1, 0)[0], rows)                   # the same draw every round
+    assert torch.equal(screen_draw(n, LABELLED_REFERENCE_ROWS), screen_draw(n, LABELLED_REFERENCE_ROWS))
+    assert torch.equal(leader.labelled_reference(1, 0, select=torch.tensor([7, 2]))[0], rows[[7, 2]])
+    kept = screened_samples(n, LABELLED_REFERENCE_ROWS)
+    worker = Host(images[kept], labels[kept])
+    assert torch.equal(worker.labelled_reference(1, 0)[0], rows) and torch.equal(worker.reference_rows(1, 0), anchor)
+    small = Host(images[:100], labels[:100])                          # fewer than the screens read: all, shuffled
+    assert sorted(small.labelled_reference(1, 0)[0].flatten().tolist()) == list(range(100))
