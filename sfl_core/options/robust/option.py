@@ -53,7 +53,7 @@ over :data:`IMPLAUSIBLE`)."""
 IMPLAUSIBLE = 10.0
 """A capped claim counts towards quarantine only where it is over this many times the cap (by
 default a hundred times the fleet's median): an honest device can hold over ten times the
-median's data (Dirichlet 0.1 splits over 20-100 devices held up to 9 times the fleet's median,
+median's data (Dirichlet 0.1 splits over 20-100 devices held up to 12 times the fleet's median,
 and up to about 60 times a round's; fleets of unequal shards hold more), and capping bounds
 what it weighs; quarantining it would lose its data."""
 
