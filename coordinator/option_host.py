@@ -185,8 +185,14 @@ class OptionHost:
         return None if rows is None else (rows.cpu(), self.validation.y[index].cpu())
 
     def _screened(self) -> torch.Tensor:
-        """The held-out samples the screens read (:func:`~coordinator.validation.screen_draw`)."""
-        return screen_draw(len(self.validation), LABELLED_REFERENCE_ROWS)
+        """The held-out samples the screens read (:func:`~coordinator.validation.screen_draw`),
+        drawn once (a permutation of a large set costs milliseconds, and the matched screen
+        reads it per device and round)."""
+        total = len(self.validation)
+        drawn = getattr(self, "_screen_drawn", None)
+        if drawn is None or drawn[0] != total:
+            drawn = self._screen_drawn = (total, screen_draw(total, LABELLED_REFERENCE_ROWS))
+        return drawn[1]
 
     def _client_rows(self, split: int, width: int, index: torch.Tensor) -> Optional[torch.Tensor]:
         """The round's client portion at ``split`` (``width``) on the held-out inputs at ``index``,
