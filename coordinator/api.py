@@ -327,7 +327,7 @@ def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) ->
     from coordinator.validation import screened_samples
 
     held = held_out_samples(cfg, LABELLED_REFERENCE_ROWS)   # for the robust screens of its agents' rows
-    total = len(data.y_test) if cfg.eval_samples is None else min(cfg.eval_samples, len(data.y_test))
+    total = len(data.y_test[:cfg.eval_samples])   # the leader's validation set (its first eval_samples)
     kept = screened_samples(total, held)   # the leader's samples, read in the leader's order
     transport = MqttTransport(broker, cfg.run_id, worker=shards.rank)
     try:

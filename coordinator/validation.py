@@ -106,7 +106,7 @@ class ValidationSet:
         finally:
             model.train()
 
-    def forward(self, module: torch.nn.Module, device: torch.device, index: torch.Tensor | slice,
+    def forward(self, module: torch.nn.Module, device: torch.device, index: torch.Tensor,
                 batch_size: int) -> torch.Tensor:
         """``module`` (a client portion, in the mode the caller set) on the inputs at ``index``,
         ``batch_size`` of them at a time, without gradients; channels-last on a CPU where it
