@@ -129,3 +129,51 @@ def test_far_rows_against_the_matched_reference_by_hand():
     c = count_far(torch.tensor([[2.0], [8.0]]), torch.tensor([0, 1]), ref, torch.zeros(5), 0.5)
     # bound: the median 1.25; the held-out rows beyond it, 2 of 5: 0.4 expected per row; class 1 has no reference
     assert (c.rows, c.mismatched) == (1, 0) and c.expected == pytest.approx(0.4)
+
+
+def test_a_device_is_judged_after_each_of_its_first_steps_until_it_has_sent_the_rows_the_screen_counts():
+    """One step's rows leave a poisoned share's estimate noisy: the screen keeps counting a
+    device's rows over its first steps (up to JUDGED_ROWS), judging after each, and leaves its
+    rows out from the step its count crosses the margin."""
+    from types import SimpleNamespace
+
+    from coordinator.option_host import OptionHost
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.model.zoo import build_model
+    from sfl_core.options.robust.labels import JUDGED_ROWS
+    from sfl_core.options.robust.option import Robust
+
+    classes, eye = 10, torch.eye(10) * 10.0
+    # held-out: per class 18 rows at its point and 2 at the next class's (a rate of 0.1 each)
+    held_y = torch.arange(classes).repeat_interleave(20)
+    held_x = torch.stack([eye[(k + (i >= 18)) % classes] for k in range(classes) for i in range(20)])
+
+    class Host(OptionHost):
+        def __init__(self):
+            self.model = build_model("small_cnn", (1, 8, 8), classes)   # no BatchNorm: margin 0.3
+            self.options, self.lines = [Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), self.model)], []
+
+        def log(self, text, *, warning=False):
+            self.lines.append(text)
+
+        def reference_rows(self, split, width):
+            return None
+
+        def labelled_reference(self, split, width, select=None):
+            return held_x, held_y
+
+    def step_rows(wrong: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.arange(32) % classes
+        x = torch.stack([eye[(k + 5 * (i < wrong)) % classes] for i, k in enumerate(y.tolist())])
+        return x, y
+
+    host, assignment = Host(), SimpleNamespace(split=1, width=0)
+    agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "sly", "late")}
+    steps = JUDGED_ROWS // 32 + 1
+    wrong = {"h0": [0] * steps, "h1": [0] * steps, "h2": [0] * steps,
+             "sly": [12, 14] + [32] * (steps - 2),      # 12/32 - 0.1 = 0.275 over; 26/64 - 0.1 = 0.306
+             "late": [0] * (steps - 1) + [32]}          # its rows past JUDGED_ROWS are not counted
+    out = [host.screen_rows(4, s, agents, {a: step_rows(w[s]) for a, w in wrong.items()}) for s in range(steps)]
+    assert out == [set()] + [{"sly"}] * (steps - 1)
+    assert host.options[0].labels == {"sly": (steps - 1, 0.3062)}
+    assert [line for line in host.lines if "sly left out of the server's steps from step 1" in line]

@@ -40,11 +40,19 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids", "count_far", "count_mismatches",
+__all__ = ["JUDGED_ROWS", "MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids", "count_far", "count_mismatches",
            "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
+
+JUDGED_ROWS = 96
+"""Rows of a device's round the screen counts: its first steps, judged again after each, so an
+attacker is caught on its first step where its rows are plain and later where chance hid them.
+One step's 32 rows leave a poisoned share's estimate about a tenth either way (a device that
+poisons half its rows then passes a margin of 0.3 now and then); three steps' leave about half
+that. Not more: the device's client portion moves from the round's (the one the
+held-out rows ran through) with each step it trains on its own mix of classes."""
 
 
 SIGNIFICANCE = 4.0
