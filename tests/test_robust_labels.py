@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sfl_core.options.robust.labels import LabelCount, class_centroids, count_mismatches, label_outliers
+from sfl_core.options.robust.labels import LabelCount, class_centroids, count_each, count_mismatches, label_outliers
 
 
 def _reference():
@@ -37,6 +37,17 @@ def test_a_devices_mismatches_and_the_number_expected_of_its_classes():
     flipped = count_mismatches(torch.tensor([[0.0], [10.0]]), torch.tensor([1, 0]), ref)
     assert (flipped.rows, flipped.mismatched) == (2, 2) and flipped.expected == pytest.approx(1 / 3)
     assert count_mismatches(torch.tensor([[50.0]]), torch.tensor([2]), ref) == LabelCount()
+
+
+def test_a_steps_devices_counted_together_are_each_counted_as_alone():
+    ref = _reference()
+    devices = [(torch.tensor([[1.0], [9.0], [10.0], [50.0], [3.0]]), torch.tensor([0, 0, 1, 2, 7])),
+               (torch.tensor([[50.0]]), torch.tensor([2])),                 # nothing judged
+               (torch.tensor([[0.0], [10.0]]), torch.tensor([1, 0]))]
+    together = count_each(devices, ref)   # as test_a_devices_mismatches_and_the_number_expected_of_its_classes
+    assert [(c.rows, c.mismatched) for c in together] == [(3, 1), (0, 0), (2, 2)]
+    assert [c.expected for c in together] == pytest.approx([2 / 3, 0.0, 1 / 3])
+    assert [c.variance for c in together] == pytest.approx([4 / 9, 0.0, 2 / 9]) and count_each([], ref) == []
 
 
 def test_the_nearest_centroid_by_one_matrix_product_is_the_nearest_by_distance():

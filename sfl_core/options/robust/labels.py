@@ -36,11 +36,11 @@ separate yet), since its expected share leaves no room for the margin.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["JUDGED_ROWS", "MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids", "count_far", "count_mismatches",
+__all__ = ["JUDGED_ROWS", "MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids", "count_each", "count_far", "count_mismatches",
            "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
@@ -90,10 +90,12 @@ class Reference:
         object.__setattr__(self, "_known", known.contiguous())
         object.__setattr__(self, "_squares", (known * known).sum(1))
 
-    def nearest(self, rows: torch.Tensor) -> torch.Tensor:
-        """The judged class whose centroid lies nearest each flattened row of ``rows`` (N,
-        features): the least ``|m|² - 2 x·m`` (``|x|²`` is the same for every class)."""
-        return self._judged[(self._squares - 2 * torch.nn.functional.linear(rows, self._known)).argmin(1)]
+    def nearest(self, *rows: torch.Tensor) -> torch.Tensor:
+        """The judged class whose centroid lies nearest each flattened row of ``rows`` (each (N,
+        features), in turn): the least ``|m|² - 2 x·m`` (``|x|²`` is the same for every class).
+        Several devices' rows are taken as they are, not copied into one tensor first."""
+        products = torch.cat([torch.nn.functional.linear(x, self._known) for x in rows])
+        return self._judged[(self._squares - 2 * products).argmin(1)]
 
 
 @dataclass
@@ -173,17 +175,26 @@ def count_mismatches(rows: torch.Tensor, labels: torch.Tensor, ref: Reference) -
     """A device's rows of one step against ``ref``: rows of a judged class, how many lie nearer
     another class's centroid than their label's, and how many were expected to (the sum of their
     classes' rates). Rows of a class the reference does not judge are not counted."""
-    labels = labels.long()
+    return count_each([(rows, labels)], ref)[0]
+
+
+def count_each(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], ref: Reference) -> list[LabelCount]:
+    """:func:`count_mismatches` for each of several devices' ``(rows, labels)`` at one cut, in one
+    matrix product over all their rows: a step's screen then costs a few operations, not a few
+    per device (small operations, not arithmetic, are what a hundred devices' screens cost)."""
+    if not batches:
+        return []
     classes = ref.rates.shape[0]
-    judged = (labels >= 0) & (labels < classes) & ~torch.isnan(ref.rates[labels.clamp(0, classes - 1)])
-    if not judged.any():
-        return LabelCount()
-    f, y = rows.detach().flatten(1).float(), labels
+    nearest = ref.nearest(*(x.detach().flatten(1).float() for x, _ in batches))
+    y = torch.cat([labels.long() for _, labels in batches])
+    owner = torch.repeat_interleave(torch.arange(len(batches)), torch.tensor([len(labels) for _, labels in batches]))
+    judged = (y >= 0) & (y < classes) & ~torch.isnan(ref.rates[y.clamp(0, classes - 1)])
     if not judged.all():
-        f, y = f[judged], y[judged]
-    nearest = ref.nearest(f)
-    p = ref.rates[y]
-    return LabelCount(int(y.numel()), int((nearest != y).sum()), float(p.sum()), float((p * (1 - p)).sum()))
+        nearest, y, owner = nearest[judged], y[judged], owner[judged]
+    p = ref.rates[y].double()
+    found = torch.stack([torch.ones_like(p), (nearest != y).double(), p, p * (1 - p)])
+    sums = torch.zeros(4, len(batches), dtype=torch.float64).index_add_(1, owner, found)
+    return [LabelCount(int(n), int(m), e, v) for n, m, e, v in sums.T.tolist()]
 
 
 def label_outliers(counts: Mapping[str, LabelCount], margin: float,

@@ -33,8 +33,8 @@ import torch
 from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
-from sfl_core.options.robust.labels import (JUDGED_ROWS, LabelCount, Reference, class_centroids, count_far,
-                                           count_mismatches, label_outliers, matched_selection)
+from sfl_core.options.robust.labels import (JUDGED_ROWS, LabelCount, Reference, class_centroids, count_each,
+                                           count_far, label_outliers, matched_selection)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
                                            sizes_of, trimmed_mean, typical_of)
@@ -187,6 +187,7 @@ class Robust(RoundOption):
         (its client portion is still near the round's, the one the held-out rows ran through) and
         judged after each step; an agent whose labels disagree with its inputs has its rows left
         out for the rest of the round."""
+        at_cut: dict[tuple[int, int], tuple[Reference, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
         for a, x in rows.items():
             if a in self.labels or a not in labels or self._label_counts.get(a, LabelCount()).rows >= JUDGED_ROWS:
                 continue
@@ -206,10 +207,13 @@ class Robust(RoundOption):
             if held[1] is None:   # held-out samples of the device's mix, normalised as one batch like its own
                 select = matched_selection(y, held[0], ctx.model.num_classes)
                 ref = ctx.labelled_reference(*cut, select=select) if len(select) else None
-                found = count_far(x.cpu(), y, *ref) if ref is not None else LabelCount()
+                self._label_counts.setdefault(a, LabelCount()).add(
+                    count_far(x.cpu(), y, *ref) if ref is not None else LabelCount())
             else:
-                found = count_mismatches(x.cpu(), y, held[1])
-            self._label_counts.setdefault(a, LabelCount()).add(found)
+                at_cut.setdefault(cut, (held[1], []))[1].append((a, x.cpu(), y))
+        for reference, judged_here in at_cut.values():   # the devices of a cut counted together
+            for (a, _, _), found in zip(judged_here, count_each([(x, y) for _, x, y in judged_here], reference)):
+                self._label_counts.setdefault(a, LabelCount()).add(found)
         for margin in sorted(set(self._label_margins.values())):   # the agents of each margin judged together
             judged = {a: c for a, c in self._label_counts.items()
                       if a not in self.labels and self._label_margins.get(a) == margin}
