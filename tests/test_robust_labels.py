@@ -188,3 +188,47 @@ def test_a_device_is_judged_after_each_of_its_first_steps_until_it_has_sent_the_
     assert out == [set()] + [{"sly"}] * (steps - 1)
     assert host.options[0].labels == {"sly": (steps - 1, 0.3062)}
     assert [line for line in host.lines if "sly left out of the server's steps from step 1" in line]
+
+
+def test_against_a_matched_reference_only_a_devices_first_step_is_counted():
+    """Where the devices' layers hold BatchNorm the test is a distance bound measured through the
+    round's client portion; an honest device's rows, from its own portion a few steps on, lie
+    beyond it. Only its first step's rows are counted there."""
+    from types import SimpleNamespace
+
+    from coordinator.option_host import OptionHost
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.model.norm_layers import batch_norm_layers
+    from sfl_core.model.zoo import build_model
+    from sfl_core.options.robust.option import Robust
+
+    classes, eye = 10, torch.eye(10) * 10.0
+    gen = torch.Generator().manual_seed(0)
+    held_y = torch.arange(classes).repeat_interleave(20)
+    held_x = eye[held_y] + 0.5 * torch.randn(len(held_y), classes, generator=gen)
+
+    class Host(OptionHost):
+        def __init__(self):
+            self.model = build_model("vgg_mini", (3, 16, 16), classes)
+            assert batch_norm_layers(self.model.client(1))
+            self.options, self.lines = [Robust(run_config_from_dict({"model": "vgg_mini", "min_agents": 2}),
+                                               self.model)], []
+
+        def log(self, text, *, warning=False):
+            self.lines.append(text)
+
+        def reference_rows(self, split, width):
+            return None
+
+        def labelled_reference(self, split, width, select=None):
+            return (held_x, held_y) if select is None else (held_x[select], held_y[select])
+
+    def step_rows(drift: float) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.arange(32) % classes
+        return eye[y] + drift * eye[(y + 1) % classes] / 10.0, y   # drift: its own portion moved off
+
+    host, assignment = Host(), SimpleNamespace(split=1, width=0)
+    agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "moved")}
+    out = [host.screen_rows(4, s, agents, {a: step_rows(5.0 * s if a == "moved" else 0.0) for a in agents})
+           for s in range(3)]
+    assert out == [set()] * 3 and host.options[0].labels == {}

@@ -52,7 +52,9 @@ attacker is caught on its first step where its rows are plain and later where ch
 One step's 32 rows leave a poisoned share's estimate about a tenth either way (a device that
 poisons half its rows then passes a margin of 0.3 now and then); three steps' leave about half
 that. Not more: the device's client portion moves from the round's (the one the
-held-out rows ran through) with each step it trains on its own mix of classes."""
+held-out rows ran through) with each step it trains on its own mix of classes. Against a matched
+reference (:func:`count_far`) a device's first step alone: a distance bound does not survive
+that move, where the nearest of the classes' centroids does."""
 
 
 SIGNIFICANCE = 4.0
