@@ -99,7 +99,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     try:
         with never_selected(attackers if job["rule"] == "absent" else []):
             history, engine = run_simulation(cfg, device="cpu", attacks={a: attack for a in attackers} if attack else None)
-    except RoundFailed as exc:
+    except (RoundFailed, TimeoutError) as exc:   # a round fails, or every agent is quarantined
         print(f"{job['rule']:>12} {job['attack']:>24} {share:.0%} seed {job['seed']}: failed", flush=True)
         return {**job, "failed": str(exc).splitlines()[0], "accuracy": None}
     wall = time.time() - t0
