@@ -40,8 +40,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["JUDGED_ROWS", "MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids", "count_each", "count_far", "count_mismatches",
-           "label_outliers", "matched_selection"]
+__all__ = ["JUDGED_ROWS", "MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids",
+           "count_each", "count_far", "count_mismatches", "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
@@ -51,10 +51,10 @@ JUDGED_ROWS = 96
 attacker is caught on its first step where its rows are plain and later where chance hid them.
 One step's 32 rows leave a poisoned share's estimate about a tenth either way (a device that
 poisons half its rows then passes a margin of 0.3 now and then); three steps' leave about half
-that. Not more: the device's client portion moves from the round's (the one the
-held-out rows ran through) with each step it trains on its own mix of classes. Against a matched
-reference (:func:`count_far`) a device's first step alone: a distance bound does not survive
-that move, where the nearest of the classes' centroids does."""
+that. Not more: with each step it trains on its own mix of classes, the device's client portion
+moves away from the round's, the one the held-out rows ran through. Against a matched reference
+(:func:`count_far`) its first step alone: a distance bound does not survive that move, where
+the nearest of the classes' centroids does."""
 
 
 SIGNIFICANCE = 4.0
@@ -181,9 +181,9 @@ def count_mismatches(rows: torch.Tensor, labels: torch.Tensor, ref: Reference) -
 
 
 def count_each(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], ref: Reference) -> list[LabelCount]:
-    """:func:`count_mismatches` for each of several devices' ``(rows, labels)`` at one cut, in one
-    matrix product over all their rows: a step's screen then costs a few operations, not a few
-    per device (small operations, not arithmetic, are what a hundred devices' screens cost)."""
+    """:func:`count_mismatches` for each of several devices' ``(rows, labels)`` at one cut, counted
+    together: one product per device and one sum for all, where small operations per device, not
+    arithmetic, were most of what a hundred devices' screens cost."""
     if not batches:
         return []
     classes = ref.rates.shape[0]
