@@ -79,8 +79,7 @@ class RobustConfig(OptionSection):
                               "at one cut stay within 2x of each other whatever their labels; activations scaled "
                               "x10 or noised to that size are caught. Cuts fewer than 3 devices share are not "
                               "screened."),
-        ("label_margin", "the label screen: each device's first rows of a round (up to 96, judged after each step) are "
-                         "compared with the coordinator's "
+        ("label_margin", "the label screen: each device's first rows of a round are compared with the coordinator's "
                          "labelled held-out data run through the round's client portion; a device whose share of rows "
                          "nearer another class's held-out centroid than their label's is more than this margin over "
                          "the share expected of those classes (measured on the held-out rows) has its rows left out "

@@ -40,22 +40,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["JUDGED_ROWS", "MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids",
+__all__ = ["MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids",
            "count_each", "count_far", "count_mismatches", "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
-
-JUDGED_ROWS = 96
-"""Rows of a device's round the screen counts: its first steps, judged again after each, so an
-attacker is caught on its first step where its rows are plain and later where chance hid them.
-One step's 32 rows leave a poisoned share's estimate about a tenth either way (a device that
-poisons half its rows then passes a margin of 0.3 now and then); three steps' leave about half
-that. Not more: with each step it trains on its own mix of classes, the device's client portion
-moves away from the round's, the one the held-out rows ran through. Against a matched reference
-(:func:`count_far`) its first step alone: a distance bound does not survive that move, where
-the nearest of the classes' centroids does."""
-
 
 SIGNIFICANCE = 4.0
 """Standard deviations of chance (binomial, at the expected rates) a device's mismatches must

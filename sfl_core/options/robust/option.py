@@ -33,7 +33,7 @@ import torch
 from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
-from sfl_core.options.robust.labels import (JUDGED_ROWS, MIN_ROWS, LabelCount, Reference, class_centroids, count_each,
+from sfl_core.options.robust.labels import (MIN_ROWS, LabelCount, Reference, class_centroids, count_each,
                                            count_far, label_outliers, matched_selection)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
@@ -182,21 +182,17 @@ class Robust(RoundOption):
 
     def _screen_labels(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                        assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
-        """The label screen (:mod:`sfl_core.options.robust.labels`): each agent's rows are counted
-        from the round's first steps until it has sent :data:`~sfl_core.options.robust.labels.JUDGED_ROWS`
-        (its client portion is still near the round's, the one the held-out rows ran through) and
-        judged after each step; an agent whose labels disagree with its inputs has its rows left
-        out for the rest of the round. Against a matched reference (BatchNorm) only its first
-        :data:`~sfl_core.options.robust.labels.MIN_ROWS` or more: that test's bound is a distance
-        measured through the round's client portion, and an honest device's own portion, a
-        few steps on, already lies beyond it."""
+        """The label screen (:mod:`sfl_core.options.robust.labels`): each agent's rows are judged
+        from the round's first steps until it has sent :data:`~sfl_core.options.robust.labels.MIN_ROWS`
+        (its client portion is still the round's, the one the held-out rows ran through); an agent
+        whose labels disagree with its inputs has its rows left out for the rest of the round."""
         at_cut: dict[tuple[int, int], tuple[Reference, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
         for a, x in rows.items():
-            if a in self.labels or a not in labels:
+            if a in self.labels or a not in labels or self._label_counts.get(a, LabelCount()).rows >= MIN_ROWS:
                 continue
             cut = (assignments[a].split, assignments[a].width)
             margin, matched = self._label_screen_at(ctx, cut[0])
-            if not margin or self._label_counts.get(a, LabelCount()).rows >= (MIN_ROWS if matched else JUDGED_ROWS):
+            if not margin:
                 continue
             self._label_margins[a] = margin
             if cut not in self._label_refs:
