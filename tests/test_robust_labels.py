@@ -140,4 +140,3 @@ def test_far_rows_against_the_matched_reference_by_hand():
     c = count_far(torch.tensor([[2.0], [8.0]]), torch.tensor([0, 1]), ref, torch.zeros(5), 0.5)
     # bound: the median 1.25; the held-out rows beyond it, 2 of 5: 0.4 expected per row; class 1 has no reference
     assert (c.rows, c.mismatched) == (1, 0) and c.expected == pytest.approx(0.4)
-
