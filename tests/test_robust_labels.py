@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sfl_core.options.robust.labels import LabelCount, class_centroids, count_each, count_mismatches, label_outliers
+from sfl_core.options.robust.labels import LabelCount, class_centroids, count_each, label_outliers
 
 
 def _reference():
@@ -30,13 +30,13 @@ def test_a_devices_mismatches_and_the_number_expected_of_its_classes():
     ref = _reference()
     # 1 -> class 0 (2 away against 9), 9 -> class 1 (1 away against 6): a mismatch, 10 -> class 1;
     # a row of class 2 or out of range is not counted
-    c = count_mismatches(torch.tensor([[1.0], [9.0], [10.0], [50.0], [3.0]]), torch.tensor([0, 0, 1, 2, 7]), ref)
+    c, = count_each([(torch.tensor([[1.0], [9.0], [10.0], [50.0], [3.0]]), torch.tensor([0, 0, 1, 2, 7]))], ref)
     assert (c.rows, c.mismatched) == (3, 1) and c.expected == pytest.approx(2 / 3)
     assert c.excess == pytest.approx((1 - 2 / 3) / 3)
     assert c.variance == pytest.approx(2 * (1 / 3) * (2 / 3))   # two rows of class 0 at rate 1/3, one at 0
-    flipped = count_mismatches(torch.tensor([[0.0], [10.0]]), torch.tensor([1, 0]), ref)
+    flipped, = count_each([(torch.tensor([[0.0], [10.0]]), torch.tensor([1, 0]))], ref)
     assert (flipped.rows, flipped.mismatched) == (2, 2) and flipped.expected == pytest.approx(1 / 3)
-    assert count_mismatches(torch.tensor([[50.0]]), torch.tensor([2]), ref) == LabelCount()
+    assert count_each([(torch.tensor([[50.0]]), torch.tensor([2]))], ref) == [LabelCount()]
 
 
 def test_a_steps_devices_counted_together_are_each_counted_as_alone():

@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 import torch
 
 __all__ = ["MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids",
-           "count_each", "count_far", "count_mismatches", "label_outliers", "matched_selection"]
+           "count_each", "count_far", "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
@@ -162,17 +162,13 @@ def _distances(f: torch.Tensor, centroids: torch.Tensor, known: torch.Tensor) ->
     return d
 
 
-def count_mismatches(rows: torch.Tensor, labels: torch.Tensor, ref: Reference) -> LabelCount:
-    """A device's rows of one step against ``ref``: rows of a judged class, how many lie nearer
-    another class's centroid than their label's, and how many were expected to (the sum of their
-    classes' rates). Rows of a class the reference does not judge are not counted."""
-    return count_each([(rows, labels)], ref)[0]
-
-
 def count_each(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], ref: Reference) -> list[LabelCount]:
-    """:func:`count_mismatches` for each of several devices' ``(rows, labels)`` at one cut, counted
-    together: one product per device and one sum for all, where small operations per device, not
-    arithmetic, were most of what a hundred devices' screens cost."""
+    """Each device's rows of one step against ``ref``, for several devices' ``(rows, labels)`` at
+    one cut: rows of a judged class, how many lie nearer another class's centroid than their
+    label's, and how many were expected to (the sum of their classes' rates); rows of a class the
+    reference does not judge are not counted. Counted together, one product per device and one
+    sum for all: small operations per device, not arithmetic, were most of what a hundred
+    devices' screens cost."""
     if not batches:
         return []
     classes = ref.rates.shape[0]
