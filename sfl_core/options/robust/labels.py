@@ -40,11 +40,20 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["MIN_ROWS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids",
-           "count_each", "count_far", "label_outliers", "matched_selection"]
+__all__ = ["MIN_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids",
+           "count_each", "count_far", "label_outliers", "matched_selection", "pooled"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
+
+POOLED_ROUNDS = 3
+"""A device is judged on its first rows of this round alone, and also on those of its last this
+many rounds (this one included) pooled (:func:`pooled`): flagged where either is over. Why pool
+first steps and not count a round's later steps: only a device's first rows ran through the
+portion the held-out rows ran through; a few local steps later its own portion has moved, and an
+honest device's rows drift off the reference as a liar's do. Each round's rows are compared with
+that round's reference, so rounds pool without drift, and over three rounds chance spreads an
+honest share a third as far from the expected one (a liar's excess stays what it is)."""
 
 SIGNIFICANCE = 4.0
 """Standard deviations of chance (binomial, at the expected rates) a device's mismatches must
@@ -119,6 +128,14 @@ class LabelCount:
     def excess(self) -> float:
         """The share of mismatched rows over the expected share (0 with no rows)."""
         return (self.mismatched - self.expected) / self.rows if self.rows else 0.0
+
+
+def pooled(counts: Sequence[LabelCount]) -> LabelCount:
+    """The sum of a device's counts of several rounds (each against its own round's reference)."""
+    out = LabelCount()
+    for c in counts:
+        out.add(c)
+    return out
 
 
 def class_centroids(rows: torch.Tensor, labels: torch.Tensor, classes: int) -> Reference:

@@ -33,8 +33,8 @@ import torch
 from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
-from sfl_core.options.robust.labels import (MIN_ROWS, LabelCount, Reference, class_centroids, count_each,
-                                           count_far, label_outliers, matched_selection)
+from sfl_core.options.robust.labels import (MIN_ROWS, POOLED_ROUNDS, LabelCount, Reference, class_centroids,
+                                           count_each, count_far, label_outliers, matched_selection, pooled)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
                                            sizes_of, trimmed_mean, typical_of)
@@ -142,6 +142,9 @@ class Robust(RoundOption):
         self._label_counts: dict[str, LabelCount] = {}
         self._label_margins: dict[str, float] = {}
         """This round's screened agents: the label screen's margin at each one's cut."""
+        self._label_past: dict[str, list[LabelCount]] = {}
+        """Per agent, its judged counts of its last rounds before this one (at most
+        :data:`~sfl_core.options.robust.labels.POOLED_ROUNDS` - 1), pooled with this round's."""
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
         self.past_change: dict[str, float] = {}
@@ -160,6 +163,9 @@ class Robust(RoundOption):
     def _start_round(self, r: int) -> None:
         """Forget the last round's rows left out (and its anchors) at the first word of round ``r``."""
         if r != self._rows_round:
+            for a, c in self._label_counts.items():
+                if c.rows >= MIN_ROWS:
+                    self._label_past[a] = [*self._label_past.get(a, ()), c][1 - POOLED_ROUNDS:]
             self.rows, self._rows_round, self._anchors = {}, r, {}
             self.labels, self._label_counts, self._label_refs, self._label_margins = {}, {}, {}, {}
 
@@ -216,11 +222,15 @@ class Robust(RoundOption):
         for margin in sorted(set(self._label_margins.values())):   # the agents of each margin judged together
             judged = {a: c for a, c in self._label_counts.items()
                       if a not in self.labels and self._label_margins.get(a) == margin}
-            for a, excess in label_outliers(judged, margin).items():
-                c = self._label_counts[a]
+            over_rounds = {a: pooled([*self._label_past[a], c]) for a, c in judged.items()
+                           if c.rows >= MIN_ROWS and self._label_past.get(a)}
+            flagged = {a: (over, judged[a], "") for a, over in label_outliers(judged, margin).items()}
+            for a, over in label_outliers(over_rounds, margin).items():   # flagged on its rounds together only
+                flagged.setdefault(a, (over, over_rounds[a], f" over its last {len(self._label_past[a]) + 1} rounds"))
+            for a, (excess, c, when) in sorted(flagged.items()):
                 ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its "
-                        f"labels disagree with its inputs ({c.mismatched} of {c.rows} rows unlike the held-out rows "
-                        f"of their label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit "
+                        f"labels disagree with its inputs{when} ({c.mismatched} of {c.rows} rows unlike the held-out "
+                        f"rows of their label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit "
                         f"{margin:g}; {c.significance:.1f} standard deviations of chance); its update is left out "
                         f"of the round's average", warning=True)
                 self.labels[a] = (0, excess)
