@@ -31,9 +31,10 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 - ``step p50/p90/p99 ms``: per agent and step, activations sent -> gradients received. In merged
   training the server waits for every agent's activations, so this is the lock-step latency a
   device sees, not the server's time for its rows.
-- ``coord CPU %`` (100 = one core), ``CPU ms/agent-step``, ``page faults/agent-step`` (minor: memory
-  the process gave back to the kernel and touched again), ``coord RSS MB`` (peak), ``broker CPU %``,
-  ``gen CPU %`` (all generator processes), from /proc, sampled every 0.2 s.
+- ``coord CPU %`` (100 = one core; all server workers; ``leader_cpu_pct`` in the JSON: rank 0
+  alone), ``CPU ms/agent-step``, ``page faults/agent-step`` (minor: memory the process gave back
+  to the kernel and touched again), ``coord RSS MB`` (peak), ``broker CPU %``, ``gen CPU %`` (all
+  generator processes), from /proc, sampled every 0.2 s.
 - ``server step %``: the share of the coordinator's round time spent in the server portion's
   forward/backward (``server_s`` in the run's metrics); the rest is receiving, decoding,
   validating, encoding and publishing.
@@ -379,6 +380,7 @@ class Sampler(threading.Thread):
                     total += self.last.get(pid, 0.0)
                     rss += rss_mb(pid) or 0.0
                 if role == "coord":
+                    row["leader"] = self.last.get(pids[0], 0.0)   # rank 0 alone: where several ranks share the load, its limit
                     self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), rss)
                     self.faults.append((time.monotonic(), sum(minor_faults(p) or 0 for p in pids)))
                 row[role] = total
@@ -513,7 +515,7 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "steps_per_s": steps / window, "agent_steps_per_s": steps * agents / window,
         "act_mb_per_s": act_bytes / 1e6 / window, "act_kb_per_message": act_bytes / 1e3 / (steps * agents),
         "step_ms_p50": 1e3 * q[49], "step_ms_p90": 1e3 * q[89], "step_ms_p99": 1e3 * q[98],
-        "coord_cpu_pct": coord_cpu, "coord_cpu_ms_per_agent_step": 10 * coord_cpu * window / (steps * agents),
+        "coord_cpu_pct": coord_cpu, "leader_cpu_pct": cpu.get("leader"), "coord_cpu_ms_per_agent_step": 10 * coord_cpu * window / (steps * agents),
         "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
         "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,
@@ -839,7 +841,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 res = run_level(broker.url, broker.pid, args, payloads[level], n, registered)
                 res["zstd_level"] = level
                 results.append(res)
-                print(f"  {res['steps_per_s']:.2f} steps/s, coordinator CPU {res['coord_cpu_pct']:.0f} %", flush=True)
+                print(f"  {res['steps_per_s']:.2f} steps/s, coordinator CPU {res['coord_cpu_pct']:.0f} % "
+                      f"(rank 0: {res['leader_cpu_pct']:.0f} %)", flush=True)
         version = broker.version()
         print("the coordinator's cost of one heartbeat ...", flush=True)
         beat_us = heartbeat_cost(broker.url, 400 if args.quick else 4000)
