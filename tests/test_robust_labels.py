@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sfl_core.options.robust.labels import LabelCount, class_centroids, count_each, label_outliers
+from sfl_core.options.robust.labels import LabelCount, Verdict, class_centroids, count_each, judge, label_outliers
 
 
 def _reference():
@@ -84,6 +84,26 @@ def test_a_share_over_the_margin_that_chance_explains_is_not_flagged():
     assert label_outliers({"chance": chance, "backdoor": backdoor, **honest}, 0.2) == {"backdoor": 0.39}
     assert label_outliers({"chance": chance, "backdoor": backdoor, **honest}, 0.2, significance=3.0) == \
         {"backdoor": 0.39, "chance": 0.265}
+
+
+def test_a_device_is_judged_on_this_rounds_rows_and_on_them_pooled_with_its_last_rounds():
+    # a backdoor whose 32 rows of a round lie 0.25-0.45 over: alone it passes in its unlucky round
+    unlucky = LabelCount(32, 12, 4.0, 3.5)     # (12 - 4) / 32 = 0.25 over: under the margin
+    past = {"backdoor": [LabelCount(32, 18, 4.0, 3.5), LabelCount(32, 16, 4.0, 3.5)],
+            "honest": [LabelCount(32, 6, 4.0, 3.5), LabelCount(32, 3, 4.0, 3.5)],
+            "flipper": [LabelCount(32, 4, 4.0, 3.5)]}
+    now = {"backdoor": unlucky, "honest": LabelCount(32, 5, 4.0, 3.5),
+           "flipper": LabelCount(32, 30, 4.0, 3.5),           # over alone: judged on this round
+           "new": LabelCount(32, 5, 4.0, 3.5),                # no past: this round alone
+           "few": LabelCount(8, 8, 0.0, 0.0)}                 # too few rows yet, whatever its past
+    past["few"] = [LabelCount(32, 32, 4.0, 3.5)] * 2
+    # pooled: (18 + 16 + 12 - 12) / 96 = 0.354 over, 34 / sqrt(10.5) = 10.5 deviations
+    assert judge(now, past, 0.3) == {
+        "backdoor": Verdict(0.3542, LabelCount(96, 46, 12.0, 10.5), 3),
+        "flipper": Verdict(0.8125, now["flipper"], 1)}
+    assert judge(now, {}, 0.3) == {"flipper": Verdict(0.8125, now["flipper"], 1)}   # as before pooling
+    # the guard holds for the pooled judgement too: never most of the devices judged
+    assert judge({"a": unlucky, "b": unlucky}, {"a": past["backdoor"], "b": past["backdoor"]}, 0.3) == {}
 
 
 def test_outliers_are_the_devices_over_the_margin_never_most_of_them():

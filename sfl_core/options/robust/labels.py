@@ -40,15 +40,15 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["MIN_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "class_centroids",
-           "count_each", "count_far", "label_outliers", "matched_selection", "pooled"]
+__all__ = ["MIN_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "Verdict",
+           "class_centroids", "count_each", "count_far", "judge", "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
 
 POOLED_ROUNDS = 3
 """A device is judged on its first rows of this round alone, and also on those of its last this
-many rounds (this one included) pooled (:func:`pooled`): flagged where either is over. Why pool
+many rounds (this one included) pooled (:func:`judge`): flagged where either is over. Why pool
 first steps and not count a round's later steps: only a device's first rows ran through the
 portion the held-out rows ran through; a few local steps later its own portion has moved, and an
 honest device's rows drift off the reference as a liar's do. Each round's rows are compared with
@@ -130,14 +130,6 @@ class LabelCount:
         return (self.mismatched - self.expected) / self.rows if self.rows else 0.0
 
 
-def pooled(counts: Sequence[LabelCount]) -> LabelCount:
-    """The sum of a device's counts of several rounds (each against its own round's reference)."""
-    out = LabelCount()
-    for c in counts:
-        out.add(c)
-    return out
-
-
 def class_centroids(rows: torch.Tensor, labels: torch.Tensor, classes: int) -> Reference:
     """Centroids and leave-one-out mismatch rates of the held-out ``rows`` (N, ...) with ``labels``.
 
@@ -216,6 +208,38 @@ def label_outliers(counts: Mapping[str, LabelCount], margin: float,
     out = {a: round(c.excess, 4) for a, c in sorted(judged.items())
            if c.excess > margin and c.significance > significance}
     return out if 2 * len(out) <= len(judged) else {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a device is flagged: its share of mismatches over the expected share, the count that
+    share is of, and how many rounds that count pools (1: this round's rows alone)."""
+
+    excess: float
+    count: LabelCount
+    rounds: int
+
+
+def judge(now: Mapping[str, LabelCount], past: Mapping[str, Sequence[LabelCount]], margin: float,
+          significance: float = SIGNIFICANCE) -> dict[str, Verdict]:
+    """The devices flagged on this round's rows (``now``) alone or on them pooled with their
+    counts of earlier rounds (``past``, each against its own round's reference; at most
+    :data:`POOLED_ROUNDS` - 1 kept), each by :func:`label_outliers`. A device whose rows of this
+    round are too few to judge is not judged on its past alone: its rows are judged when they
+    arrive, as they would be without it."""
+    flagged = {a: Verdict(x, now[a], 1) for a, x in label_outliers(now, margin, significance).items()}
+    together: dict[str, LabelCount] = {}
+    for a, c in now.items():
+        if c.rows >= MIN_ROWS and past.get(a):
+            together[a] = LabelCount()
+            for earlier in (*past[a], c):
+                together[a].add(earlier)
+    # judged among all the devices, those without a past on this round's rows (the guard against
+    # flagging most of them counts every device judged)
+    for a, x in label_outliers({**now, **together}, margin, significance).items():
+        if a in together:
+            flagged.setdefault(a, Verdict(x, together[a], len(past[a]) + 1))
+    return dict(sorted(flagged.items()))
 
 
 def matched_selection(claimed: torch.Tensor, held: torch.Tensor, classes: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
 from sfl_core.options.robust.labels import (MIN_ROWS, POOLED_ROUNDS, LabelCount, Reference, class_centroids,
-                                           count_each, count_far, label_outliers, matched_selection, pooled)
+                                           count_each, count_far, judge, matched_selection)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
                                            sizes_of, trimmed_mean, typical_of)
@@ -222,12 +222,9 @@ class Robust(RoundOption):
         for margin in sorted(set(self._label_margins.values())):   # the agents of each margin judged together
             judged = {a: c for a, c in self._label_counts.items()
                       if a not in self.labels and self._label_margins.get(a) == margin}
-            over_rounds = {a: pooled([*self._label_past[a], c]) for a, c in judged.items()
-                           if c.rows >= MIN_ROWS and self._label_past.get(a)}
-            flagged = {a: (over, judged[a], "") for a, over in label_outliers(judged, margin).items()}
-            for a, over in label_outliers(over_rounds, margin).items():   # flagged on its rounds together only
-                flagged.setdefault(a, (over, over_rounds[a], f" over its last {len(self._label_past[a]) + 1} rounds"))
-            for a, (excess, c, when) in sorted(flagged.items()):
+            for a, verdict in judge(judged, self._label_past, margin).items():
+                c, excess = verdict.count, verdict.excess
+                when = f" over its last {verdict.rounds} rounds" if verdict.rounds > 1 else ""
                 ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its "
                         f"labels disagree with its inputs{when} ({c.mismatched} of {c.rows} rows unlike the held-out "
                         f"rows of their label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit "
@@ -407,6 +404,8 @@ class Robust(RoundOption):
                                   f"(round {r}: {what})")
                 self.last.setdefault("quarantined", []).append(a)
                 self.streak[a] = 0
+                self._label_past.pop(a, None)   # readmitted, it starts afresh
+                self._label_counts.pop(a, None)
 
     def aggregate(self, ctx: RoundContext, states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
                   defaults: Mapping[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
