@@ -15,7 +15,8 @@ out of its class's centroid (:func:`class_centroids`): a device's *expected* mis
 sum of its rows' classes' rates. Honest devices mismatch about as expected whatever their mix of
 labels (label skew changes which classes a device holds, not what they look like); a flipper
 mismatches nearly every row, a backdoor its triggered share. A device whose share of mismatches
-is more than ``margin`` over its expected share is flagged (:func:`label_outliers`).
+is more than ``margin`` over its expected share is flagged (:func:`label_outliers`), on its first
+rows of this round or on those of its last rounds pooled (:func:`judge`).
 
 Where the device's layers hold BatchNorm, a batch is normalised by its own statistics: a batch
 of one or two classes comes out shifted against a mixed held-out batch, and honest devices
