@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["MIN_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "LabelCount", "Reference", "Verdict",
+__all__ = ["MIN_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "SUSPICION", "LabelCount", "Reference", "Verdict",
            "class_centroids", "count_each", "count_far", "judge", "label_outliers", "matched_selection"]
 
 MIN_ROWS = 16
@@ -55,6 +55,14 @@ portion the held-out rows ran through; a few local steps later its own portion h
 honest device's rows drift off the reference as a liar's do. Each round's rows are compared with
 that round's reference, so rounds pool without drift, and over three rounds chance spreads an
 honest share a third as far from the expected one (a liar's excess stays what it is)."""
+
+SUSPICION = 0.5
+"""A device's past rounds are pooled with this round's rows only where those rows lie more than
+this share of the margin over their expected share (:func:`judge`): pooling adds evidence to a
+suspicion and does not carry an old verdict onto a round that looks honest. Without it an honest
+device flagged twice (on the digits, one whose handwritten 5s lie nearest the held-out 9s)
+was flagged a third time on its past alone, with rows that matched their labels, and
+quarantined."""
 
 SIGNIFICANCE = 4.0
 """Standard deviations of chance (binomial, at the expected rates) a device's mismatches must
@@ -225,13 +233,14 @@ def judge(now: Mapping[str, LabelCount], past: Mapping[str, Sequence[LabelCount]
           significance: float = SIGNIFICANCE) -> dict[str, Verdict]:
     """The devices flagged on this round's rows (``now``) alone or on them pooled with their
     counts of earlier rounds (``past``, each against its own round's reference; at most
-    :data:`POOLED_ROUNDS` - 1 kept), each by :func:`label_outliers`. A device whose rows of this
-    round are too few to judge is not judged on its past alone: its rows are judged when they
-    arrive, as they would be without it."""
+    :data:`POOLED_ROUNDS` - 1 kept), each by :func:`label_outliers`. Pooled only where this
+    round's rows lean that way already (over :data:`SUSPICION` of the margin): a device is never
+    judged on its past alone, neither before its rows of this round are enough to judge nor
+    where they look honest."""
     flagged = {a: Verdict(x, now[a], 1) for a, x in label_outliers(now, margin, significance).items()}
     together: dict[str, LabelCount] = {}
     for a, c in now.items():
-        if c.rows >= MIN_ROWS and past.get(a):
+        if c.rows >= MIN_ROWS and past.get(a) and c.excess > SUSPICION * margin:
             together[a] = LabelCount()
             for earlier in (*past[a], c):
                 together[a].add(earlier)
