@@ -102,19 +102,15 @@ def test_a_device_is_judged_on_this_rounds_rows_and_on_them_pooled_with_its_last
         "backdoor": Verdict(0.3542, LabelCount(96, 46, 12.0, 10.5), 3),
         "flipper": Verdict(0.8125, now["flipper"], 1)}
     assert judge(now, {}, 0.3) == {"flipper": Verdict(0.8125, now["flipper"], 1)}   # as before pooling
-    # a device flagged twice whose rows of this round look honest is not flagged on its past:
-    # (32 + 32 + 3 - 12) / 96 = 0.57 over pooled, but this round's (3 - 4) / 32 is under 0.15
+    # a device flagged twice whose rows of this round mismatch less than expected is not flagged
+    # on its past: (32 + 32 + 3 - 12) / 96 = 0.57 over pooled, but this round's 3 are under 4
     flagged_twice = [LabelCount(32, 32, 4.0, 3.5)] * 2
     assert judge({"odd": LabelCount(32, 3, 4.0, 3.5), **now}, {**past, "odd": flagged_twice}, 0.3).keys() == \
         {"backdoor", "flipper"}
-    # ... but rows leaning its way (6 over 4 expected: 0.06 over, under 0.15) are not enough either,
-    # and 9 (0.156 over) are: pooled (32 + 32 + 9 - 12) / 96 = 0.635
-    assert "odd" not in judge({"odd": LabelCount(32, 6, 4.0, 3.5)}, {"odd": flagged_twice}, 0.3)
+    # rows that mismatch more than expected are pooled: (32 + 32 + 6 - 12) / 96 = 0.604
     honest = {"h1": LabelCount(32, 5, 4.0, 3.5), "h2": LabelCount(32, 4, 4.0, 3.5)}
-    assert judge({"odd": LabelCount(32, 9, 4.0, 3.5), **honest}, {"odd": flagged_twice}, 0.3) == \
-        {"odd": Verdict(0.6354, LabelCount(96, 73, 12.0, 10.5), 3)}
-    # the guard holds for the pooled judgement too: never most of the devices judged
-    assert judge({"a": unlucky, "b": unlucky}, {"a": past["backdoor"], "b": past["backdoor"]}, 0.3) == {}
+    assert judge({"odd": LabelCount(32, 6, 4.0, 3.5), **honest}, {"odd": flagged_twice}, 0.3) == \
+        {"odd": Verdict(0.6042, LabelCount(96, 70, 12.0, 10.5), 3)}
 
 
 def test_outliers_are_the_devices_over_the_margin_never_most_of_them():

@@ -56,13 +56,14 @@ honest device's rows drift off the reference as a liar's do. Each round's rows a
 that round's reference, so rounds pool without drift, and over three rounds chance spreads an
 honest share a third as far from the expected one (a liar's excess stays what it is)."""
 
-SUSPICION = 0.5
+SUSPICION = 0.0
 """A device's past rounds are pooled with this round's rows only where those rows lie more than
-this share of the margin over their expected share (:func:`judge`): pooling adds evidence to a
-suspicion and does not carry an old verdict onto a round that looks honest. Without it an honest
-device flagged twice (on the digits, one whose handwritten 5s lie nearest the held-out 9s)
-was flagged a third time on its past alone, with rows that matched their labels, and
-quarantined."""
+this share of the margin over their expected share (:func:`judge`; 0: where they mismatch more
+than expected at all): pooling adds evidence to a leaning and does not carry an old verdict onto
+a round that looks honest. Without it an honest device flagged twice (on the digits, one whose
+handwritten 5s lie nearest the held-out 9s) was flagged a third time on its past alone, with
+rows that mismatched less than expected, and quarantined. At half the margin a backdoor on a
+hundred devices passed again: its devices' passing rounds often lie under that."""
 
 SIGNIFICANCE = 4.0
 """Standard deviations of chance (binomial, at the expected rates) a device's mismatches must
@@ -234,7 +235,7 @@ def judge(now: Mapping[str, LabelCount], past: Mapping[str, Sequence[LabelCount]
     """The devices flagged on this round's rows (``now``) alone or on them pooled with their
     counts of earlier rounds (``past``, each against its own round's reference; at most
     :data:`POOLED_ROUNDS` - 1 kept), each by :func:`label_outliers`. Pooled only where this
-    round's rows lean that way already (over :data:`SUSPICION` of the margin): a device is never
+    round's rows lean that way already (over :data:`SUSPICION` of the margin over the expected share): a device is never
     judged on its past alone, neither before its rows of this round are enough to judge nor
     where they look honest."""
     flagged = {a: Verdict(x, now[a], 1) for a, x in label_outliers(now, margin, significance).items()}
