@@ -85,7 +85,7 @@ class RobustConfig(OptionSection):
                          "the share expected of those classes (measured on the held-out rows) has its rows left out "
                          "of the round's server steps and its update out of the average, and is named (flipped labels, "
                          "a backdoor's triggered rows), where chance explains it by fewer than 4 standard deviations "
-                         "it passes; where this round's rows lie over half the margin, the same holds for its first "
+                         "it passes; where this round's rows mismatch more than expected, the same holds for its first "
                          "rows of its last 3 rounds added up (each against its round's held-out data); a number in (0, 1), 0 = off, auto (default) = 0.3 where the "
                          "device's layers hold no BatchNorm and 0.2 where they do. Where they do, each device is screened against "
                          "held-out samples of its own mix of classes run as one batch (a batch's own statistics move "
