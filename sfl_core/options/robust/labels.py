@@ -53,8 +53,8 @@ many rounds (this one included) pooled (:func:`judge`): flagged where either is 
 first steps and not count a round's later steps: only a device's first rows ran through the
 portion the held-out rows ran through; a few local steps later its own portion has moved, and an
 honest device's rows drift off the reference as a liar's do. Each round's rows are compared with
-that round's reference, so rounds pool without drift, and over three rounds chance spreads an
-honest share a third as far from the expected one (a liar's excess stays what it is)."""
+that round's reference, so rounds pool without drift, and over three rounds chance spreads a
+share 1/sqrt(3) as far from the expected one (a liar's excess stays what it is)."""
 
 SUSPICION = 0.0
 """A device's past rounds are pooled with this round's rows only where those rows lie more than
