@@ -380,7 +380,7 @@ class Sampler(threading.Thread):
                     total += self.last.get(pid, 0.0)
                     rss += rss_mb(pid) or 0.0
                 if role == "coord":
-                    row["leader"] = self.last.get(pids[0], 0.0)   # rank 0 alone: where several ranks share the load, its limit
+                    row["leader"] = self.last.get(pids[0], 0.0)   # rank 0 alone: with several ranks, their limit
                     self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), rss)
                     self.faults.append((time.monotonic(), sum(minor_faults(p) or 0 for p in pids)))
                 row[role] = total
@@ -515,7 +515,8 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "steps_per_s": steps / window, "agent_steps_per_s": steps * agents / window,
         "act_mb_per_s": act_bytes / 1e6 / window, "act_kb_per_message": act_bytes / 1e3 / (steps * agents),
         "step_ms_p50": 1e3 * q[49], "step_ms_p90": 1e3 * q[89], "step_ms_p99": 1e3 * q[98],
-        "coord_cpu_pct": coord_cpu, "leader_cpu_pct": cpu.get("leader"), "coord_cpu_ms_per_agent_step": 10 * coord_cpu * window / (steps * agents),
+        "coord_cpu_pct": coord_cpu, "leader_cpu_pct": cpu.get("leader"),
+        "coord_cpu_ms_per_agent_step": 10 * coord_cpu * window / (steps * agents),
         "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
         "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,

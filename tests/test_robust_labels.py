@@ -167,3 +167,49 @@ def test_far_rows_against_the_matched_reference_by_hand():
     c = count_far(torch.tensor([[2.0], [8.0]]), torch.tensor([0, 1]), ref, torch.zeros(5), 0.5)
     # bound: the median 1.25; the held-out rows beyond it, 2 of 5: 0.4 expected per row; class 1 has no reference
     assert (c.rows, c.mismatched) == (1, 0) and c.expected == pytest.approx(0.4)
+
+
+def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows_that_lean_its_way():
+    """Through the option itself: a device passing its third round alone (12 of 32 rows unlike
+    their label, 0.275 over) is flagged on its three rounds together; an honest device with two
+    odd rounds behind it is not flagged on them where its rows now match their labels."""
+    from types import SimpleNamespace
+
+    from coordinator.option_host import OptionHost
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.model.zoo import build_model
+    from sfl_core.options.robust.option import Robust
+
+    classes, eye = 10, torch.eye(10) * 10.0
+    # held-out: per class 18 rows at its point and 2 at the next class's (a rate of 0.1 each)
+    held_y = torch.arange(classes).repeat_interleave(20)
+    held_x = torch.stack([eye[(k + (i >= 18)) % classes] for k in range(classes) for i in range(20)])
+
+    class Host(OptionHost):
+        def __init__(self):
+            self.model = build_model("small_cnn", (1, 8, 8), classes)   # no BatchNorm: margin 0.3
+            self.options = [Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), self.model)]
+            self.lines: list[str] = []
+
+        def log(self, text, *, warning=False):
+            self.lines.append(text)
+
+        def reference_rows(self, split, width):
+            return None
+
+        def labelled_reference(self, split, width, select=None):
+            return held_x, held_y
+
+    def rows(wrong: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.arange(32) % classes
+        return torch.stack([eye[(k + 5 * (i < wrong)) % classes] for i, k in enumerate(y.tolist())]), y
+
+    host, assignment = Host(), SimpleNamespace(split=1, width=0)
+    agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "sly", "odd")}
+    wrong = {"h0": [0, 0, 0], "h1": [0, 0, 0], "h2": [0, 0, 0],
+             "sly": [14, 14, 12],     # 0.3375 over twice, then 0.275: (40 - 9.6) / 96 = 0.3167 pooled
+             "odd": [32, 32, 0]}      # pooled 0.567 over, but its third round's rows match
+    out = [host.screen_rows(r, 0, agents, {a: rows(w[r - 1]) for a, w in wrong.items()}) for r in (1, 2, 3)]
+    assert out == [{"sly", "odd"}, {"sly", "odd"}, {"sly"}]
+    assert host.options[0].labels == {"sly": (1, 0.3167)}
+    assert [line for line in host.lines if "sly" in line and "over its last 3 rounds (40 of 96 rows" in line]

@@ -119,6 +119,14 @@ class LabelCount:
     """Of the mismatches expected of an honest device: ``sum p (1 - p)`` over its rows, each row
     mismatching with its class's rate ``p`` (a sum of Bernoulli trials)."""
 
+    @classmethod
+    def total(cls, counts: Sequence["LabelCount"]) -> "LabelCount":
+        """The counts added up (a device's steps of a round, or its rounds)."""
+        out = cls()
+        for c in counts:
+            out.add(c)
+        return out
+
     def add(self, other: "LabelCount") -> None:
         self.rows += other.rows
         self.mismatched += other.mismatched
@@ -235,16 +243,12 @@ def judge(now: Mapping[str, LabelCount], past: Mapping[str, Sequence[LabelCount]
     """The devices flagged on this round's rows (``now``) alone or on them pooled with their
     counts of earlier rounds (``past``, each against its own round's reference; at most
     :data:`POOLED_ROUNDS` - 1 kept), each by :func:`label_outliers`. Pooled only where this
-    round's rows lean that way already (over :data:`SUSPICION` of the margin over the expected share): a device is never
-    judged on its past alone, neither before its rows of this round are enough to judge nor
-    where they look honest."""
+    round's rows lean that way already (over :data:`SUSPICION` of the margin over the expected
+    share): a device is never judged on its past alone, neither before its rows of this round
+    are enough to judge nor where they look honest."""
     flagged = {a: Verdict(x, now[a], 1) for a, x in label_outliers(now, margin, significance).items()}
-    together: dict[str, LabelCount] = {}
-    for a, c in now.items():
-        if c.rows >= MIN_ROWS and past.get(a) and c.excess > SUSPICION * margin:
-            together[a] = LabelCount()
-            for earlier in (*past[a], c):
-                together[a].add(earlier)
+    together = {a: LabelCount.total([*past[a], c]) for a, c in now.items()
+                if c.rows >= MIN_ROWS and past.get(a) and c.excess > SUSPICION * margin}
     # judged among all the devices, those without a past on this round's rows (the guard against
     # flagging most of them counts every device judged)
     for a, x in label_outliers({**now, **together}, margin, significance).items():
