@@ -144,7 +144,8 @@ class LoadAgent:
         return Message(mtype, RUN, self.id, body, round=rnd, step=step, seq=protocol.next_seq())
 
     def _send(self, msg: Message) -> int:
-        topic = protocol.up_topic(RUN, self.id)
+        worker = self.assign.body.get("server_worker", 0) if self.assign is not None else 0
+        topic = protocol.up_topic_for(RUN, self.id, msg.type, worker)
         payload = msg.encode()
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12]):
             self.link.publish(topic, piece)

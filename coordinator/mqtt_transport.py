@@ -90,7 +90,10 @@ class MqttTransport:
         """Agents whose training messages another server worker handles: dropped on arrival."""
         self._following: set[str] = set()
         self._worker = worker
-        subs = [] if worker else [protocol.up_wildcard(run_id), protocol.status_wildcard(run_id), self._coord_topic]
+        # a worker: its agents' training messages (beneath their topics, assign.server_worker),
+        # and from follow() on, their own topics (heartbeats)
+        subs = [protocol.worker_wildcard(run_id, worker)] if worker else \
+            [protocol.up_wildcard(run_id), protocol.status_wildcard(run_id), self._coord_topic]
         if worker:
             url = _worker_address(url, worker)
         # the instance in the client id: a second coordinator of the run must not knock the first
@@ -180,7 +183,8 @@ class MqttTransport:
             self.link.close()
 
     def follow(self, agents: set[str]) -> None:
-        """A server worker: receive exactly these agents' upward messages from now on."""
+        """A server worker: receive exactly these agents' own upward messages from now on (their
+        heartbeats; their training messages come on this worker's topic)."""
         for a in sorted(self._following - agents):
             self.link.unsubscribe(protocol.up_topic(self.run_id, a))
         for a in sorted(agents - self._following):
@@ -257,6 +261,10 @@ class MqttTransport:
                                               f"the topic's agent {agent!r}")
             return
         if topic.startswith(f"sfl/{self.run_id}/status/") != (msg.type == "status"):
+            self.rejections.reject("malformed", f"{msg.type} not allowed on {topic}")
+            return
+        route = 0 if msg.type == "status" else protocol.worker_from_topic(topic)
+        if route and (route != self._worker or msg.type not in protocol.TRAINING_TYPES):
             self.rejections.reject("malformed", f"{msg.type} not allowed on {topic}")
             return
         if msg.type == "probe":

@@ -1,8 +1,10 @@
 """A round shared among server workers (``--server-workers``): the leader's and a worker's side.
 
 The leader plans the round as usual, shares its split agents out among the ranks
-(:func:`coordinator.server_workers.shard_agents`), hands every worker the plan and the model,
-and waits until each has subscribed to its agents; each rank then runs the server steps of its
+(:func:`coordinator.server_workers.shard_agents`), names each agent's rank in its assignment
+(``server_worker``: the agent sends its activations to that rank's topic, so no rank receives
+another's rows), hands every worker the plan and the model, and waits until each has
+subscribed to its agents; each rank then runs the server steps of its
 own agents, the ranks' gradients all-reduced at every step. At the end the workers send back
 what they counted for their agents (bytes, messages, times), so the leader prices and records
 the whole round as one, and what the run's options found on their rows (an agent whose rows
@@ -11,6 +13,7 @@ the defense left out), so the leader's aggregation hears of it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -39,6 +42,8 @@ def lead(shards: ServerShards, transport: Transport, model: SplitModel, r: int, 
                            "it trains on one agent after another")
     owners = shard_agents(split_agents, shards.world)
     transport.not_mine = frozenset(a for a, rank in owners.items() if rank != 0)
+    for a, rank in owners.items():   # the agent sends its rows to its worker's topic, not to ours
+        agents[a].assignment = dataclasses.replace(agents[a].assignment, server_worker=rank)
     shards.broadcast({
         "round": r, "owners": owners, "lr": lr,
         "assignments": {a: agents[a].assignment.to_body({}) for a in split_agents},

@@ -19,12 +19,12 @@ log = logging.getLogger("sfl.agent")
 
 
 class Outbox:
-    def __init__(self, send: Callable[[bytes], None], *, uplink: Optional[Callable[[int], None]] = None,
+    def __init__(self, send: Callable[[str, bytes], None], *, uplink: Optional[Callable[[int], None]] = None,
                  sent: Optional[Callable[[], None]] = None):
-        """``send``: publish one encoded message (its chunks, each acknowledged); ``uplink``: the
+        """``send``: publish one encoded message on a topic (its chunks, each acknowledged); ``uplink``: the
         emulated link's time for that many bytes (``--emulate``); ``sent``: called after each."""
         self._send, self._uplink, self._sent = send, uplink, sent
-        self._queue: "queue.Queue[Optional[bytes]]" = queue.Queue()
+        self._queue: "queue.Queue[Optional[tuple[str, bytes]]]" = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Event()
@@ -37,11 +37,11 @@ class Outbox:
         """Messages handed over and not yet sent (the device is still busy with them)."""
         return self._pending
 
-    def put(self, payload: bytes) -> None:
+    def put(self, topic: str, payload: bytes) -> None:
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self._queue.put(payload)
+        self._queue.put((topic, payload))
 
     def flush(self, timeout: float) -> bool:
         """Wait until everything handed over went out (False: still sending after ``timeout``)."""
@@ -54,11 +54,12 @@ class Outbox:
         self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
-        while (payload := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            topic, payload = item
             try:
                 if self._uplink is not None:
                     self._uplink(len(payload))
-                self._send(payload)
+                self._send(topic, payload)
                 if self._sent is not None:
                     self._sent()
             except Exception as exc:   # a send that fails must not stop the ones after it

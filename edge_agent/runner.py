@@ -598,10 +598,11 @@ class AgentRunner:
         """Hand ``msg`` to the uplink (:class:`~edge_agent.outbox.Outbox`): sent in order while we compute on."""
         payload = msg.encode()
         self.bytes_up += len(payload)
-        self.outbox.put(payload)
+        assignment = self.core.assignment if self.core is not None else None
+        self.outbox.put(protocol.up_topic_for(self.o.run_id, self.o.agent_id, msg.type,
+                                              assignment.server_worker if assignment is not None else 0), payload)
 
-    def _send_up(self, payload: bytes) -> None:
-        topic = protocol.up_topic(self.o.run_id, self.o.agent_id)
+    def _send_up(self, topic: str, payload: bytes) -> None:
         for piece in wire.split_chunks(payload, uuid.uuid4().hex[:12]):
             self._publish_raw(topic, piece)
 

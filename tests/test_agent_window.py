@@ -10,6 +10,7 @@ and that window 1 puts nothing new on the wire.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from edge_agent.agent import BatchSampler
 from sfl_core.data.builtin import load_dataset
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
 from sfl_core.wire.assignment import Assignment
 from sfl_core.wire.codec import WireError
 
@@ -51,6 +53,19 @@ def test_window_one_puts_nothing_new_on_the_wire():
     for bad in (0, 17):
         with pytest.raises(WireError, match="assign.window"):
             Assignment.from_body({**a.to_body({}), "window": bad})
+
+
+def test_the_leaders_agents_see_no_server_worker_on_the_wire():
+    a = Assignment(model=MODEL, mode="sfl", split=2, width=0, batch_size=16, lr=0.05, momentum=0.0, tau=3,
+                   codec="fp32", zstd_level=1, activation_shape=ACT_SHAPE[2])
+    assert "server_worker" not in a.to_body({})
+    assert Assignment.from_body(a.to_body({})).server_worker == 0
+    routed = dataclasses.replace(a, server_worker=3)
+    assert routed.to_body({})["server_worker"] == 3 and Assignment.from_body(routed.to_body({})) == routed
+    with pytest.raises(WireError, match="assign.server_worker"):
+        Assignment.from_body({**a.to_body({}), "server_worker": 1024})
+    with pytest.raises(WireError):   # the schema's range check, before the assignment's own
+        protocol.validate_body("assign", {**a.to_body({}), "server_worker": -1})
 
 
 def test_the_agent_keeps_the_window_in_flight_and_never_more(digits):

@@ -134,7 +134,7 @@ def coord_transport():
 
 
 @FUZZ
-@given(topic=st.sampled_from([f"sfl/{RUN}/up/a0", f"sfl/{RUN}/status/a0", f"sfl/{RUN}/up/a1",
+@given(topic=st.sampled_from([f"sfl/{RUN}/up/a0", f"sfl/{RUN}/status/a0", f"sfl/{RUN}/up/a1", f"sfl/{RUN}/up/a0/w1",
                               f"sfl/{RUN}/status/x"]),
        payload=payloads(protocol.AGENT_TYPES, _agent_seed_messages()))
 def test_coordinator_handler_fuzz(coord_transport, topic, payload):

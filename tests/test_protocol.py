@@ -162,6 +162,20 @@ def test_topics():
     assert protocol.agent_from_topic(protocol.up_topic("r", "a1")) == "a1"
 
 
+def test_an_agents_training_messages_go_beneath_its_topic_to_the_server_worker_its_assignment_names():
+    assert protocol.up_topic("r", "a1", 2) == "sfl/r/up/a1/w2"
+    assert protocol.worker_wildcard("r", 2) == "sfl/r/up/+/w2"
+    for mtype in ("activations", "logit_grads"):
+        assert protocol.up_topic_for("r", "a1", mtype, 2) == "sfl/r/up/a1/w2"
+        assert protocol.up_topic_for("r", "a1", mtype, 0) == "sfl/r/up/a1"
+    for mtype in ("register", "probe", "weights", "heartbeat", "evaluation", "norm_sums"):
+        assert protocol.up_topic_for("r", "a1", mtype, 2) == "sfl/r/up/a1"   # the leader's
+    assert protocol.agent_from_topic("sfl/r/up/a1/w2") == "a1"
+    assert [protocol.worker_from_topic(t) for t in ("sfl/r/up/a1", "sfl/r/up/a1/w2", "sfl/r/up/a1/w10")] == [0, 2, 10]
+    for odd in ("sfl/r/up/a1/w0", "sfl/r/up/a1/x2", "sfl/r/up/a1/w", "sfl/r/up/a1/w2/x", "sfl/r/up/a1/w-1"):
+        assert protocol.worker_from_topic(odd) == -1, odd
+
+
 # ------------------------------------------------------------------ sequence numbers
 
 

@@ -21,6 +21,9 @@ import torch.multiprocessing as mp
 from coordinator.server_trainer import ServerTrainer
 from coordinator.server_workers import GradReducer, ServerShards, held_out_samples, shard_agents
 from sfl_core.model.zoo import build_model
+from sfl_core.transport.mqtt_link import MqttLink
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol
 
 from helpers import finish, logs, metrics, start_agents, start_coord, write_config
 
@@ -186,6 +189,47 @@ def test_a_malformed_worker_finding_is_named_and_ignored():
     assert sum("malformed" in line for line in host.lines) == 3
 
 
+def test_a_worker_takes_only_training_messages_on_its_own_topic_and_the_leader_none_beneath_an_agents():
+    """An agent's topic's subtopics are for the server worker its assignment names, and only for
+    its activations (or logit gradients): anything else there is named and dropped."""
+    from coordinator.mqtt_transport import MqttTransport
+    from sfl_core.wire.protocol import Message
+    t = wire.encode_tensor(torch.randn(2, 4), "fp32", 1)
+    acts = Message("activations", "r", "a0", {"x": t, "y": t, "compute_s": 0.1}, 1, 0, 10).encode()
+    weights = Message("weights", "r", "a0", {"weights": {"w": t}, "num_samples": 3, "compute_s": 0.2,
+                                            "loss": 1.0}, 1, 0, 11).encode()
+    worker, leader = MqttTransport("mqtt://127.0.0.1:1", "r", worker=1), MqttTransport("mqtt://127.0.0.1:1", "r")
+    try:                        # never connected: the handler is driven directly
+        worker._on_message("sfl/r/up/a0/w1", acts)
+        assert worker.poll(0).type == "activations"
+        for transport, topic, payload in [(worker, "sfl/r/up/a0/w1", weights), (worker, "sfl/r/up/a0/w2", acts),
+                                          (leader, "sfl/r/up/a0/w1", acts), (leader, "sfl/r/up/a0/x", acts)]:
+            before = transport.rejections.counts().get("malformed", 0)
+            transport._on_message(topic, payload)
+            assert transport.poll(0) is None and transport.rejections.counts()["malformed"] == before + 1, topic
+    finally:
+        worker.link.close()
+        leader.link.close()
+
+
+class _TrainingTopics:
+    """A broker client that notes on which topics each agent's activations travel."""
+
+    def __init__(self, url: str, run: str):
+        self.run, self.topics = run, {}
+        self.reassembler = wire.Reassembler()
+        self.link = MqttLink(url, "spy", self._on_message,
+                             subscriptions=[f"sfl/{run}/up/+", f"sfl/{run}/up/+/+"])
+        self.link.connect(timeout=10)
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        whole = self.reassembler.feed(topic, payload) if payload else None
+        if whole is not None:
+            msg = protocol.decode(whole, run=self.run)
+            if msg.type == "activations":
+                self.topics.setdefault(msg.sender, set()).add(topic)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("extra", [{}, {"server_mode": "per_agent", "drift": "scaffold"}],
@@ -198,9 +242,17 @@ def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tm
     server copy per agent and SCAFFOLD, every rank steps every copy with the leader's
     corrections."""
     config = write_config(tmp_path, "sw", rounds=2, **extra)
+    seen = _TrainingTopics(mosquitto.url, "sw")
     coord = start_coord(config, tmp_path, "--broker", mosquitto.url, "--server-workers", "2", "--device", "cpu")
     agents = start_agents(mosquitto.url, "sw", tmp_path)
-    assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    try:
+        assert finish([coord, *agents], timeout=200) == [0, 0, 0, 0], logs(tmp_path)
+    finally:
+        seen.link.close()
+    # the rank-1 agent's activations went to rank 1's topic only, the leader's agents' to theirs:
+    # the leader (subscribed to sfl/sw/up/+) never received the rows rank 1 trains
+    assert shard_agents(["a0", "a1", "a2"], 2) == {"a0": 0, "a1": 1, "a2": 0}
+    assert seen.topics == {"a0": {"sfl/sw/up/a0"}, "a1": {"sfl/sw/up/a1/w1"}, "a2": {"sfl/sw/up/a2"}}, seen.topics
     m = metrics(tmp_path)
     assert [r["round"] for r in m] == [0, 1, 2]
     for r in m[1:]:

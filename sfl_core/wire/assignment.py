@@ -19,6 +19,8 @@ MAX_BATCH = 4096
 MAX_TAU = 10_000
 MAX_WINDOW = 16
 """The most steps an assignment may keep in flight (``window``)."""
+MAX_SERVER_WORKERS = 1024
+"""The most server workers an assignment may name (``server_worker`` < this)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Assignment:
     """Steps the agent may keep in flight: it sends the next step's activations before the last
     step's gradients arrive, at most ``window`` unanswered (1: lock-step). On the wire only when
     over 1, so a lock-step assignment is what it always was."""
+    server_worker: int = 0
+    """The server worker that trains this agent's rows (``serve --server-workers``): its
+    activations go to that worker's topic (:func:`sfl_core.wire.protocol.up_topic`). On the wire
+    only when over 0 (the leader), like ``window``."""
 
     @property
     def whole_model(self) -> bool:
@@ -53,7 +59,8 @@ class Assignment:
                 "batch_size": self.batch_size, "lr": float(self.lr), "momentum": float(self.momentum),
                 "tau": self.tau, "codec": self.codec, "zstd_level": self.zstd_level,
                 "activation_shape": list(self.activation_shape), "weights": weights,
-                **({"window": self.window} if self.window > 1 else {})}
+                **({"window": self.window} if self.window > 1 else {}),
+                **({"server_worker": self.server_worker} if self.server_worker else {})}
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> "Assignment":
@@ -81,6 +88,9 @@ class Assignment:
         window = body.get("window", 1)
         if not 1 <= window <= MAX_WINDOW:
             raise bad("window", f"{window} outside 1..{MAX_WINDOW}")
+        server_worker = body.get("server_worker", 0)
+        if not 0 <= server_worker < MAX_SERVER_WORKERS:
+            raise bad("server_worker", f"{server_worker} outside 0..{MAX_SERVER_WORKERS - 1}")
         protocol.check_option_fields(body)   # what the run's training options add
         shape = body["activation_shape"]
         if len(shape) > 6 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
@@ -88,4 +98,4 @@ class Assignment:
         return cls(model=body["model"], mode=body["strategy"], split=body["split"], width=body["width"],
                    batch_size=body["batch_size"], lr=float(body["lr"]), momentum=float(body["momentum"]),
                    tau=body["tau"], codec=body["codec"], zstd_level=body["zstd_level"],
-                   activation_shape=tuple(shape), window=window)
+                   activation_shape=tuple(shape), window=window, server_worker=server_worker)

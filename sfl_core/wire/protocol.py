@@ -28,9 +28,25 @@ def check_id(kind: str, value: str) -> str:
     return value
 
 
-def up_topic(run: str, agent: str) -> str:
-    """Agent -> coordinator. The agent id in the topic must equal the envelope's sender."""
-    return f"sfl/{run}/up/{agent}"
+TRAINING_TYPES = frozenset({"activations", "logit_grads"})
+"""An agent's per-step messages: the only ones that go to a server worker's topic."""
+
+
+def up_topic(run: str, agent: str, worker: int = 0) -> str:
+    """Agent -> coordinator. The agent id in the topic must equal the envelope's sender.
+
+    ``worker`` > 0: the topic of an agent's :data:`TRAINING_TYPES` when server worker
+    ``worker`` trains its rows (``assign.server_worker``). It lies one level beneath the
+    agent's own, which the leader's ``sfl/R/up/+`` does not match: the leader never receives
+    the rows another worker trains, and that worker reads them all with one subscription
+    (:func:`worker_wildcard`)."""
+    return f"sfl/{run}/up/{agent}" + (f"/w{worker}" if worker else "")
+
+
+def up_topic_for(run: str, agent: str, mtype: str, server_worker: int) -> str:
+    """Where an agent publishes a message of type ``mtype`` under an assignment naming
+    ``server_worker``: its training messages to that worker, everything else to the leader."""
+    return up_topic(run, agent, server_worker if mtype in TRAINING_TYPES else 0)
 
 
 def down_topic(run: str, agent: str) -> str:
@@ -62,8 +78,25 @@ def status_wildcard(run: str) -> str:
     return f"sfl/{run}/status/+"
 
 
+def worker_wildcard(run: str, worker: int) -> str:
+    """Server worker ``worker``'s subscription: its agents' training messages (:func:`up_topic`)."""
+    return f"sfl/{run}/up/+/w{worker}"
+
+
 def agent_from_topic(topic: str) -> str:
-    return topic.rsplit("/", 1)[-1]
+    """The agent level of ``sfl/R/{up,status,down}/A`` (and of ``sfl/R/up/A/wK``)."""
+    parts = topic.split("/")
+    return parts[3] if len(parts) > 3 else parts[-1]
+
+
+def worker_from_topic(topic: str) -> int:
+    """The server worker an upward topic is for: 0 for ``sfl/R/up/A`` (the leader), K for
+    ``sfl/R/up/A/wK``, -1 for any other shape (rejected: no agent publishes there)."""
+    parts = topic.split("/")
+    if len(parts) == 4:
+        return 0
+    tail = parts[4] if len(parts) == 5 else ""
+    return int(tail[1:]) if tail[:1] == "w" and tail[1:].isdigit() and tail[1:2] != "0" else -1
 
 
 # ---------------------------------------------------------------- messages
@@ -108,7 +141,8 @@ _CORE_OPTIONAL: dict[str, dict[str, Any]] = {
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
     "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
                "normalize": dict,       # a task run's standardisation constants {mean, std}
-               "window": int},          # steps the agent may keep in flight (absent: 1, lock-step)
+               "window": int,           # steps the agent may keep in flight (absent: 1, lock-step)
+               "server_worker": int},   # the server worker training its rows (absent: 0, the leader)
                # + each training option's own fields (sfl_core.options: ASSIGN_FIELDS)
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
@@ -162,7 +196,8 @@ _CORE_RANGES: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
                 "epsilon": in_range(0.0, finite=False)},
     "evaluation": {"loss": _loss, "count": _COUNT, "correct": _COUNT, "compute_s": _SECONDS},
     "assign": {"split": in_range(1), "width": _COUNT, "batch_size": in_range(1), "tau": in_range(1),
-               "lr": in_range(0.0), "momentum": in_range(0.0), "zstd_level": _COUNT, "window": in_range(1)},
+               "lr": in_range(0.0), "momentum": in_range(0.0), "zstd_level": _COUNT, "window": in_range(1),
+               "server_worker": _COUNT},
     "run_info": {"num_classes": in_range(1), "num_agents": _COUNT, "heartbeat_idle_s": in_range(0.0)},
 }
 _CORE_RELATIONS: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {
