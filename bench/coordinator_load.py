@@ -8,6 +8,7 @@ Command (full run, a few minutes on 2 CPU cores)::
     python bench/coordinator_load.py --registered 10000 --agents 10 --rounds 20 --agents-per-connection 50
     python bench/coordinator_load.py --agents 100 --rounds 6 --zstd-levels 0 1 3   # what a cheaper codec setting buys
     python bench/coordinator_load.py --agents 100 --rounds 6 --stages   # where the coordinator's CPU goes
+    python bench/coordinator_load.py --agents 100 --rounds 4 --window 2   # agents keep 2 steps in flight
     python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
 
 Writes ``bench/results/coordinator_load.json``.
@@ -117,10 +118,12 @@ class LoadAgent:
         self.id = agent_id
         self.index = index
         self.payload = payload
-        self.times = times          # (agent, round, step, "act" | "grad" | "assign" | "weights", monotonic s, bytes)
+        self.times = times          # (agent, round, step, "act" | "grad" | "assign" | "weights", monotonic s,
+        #                              bytes; for "assign", the window it was given)
         self.reassembler = wire.Reassembler()
         self.assign: Optional[Message] = None
-        self.step = -1
+        self.step = -1                 # the step whose gradients it waits for
+        self.sent = 0                  # steps whose activations it sent this round (up to the window ahead)
         self.done = threading.Event()
         self.registered = threading.Event()
         self.instance = uuid.uuid4().hex[:12]
@@ -180,24 +183,28 @@ class LoadAgent:
         elif msg.type == "shutdown":
             self.done.set()
         elif msg.type == "assign":
-            self.assign, self.step = msg, 0
-            self._note(msg.round, 0, "assign", now)
-            self._activations(msg.round)
+            self.assign, self.step, self.sent = msg, 0, 0
+            window = msg.body.get("window", 1)
+            self._note(msg.round, 0, "assign", now, window)
+            for _ in range(min(window, msg.body["tau"])):   # the steps it may keep in flight
+                self._activations(msg.round)
         elif msg.type == "gradients" and self.assign is not None and msg.step == self.step:
             self._note(msg.round, msg.step, "grad", now)
-            if self.step + 1 < self.assign.body["tau"]:
-                self.step += 1
+            self.step += 1
+            if self.sent < self.assign.body["tau"]:
                 self._activations(msg.round)
-            else:
+            elif self.step == self.assign.body["tau"]:
                 self._send(self._msg("weights", {"weights": self.assign.body["weights"], "num_samples":
                                                  self.payload.num_samples, "compute_s": 0.0,
-                                                 "loss": float("nan")}, msg.round, self.step))
-                self._note(msg.round, self.step, "weights", time.monotonic())
+                                                 "loss": float("nan")}, msg.round, self.step - 1))
+                self._note(msg.round, self.step - 1, "weights", time.monotonic())
 
     def _activations(self, rnd: int) -> None:
+        """The next step's activations (``sent``: the steps sent so far this round)."""
         body = {"x": self.payload.x(self.assign.body["codec"]), "y": self.payload.y, "compute_s": 0.0}
         t = time.monotonic()
-        self._note(rnd, self.step, "act", t, self._send(self._msg("activations", body, rnd, self.step)))
+        self._note(rnd, self.sent, "act", t, self._send(self._msg("activations", body, rnd, self.sent)))
+        self.sent += 1
 
 
 class AgentGroup:
@@ -421,7 +428,7 @@ def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
         "strategy": "sfl", "split": args.split, "server_mode": "merged", "batch_size": args.batch,
         "local_iters": args.tau, "codec": args.codec, "zstd_level": args.zstd_level, "lr": 0.01,
         "eval_samples": 256, "step_timeout_s": 300, "register_timeout_s": 900, "register_rate_per_s": 1000,
-        "output_dir": str(tmp / "out"),
+        "output_dir": str(tmp / "out"), "window": args.window,
     }
     path = tmp / "load.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -513,6 +520,7 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
     return {
         "agents": agents, "registered": registered, "rounds_measured": len(rounds), "window_s": round(window, 3),
         "window": (t0, t1),
+        "windows": sorted({n for _, _, _, kind, _, n in measured if kind == "assign"}),
         "steps_per_s": steps / window, "agent_steps_per_s": steps * agents / window,
         "act_mb_per_s": act_bytes / 1e6 / window, "act_kb_per_message": act_bytes / 1e3 / (steps * agents),
         "step_ms_p50": 1e3 * q[49], "step_ms_p90": 1e3 * q[89], "step_ms_p99": 1e3 * q[98],
@@ -802,6 +810,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--coord-threads", type=int, default=1, help="OMP_NUM_THREADS of the coordinator (default 1)")
     p.add_argument("--server-workers", type=int, default=1,
                    help="sfl-coord serve --server-workers N (default 1); results go to coordinator_load_workersN.json")
+    p.add_argument("--window", type=int, default=1,
+                   help="the run's window: steps each load agent keeps in flight (default 1, lock-step); "
+                        "results go to coordinator_load_windowW.json")
     p.add_argument("--stages", action="store_true",
                    help="time the coordinator's stages with thread CPU timers (bench/stage_timers.py): CPU ms "
                         "per agent-step of each, on the round engine's thread and paho's network thread")
@@ -912,6 +923,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
            "liveness": [dict(zip(("registered", "idle_interval_s", "heartbeats_per_s", "coord_cpu_pct",
                                   "coord_cpu_pct_every_2s"), row)) for row in liveness_rows]}
     name = ("coordinator_load" + (f"_workers{args.server_workers}" if args.server_workers > 1 else "")
+            + (f"_window{args.window}" if args.window > 1 else "")
             + (f"_registered{args.registered}" if args.registered else "")
             + ("_legacy" if args.legacy_heartbeats else "")
             + ("_zstd" + "-".join(map(str, args.zstd_levels)) if args.zstd_levels != [3] else ""))

@@ -136,6 +136,19 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
 
 
 @pytest.mark.slow
+def test_coordinator_load_with_server_workers_and_steps_in_flight(bench_broker, tmp_path):
+    """``--server-workers 2 --window 2``: the load agents send their rows to the worker their
+    assignment names and keep two steps in flight; every round completes with every agent (the
+    bench raises otherwise) and rank 0's CPU is read apart from the rest."""
+    doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "4", "--server-workers", "2",
+               "--window", "2", timeout=300, result="coordinator_load_workers2_window2")
+    (lvl,) = doc["levels"]
+    assert lvl["agents"] == 4 and lvl["windows"] == [2]
+    assert 0 < lvl["leader_cpu_pct"] < lvl["coord_cpu_pct"]
+    assert _positive(lvl["agent_steps_per_s"]) and lvl["step_ms_p99"] >= lvl["step_ms_p50"] > 0
+
+
+@pytest.mark.slow
 def test_coordinator_load_zstd_levels(bench_broker, tmp_path):
     """``--zstd-levels`` runs each load level once per codec setting in one invocation: the run
     and its agents really use the level (raw bytes at 0 outweigh zstd's at 3), and each level has
