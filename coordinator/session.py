@@ -538,6 +538,13 @@ class FleetSession:
         return gone
 
     def drop(self, agents: dict[str, RoundAgent], agent_id: str, why: str) -> None:
+        ra = agents.get(agent_id)
+        if self.follower and ra is not None and ra.bytes_up == 0:
+            # its rows come beneath its own topic, which an ACL written before server workers
+            # took them there does not let it publish on: the broker drops them without a word
+            why += (f"; none of its activations reached this server worker: the broker must let it publish on "
+                    f"{protocol.up_topic(self.cfg.run_id, agent_id)}/+ (the ACL of sfl-coord broker-config "
+                    f"has that rule; docs/brokers.md)")
         log.warning("dropping %s from the round: %s", agent_id, why)
         agents.pop(agent_id, None)
         self.on_drop(agent_id)

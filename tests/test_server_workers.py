@@ -212,6 +212,32 @@ def test_a_worker_takes_only_training_messages_on_its_own_topic_and_the_leader_n
         leader.link.close()
 
 
+def test_a_worker_that_never_got_an_agents_rows_names_the_topic_the_broker_must_let_it_use(tmp_path, caplog):
+    """An ACL written before rows went beneath an agent's topic lets the broker drop them
+    silently: the worker that drops the agent says which topic it must be allowed."""
+    from coordinator.registry import Registry
+    from coordinator.session import FleetSession, RoundAgent
+    from coordinator.transport import LocalTransport
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.wire.assignment import Assignment
+    cfg = run_config_from_dict({"run": "r", "model": "small_cnn", "data": {"dataset": "digits"},
+                                "fleet": [{"profile": "s2fl-low-low", "count": 2}],
+                                "output_dir": str(tmp_path / "out")})
+    a = Assignment(model="small_cnn", mode="sfl", split=2, width=0, batch_size=8, lr=0.1, momentum=0.0, tau=3,
+                   codec="fp32", zstd_level=1, activation_shape=(32, 4, 4), server_worker=1)
+    for follower in (True, False):
+        session = FleetSession(cfg, LocalTransport(), Registry(10), virtual=False, now=lambda: 0.0,
+                               on_event=lambda *x: None, on_drop=lambda x: None, follower=follower)
+        agents = {"a1": RoundAgent("a1", a, 0.0, 0.0), "a2": RoundAgent("a2", a, 0.0, 0.0, bytes_up=900)}
+        caplog.clear()
+        session.drop(agents, "a1", "silent for 60 s")
+        session.drop(agents, "a2", "silent for 60 s")
+        hints = [r.getMessage() for r in caplog.records if "sfl/r/up/" in r.getMessage()]
+        assert hints == (["dropping a1 from the round: silent for 60 s; none of its activations reached this "
+                          "server worker: the broker must let it publish on sfl/r/up/a1/+ (the ACL of "
+                          "sfl-coord broker-config has that rule; docs/brokers.md)"] if follower else []), hints
+
+
 class _TrainingTopics:
     """A broker client that notes on which topics each agent's activations travel."""
 
