@@ -539,9 +539,10 @@ class FleetSession:
 
     def drop(self, agents: dict[str, RoundAgent], agent_id: str, why: str) -> None:
         ra = agents.get(agent_id)
-        if self.follower and ra is not None and ra.bytes_up == 0:
-            # its rows come beneath its own topic, which an ACL written before server workers
-            # took them there does not let it publish on: the broker drops them without a word
+        if self.follower and ra is not None and ra.bytes_up == 0 and ra.last_heard > ra.last_sent_at:
+            # heard (its heartbeats), yet no row came: its rows come beneath its own topic, which
+            # an ACL written before server workers took them there does not let it publish on,
+            # and the broker drops them without a word
             why += (f"; none of its activations reached this server worker: the broker must let it publish on "
                     f"{protocol.up_topic(self.cfg.run_id, agent_id)}/+ (the ACL of sfl-coord broker-config "
                     f"has that rule; docs/brokers.md)")

@@ -214,7 +214,8 @@ def test_a_worker_takes_only_training_messages_on_its_own_topic_and_the_leader_n
 
 def test_a_worker_that_never_got_an_agents_rows_names_the_topic_the_broker_must_let_it_use(tmp_path, caplog):
     """An ACL written before rows went beneath an agent's topic lets the broker drop them
-    silently: the worker that drops the agent says which topic it must be allowed."""
+    silently: the worker that drops an agent it heard from but got no row of says which topic
+    the agent must be allowed."""
     from coordinator.registry import Registry
     from coordinator.session import FleetSession, RoundAgent
     from coordinator.transport import LocalTransport
@@ -228,10 +229,12 @@ def test_a_worker_that_never_got_an_agents_rows_names_the_topic_the_broker_must_
     for follower in (True, False):
         session = FleetSession(cfg, LocalTransport(), Registry(10), virtual=False, now=lambda: 0.0,
                                on_event=lambda *x: None, on_drop=lambda x: None, follower=follower)
-        agents = {"a1": RoundAgent("a1", a, 0.0, 0.0), "a2": RoundAgent("a2", a, 0.0, 0.0, bytes_up=900)}
+        agents = {"a1": RoundAgent("a1", a, last_heard=5.0, last_sent_at=0.0),   # its heartbeats came, no row
+                  "a2": RoundAgent("a2", a, last_heard=5.0, last_sent_at=0.0, bytes_up=900),   # rows came
+                  "a3": RoundAgent("a3", a, last_heard=0.0, last_sent_at=0.0)}   # nothing came: gone, not barred
         caplog.clear()
-        session.drop(agents, "a1", "silent for 60 s")
-        session.drop(agents, "a2", "silent for 60 s")
+        for agent in ("a1", "a2", "a3"):
+            session.drop(agents, agent, "silent for 60 s")
         hints = [r.getMessage() for r in caplog.records if "sfl/r/up/" in r.getMessage()]
         assert hints == (["dropping a1 from the round: silent for 60 s; none of its activations reached this "
                           "server worker: the broker must let it publish on sfl/r/up/a1/+ (the ACL of "
