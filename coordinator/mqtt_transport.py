@@ -270,7 +270,7 @@ class MqttTransport:
         if msg.type == "probe":
             self._answer_probe(msg)
             return
-        if msg.type in ("activations", "logit_grads") and msg.sender in self.not_mine:
+        if msg.type in protocol.TRAINING_TYPES and msg.sender in self.not_mine:
             return
         if self._worker and msg.type in ("register", "weights"):
             return   # the leader's: it registers agents and aggregates their weights

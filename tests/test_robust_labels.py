@@ -111,6 +111,8 @@ def test_a_device_is_judged_on_this_rounds_rows_and_on_them_pooled_with_its_last
     honest = {"h1": LabelCount(32, 5, 4.0, 3.5), "h2": LabelCount(32, 4, 4.0, 3.5)}
     assert judge({"odd": LabelCount(32, 6, 4.0, 3.5), **honest}, {"odd": flagged_twice}, 0.3) == \
         {"odd": Verdict(0.6042, LabelCount(96, 70, 12.0, 10.5), 3)}
+    # the guard holds for the pooled judgement too: never most of the devices judged
+    assert judge({"a": unlucky, "b": unlucky}, {"a": past["backdoor"], "b": past["backdoor"]}, 0.3) == {}
 
 
 def test_outliers_are_the_devices_over_the_margin_never_most_of_them():
