@@ -128,7 +128,7 @@ def test_outliers_are_the_devices_over_the_margin_never_most_of_them():
         label_outliers(counts, 0.0)
 
 
-def test_auto_screens_labels_at_a_margin_of_its_own_where_the_devices_layers_keep_batch_statistics():
+def test_auto_screens_labels_at_one_margin_and_a_set_margin_overrides_it():
     from sfl_core.config.run import ConfigError, run_config_from_dict
 
     def robust(extra=None):
@@ -136,10 +136,9 @@ def test_auto_screens_labels_at_a_margin_of_its_own_where_the_devices_layers_kee
 
     auto = robust()
     assert auto.label_margin == "auto"
-    assert auto.label_screen(batch_norm=False) == 0.3 and auto.label_screen(batch_norm=True) == 0.2
-    set_ = robust({"robust": {"label_margin": 0.5}})
-    assert set_.label_screen(batch_norm=True) == 0.5
-    assert robust({"robust": {"label_margin": 0}}).label_screen(False) == 0
+    assert auto.label_screen() == 0.2
+    assert robust({"robust": {"label_margin": 0.5}}).label_screen() == 0.5
+    assert robust({"robust": {"label_margin": 0}}).label_screen() == 0
     for bad in (1, -0.1, "on"):
         with pytest.raises(ConfigError, match="label_margin"):
             robust({"robust": {"label_margin": bad}})
@@ -189,7 +188,7 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
 
     class Host(OptionHost):
         def __init__(self):
-            self.model = build_model("small_cnn", (1, 8, 8), classes)   # no BatchNorm: margin 0.3
+            self.model = build_model("small_cnn", (1, 8, 8), classes)   # no BatchNorm: margin 0.2
             self.options = [Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), self.model)]
             self.lines: list[str] = []
 
@@ -209,9 +208,9 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
     host, assignment = Host(), SimpleNamespace(split=1, width=0)
     agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "sly", "odd")}
     wrong = {"h0": [0, 0, 0], "h1": [0, 0, 0], "h2": [0, 0, 0],
-             "sly": [14, 14, 12],     # 0.3375 over twice, then 0.275: (40 - 9.6) / 96 = 0.3167 pooled
+             "sly": [11, 11, 9],      # 0.244 over twice, then 0.181: (31 - 9.6) / 96 = 0.2229 pooled
              "odd": [32, 32, 0]}      # pooled 0.567 over, but its third round's rows match
     out = [host.screen_rows(r, 0, agents, {a: rows(w[r - 1]) for a, w in wrong.items()}) for r in (1, 2, 3)]
     assert out == [{"sly", "odd"}, {"sly", "odd"}, {"sly"}]
-    assert host.options[0].labels == {"sly": (1, 0.3167)}
-    assert [line for line in host.lines if "sly" in line and "over its last 3 rounds (40 of 96 rows" in line]
+    assert host.options[0].labels == {"sly": (1, 0.2229)}
+    assert [line for line in host.lines if "sly" in line and "over its last 3 rounds (31 of 96 rows" in line]

@@ -183,7 +183,7 @@ class Robust(RoundOption):
         decided once per split."""
         if split not in self._label_screen:
             batch_norm = bool(batch_norm_layers(ctx.model.client(split)))
-            self._label_screen[split] = (self.section.label_screen(batch_norm), batch_norm)
+            self._label_screen[split] = (self.section.label_screen(), batch_norm)
         return self._label_screen[split]
 
     def _screen_labels(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
