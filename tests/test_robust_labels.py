@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 
-from sfl_core.options.robust.labels import LabelCount, Verdict, class_centroids, count_each, judge, label_outliers
+from statistics import NormalDist
+
+from sfl_core.options.robust.labels import (LabelCount, Verdict, binomial_tail, class_centroids, count_each, judge,
+                                             label_outliers)
 
 
 def _reference():
@@ -33,7 +37,6 @@ def test_a_devices_mismatches_and_the_number_expected_of_its_classes():
     c, = count_each([(torch.tensor([[1.0], [9.0], [10.0], [50.0], [3.0]]), torch.tensor([0, 0, 1, 2, 7]))], ref)
     assert (c.rows, c.mismatched) == (3, 1) and c.expected == pytest.approx(2 / 3)
     assert c.excess == pytest.approx((1 - 2 / 3) / 3)
-    assert c.variance == pytest.approx(2 * (1 / 3) * (2 / 3))   # two rows of class 0 at rate 1/3, one at 0
     flipped, = count_each([(torch.tensor([[0.0], [10.0]]), torch.tensor([1, 0]))], ref)
     assert (flipped.rows, flipped.mismatched) == (2, 2) and flipped.expected == pytest.approx(1 / 3)
     assert count_each([(torch.tensor([[50.0]]), torch.tensor([2]))], ref) == [LabelCount()]
@@ -47,7 +50,7 @@ def test_a_steps_devices_counted_together_are_each_counted_as_alone():
     together = count_each(devices, ref)   # as test_a_devices_mismatches_and_the_number_expected_of_its_classes
     assert [(c.rows, c.mismatched) for c in together] == [(3, 1), (0, 0), (2, 2)]
     assert [c.expected for c in together] == pytest.approx([2 / 3, 0.0, 1 / 3])
-    assert [c.variance for c in together] == pytest.approx([4 / 9, 0.0, 2 / 9]) and count_each([], ref) == []
+    assert count_each([], ref) == []
 
 
 def test_the_nearest_centroid_by_one_matrix_product_is_the_nearest_by_distance():
@@ -66,51 +69,69 @@ def test_the_nearest_centroid_by_one_matrix_product_is_the_nearest_by_distance()
 
 
 def test_counts_add_up_over_a_rounds_steps():
-    c = LabelCount(10, 2, 1.5, 1.0)
-    c.add(LabelCount(6, 6, 0.5, 0.44))
+    c = LabelCount(10, 2, 1.5)
+    c.add(LabelCount(6, 6, 0.5))
     assert (c.rows, c.mismatched, c.expected) == (16, 8, 2.0) and c.excess == pytest.approx(6 / 16)
-    assert c.variance == pytest.approx(1.44) and c.significance == pytest.approx(6 / 1.2)
     assert LabelCount().excess == 0.0 and LabelCount().significance == 0.0
     assert LabelCount(16, 1, 0.0).significance == math.inf   # no mismatch expected, one found
+    assert LabelCount(16, 2, 2.0).significance == 0.0        # no more than expected
+
+
+def test_chance_is_the_binomials_exact_tail_in_standard_deviations_of_a_normal_tail_as_unlikely():
+    def tail(k, n, p):   # the sum of the binomial's terms from k up, in exact fractions
+        p = Fraction(p).limit_denominator(1000)
+        return float(sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+
+    assert binomial_tail(1, 2, 0.5) == pytest.approx(0.75) and binomial_tail(0, 5, 0.1) == 1.0
+    assert binomial_tail(6, 5, 0.1) == 0.0 and binomial_tail(3, 5, 0.0) == 0.0 and binomial_tail(3, 5, 1.0) == 1.0
+    for k, n, p in ((8, 16, 0.125), (31, 96, 0.1), (16, 32, 0.11), (900, 2000, 0.4)):
+        assert binomial_tail(k, n, p) == pytest.approx(tail(k, n, p), rel=1e-9)
+    assert 0.0 < binomial_tail(1500, 2000, 0.4) < 1e-100   # no overflow where the terms' factors would
+    # 8 of 16 rows at 2 expected: a tail of 0.00030, as unlikely as 3.43 deviations
+    assert LabelCount(16, 8, 2.0).significance == pytest.approx(-NormalDist().inv_cdf(tail(8, 16, 0.125)))
+    # an honest device of the engine tests' fleet: 6 of 16 rows where 1.3 were expected lie 4.3
+    # deviations over by the normal approximation (the binomial's standard deviation), 3.1 by the tail
+    honest = LabelCount(16, 6, 1.3)
+    assert (6 - 1.3) / (16 * (1.3 / 16) * (1 - 1.3 / 16)) ** 0.5 > 4 > 3.2 > honest.significance > 3.0
 
 
 def test_a_share_over_the_margin_that_chance_explains_is_not_flagged():
-    # 16 rows each mismatching with chance 0.11: 1.76 expected, variance 16 * 0.11 * 0.89 = 1.5664;
-    # 6 found is (6 - 1.76) / 16 = 0.265 over the expected share but 4.24 / 1.2516 = 3.39 deviations
-    chance = LabelCount(16, 6, 1.76, 1.5664)
-    # a backdoor's 32 rows, half triggered: 16 found against 3.52 expected, 7.05 deviations
-    backdoor = LabelCount(32, 16, 3.52, 3.1328)
-    honest = {f"h{i}": LabelCount(32, 4, 3.52, 3.1328) for i in range(3)}
+    # 16 rows each mismatching with chance 0.11: 1.76 expected; 6 found is (6 - 1.76) / 16 = 0.265
+    # over the expected share but as likely as 2.55 deviations
+    chance = LabelCount(16, 6, 1.76)
+    # a backdoor's 32 rows, half triggered: 16 found against 3.52 expected, 5.33 deviations
+    backdoor = LabelCount(32, 16, 3.52)
+    honest = {f"h{i}": LabelCount(32, 4, 3.52) for i in range(3)}
     assert label_outliers({"chance": chance, "backdoor": backdoor, **honest}, 0.2) == {"backdoor": 0.39}
-    assert label_outliers({"chance": chance, "backdoor": backdoor, **honest}, 0.2, significance=3.0) == \
+    assert label_outliers({"chance": chance, "backdoor": backdoor, **honest}, 0.2, significance=2.5) == \
         {"backdoor": 0.39, "chance": 0.265}
 
 
 def test_a_device_is_judged_on_this_rounds_rows_and_on_them_pooled_with_its_last_rounds():
     # a backdoor whose 32 rows of a round lie 0.25-0.45 over: alone it passes in its unlucky round
-    unlucky = LabelCount(32, 12, 4.0, 3.5)     # (12 - 4) / 32 = 0.25 over: under the margin
-    past = {"backdoor": [LabelCount(32, 18, 4.0, 3.5), LabelCount(32, 16, 4.0, 3.5)],
-            "honest": [LabelCount(32, 6, 4.0, 3.5), LabelCount(32, 3, 4.0, 3.5)],
-            "flipper": [LabelCount(32, 4, 4.0, 3.5)]}
-    now = {"backdoor": unlucky, "honest": LabelCount(32, 5, 4.0, 3.5),
-           "flipper": LabelCount(32, 30, 4.0, 3.5),           # over alone: judged on this round
-           "new": LabelCount(32, 5, 4.0, 3.5),                # no past: this round alone
-           "few": LabelCount(8, 8, 0.0, 0.0)}                 # too few rows yet, whatever its past
-    past["few"] = [LabelCount(32, 32, 4.0, 3.5)] * 2
-    # pooled: (18 + 16 + 12 - 12) / 96 = 0.354 over, 34 / sqrt(10.5) = 10.5 deviations
+    unlucky = LabelCount(32, 12, 4.0)     # (12 - 4) / 32 = 0.25 over: under the margin
+    past = {"backdoor": [LabelCount(32, 18, 4.0), LabelCount(32, 16, 4.0)],
+            "honest": [LabelCount(32, 6, 4.0), LabelCount(32, 3, 4.0)],
+            "flipper": [LabelCount(32, 4, 4.0)]}
+    now = {"backdoor": unlucky, "honest": LabelCount(32, 5, 4.0),
+           "flipper": LabelCount(32, 30, 4.0),           # over alone: judged on this round
+           "new": LabelCount(32, 5, 4.0),                # no past: this round alone
+           "few": LabelCount(8, 8, 0.0)}                 # too few rows yet, whatever its past
+    past["few"] = [LabelCount(32, 32, 4.0)] * 2
+    # pooled: (18 + 16 + 12 - 12) / 96 = 0.354 over, 8.4 deviations
     assert judge(now, past, 0.3) == {
-        "backdoor": Verdict(0.3542, LabelCount(96, 46, 12.0, 10.5), 3),
+        "backdoor": Verdict(0.3542, LabelCount(96, 46, 12.0), 3),
         "flipper": Verdict(0.8125, now["flipper"], 1)}
     assert judge(now, {}, 0.3) == {"flipper": Verdict(0.8125, now["flipper"], 1)}   # as before pooling
     # a device flagged twice whose rows of this round mismatch less than expected is not flagged
     # on its past: (32 + 32 + 3 - 12) / 96 = 0.57 over pooled, but this round's 3 are under 4
-    flagged_twice = [LabelCount(32, 32, 4.0, 3.5)] * 2
-    assert judge({"odd": LabelCount(32, 3, 4.0, 3.5), **now}, {**past, "odd": flagged_twice}, 0.3).keys() == \
+    flagged_twice = [LabelCount(32, 32, 4.0)] * 2
+    assert judge({"odd": LabelCount(32, 3, 4.0), **now}, {**past, "odd": flagged_twice}, 0.3).keys() == \
         {"backdoor", "flipper"}
     # rows that mismatch more than expected are pooled: (32 + 32 + 6 - 12) / 96 = 0.604
-    honest = {"h1": LabelCount(32, 5, 4.0, 3.5), "h2": LabelCount(32, 4, 4.0, 3.5)}
-    assert judge({"odd": LabelCount(32, 6, 4.0, 3.5), **honest}, {"odd": flagged_twice}, 0.3) == \
-        {"odd": Verdict(0.6042, LabelCount(96, 70, 12.0, 10.5), 3)}
+    honest = {"h1": LabelCount(32, 5, 4.0), "h2": LabelCount(32, 4, 4.0)}
+    assert judge({"odd": LabelCount(32, 6, 4.0), **honest}, {"odd": flagged_twice}, 0.3) == \
+        {"odd": Verdict(0.6042, LabelCount(96, 70, 12.0), 3)}
     # the guard holds for the pooled judgement too: never most of the devices judged
     assert judge({"a": unlucky, "b": unlucky}, {"a": past["backdoor"], "b": past["backdoor"]}, 0.3) == {}
 
@@ -208,9 +229,9 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
     host, assignment = Host(), SimpleNamespace(split=1, width=0)
     agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "sly", "odd")}
     wrong = {"h0": [0, 0, 0], "h1": [0, 0, 0], "h2": [0, 0, 0],
-             "sly": [11, 11, 9],      # 0.244 over twice, then 0.181: (31 - 9.6) / 96 = 0.2229 pooled
+             "sly": [13, 13, 9],      # 0.306 over twice, then 0.181: (35 - 9.6) / 96 = 0.2646 pooled
              "odd": [32, 32, 0]}      # pooled 0.567 over, but its third round's rows match
     out = [host.screen_rows(r, 0, agents, {a: rows(w[r - 1]) for a, w in wrong.items()}) for r in (1, 2, 3)]
     assert out == [{"sly", "odd"}, {"sly", "odd"}, {"sly"}]
-    assert host.options[0].labels == {"sly": (1, 0.2229)}
-    assert [line for line in host.lines if "sly" in line and "over its last 3 rounds (31 of 96 rows" in line]
+    assert host.options[0].labels == {"sly": (1, 0.2646)}
+    assert [line for line in host.lines if "sly" in line and "over its last 3 rounds (35 of 96 rows" in line]
