@@ -85,7 +85,8 @@ class RobustConfig(OptionSection):
                          "the share expected of those classes (measured on the held-out rows) has its rows left out "
                          "of the round's server steps and its update out of the average, and is named (flipped labels, "
                          "a backdoor's triggered rows), where chance (the binomial's exact tail) makes it likelier "
-                         "than 4 standard deviations of a normal tail it passes; where this round's rows mismatch more than expected, the same holds for its "
+                         "than 4 standard deviations of a normal tail it passes; where this round's rows mismatch "
+                         "more than expected, the same holds for its "
                          "first rows of its last 3 rounds added up (each against its round's held-out data); a number "
                          "in (0, 1), 0 = off, auto (default) = 0.2. Where the device's layers hold BatchNorm, each "
                          "device is screened against held-out samples of its own mix of classes run as one batch "
@@ -112,11 +113,12 @@ class RobustConfig(OptionSection):
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
 
     LABEL_MARGIN: ClassVar[float] = 0.2
-    """The label screen's margin where ``label_margin`` is auto: chosen on the attack benches'
-    seeds 0-1 between 0.15, 0.2 and 0.3 (on a hundred MNIST devices 0.15 stopped the backdoor as
-    0.2 did and flagged more honest devices without attackers; 0.3 let a backdoor's devices holding mostly its target class through: their triggered images
-    are mostly of that class already, so fewer of their rows disagree with their labels), the
-    same with BatchNorm's matched reference and without."""
+    """The label screen's margin where ``label_margin`` is auto, with BatchNorm's matched reference
+    and without: chosen on the attack benches' seeds 0-1 between 0.15, 0.2 and 0.3. On a hundred
+    MNIST devices 0.15 stopped the backdoor as 0.2 did and flagged more honest devices without
+    attackers; 0.3 let through a backdoor's devices holding mostly its target class (their
+    triggered images are mostly of that class already, so fewer of their rows disagree with
+    their labels)."""
 
     def label_screen(self) -> float:
         """The label screen's margin (0: off)."""

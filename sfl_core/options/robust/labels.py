@@ -160,8 +160,8 @@ class LabelCount:
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:
-    """``P(X >= k)`` for ``X ~ Binomial(n, p)``: the terms summed in log space (exact, and no
-    overflow for any ``n``; at most ``n + 1`` terms, a few microseconds per device judged)."""
+    """``P(X >= k)`` for ``X ~ Binomial(n, p)``: its terms summed in log space, exact and without
+    overflow for any ``n`` (a device's rows pooled over its rounds are a few hundred at most)."""
     if k <= 0 or p >= 1.0:
         return 1.0
     if k > n or p <= 0.0:
