@@ -149,6 +149,13 @@ def _broker_class() -> type:
       subscriptions, but it covers every client's: a new agent received the retained
       messages of topics it never subscribed to. Retained messages now go only to a
       client subscribed to the filter.
+
+    And one for Python's streams: asyncio keeps only weak references to tasks, and the
+    task serving a connection is held by nothing but its protocol object, which lets go
+    of it when the socket closes. A connection task still waiting then (on acknowledgements
+    to retained messages, say) is garbage; the collector destroys it mid-await ("Task was
+    destroyed but it is pending!") and, with it, whatever its frame kept alive. The broker
+    now holds each connection's task until it returns, as asyncio's documentation asks.
     """
     from amqtt.broker import Broker
 
@@ -156,6 +163,16 @@ def _broker_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._subscriptions = _SnapshotDict(self._subscriptions)  # type: ignore[has-type]
+            self.connection_tasks: set[asyncio.Task[Any]] = set()
+
+        async def stream_connected(self, *args: Any, **kwargs: Any) -> None:
+            task = asyncio.current_task()
+            if task is not None:
+                self.connection_tasks.add(task)
+            try:
+                await super().stream_connected(*args, **kwargs)
+            finally:
+                self.connection_tasks.discard(task)  # type: ignore[arg-type]
 
         async def _publish_retained_messages_for_subscription(self, subscription: Any, session: Any) -> None:
             subscribers = self._subscriptions.get(subscription[0], ())
@@ -166,10 +183,20 @@ def _broker_class() -> type:
 
 
 def _log_loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """One line, no traceback, for an error amqtt leaves unhandled on the broker's loop."""
+    """One line, no traceback, for an error amqtt leaves unhandled on the broker's loop.
+
+    A retained message sent to a client that leaves before acknowledging it times out in a
+    task whose result amqtt never reads; as with the broadcast's own timeouts (see
+    :class:`_DropAmqttNoise`), the message was sent and there is nothing to act on.
+    """
     exc = context.get("exception")
+    if isinstance(exc, TimeoutError) and "PUBACK" in str(exc):
+        return
     what = f"{type(exc).__name__}: {exc}" if exc is not None else context.get("message", "unknown error")
-    log.warning("embedded MQTT broker: %s (the client concerned reconnects)", what)
+    task = context.get("task") or context.get("future")
+    coro = getattr(task, "get_coro", lambda: None)()
+    where = f" in {coro.__qualname__}" if coro is not None and hasattr(coro, "__qualname__") else ""
+    log.warning("embedded MQTT broker: %s%s (the client concerned reconnects)", what, where)
 
 
 class EmbeddedBroker:
