@@ -133,15 +133,13 @@ class Robust(RoundOption):
         self.typical: dict[tuple[int, int], float] = {}
         """Per cut (split, width), the median activations' RMS its accepted devices sent last."""
         self._anchors: dict[tuple[int, int], Optional[float]] = {}
-        self._label_screen: dict[int, tuple[float, bool]] = {}
-        """Per split, the label screen's margin (0: off there) and whether the devices' layers hold
-        BatchNorm (the reference is then matched to each device's mix of classes)."""
+        self._matched: dict[int, bool] = {}
+        """Per split, whether the devices' layers hold BatchNorm (the label screen's reference is
+        then matched to each device's mix of classes)."""
         self.labels: dict[str, tuple[int, float]] = {}
         """This round's agents whose rows the label screen left out: the steps, and their share of
         mismatched rows over the expected share."""
         self._label_counts: dict[str, LabelCount] = {}
-        self._label_margins: dict[str, float] = {}
-        """This round's screened agents: the label screen's margin at each one's cut."""
         self._label_past: dict[str, list[LabelCount]] = {}
         """Per agent, its judged counts of its last rounds before this one (at most
         :data:`~sfl_core.options.robust.labels.POOLED_ROUNDS` - 1), pooled with this round's."""
@@ -167,7 +165,7 @@ class Robust(RoundOption):
                 if c.rows >= MIN_ROWS:
                     self._label_past[a] = [*self._label_past.get(a, ()), c][1 - POOLED_ROUNDS:]
             self.rows, self._rows_round, self._anchors = {}, r, {}
-            self.labels, self._label_counts, self._label_refs, self._label_margins = {}, {}, {}, {}
+            self.labels, self._label_counts, self._label_refs = {}, {}, {}
 
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                     assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
@@ -178,13 +176,11 @@ class Robust(RoundOption):
                                        assignments, labels)
         return out
 
-    def _label_screen_at(self, ctx: RoundContext, split: int) -> tuple[float, bool]:
-        """The label screen's margin at ``split`` and whether its reference is matched (BatchNorm),
-        decided once per split."""
-        if split not in self._label_screen:
-            batch_norm = bool(batch_norm_layers(ctx.model.client(split)))
-            self._label_screen[split] = (self.section.label_screen(), batch_norm)
-        return self._label_screen[split]
+    def _matched_at(self, ctx: RoundContext, split: int) -> bool:
+        """Whether the label screen's reference at ``split`` is matched (BatchNorm), decided once per split."""
+        if split not in self._matched:
+            self._matched[split] = bool(batch_norm_layers(ctx.model.client(split)))
+        return self._matched[split]
 
     def _screen_labels(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                        assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
@@ -197,10 +193,7 @@ class Robust(RoundOption):
             if a in self.labels or a not in labels or self._label_counts.get(a, LabelCount()).rows >= MIN_ROWS:
                 continue
             cut = (assignments[a].split, assignments[a].width)
-            margin, matched = self._label_screen_at(ctx, cut[0])
-            if not margin:
-                continue
-            self._label_margins[a] = margin
+            matched = self._matched_at(ctx, cut[0])
             if cut not in self._label_refs:
                 ref = ctx.labelled_reference(*cut)
                 self._label_refs[cut] = None if ref is None else (
@@ -219,18 +212,17 @@ class Robust(RoundOption):
         for reference, judged_here in at_cut.values():   # the devices of a cut counted together
             for (a, _, _), found in zip(judged_here, count_each([(x, y) for _, x, y in judged_here], reference)):
                 self._label_counts.setdefault(a, LabelCount()).add(found)
-        for margin in sorted(set(self._label_margins.values())):   # the agents of each margin judged together
-            judged = {a: c for a, c in self._label_counts.items()
-                      if a not in self.labels and self._label_margins.get(a) == margin}
-            for a, verdict in judge(judged, self._label_past, margin).items():
-                c, excess = verdict.count, verdict.excess
-                when = f" over its last {verdict.rounds} rounds" if verdict.rounds > 1 else ""
-                ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its "
-                        f"labels disagree with its inputs{when} ({c.mismatched} of {c.rows} rows unlike the held-out "
-                        f"rows of their label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit "
-                        f"{margin:g}; {c.significance:.1f} standard deviations of chance); its update is left out "
-                        f"of the round's average", warning=True)
-                self.labels[a] = (0, excess)
+        margin = self.section.label_screen()
+        judged = {a: c for a, c in self._label_counts.items() if a not in self.labels}
+        for a, verdict in judge(judged, self._label_past, margin).items():
+            c, excess = verdict.count, verdict.excess
+            when = f" over its last {verdict.rounds} rounds" if verdict.rounds > 1 else ""
+            ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its "
+                    f"labels disagree with its inputs{when} ({c.mismatched} of {c.rows} rows unlike the held-out "
+                    f"rows of their label at its cut, {c.expected:.1f} expected; over by {excess:.2f}, limit "
+                    f"{margin:g}; {c.significance:.1f} standard deviations of chance); its update is left out "
+                    f"of the round's average", warning=True)
+            self.labels[a] = (0, excess)
         out = {a for a in rows if a in self.labels}
         for a in out:
             self.labels[a] = (self.labels[a][0] + 1, self.labels[a][1])
