@@ -224,7 +224,8 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
 
     def rows(wrong: int) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.arange(32) % classes
-        return torch.stack([eye[(k + 5 * (i < wrong)) % classes] for i, k in enumerate(y.tolist())]), y
+        # each row its own image (identical rows are one, test_a_row_sent_twice_is_counted_once)
+        return torch.stack([eye[(k + 5 * (i < wrong)) % classes] + 0.01 * i for i, k in enumerate(y.tolist())]), y
 
     host, assignment = Host(), SimpleNamespace(split=1, width=0)
     agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "sly", "odd")}
@@ -235,3 +236,72 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
     assert out == [{"sly", "odd"}, {"sly", "odd"}, {"sly"}]
     assert host.options[0].labels == {"sly": (1, 0.2646)}
     assert [line for line in host.lines if "sly" in line and "over its last 3 rounds (35 of 96 rows" in line]
+
+
+def test_a_row_sent_twice_is_counted_once():
+    from sfl_core.options.robust.labels import distinct
+
+    rows = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [2.0, 2.0], [0.0, 1.0], [1.0, 0.0]])
+    labels = torch.tensor([3, 4, 3, 5, 7, 3])   # the second [0, 1] under another label: another pair
+    x, y, repeated = distinct(rows, labels)
+    assert repeated and x.tolist() == [[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [0.0, 1.0]] and y.tolist() == [3, 4, 5, 7]
+    x, y, repeated = distinct(rows[:2], labels[:2])
+    assert not repeated and x.tolist() == rows[:2].tolist() and y.tolist() == [3, 4]
+
+
+def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():
+    """An honest device of 4 images (2 of them odd at the cut) in a batch of 32 sent each 8
+    times: 16 of 32 rows mismatched, far over chance as rows, but 2 odd images of 4, too few to
+    judge; and nothing of its later steps or past rounds is counted with them. A device of 20
+    images, 10 odd, sent 32 rows a step: judged on its 20, and not pooled with its past rounds
+    (the same images); a liar whose 20 images are all flipped is still flagged on them."""
+    from types import SimpleNamespace
+
+    from coordinator.option_host import OptionHost
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.model.zoo import build_model
+    from sfl_core.options.robust.option import Robust
+
+    classes, eye = 10, torch.eye(10) * 10.0
+    held_y = torch.arange(classes).repeat_interleave(20)
+    held_x = torch.stack([eye[(k + (i >= 18)) % classes] for k in range(classes) for i in range(20)])
+
+    class Host(OptionHost):
+        def __init__(self):
+            self.model = build_model("small_cnn", (1, 8, 8), classes)
+            self.options = [Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), self.model)]
+            self.lines: list[str] = []
+
+        def log(self, text, *, warning=False):
+            self.lines.append(text)
+
+        def reference_rows(self, split, width):
+            return None
+
+        def labelled_reference(self, split, width, select=None):
+            return held_x, held_y
+
+    def images(n: int, odd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.arange(n) % classes
+        return torch.stack([eye[(k + 5 * (i < odd)) % classes] + 0.01 * i for i, k in enumerate(y.tolist())]), y
+
+    def batch(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pick = torch.arange(32) % len(y)
+        return x[pick], y[pick]
+
+    def honest() -> tuple[torch.Tensor, torch.Tensor]:
+        return images(32, 0)
+
+    host, assignment = Host(), SimpleNamespace(split=1, width=0)
+    agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "four", "twenty", "liar")}
+    for r in (1, 2, 3):
+        for step in (0, 1):
+            sent = {"h0": honest(), "h1": honest(), "h2": honest(), "four": batch(*images(4, 2)),
+                    "twenty": batch(*images(20, 10)), "liar": batch(*images(20, 20))}
+            out = host.screen_rows(r, step, agents, sent)
+            assert out == {"twenty", "liar"}, (r, step, out)
+        counts = host.options[0]._label_counts
+        assert (counts["four"].rows, counts["four"].mismatched, counts["four"].whole) == (4, 2, True)
+        assert (counts["twenty"].rows, counts["twenty"].mismatched) == (20, 10)
+    assert not [line for line in host.lines if "over its last" in line]
+    assert [line for line in host.lines if "rows of twenty" in line and "(10 of 20 rows" in line]

@@ -27,9 +27,19 @@ class's centroid than ``quantile`` of that class's held-out rows do (each left o
 centroid). A flipped row is of another class and lies far; an honest one lies as close as the
 held-out rows of its class, in a batch normalised like its own.
 
+A row sent twice is one piece of evidence. A device holding fewer samples than its batch sends
+each of them several times in a step (its sampler wraps around its data), and the same few
+images again in every round: counted as rows, four odd images of a device's four, repeated to a
+batch of 42, were 21 mismatches of 42 rows, and pooled over three rounds the same four images
+again, and an honest device was quarantined. So a step's identical rows are counted once
+(:func:`distinct`), and a device whose step repeated rows has shown all its data: its count is
+*whole*, no later step of the round adds to it, and its past rounds, the same images, are not
+pooled with it.
+
 Limits: the rows must be labelled (a device that keeps its labels, U-shaped, is not screened),
 the server must hold labelled held-out data of the same task, and a class missing from it is
-not judged. An attacker that poisons fewer than ``margin`` of its rows goes unseen; so does
+not judged. A device with fewer than :data:`MIN_ROWS` distinct samples in its batch is not
+judged (its repeats carry no more evidence than its images). An attacker that poisons fewer than ``margin`` of its rows goes unseen; so does
 one whose held-out rates are near chance (early rounds, a cut where the classes do not
 separate yet), since its expected share leaves no room for the margin.
 """
@@ -44,7 +54,8 @@ from typing import Mapping, Sequence
 import torch
 
 __all__ = ["MIN_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "SUSPICION", "LabelCount", "Reference", "Verdict",
-           "binomial_tail", "class_centroids", "count_each", "count_far", "judge", "label_outliers", "matched_selection"]
+           "binomial_tail", "class_centroids", "count_each", "count_far", "distinct", "judge", "label_outliers",
+           "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
@@ -118,6 +129,8 @@ class LabelCount:
     rows: int = 0
     mismatched: int = 0
     expected: float = 0.0
+    whole: bool = False
+    """The rows are all the device's data: its step repeated rows (:func:`distinct`)."""
 
     @classmethod
     def total(cls, counts: Sequence["LabelCount"]) -> "LabelCount":
@@ -131,6 +144,7 @@ class LabelCount:
         self.rows += other.rows
         self.mismatched += other.mismatched
         self.expected += other.expected
+        self.whole = self.whole or other.whole
 
     @property
     def significance(self) -> float:
@@ -170,6 +184,24 @@ def binomial_tail(k: int, n: int, p: float) -> float:
     logs = [ln - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k, n + 1)]
     top = max(logs)
     return math.exp(top) * math.fsum(math.exp(x - top) for x in logs)
+
+
+def distinct(rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``rows`` (N, ...) and their ``labels`` with each identical (row, label) pair kept once, in
+    the order first sent, and whether any was repeated. Identical inputs in one batch come out of
+    the client portion identical, BatchNorm included (one batch, one set of statistics), and so
+    through the codec: what a device sent twice is found by equality."""
+    flat = rows.detach().flatten(1)
+    if len(flat) < 2:
+        return rows, labels, False
+    keyed = torch.cat([flat.float(), labels.reshape(-1, 1).to(flat.device).float()], 1)
+    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), len(inverse), dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(inverse)), "amin")
+    if len(first) == len(inverse):
+        return rows, labels, False
+    keep = first.sort().values
+    return rows[keep], labels[keep], True
 
 
 def class_centroids(rows: torch.Tensor, labels: torch.Tensor, classes: int) -> Reference:
@@ -269,10 +301,11 @@ def judge(now: Mapping[str, LabelCount], past: Mapping[str, Sequence[LabelCount]
     :data:`POOLED_ROUNDS` - 1 kept), each by :func:`label_outliers`. Pooled only where this
     round's rows lean that way already (over :data:`SUSPICION` of the margin over the expected
     share): a device is never judged on its past alone, neither before its rows of this round
-    are enough to judge nor where they look honest."""
+    are enough to judge nor where they look honest; nor pooled where this round's count is
+    whole (its past rounds hold the same images)."""
     flagged = {a: Verdict(x, now[a], 1) for a, x in label_outliers(now, margin, significance).items()}
     together = {a: LabelCount.total([*past[a], c]) for a, c in now.items()
-                if c.rows >= MIN_ROWS and past.get(a) and c.excess > SUSPICION * margin}
+                if c.rows >= MIN_ROWS and past.get(a) and c.excess > SUSPICION * margin and not c.whole}
     # judged among all the devices, those without a past on this round's rows (the guard against
     # flagging most of them counts every device judged)
     for a, x in label_outliers({**now, **together}, margin, significance).items():

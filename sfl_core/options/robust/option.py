@@ -34,7 +34,7 @@ from sfl_core.model.norm_layers import batch_norm_layers
 from sfl_core.options.base import RoundContext, RoundOption
 from sfl_core.options.robust.config import RobustConfig
 from sfl_core.options.robust.labels import (MIN_ROWS, POOLED_ROUNDS, LabelCount, Reference, class_centroids,
-                                           count_each, count_far, judge, matched_selection)
+                                           count_each, count_far, distinct, judge, matched_selection)
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
                                            sizes_of, trimmed_mean, typical_of)
@@ -189,8 +189,10 @@ class Robust(RoundOption):
         (its client portion is still the round's, the one the held-out rows ran through); an agent
         whose labels disagree with its inputs has its rows left out for the rest of the round."""
         at_cut: dict[tuple[int, int], tuple[Reference, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
+        whole: set[str] = set()   # agents whose step repeated rows: all their data is in it
         for a, x in rows.items():
-            if a in self.labels or a not in labels or self._label_counts.get(a, LabelCount()).rows >= MIN_ROWS:
+            so_far = self._label_counts.get(a, LabelCount())
+            if a in self.labels or a not in labels or so_far.rows >= MIN_ROWS or so_far.whole:
                 continue
             cut = (assignments[a].split, assignments[a].width)
             matched = self._matched_at(ctx, cut[0])
@@ -201,17 +203,22 @@ class Robust(RoundOption):
             held = self._label_refs[cut]
             if held is None:
                 continue
-            y = labels[a].cpu()
-            if held[1] is None:   # held-out samples of the device's mix, normalised as one batch like its own
-                select = matched_selection(y, held[0], ctx.model.num_classes)
+            sent = labels[a].cpu()
+            x, y, repeated = distinct(x.cpu(), sent)   # a row sent twice counted once
+            if repeated:
+                whole.add(a)
+            if held[1] is None:   # held-out samples of the batch's mix as it ran, normalised as one batch like it
+                select = matched_selection(sent, held[0], ctx.model.num_classes)
                 ref = ctx.labelled_reference(*cut, select=select) if len(select) else None
                 self._label_counts.setdefault(a, LabelCount()).add(
-                    count_far(x.cpu(), y, *ref) if ref is not None else LabelCount())
+                    count_far(x, y, *ref) if ref is not None else LabelCount())
             else:
-                at_cut.setdefault(cut, (held[1], []))[1].append((a, x.cpu(), y))
+                at_cut.setdefault(cut, (held[1], []))[1].append((a, x, y))
         for reference, judged_here in at_cut.values():   # the devices of a cut counted together
             for (a, _, _), found in zip(judged_here, count_each([(x, y) for _, x, y in judged_here], reference)):
                 self._label_counts.setdefault(a, LabelCount()).add(found)
+        for a in whole:
+            self._label_counts.setdefault(a, LabelCount()).whole = True
         margin = self.section.label_screen()
         judged = {a: c for a, c in self._label_counts.items() if a not in self.labels}
         for a, verdict in judge(judged, self._label_past, margin).items():
