@@ -281,6 +281,11 @@ def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():
         def labelled_reference(self, split, width, select=None):
             return held_x, held_y
 
+        @property
+        def fleet(self):   # what each registered (a large device's epoch wraps within a step too)
+            return {a: SimpleNamespace(num_samples=n) for a, n in
+                    {"h0": 600, "h1": 600, "h2": 600, "four": 4, "twenty": 20, "liar": 20, "big": 40}.items()}
+
     def images(n: int, odd: int) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.arange(n) % classes
         return torch.stack([eye[(k + 5 * (i < odd)) % classes] + 0.01 * i for i, k in enumerate(y.tolist())]), y
@@ -293,15 +298,19 @@ def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():
         return images(32, 0)
 
     host, assignment = Host(), SimpleNamespace(split=1, width=0)
-    agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "four", "twenty", "liar")}
+    agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "four", "twenty", "liar", "big")}
+    x40, y40 = images(40, 0)
+    wrap = (torch.cat([x40[:8], x40[:8]]), torch.cat([y40[:8], y40[:8]]))   # its epoch's end, 8 repeated
     for r in (1, 2, 3):
         for step in (0, 1):
             sent = {"h0": honest(), "h1": honest(), "h2": honest(), "four": batch(*images(4, 2)),
-                    "twenty": batch(*images(20, 10)), "liar": batch(*images(20, 20))}
+                    "twenty": batch(*images(20, 10)), "liar": batch(*images(20, 20)),
+                    "big": wrap if step == 0 else (x40[8:24], y40[8:24])}
             out = host.screen_rows(r, step, agents, sent)
             assert out == {"twenty", "liar"}, (r, step, out)
         counts = host.options[0]._label_counts
         assert (counts["four"].rows, counts["four"].mismatched, counts["four"].whole) == (4, 2, True)
         assert (counts["twenty"].rows, counts["twenty"].mismatched) == (20, 10)
+        assert (counts["big"].rows, counts["big"].whole) == (24, False)   # more to show: its next step counted
     assert not [line for line in host.lines if "over its last" in line]
     assert [line for line in host.lines if "rows of twenty" in line and "(10 of 20 rows" in line]

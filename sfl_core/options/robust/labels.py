@@ -32,9 +32,9 @@ each of them several times in a step (its sampler wraps around its data), and th
 images again in every round: counted as rows, four odd images of a device's four, repeated to a
 batch of 42, were 21 mismatches of 42 rows, and pooled over three rounds the same four images
 again, and an honest device was quarantined. So a step's identical rows are counted once
-(:func:`distinct`), and a device whose step repeated rows has shown all its data: its count is
-*whole*, no later step of the round adds to it, and its past rounds, the same images, are not
-pooled with it.
+(:func:`distinct`), and a device whose step repeated rows and holds as many images as it
+registered has shown all its data: its count is *whole*, no later step of the round adds to it,
+and its past rounds, the same images, are not pooled with it.
 
 Limits: the rows must be labelled (a device that keeps its labels, U-shaped, is not screened),
 the server must hold labelled held-out data of the same task, and a class missing from it is

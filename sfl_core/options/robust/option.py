@@ -109,6 +109,15 @@ def capped_weights(weights: Mapping[str, float], cap: float,
     return {a: min(w, bound) for a, w in weights.items()}
 
 
+def _holds_all(ctx: RoundContext, agent: str, images: int) -> bool:
+    """Whether a step that repeated rows holds all of ``agent``'s data: its distinct ``images``
+    are as many as the samples it registered (a step at the end of a larger device's epoch
+    repeats a few of its images too, and it has more to show); where its registration is not
+    known, a repeat is taken to mean it."""
+    info = ctx.fleet.get(agent)
+    return info is None or int(getattr(info, "num_samples", 0)) <= images
+
+
 def _farther(x: float, y: float) -> bool:
     """Whether scale ``x`` lies farther from 1 than ``y``, either way (0: farthest)."""
     return x <= 0 or (y > 0 and abs(math.log(x)) > abs(math.log(y)))
@@ -205,7 +214,7 @@ class Robust(RoundOption):
                 continue
             sent = labels[a].cpu()
             x, y, repeated = distinct(x.cpu(), sent)   # a row sent twice counted once
-            if repeated:
+            if repeated and _holds_all(ctx, a, len(y)):
                 whole.add(a)
             if held[1] is None:   # held-out samples of the batch's mix as it ran, normalised as one batch like it
                 select = matched_selection(sent, held[0], ctx.model.num_classes)
