@@ -222,6 +222,10 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
         def labelled_reference(self, split, width, select=None):
             return held_x, held_y
 
+        @property
+        def fleet(self):   # registrations unknown: no device's pooled rows are capped
+            return {}
+
     def rows(wrong: int) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.arange(32) % classes
         # each row its own image (identical rows are one, test_a_row_sent_twice_is_counted_once)
@@ -314,3 +318,24 @@ def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():
         assert (counts["big"].rows, counts["big"].whole) == (24, False)   # more to show: its next step counted
     assert not [line for line in host.lines if "over its last" in line]
     assert [line for line in host.lines if "rows of twenty" in line and "(10 of 20 rows" in line]
+
+
+def test_a_devices_rounds_pooled_are_the_evidence_of_at_most_its_images():
+    from sfl_core.options.robust.labels import LabelCount, Verdict, judge
+
+    c = LabelCount(67, 22, 7.4)
+    assert c.at_most(100) is c and c.at_most(0) is c
+    scaled = c.at_most(29)
+    assert (scaled.rows, scaled.mismatched) == (29, 10) and scaled.expected == pytest.approx(7.4 * 29 / 67)
+    # an honest device of 29 images (the hard end's, seed 5): 8 of 22 rows this round, its two
+    # rounds before 7 of 22 and 7 of 23; pooled as rows, 22 of 67, 4.4 deviations: flagged
+    honest = {f"h{i}": LabelCount(32, 3, 3.2) for i in range(3)}
+    now = {"small": LabelCount(22, 8, 2.4), **honest}
+    past = {"small": [LabelCount(22, 7, 2.5), LabelCount(23, 7, 2.5)]}
+    assert judge(now, past, 0.2).keys() == {"small"}
+    assert judge(now, past, 0.2, images={"small": 29, "h0": 600}) == {}       # as 29 images: 3.4
+    assert judge(now, past, 0.2, images={"small": 600}).keys() == {"small"}   # a large device: as before
+    # a claim its rows belie is not believed: 22 rows this round, the claim 4 taken as 22
+    liar = {"liar": LabelCount(22, 22, 2.4), **honest}
+    out = judge(liar, {"liar": [LabelCount(22, 22, 2.5)]}, 0.2, images={"liar": 4})
+    assert out.keys() == {"liar"} and out["liar"] == Verdict(out["liar"].excess, liar["liar"], 1)

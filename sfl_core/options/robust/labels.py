@@ -167,6 +167,16 @@ class LabelCount:
             return math.inf
         return -NormalDist().inv_cdf(tail) if tail < 1.0 else 0.0
 
+    def at_most(self, images: int) -> "LabelCount":
+        """This count as the evidence of at most ``images`` distinct samples: rows, mismatches and
+        expected mismatches scaled by ``images / rows`` where there are more rows (a device's
+        rounds pooled re-count its images when it holds few). The share is unchanged, and with
+        it the excess; what chance explains grows."""
+        if images <= 0 or self.rows <= images:
+            return self
+        f = images / self.rows
+        return LabelCount(images, round(self.mismatched * f), self.expected * f, self.whole)
+
     @property
     def excess(self) -> float:
         """The share of mismatched rows over the expected share (0 with no rows)."""
@@ -295,16 +305,20 @@ class Verdict:
 
 
 def judge(now: Mapping[str, LabelCount], past: Mapping[str, Sequence[LabelCount]], margin: float,
-          significance: float = SIGNIFICANCE) -> dict[str, Verdict]:
+          significance: float = SIGNIFICANCE, images: Mapping[str, int] | None = None) -> dict[str, Verdict]:
     """The devices flagged on this round's rows (``now``) alone or on them pooled with their
     counts of earlier rounds (``past``, each against its own round's reference; at most
     :data:`POOLED_ROUNDS` - 1 kept), each by :func:`label_outliers`. Pooled only where this
     round's rows lean that way already (over :data:`SUSPICION` of the margin over the expected
     share): a device is never judged on its past alone, neither before its rows of this round
     are enough to judge nor where they look honest; nor pooled where this round's count is
-    whole (its past rounds hold the same images)."""
+    whole (its past rounds hold the same images). A device's rounds pooled count as the
+    evidence of at most its ``images`` (the samples it registered, or this round's rows where
+    those are more: a claim its rows belie is not believed; :meth:`LabelCount.at_most`)."""
     flagged = {a: Verdict(x, now[a], 1) for a, x in label_outliers(now, margin, significance).items()}
-    together = {a: LabelCount.total([*past[a], c]) for a, c in now.items()
+    held = {a: n for a, n in (images or {}).items() if n > 0}
+    together = {a: LabelCount.total([*past[a], c]).at_most(max(held[a], c.rows) if a in held else 0)
+                for a, c in now.items()
                 if c.rows >= MIN_ROWS and past.get(a) and c.excess > SUSPICION * margin and not c.whole}
     # judged among all the devices, those without a past on this round's rows (the guard against
     # flagging most of them counts every device judged)

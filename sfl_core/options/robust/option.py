@@ -230,7 +230,8 @@ class Robust(RoundOption):
             self._label_counts.setdefault(a, LabelCount()).whole = True
         margin = self.section.label_screen()
         judged = {a: c for a, c in self._label_counts.items() if a not in self.labels}
-        for a, verdict in judge(judged, self._label_past, margin).items():
+        images = {a: int(getattr(ctx.fleet.get(a), "num_samples", 0)) for a in judged}
+        for a, verdict in judge(judged, self._label_past, margin, images=images).items():
             c, excess = verdict.count, verdict.excess
             when = f" over its last {verdict.rounds} rounds" if verdict.rounds > 1 else ""
             ctx.log(f"robust: round {r}: rows of {a} left out of the server's steps from step {step}: its "
