@@ -29,19 +29,22 @@ held-out rows of its class, in a batch normalised like its own.
 
 A row sent twice is one piece of evidence. A device holding fewer samples than its batch sends
 each of them several times in a step (its sampler wraps around its data), and the same few
-images again in every round: counted as rows, four odd images of a device's four, repeated to a
-batch of 42, were 21 mismatches of 42 rows, and pooled over three rounds the same four images
-again, and an honest device was quarantined. So a step's identical rows are counted once
-(:func:`distinct`), and a device whose step repeated rows and holds as many images as it
-registered has shown all its data: its count is *whole*, no later step of the round adds to it,
-and its past rounds, the same images, are not pooled with it.
+images again in every round: counted as rows, two odd images of an honest device's four, each
+sent ten times in a batch of 42, were 21 mismatches of 42 rows, the same four pooled over three
+rounds were flagged again, and the device was quarantined. So a step's identical rows are
+counted once (:func:`distinct`); a device whose step repeated rows and holds as many images as
+it registered has shown all its data: its count is *whole*, no later step of the round adds to
+it, and its past rounds, the same images, are not pooled with it. Where a device's batch is its
+data without repeats, its rounds pooled re-count its images: pooled, they count as the evidence
+of at most the samples it registered (:meth:`LabelCount.at_most`).
 
 Limits: the rows must be labelled (a device that keeps its labels, U-shaped, is not screened),
 the server must hold labelled held-out data of the same task, and a class missing from it is
 not judged. A device with fewer than :data:`MIN_ROWS` distinct samples in its batch is not
-judged (its repeats carry no more evidence than its images). An attacker that poisons fewer than ``margin`` of its rows goes unseen; so does
-one whose held-out rates are near chance (early rounds, a cut where the classes do not
-separate yet), since its expected share leaves no room for the margin.
+judged (its repeats carry no more evidence than its images). An attacker that poisons fewer
+than ``margin`` of its rows goes unseen; so does one whose held-out rates are near chance
+(early rounds, a cut where the classes do not separate yet), since its expected share leaves
+no room for the margin.
 """
 
 from __future__ import annotations
