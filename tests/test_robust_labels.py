@@ -191,10 +191,13 @@ def test_far_rows_against_the_matched_reference_by_hand():
     assert (c.rows, c.mismatched) == (1, 0) and c.expected == pytest.approx(0.4)
 
 
-def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows_that_lean_its_way():
-    """Through the option itself: a device passing its third round alone (12 of 32 rows unlike
-    their label, 0.275 over) is flagged on its three rounds together; an honest device with two
-    odd rounds behind it is not flagged on them where its rows now match their labels."""
+_CLASSES, _EYE = 10, torch.eye(10) * 10.0
+
+
+def _screen_host(registered: dict[str, int]):
+    """An option host around the robust option (``small_cnn``: no BatchNorm, margin 0.2) whose
+    held-out rows lie per class 18 at its point and 2 at the next class's (a rate of 0.1 each),
+    with the devices' ``registered`` sample counts."""
     from types import SimpleNamespace
 
     from coordinator.option_host import OptionHost
@@ -202,14 +205,12 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
     from sfl_core.model.zoo import build_model
     from sfl_core.options.robust.option import Robust
 
-    classes, eye = 10, torch.eye(10) * 10.0
-    # held-out: per class 18 rows at its point and 2 at the next class's (a rate of 0.1 each)
-    held_y = torch.arange(classes).repeat_interleave(20)
-    held_x = torch.stack([eye[(k + (i >= 18)) % classes] for k in range(classes) for i in range(20)])
+    held_y = torch.arange(_CLASSES).repeat_interleave(20)
+    held_x = torch.stack([_EYE[(k + (i >= 18)) % _CLASSES] for k in range(_CLASSES) for i in range(20)])
 
     class Host(OptionHost):
         def __init__(self):
-            self.model = build_model("small_cnn", (1, 8, 8), classes)   # no BatchNorm: margin 0.2
+            self.model = build_model("small_cnn", (1, 8, 8), _CLASSES)
             self.options = [Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), self.model)]
             self.lines: list[str] = []
 
@@ -223,15 +224,27 @@ def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows
             return held_x, held_y
 
         @property
-        def fleet(self):   # registrations unknown: no device's pooled rows are capped
-            return {}
+        def fleet(self):
+            return {a: SimpleNamespace(num_samples=n) for a, n in registered.items()}
+
+    return Host()
+
+
+def test_the_screen_keeps_each_devices_last_rounds_and_pools_them_only_with_rows_that_lean_its_way():
+    """Through the option itself: a device passing its third round alone (12 of 32 rows unlike
+    their label, 0.275 over) is flagged on its three rounds together; an honest device with two
+    odd rounds behind it is not flagged on them where its rows now match their labels."""
+    from types import SimpleNamespace
+
+    classes, eye = _CLASSES, _EYE
+    registered: dict[str, int] = {}   # registrations unknown: no device's pooled rows are capped
 
     def rows(wrong: int) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.arange(32) % classes
         # each row its own image (identical rows are one, test_a_row_sent_twice_is_counted_once)
         return torch.stack([eye[(k + 5 * (i < wrong)) % classes] + 0.01 * i for i, k in enumerate(y.tolist())]), y
 
-    host, assignment = Host(), SimpleNamespace(split=1, width=0)
+    host, assignment = _screen_host(registered), SimpleNamespace(split=1, width=0)
     agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "sly", "odd")}
     wrong = {"h0": [0, 0, 0], "h1": [0, 0, 0], "h2": [0, 0, 0],
              "sly": [13, 13, 9],      # 0.306 over twice, then 0.181: (35 - 9.6) / 96 = 0.2646 pooled
@@ -261,34 +274,9 @@ def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():
     (the same images); a liar whose 20 images are all flipped is still flagged on them."""
     from types import SimpleNamespace
 
-    from coordinator.option_host import OptionHost
-    from sfl_core.config.run import run_config_from_dict
-    from sfl_core.model.zoo import build_model
-    from sfl_core.options.robust.option import Robust
-
-    classes, eye = 10, torch.eye(10) * 10.0
-    held_y = torch.arange(classes).repeat_interleave(20)
-    held_x = torch.stack([eye[(k + (i >= 18)) % classes] for k in range(classes) for i in range(20)])
-
-    class Host(OptionHost):
-        def __init__(self):
-            self.model = build_model("small_cnn", (1, 8, 8), classes)
-            self.options = [Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), self.model)]
-            self.lines: list[str] = []
-
-        def log(self, text, *, warning=False):
-            self.lines.append(text)
-
-        def reference_rows(self, split, width):
-            return None
-
-        def labelled_reference(self, split, width, select=None):
-            return held_x, held_y
-
-        @property
-        def fleet(self):   # what each registered (a large device's epoch wraps within a step too)
-            return {a: SimpleNamespace(num_samples=n) for a, n in
-                    {"h0": 600, "h1": 600, "h2": 600, "four": 4, "twenty": 20, "liar": 20, "big": 40}.items()}
+    classes, eye = _CLASSES, _EYE
+    # what each registered (a large device's epoch wraps within a step too)
+    registered = {"h0": 600, "h1": 600, "h2": 600, "four": 4, "twenty": 20, "liar": 20, "big": 40}
 
     def images(n: int, odd: int) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.arange(n) % classes
@@ -301,7 +289,7 @@ def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():
     def honest() -> tuple[torch.Tensor, torch.Tensor]:
         return images(32, 0)
 
-    host, assignment = Host(), SimpleNamespace(split=1, width=0)
+    host, assignment = _screen_host(registered), SimpleNamespace(split=1, width=0)
     agents = {a: SimpleNamespace(assignment=assignment) for a in ("h0", "h1", "h2", "four", "twenty", "liar", "big")}
     x40, y40 = images(40, 0)
     wrap = (torch.cat([x40[:8], x40[:8]]), torch.cat([y40[:8], y40[:8]]))   # its epoch's end, 8 repeated
