@@ -264,6 +264,12 @@ def test_a_row_sent_twice_is_counted_once():
     assert repeated and x.tolist() == [[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [0.0, 1.0]] and y.tolist() == [3, 4, 5, 7]
     x, y, repeated = distinct(rows[:2], labels[:2])
     assert not repeated and x.tolist() == rows[:2].tolist() and y.tolist() == [3, 4]
+    # rows that share their largest element and label but differ are not one row
+    same_peak = torch.tensor([[2.0, 0.0], [2.0, 1.0], [0.5, 2.0]], dtype=torch.float16)
+    x, y, repeated = distinct(same_peak, torch.tensor([6, 6, 6]))
+    assert not repeated and x.tolist() == same_peak.tolist() and y.tolist() == [6, 6, 6]
+    x, y, repeated = distinct(same_peak[[0, 1, 0]], torch.tensor([6, 6, 6]))
+    assert repeated and x.tolist() == same_peak[:2].tolist() and y.tolist() == [6, 6]
 
 
 def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():

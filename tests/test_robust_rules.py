@@ -102,6 +102,29 @@ def test_one_measurement_of_the_changes_serves_every_bound_and_a_subset_is_its_s
     assert relative_of(theirs) == relative_changes(start, mine[0])
 
 
+def test_the_changes_measured_a_state_at_a_time_equal_them_stacked(monkeypatch):
+    """The layers' holders are stacked to be measured in one pass, a bounded number of elements
+    at a time: in chunks of one state, and with states of mixed precision, the changes are the
+    same as the whole stack's, and as each state's own by hand."""
+    import sfl_core.options.robust.rules as rules
+
+    torch.manual_seed(1)
+    start = {"w": torch.randn(5, 4), "b": torch.randn(4)}
+    states = [{k: v + 0.01 * (i + 1) * torch.randn_like(v) for k, v in start.items()} for i in range(5)]
+    states[1] = {"w": states[1]["w"][:3]}                     # a narrow holder
+    states[3] = {k: v.half() for k, v in states[3].items()}   # another precision
+    whole = measure_changes(start, states)
+    monkeypatch.setattr(rules, "STACK_ELEMENTS", 1)
+    one_by_one = measure_changes(start, states)
+    assert one_by_one.moved == pytest.approx(whole.moved, rel=1e-12) and one_by_one.size == whole.size
+    for key, holders in whole.layers.items():
+        for i, (v, n) in holders.items():
+            d = states[i][key].double() - start[key][tuple(slice(0, m) for m in states[i][key].shape)].double()
+            assert n == d.numel() and v == pytest.approx(float(d.pow(2).mean().sqrt()), rel=1e-12)
+            assert one_by_one.layers[key][i] == (pytest.approx(v, rel=1e-12), n)
+    assert whole.moved[1] == pytest.approx(float((states[1]["w"].double() - start["w"][:3].double()).pow(2).sum()))
+
+
 def test_the_coordinate_median_and_trimmed_mean_by_hand():
     states = [{"w": t(1, 10)}, {"w": t(2, 20)}, {"w": t(3, 30)}, {"w": t(100, -1000)}]
     assert torch.allclose(coordinate_median(states)["w"], t(2.5, 15))      # mean of the middle two
