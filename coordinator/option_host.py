@@ -197,23 +197,55 @@ class OptionHost:
     def _client_rows(self, split: int, width: int, index: torch.Tensor) -> Optional[torch.Tensor]:
         """The round's client portion at ``split`` (``width``) on the held-out inputs at ``index``,
         as a device runs it; None where there are none, or where no device runs it so (its
-        BatchNorm layers are its own)."""
+        BatchNorm layers are its own).
+
+        A portion that normalises by no batch runs :data:`PASS_ROWS` inputs at a time, so a pass
+        over a prefix of the screens' draw is the first passes over the whole draw: the rows of
+        the draw made so far are kept while the model stands as it is (each round the sizes
+        screen reads the first :data:`REFERENCE_ROWS` of them, the label screen all of them), and
+        only what is not kept yet is run."""
         if not len(self.validation.y[index]) or self._terms.devices_own_norms:
             return None
+        frozen = self._terms.frozen_norms   # the devices normalise with the model's statistics
+        portion = self.model.client(split)
+        by_batch = any(not frozen or layer.running_mean is None for layer in batch_norm_layers(portion).values())
+        drawn = self._screened()
+        if by_batch or len(index) > len(drawn) or not torch.equal(index, drawn[:len(index)]):
+            return _narrowed(self._run_portion(split, index, by_batch), width)
+        key = (split, frozen, _versions(portion))
+        cached = getattr(self, "_drawn_rows", None)
+        kept = cached[1] if cached is not None and cached[0] == key else None
+        if kept is None or len(kept) < len(index):
+            whole = 0 if kept is None else len(kept) - len(kept) % PASS_ROWS   # a last part-pass is run again
+            more = self._run_portion(split, index[whole:], by_batch)
+            kept = more if kept is None else torch.cat([kept[:whole], more])
+            self._drawn_rows = (key, kept)
+        return _narrowed(kept[:len(index)], width)
+
+    def _run_portion(self, split: int, index: torch.Tensor, by_batch: bool) -> torch.Tensor:
+        """The client portion at ``split``, in a device's mode, on the held-out inputs at ``index``:
+        as one batch where it normalises by its batch, else :data:`PASS_ROWS` at a time."""
         client = copy.deepcopy(self.model.client(split)).train()   # a device's mode; the model's statistics untouched
-        norms = batch_norm_layers(client).values()
-        if self._terms.frozen_norms:   # the devices normalise with the model's statistics
-            for layer in norms:
+        if self._terms.frozen_norms:
+            for layer in batch_norm_layers(client).values():
                 layer.eval()
-        by_batch = any(layer.training or layer.running_mean is None for layer in norms)   # batch statistics
         device = next(self.model.parameters()).device
         # a user's model may hold dropout: the run's random streams must not move for this pass
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            out = self.validation.forward(client, device, index, len(self.validation.y) if by_batch else PASS_ROWS)
-        return out[:, :width] if width else out
+            return self.validation.forward(client, device, index, len(self.validation.y) if by_batch else PASS_ROWS)
 
     def client_state(self, split: int, width: int) -> dict[str, torch.Tensor]:
         """What an agent of this split and bottleneck width holds (encoder rows ``[:width]``)."""
         state = self.model.client_state(split)
         return {**state, **slice_state(state, f"bottlenecks.{split}.", width)} if width else state
 
+
+def _narrowed(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """A bottleneck's encoder output as an agent of ``width`` sends it (its first channels; all: 0)."""
+    return rows[:, :width] if width else rows
+
+
+def _versions(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Where each of ``module``'s tensors lies and how often it was written: changed by any update
+    of its parameters or statistics (an in-place write, a state loaded, a tensor replaced)."""
+    return tuple((t.data_ptr(), t._version) for t in (*module.parameters(), *module.buffers()))

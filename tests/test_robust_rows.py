@@ -157,3 +157,46 @@ def test_the_screens_read_a_fixed_random_draw_of_the_held_out_set_not_its_first_
     assert torch.equal(worker.labelled_reference(1, 0)[0], rows) and torch.equal(worker.reference_rows(1, 0), anchor)
     small = Host(images[:100], labels[:100])                          # fewer than the screens read: all, shuffled
     assert sorted(small.labelled_reference(1, 0)[0].flatten().tolist()) == list(range(100))
+
+
+def test_the_draws_rows_are_run_once_while_the_model_stands():
+    """Each round the sizes screen reads the first rows of the draw and the label screen all of
+    it: the passes over the first are not run again for the second, the rows are the same as one
+    pass over the whole draw (bit for bit), and any update of the model runs them afresh."""
+    from torch import nn
+
+    from coordinator.option_host import LABELLED_REFERENCE_ROWS, PASS_ROWS, REFERENCE_ROWS, OptionHost
+    from coordinator.validation import ValidationSet
+    from sfl_core.options.base import ServerTerms
+
+    torch.manual_seed(0)
+    images = torch.randn(LABELLED_REFERENCE_ROWS + 40, 1, 8, 8)
+
+    class Host(OptionHost):
+        def __init__(self, body):
+            self.model, self.validation = body, ValidationSet(images, torch.arange(len(images)) % 10)
+            self._terms = ServerTerms()
+
+    def portion():
+        body = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU())
+        body.client = lambda split: body
+        return body
+
+    torch.manual_seed(1)
+    body = portion()
+    torch.manual_seed(1)
+    fresh = Host(portion()).labelled_reference(1, 0)[0]   # one pass over the whole draw
+    host, ran = Host(body), []
+    original = host._run_portion
+    host._run_portion = lambda split, index, by_batch: ran.append(len(index)) or original(split, index, by_batch)
+    anchor = host.reference_rows(1, 0)
+    rows, _ = host.labelled_reference(1, 0)
+    assert ran == [REFERENCE_ROWS, LABELLED_REFERENCE_ROWS - REFERENCE_ROWS] and REFERENCE_ROWS % PASS_ROWS == 0
+    assert torch.equal(rows, fresh) and torch.equal(anchor, fresh[:REFERENCE_ROWS])
+    assert torch.equal(host.labelled_reference(1, 0)[0], fresh) and torch.equal(host.reference_rows(1, 0), anchor)
+    assert torch.equal(host.reference_rows(1, 2), anchor[:, :2])   # a narrower agent's: its first channels
+    assert len(ran) == 2                                           # nothing run again
+    with torch.no_grad():
+        body[0].bias.add_(1.0)                                     # the round's update
+    moved = host.reference_rows(1, 0)
+    assert ran[2:] == [REFERENCE_ROWS] and not torch.equal(moved, anchor)
