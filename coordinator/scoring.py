@@ -33,9 +33,15 @@ class Scoring:
     device: torch.device
     _eval_batch: int
 
-    if TYPE_CHECKING:   # the engine's (coordinator.task_normalization)
+    if TYPE_CHECKING:   # the engine's (coordinator.task_normalization, coordinator.option_host)
         @property
         def normalization(self) -> Optional["Normalization"]: ...
+
+        def cut_to_keep(self) -> Optional[int]: ...
+
+        def keep_drawn_rows(self, split: int, rows: torch.Tensor) -> None: ...
+
+        def _screened(self) -> torch.Tensor: ...
 
     def _federated_evaluation(self, r: int, agents: dict[str, RoundAgent], done: list[str]) -> Optional[dict[str, Any]]:
         """Every ``eval.federated_every`` rounds the round's completed agents score the new global
@@ -60,8 +66,18 @@ class Scoring:
 
     def evaluate(self) -> tuple[Optional[float], Optional[float]]:
         """Accuracy and mean loss of the model the run delivers on the server's validation set
-        (None, None without one: a task run whose server holds no validation data)."""
-        return self.validation.evaluate(self.delivered_model(), self.device, self._eval_batch)
+        (None, None without one: a task run whose server holds no validation data). Where that
+        is the model the next round trains, and the screens read held-out rows at one of its
+        cuts, the score makes them on the way (:meth:`OptionHost.cut_to_keep`): the round's client
+        portion is run over the held-out set once, not twice."""
+        delivered = self.delivered_model()
+        split = self.cut_to_keep() if delivered is self.model and len(self.validation) else None
+        if split is None:
+            return self.validation.evaluate(delivered, self.device, self._eval_batch)
+        accuracy, loss, rows = self.validation.evaluate_at_cut(delivered, split, self._screened(), self.device,
+                                                                self._eval_batch)
+        self.keep_drawn_rows(split, rows)
+        return accuracy, loss
 
     def delivered_model(self) -> SplitModel:
         """The model the run delivers (evaluated, exported): the global model, or with

@@ -11,12 +11,15 @@ global model is then scored only by the devices (:mod:`coordinator.evaluation`).
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 
 from sfl_core.data.preprocessing import Normalization
+
+if TYPE_CHECKING:
+    from sfl_core.model.zoo import SplitModel
 
 __all__ = ["ValidationSet", "evaluation_batch", "screen_draw", "screened_samples"]
 
@@ -106,6 +109,20 @@ class ValidationSet:
         finally:
             model.train()
 
+    def evaluate_at_cut(self, model: "SplitModel", split: int, index: torch.Tensor, device: torch.device,
+                        batch_size: int = 1024) -> tuple[float, float, torch.Tensor]:
+        """:meth:`evaluate` (on a set that is not empty), the model run as its client portion at
+        ``split`` and then its server portion (with no bottleneck at ``split`` these are
+        :meth:`SplitModel.forward`'s layers in its order, so the scores are the same), and the
+        client portion's outputs for the inputs at ``index`` (in that order) kept on the way: a
+        screen that reads them next round need not run them again."""
+        device = torch.device(device)
+        try:
+            return self._ordered(model, device, lambda m, order: _score_at_cut(
+                cast("SplitModel", m), split, *self._on(device, order), index, batch_size))
+        finally:
+            model.train()
+
     def forward(self, module: torch.nn.Module, device: torch.device, index: torch.Tensor,
                 batch_size: int) -> torch.Tensor:
         """``module`` (a client portion, in the mode the caller set) on the inputs at ``index``,
@@ -148,13 +165,39 @@ class ValidationSet:
 
 
 @torch.inference_mode()
-def _score(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``, in batches of ``batch_size``."""
+def _score(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+           through: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``, in batches of ``batch_size``
+    (``through``: what makes a batch's logits from its inputs and their first index, in place of
+    ``model``)."""
     model.eval()
     correct, total_loss = 0, 0.0
     for i in range(0, len(y), batch_size):
-        logits = model(x[i:i + batch_size])
+        logits = model(x[i:i + batch_size]) if through is None else through(x[i:i + batch_size], i)
         total_loss += float(F.cross_entropy(logits, y[i:i + batch_size], reduction="sum"))
         correct += int((logits.argmax(1) == y[i:i + batch_size]).sum())
     n = max(len(y), 1)
     return correct / n, total_loss / n
+
+
+def _score_at_cut(model: "SplitModel", split: int, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor,
+                  batch_size: int) -> tuple[float, float, torch.Tensor]:
+    """:func:`_score` through ``model``'s portions at ``split``, and the client portion's rows of
+    the inputs at ``index``."""
+    client, server = model.client(split), model.server(split)
+    where = torch.full((len(y),), -1, dtype=torch.long)
+    where[index] = torch.arange(len(index))
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def through(inputs: torch.Tensor, start: int) -> torch.Tensor:
+        rows = client(inputs)
+        at = where[start:start + len(inputs)]
+        mine = (at >= 0).nonzero().flatten()
+        if len(mine):
+            kept.append((at[mine], rows[mine.to(rows.device)].contiguous()))
+        return server(rows)
+
+    accuracy, loss = _score(model, x, y, batch_size, through)
+    order = torch.cat([at for at, _ in kept])
+    rows = torch.cat([r for _, r in kept])[torch.argsort(order).to(x.device)]
+    return accuracy, loss, rows.clone()   # a tensor of its own, not of inference mode

@@ -218,6 +218,27 @@ def test_the_label_screen_runs_the_client_portion_as_the_devices_normalise(tmp_p
     assert all(not r.get("robust", {}).get("label_mismatch") for r in history)
 
 
+def test_the_score_of_a_round_makes_the_next_rounds_held_out_rows_and_changes_nothing(tmp_path, monkeypatch):
+    """Scored every round, the model's client portion (no dropout, no BatchNorm) is run over the
+    held-out set once a round: the screens of the next round read the rows the score made on the
+    way, and the run, flippers named and all, is the same as where the screens make their own."""
+    from coordinator.option_host import OptionHost
+
+    ran: list[int] = []
+    original = OptionHost._run_portion
+    monkeypatch.setattr(OptionHost, "_run_portion",
+                        lambda self, split, index, by_batch: ran.append(len(index)) or original(self, split, index, by_batch))
+    attack = Attack("label_flip")
+    shared, _ = _run(tmp_path, "shared", attack, rounds=3)
+    assert len(ran) == 2   # round 1's screens (the sizes screen's first rows, then the rest); none after
+    monkeypatch.setattr(OptionHost, "cut_to_keep", lambda self: None)
+    own, _ = _run(tmp_path, "own", attack, rounds=3)
+    assert len(ran) == 2 + 2 * 3
+    assert [r["accuracy"] for r in shared] == [r["accuracy"] for r in own]
+    assert [r.get("robust") for r in shared] == [r.get("robust") for r in own]
+    assert set(shared[-1]["robust"]["label_mismatch"]) == set(ATTACKERS)
+
+
 def test_a_claimed_sample_count_is_capped_by_default_and_named(tmp_path):
     history, engine = _run(tmp_path, "claim", Attack("claim", factor=1000.0), rounds=1)
     capped = history[-1]["robust"]["capped"]

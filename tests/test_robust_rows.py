@@ -200,3 +200,25 @@ def test_the_draws_rows_are_run_once_while_the_model_stands():
         body[0].bias.add_(1.0)                                     # the round's update
     moved = host.reference_rows(1, 0)
     assert ran[2:] == [REFERENCE_ROWS] and not torch.equal(moved, anchor)
+
+
+def test_only_a_portion_that_runs_alike_in_either_mode_is_scored_on_the_screens_behalf():
+    """The score runs the model in inference mode; a device trains its portion: dropout, BatchNorm
+    normalising by the batch, or a layer of a user's own make the two differ (or may)."""
+    from torch import nn
+
+    from coordinator.option_host import _alike_in_either_mode
+    from sfl_core.model.zoo import build_model
+
+    class Own(nn.Module):
+        def forward(self, x):
+            return x * 2 if self.training else x
+
+    plain = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 2))
+    assert _alike_in_either_mode(plain, frozen_norms=False)
+    assert not _alike_in_either_mode(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), frozen_norms=True)
+    norm = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+    assert not _alike_in_either_mode(norm, frozen_norms=False) and _alike_in_either_mode(norm, frozen_norms=True)
+    assert not _alike_in_either_mode(nn.Sequential(nn.Linear(4, 4), Own()), frozen_norms=True)
+    assert _alike_in_either_mode(build_model("small_cnn", (1, 28, 28), 10).client(2), frozen_norms=False)
+    assert _alike_in_either_mode(build_model("resnet8", (3, 32, 32), 10).client(3), frozen_norms=True)
