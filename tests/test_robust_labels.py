@@ -314,6 +314,28 @@ def test_a_device_whose_batch_repeats_its_few_images_is_judged_on_them_once():
     assert [line for line in host.lines if "rows of twenty" in line and "(10 of 20 rows" in line]
 
 
+def test_a_device_that_showed_all_its_few_images_is_judged_on_them():
+    """A device of 10 images in a batch of 32 (the digits fleet's smallest): its step showed all
+    its data, and 10 distinct images are judged, short of 16 rows; a liar of 10 whose images are
+    all flipped is flagged, one whose 5 triggered images mismatch where 0.5 were expected is
+    flagged only where chance makes that unlikely enough, and an honest one with 2 odd images is
+    not. Fewer than 8 images are not judged, however they mismatch."""
+    from sfl_core.options.robust.labels import MIN_WHOLE_ROWS, LabelCount, label_outliers
+
+    honest = {f"h{i}": LabelCount(32, 3, 3.2) for i in range(5)}
+
+    def whole(rows: int, mismatched: int, expected: float) -> LabelCount:
+        return LabelCount(rows, mismatched, expected, whole=True)
+
+    assert MIN_WHOLE_ROWS == 8
+    assert label_outliers({**honest, "flipper": whole(10, 10, 0.5)}, 0.2).keys() == {"flipper"}
+    assert label_outliers({**honest, "odd": whole(10, 2, 0.5)}, 0.2) == {}
+    assert label_outliers({**honest, "backdoor": whole(10, 5, 0.5)}, 0.2) == {}      # 3.8 deviations of chance
+    assert label_outliers({**honest, "backdoor": whole(10, 5, 0.2)}, 0.2).keys() == {"backdoor"}   # rates fall
+    assert label_outliers({**honest, "tiny": whole(6, 6, 0.3)}, 0.2) == {}
+    assert label_outliers({**honest, "partial": LabelCount(10, 10, 0.5)}, 0.2) == {}   # more to come: wait
+
+
 def test_a_devices_rounds_pooled_are_the_evidence_of_at_most_its_images():
     from sfl_core.options.robust.labels import LabelCount, Verdict, judge
 

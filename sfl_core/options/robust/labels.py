@@ -36,12 +36,18 @@ counted once (:func:`distinct`); a device whose step repeated rows and holds as 
 it registered has shown all its data: its count is *whole*, no later step of the round adds to
 it, and its past rounds, the same images, are not pooled with it. Where a device's batch is its
 data without repeats, its rounds pooled re-count its images: pooled, they count as the evidence
-of at most the samples it registered (:meth:`LabelCount.at_most`).
+of at most the samples it registered (:meth:`LabelCount.at_most`). A whole count is judged
+from :data:`MIN_WHOLE_ROWS` distinct images, short of :data:`MIN_ROWS`: the device has no more
+to show, and its repeats weigh in the server's step as rows, so a liar of ten images in a batch
+of 32 poisons a tenth of a ten-device round (waiting for 16 let one of the digits fleet's
+backdoors through every round); the test of chance (:func:`label_outliers`) decides on its few
+images as on any count.
 
 Limits: the rows must be labelled (a device that keeps its labels, U-shaped, is not screened),
 the server must hold labelled held-out data of the same task, and a class missing from it is
-not judged. A device with fewer than :data:`MIN_ROWS` distinct samples in its batch is not
-judged (its repeats carry no more evidence than its images). An attacker that poisons fewer
+not judged. A device with fewer than :data:`MIN_WHOLE_ROWS` distinct samples is not judged,
+and one of a few more only where it mismatches nearly all of them (its repeats carry no more
+evidence than its images). An attacker that poisons fewer
 than ``margin`` of its rows goes unseen; so does one whose held-out rates are near chance
 (early rounds, a cut where the classes do not separate yet), since its expected share leaves
 no room for the margin.
@@ -56,12 +62,16 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["MIN_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "SUSPICION", "LabelCount", "Reference", "Verdict",
+__all__ = ["MIN_ROWS", "MIN_WHOLE_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "SUSPICION", "LabelCount", "Reference", "Verdict",
            "binomial_tail", "class_centroids", "count_each", "count_far", "distinct", "judge", "label_outliers",
            "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
+
+MIN_WHOLE_ROWS = 8
+"""The distinct samples a device whose step showed all its data (:attr:`LabelCount.whole`)
+must hold to be judged on them."""
 
 POOLED_ROUNDS = 3
 """A device is judged on its first rows of this round alone, and also on those of its last this
@@ -290,7 +300,8 @@ def count_each(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], ref: Refere
 
 def label_outliers(counts: Mapping[str, LabelCount], margin: float,
                    significance: float = SIGNIFICANCE) -> dict[str, float]:
-    """The devices (of at least :data:`MIN_ROWS` rows) whose share of mismatched rows is more
+    """The devices (of at least :data:`MIN_ROWS` rows, or :data:`MIN_WHOLE_ROWS` where their count
+    is whole) whose share of mismatched rows is more
     than ``margin`` over their expected share, and more than chance explains (``significance``
     standard deviations), with that excess; none where that would be more than half of the
     devices judged (the held-out data then does not describe the fleet's, and a screen must not
@@ -299,7 +310,7 @@ def label_outliers(counts: Mapping[str, LabelCount], margin: float,
     attack must exceed, the significance what chance must not explain."""
     if not 0 < margin < 1:
         raise ValueError(f"margin must be in (0, 1), got {margin}")
-    judged = {a: c for a, c in counts.items() if c.rows >= MIN_ROWS}
+    judged = {a: c for a, c in counts.items() if c.rows >= MIN_ROWS or (c.whole and c.rows >= MIN_WHOLE_ROWS)}
     out = {a: round(c.excess, 4) for a, c in sorted(judged.items())
            if c.excess > margin and c.significance > significance}
     return out if 2 * len(out) <= len(judged) else {}
