@@ -10,13 +10,10 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, cast
 
 import torch
-from torch import nn
-
 from coordinator.session import RoundAgent
 from coordinator.validation import screen_draw
-from sfl_core.model.bottleneck import Bottleneck, Decoder, Encoder, slice_state
-from sfl_core.model.norm_layers import batch_norm_layers
-from sfl_core.model.zoo import BasicBlock, DepthwiseSeparable
+from sfl_core.model.bottleneck import slice_state
+from sfl_core.model.norm_layers import batch_norm_layers, runs_alike_in_either_mode
 from sfl_core.option_registry import build_options
 from sfl_core.options.base import PhaseAgent, RoundContext, RoundOption, ServerTerms
 from sfl_core.wire import codec as wire
@@ -237,15 +234,15 @@ class OptionHost:
         if cached is None:
             return None
         split, frozen, _ = cached[0]
-        if self.model.bottleneck(split) is not None or not _alike_in_either_mode(self.model.client(split), frozen):
+        if self.model.bottleneck(split) is not None or not runs_alike_in_either_mode(self.model.client(split), frozen):
             return None
         return split
 
     def keep_drawn_rows(self, split: int, rows: torch.Tensor) -> None:
         """``rows``: the client portion at ``split`` (:meth:`cut_to_keep`) on the whole draw of
         held-out inputs the screens read, as the model stands."""
-        frozen = self._drawn_rows[0][1] if self._drawn_rows is not None else False
-        self._drawn_rows = ((split, frozen, _versions(self.model.client(split))), rows)
+        assert self._drawn_rows is not None, "cut_to_keep names a split only once the screens read one"
+        self._drawn_rows = ((split, self._drawn_rows[0][1], _versions(self.model.client(split))), rows)
 
     def _run_portion(self, split: int, index: torch.Tensor, by_batch: bool) -> torch.Tensor:
         """The client portion at ``split``, in a device's mode, on the held-out inputs at ``index``:
@@ -268,23 +265,6 @@ class OptionHost:
 def _narrowed(rows: torch.Tensor, width: int) -> torch.Tensor:
     """A bottleneck's encoder output as an agent of ``width`` sends it (its first channels; all: 0)."""
     return rows[:, :width] if width else rows
-
-
-MODE_FREE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.Identity, nn.Flatten, nn.Sequential, nn.ModuleList,
-             nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Tanh, nn.Sigmoid, nn.Hardswish,
-             nn.Hardsigmoid, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-             nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.LayerNorm, nn.GroupNorm,
-             BasicBlock, DepthwiseSeparable, Encoder, Decoder, Bottleneck)
-"""Layers whose output does not depend on their training flag (the zoo's blocks are built of them)."""
-
-
-def _alike_in_either_mode(module: nn.Module, frozen_norms: bool) -> bool:
-    """Whether ``module`` makes the same rows in training and in inference mode: built of
-    :data:`MODE_FREE` layers only, and of BatchNorm layers where they normalise with their
-    running statistics either way (``frozen_norms``). Dropout, or a layer of a user's model this
-    cannot vouch for, is not."""
-    return all(isinstance(m, MODE_FREE) or (frozen_norms and isinstance(m, nn.modules.batchnorm._BatchNorm))
-               for m in module.modules())
 
 
 def _versions(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:

@@ -207,7 +207,7 @@ def test_only_a_portion_that_runs_alike_in_either_mode_is_scored_on_the_screens_
     normalising by the batch, or a layer of a user's own make the two differ (or may)."""
     from torch import nn
 
-    from coordinator.option_host import _alike_in_either_mode
+    from sfl_core.model.norm_layers import runs_alike_in_either_mode as _alike_in_either_mode
     from sfl_core.model.zoo import build_model
 
     class Own(nn.Module):
