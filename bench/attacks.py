@@ -62,7 +62,8 @@ TARGET = 0
 def robust_section(rule: str) -> dict[str, Any]:
     """The run config's ``robust:`` for a bench rule (``clip:3``: clip at factor 3)."""
     if rule == "off":
-        return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0, "label_margin": 0}
+        return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0, "label_margin": 0,
+                "repeated_rows": "each"}
     if rule == "absent":
         return {}
     rule, _, peers = rule.partition("~")

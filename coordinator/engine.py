@@ -300,9 +300,16 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
             if not valid and self.shards is None:
                 break
             left_out = self.screen_rows(r, k, agents, valid)   # rows an option will not let in
+            let_in = {a: b for a, b in valid.items() if a not in left_out}
+            narrowed = self.rows_trained(r, k, let_in)   # rows an option has trained on fewer of
             t0 = time.monotonic()
-            grads, loss = self.server.step({a: b for a, b in valid.items() if a not in left_out},
-                                           functools.partial(self._exchange_logits, agents, r=r, k=k))
+            for a, rows in narrowed.items():
+                x, y = let_in[a]
+                let_in[a] = (rows.take(x), None if y is None else rows.take(y))
+            grads, loss = self.server.step(let_in, functools.partial(self._exchange_logits, agents, r=r, k=k))
+            for a, rows in narrowed.items():
+                if a in grads:
+                    grads[a] = rows.spread(grads[a])
             grads.update({a: torch.zeros(valid[a][0].shape) for a in left_out})
             dt = time.monotonic() - t0
             if self.server.last_rows:

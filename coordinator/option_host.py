@@ -15,7 +15,7 @@ from coordinator.validation import screen_draw
 from sfl_core.model.bottleneck import slice_state
 from sfl_core.model.norm_layers import batch_norm_layers, runs_alike_in_either_mode
 from sfl_core.option_registry import build_options
-from sfl_core.options.base import PhaseAgent, RoundContext, RoundOption, ServerTerms
+from sfl_core.options.base import PhaseAgent, RoundContext, RoundOption, RowsTrained, ServerTerms
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.assignment import Assignment
@@ -104,6 +104,22 @@ class OptionHost:
             out |= option.screen_rows(ctx, r, step, {a: batches[a][0] for a in kept},
                                       {a: agents[a].assignment for a in batches},
                                       {a: y for a in kept if (y := batches[a][1]) is not None})
+        return out
+
+    def rows_trained(self, r: int, step: int, batches: Mapping[str, tuple[torch.Tensor, Optional[torch.Tensor]]]
+                     ) -> dict[str, RowsTrained]:
+        """Per agent of ``batches`` (the rows let into the step) whose rows the options have the
+        step train on fewer of, which (:meth:`~sfl_core.options.base.RoundOption.rows_trained`;
+        each option narrows what the ones before it kept). Only agents that sent their labels:
+        the logits of an agent that keeps them go back to it row for row."""
+        ctx = cast("RoundContext", self)
+        out: dict[str, RowsTrained] = {}
+        labelled = {a: (x, y) for a, (x, y) in batches.items() if y is not None}
+        for option in self.options:
+            now = {a: (out[a].take(x), out[a].take(y)) if a in out else (x, y) for a, (x, y) in labelled.items()}
+            for a, rows in option.rows_trained(ctx, r, step, {a: x for a, (x, _) in now.items()},
+                                               {a: y for a, (_, y) in now.items()}).items():
+                out[a] = out[a].then(rows) if a in out else rows
         return out
 
     def worker_findings(self, r: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from sfl_core.wire.protocol import Message
 
 __all__ = ["AssignField", "DeviceContext", "DeviceOption", "Phase", "PhaseAgent", "Recommendation", "RoundContext",
-           "RoundOption", "ServerTerms", "in_range", "split_state"]
+           "RoundOption", "RowsTrained", "ServerTerms", "in_range", "split_state"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,32 @@ class ServerTerms:
     devices_own_norms: bool = False
     """The devices' BatchNorm layers are their own, not the model's (FedBN): the coordinator cannot
     run a client portion as a device runs it (:meth:`RoundContext.reference_rows` is None)."""
+
+
+@dataclass(frozen=True)
+class RowsTrained:
+    """Which of an agent's rows a server step trains on, where an option has it train on fewer
+    than it sent (:meth:`RoundOption.rows_trained`), and which of them each row sent takes its
+    gradient from."""
+
+    kept: torch.Tensor
+    """The indices of the rows trained on, in the order sent."""
+    source: torch.Tensor
+    """For each row sent, the position among :attr:`kept` of the row it takes its gradient from."""
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows trained on, of ``rows`` (activations or labels, as sent)."""
+        return rows[self.kept.to(rows.device)]
+
+    def spread(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of each row sent, from ``grad`` (of the rows trained on, the gradient of
+        the agent's mean loss over them): its source's, scaled so the agent's gradient stays that
+        of its mean loss over the rows it sent."""
+        return grad[self.source.to(grad.device)] * (len(self.kept) / len(self.source))
+
+    def then(self, other: "RowsTrained") -> "RowsTrained":
+        """This narrowing, then ``other`` on the rows this one keeps."""
+        return RowsTrained(self.kept[other.kept], other.source[self.source])
 
 
 class PhaseAgent(Protocol):
@@ -253,6 +279,14 @@ class RoundOption:
         this option leaves out of the step: their rows join no forward and they get a zero
         gradient back. Called before the server's forward, on every server worker."""
         return set()
+
+    def rows_trained(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
+                     labels: Mapping[str, torch.Tensor]) -> dict[str, RowsTrained]:
+        """Per agent whose ``rows`` (those :meth:`screen_rows` let into the step) this option has
+        the step train on fewer of (a row sent twice trained once), which (:class:`RowsTrained`);
+        each row sent still gets a gradient back. Empty: every row, as sent. Called after
+        :meth:`screen_rows`, on every server worker."""
+        return {}
 
     def worker_findings(self, r: int) -> dict[str, Any]:
         """With server workers (``sfl-coord serve --server-workers N``): what this option found in

@@ -95,6 +95,12 @@ class RobustConfig(OptionSection):
                          "from its class's held-out centroid than 90 % of the class's held-out rows. Needs labels "
                          "sent with the activations and validation data on the server. Devices that poison fewer "
                          "than this share of their rows go unseen."),
+        ("repeated_rows", "once (default): the server's step trains on a row a device sent twice in it (the same "
+                          "input and label: a device holding fewer samples than its batch wraps around its data) "
+                          "once, and gives each copy its gradient, so a device weighs in the server's step by the "
+                          "samples it showed, at most its batch, and its own training is unchanged | each: every "
+                          "row as sent (a device of 16 samples given batches of 32 weighs as much as one of 32). "
+                          "The label screen counts a repeated row once either way."),
         ("quarantine", "a device flagged (capped, clipped, left out, or its rows left out) in this many of its rounds in a row is no "
                        "longer selected until an operator readmits it (sfl-coord agents readmit RUN_DIR ID); the "
                        "log names it and the checkpoint keeps it; 0 = never. A resumed run counts the rounds afresh."),
@@ -110,6 +116,7 @@ class RobustConfig(OptionSection):
     weight_cap: Annotated[float, checked(_cap)] = 10.0
     activation_factor: Annotated[float, checked(_factor_or_off)] = 4.0
     label_margin: Annotated[Union[str, float], checked(auto_or_share)] = "auto"
+    repeated_rows: Annotated[str, checked(one_of("once", "each"))] = "once"
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
 
     LABEL_MARGIN: ClassVar[float] = 0.2
@@ -127,4 +134,4 @@ class RobustConfig(OptionSection):
     @property
     def on(self) -> bool:
         return (self.aggregate != "mean" or self.weight_cap > 0 or self.activation_factor > 0
-                or self.label_margin != 0)
+                or self.label_margin != 0 or self.repeated_rows == "once")

@@ -38,10 +38,9 @@ it, and its past rounds, the same images, are not pooled with it. Where a device
 data without repeats, its rounds pooled re-count its images: pooled, they count as the evidence
 of at most the samples it registered (:meth:`LabelCount.at_most`). A whole count is judged
 from :data:`MIN_WHOLE_ROWS` distinct images, short of :data:`MIN_ROWS`: the device has no more
-to show, and its repeats weigh in the server's step as rows, so a liar of ten images in a batch
-of 32 poisons a tenth of a ten-device round (waiting for 16 let one of the digits fleet's
-backdoors through every round); the test of chance (:func:`label_outliers`) decides on its few
-images as on any count.
+to show, and a liar of ten images in a batch of 32 still trains the server's layers on all ten
+every step (waiting for 16 let one of the digits fleet's backdoors through every round); the
+test of chance (:func:`label_outliers`) decides on its few images as on any count.
 
 Limits: the rows must be labelled (a device that keeps its labels, U-shaped, is not screened),
 the server must hold labelled held-out data of the same task, and a class missing from it is
@@ -61,6 +60,8 @@ from statistics import NormalDist
 from typing import Mapping, Sequence
 
 import torch
+
+from sfl_core.options.robust.repeats import repeats
 
 __all__ = ["MIN_ROWS", "MIN_WHOLE_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "SUSPICION", "LabelCount", "Reference", "Verdict",
            "binomial_tail", "class_centroids", "count_each", "count_far", "distinct", "judge", "label_outliers",
@@ -211,28 +212,11 @@ def binomial_tail(k: int, n: int, p: float) -> float:
 
 def distinct(rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``rows`` (N, ...) and their ``labels`` with each identical (row, label) pair kept once, in
-    the order first sent, and whether any was repeated. Identical inputs in one batch come out of
-    the client portion identical, BatchNorm included (one batch, one set of statistics), and so
-    through the codec: what a device sent twice is found by equality.
-
-    Cost: each row's largest element first, compared as (peak, label) pairs; only a step where
-    two pairs agree is compared row by row. Identical rows share their peak exactly (a maximum
-    does not round), and a device's rows of distinct images almost never do, so a screened step
-    reads its rows once instead of sorting them."""
-    flat = rows.detach().flatten(1)
-    if len(flat) < 2:
+    the order first sent, and whether any was repeated (:func:`~sfl_core.options.robust.repeats.repeats`)."""
+    found = repeats(rows, labels)
+    if found is None:
         return rows, labels, False
-    pairs = list(zip(flat.amax(1).tolist(), labels.tolist()))
-    if len(set(pairs)) == len(pairs):
-        return rows, labels, False
-    keyed = torch.cat([flat.float(), labels.reshape(-1, 1).to(flat.device).float()], 1)
-    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), len(inverse), dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, torch.arange(len(inverse)), "amin")
-    if len(first) == len(inverse):
-        return rows, labels, False
-    keep = first.sort().values
-    return rows[keep], labels[keep], True
+    return found.take(rows), found.take(labels), True
 
 
 def class_centroids(rows: torch.Tensor, labels: torch.Tensor, classes: int) -> Reference:

@@ -11,6 +11,9 @@ do to the round's average is bounded, and every device a rule acts on is named.
   devices' layers hold BatchNorm, against held-out samples of each device's own mix of
   classes), has its rows left out of the server's steps, and its update out of the round's
   average.
+* A row a device sent twice in a step (its sampler wrapped around fewer samples than its batch)
+  is trained on once (``repeated_rows``; :mod:`sfl_core.options.robust.repeats`): a device
+  weighs in the server's step by the samples it showed.
 * ``aggregate`` picks the rule (:mod:`sfl_core.options.robust.rules`): clipping and Multi-Krum
   act on the client states before the layer-wise average (the states the devices sent; the
   server copies are the coordinator's own), the coordinate-wise median and trimmed mean
@@ -31,10 +34,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 import torch
 
 from sfl_core.model.norm_layers import batch_norm_layers
-from sfl_core.options.base import RoundContext, RoundOption
+from sfl_core.options.base import RoundContext, RoundOption, RowsTrained
 from sfl_core.options.robust.config import RobustConfig
 from sfl_core.options.robust.labels import (MIN_ROWS, POOLED_ROUNDS, LabelCount, Reference, class_centroids,
                                            count_each, count_far, distinct, judge, matched_selection)
+from sfl_core.options.robust.repeats import repeats
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
                                            sizes_of, trimmed_mean, typical_of)
@@ -184,6 +188,15 @@ class Robust(RoundOption):
             out |= self._screen_labels(ctx, r, step, {a: x for a, x in rows.items() if a not in out},
                                        assignments, labels)
         return out
+
+    def rows_trained(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
+                     labels: Mapping[str, torch.Tensor]) -> dict[str, RowsTrained]:
+        """A row sent twice in a step trained on once (``repeated_rows: once``;
+        :mod:`sfl_core.options.robust.repeats`)."""
+        if self.section.repeated_rows != "once":
+            return {}
+        found = {a: repeats(rows[a], y) for a, y in labels.items() if a in rows}
+        return {a: narrowed for a, narrowed in found.items() if narrowed is not None}
 
     def _matched_at(self, ctx: RoundContext, split: int) -> bool:
         """Whether the label screen's reference at ``split`` is matched (BatchNorm), decided once per split."""
