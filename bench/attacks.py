@@ -43,7 +43,7 @@ RULES = ("off", "mean", "clip", "clip~0", "clip@0", "clip:3", "trimmed_mean", "m
 ``clip@0`` clip with ``label_margin: 0`` (no label screen; ``@M`` sets the label screen's margin
 of any rule), ``clip~0`` clip with ``peer_factor: 0`` (no bound against peers; ``~P`` sets it,
 after any ``@M``); ``off`` is no defense at all: the plain mean, no weight cap, no screen of the
-server's rows; ``absent`` the default with the attackers never selected."""
+server's rows, every row trained as sent; ``absent`` the default with the attackers never selected."""
 ATTACKS = {   # name -> (kind, factor, noise)
     "none": None,
     "label flip": ("label_flip", 1.0, 0.0),
