@@ -98,7 +98,7 @@ class RobustConfig(OptionSection):
         ("repeated_rows", "once (default): the server's step trains on a row a device sent twice in it (the same "
                           "input and label: a device holding fewer samples than its batch wraps around its data) "
                           "once, and gives each copy its gradient, so a device weighs in the server's step by the "
-                          "samples it showed, at most its batch, and its own training is unchanged | each: every "
+                          "samples it showed, at most its batch | each: every "
                           "row as sent (a device of 16 samples given batches of 32 weighs as much as one of 32). "
                           "The label screen counts a repeated row once either way."),
         ("quarantine", "a device flagged (capped, clipped, left out, or its rows left out) in this many of its rounds in a row is no "

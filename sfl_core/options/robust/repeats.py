@@ -6,9 +6,11 @@ sampler wraps around its data). Counted as rows, its few images are many pieces 
 (:mod:`sfl_core.options.robust.labels`) and weigh in the server's step like a device's batch of
 distinct images: a backdoor on 16 images in batches of 32 trained the server's layers on each
 triggered image twice a step, as much as a device of 32 images. Trained once, a device weighs in
-the server's step by the images it showed, at most its batch; the gradient each row gets back is
-what it would have been (identical rows have identical gradients), so the device's own training
-is unchanged.
+the server's step by the images it showed, at most its batch. Each copy gets back the gradient
+of the row it repeats (in one step identical rows have identical gradients), scaled so the
+device's gradient is still that of its mean loss over the rows it sent: where the server's
+layers hold no BatchNorm, exactly what it got before; with BatchNorm, the batch's statistics
+are now of the rows trained on.
 """
 
 from __future__ import annotations
