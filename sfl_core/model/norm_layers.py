@@ -39,5 +39,6 @@ def runs_alike_in_either_mode(module: nn.Module, frozen_norms: bool) -> bool:
     :data:`MODE_FREE` layers and the zoo's blocks and bottlenecks (built of them) only, and of
     BatchNorm layers where they normalise with their running statistics either way
     (``frozen_norms``). Dropout, or a layer of a user's model this cannot vouch for, is not."""
-    return all(isinstance(m, (*MODE_FREE, BasicBlock, DepthwiseSeparable, Encoder, Decoder, Bottleneck)) or (frozen_norms and isinstance(m, nn.modules.batchnorm._BatchNorm))
+    vouched = (*MODE_FREE, BasicBlock, DepthwiseSeparable, Encoder, Decoder, Bottleneck)
+    return all(isinstance(m, vouched) or (frozen_norms and isinstance(m, nn.modules.batchnorm._BatchNorm))
                for m in module.modules())
