@@ -555,9 +555,16 @@ def floor(args: Any, payload: Payload, agents: int = 100, levels: Sequence[int] 
     agent), and encoding one gradients message. Milliseconds of one thread each. The server
     step is also measured on the merged batch of each load level of ``levels`` (agents per
     round), ``server_step_ms_at``: the same step on five times the rows costs more per row once
-    they outgrow the CPU's caches, and a coordinator at that load pays it too."""
+    they outgrow the CPU's caches, and a coordinator at that load pays it too.
+
+    Measured with the allocator setting ``sfl-coord serve`` makes at start
+    (:func:`coordinator.allocator.keep_freed_memory`, ``kept_freed_memory`` in the result) and
+    after three warm-up steps: with glibc's defaults each step would fault in its freed pages
+    again, work the coordinator does not do, and the floor would read high."""
+    from coordinator.allocator import keep_freed_memory
     from coordinator.uploads import decode_activations
 
+    kept = keep_freed_memory()
     torch.set_num_threads(1)
     act = Message("activations", RUN, "a0", {"x": payload.x(args.codec), "y": payload.y, "compute_s": 0.0},
                   round=1, step=0, seq=1).encode()
@@ -594,23 +601,25 @@ def floor(args: Any, payload: Payload, agents: int = 100, levels: Sequence[int] 
         body = {"g": wire.encode_tensor(grad, args.codec, args.zstd_level)}
         return Message("gradients", RUN, protocol.COORDINATOR_ID, body, round=1, step=0, seq=1).encode()
 
-    def per_call_ms(fn, n: int) -> float:
-        fn()
+    def per_call_ms(fn, n: int, warm: int = 1) -> float:
+        for _ in range(warm):
+            fn()
         t0 = time.process_time()
         for _ in range(n):
             fn()
         return 1e3 * (time.process_time() - t0) / n
 
-    out = {"decode_ms": per_call_ms(decode, 400), "server_step_ms": per_call_ms(step, 10) / agents,
+    out = {"decode_ms": per_call_ms(decode, 400), "server_step_ms": per_call_ms(step, 10, warm=3) / agents,
            "encode_ms": per_call_ms(encode, 400)}
     out["total_ms"] = sum(out.values())
     out["act_bytes"], out["grad_bytes"] = len(act), len(encode())
     at: dict[str, float] = {}
     for n in sorted(set(levels)):
         x, y = merged(n)
-        at[str(n)] = per_call_ms(step, max(2, 1000 // n)) / n
+        at[str(n)] = per_call_ms(step, max(2, 1000 // n), warm=3) / n
     x, y = merged(agents)
     out["server_step_ms_at"] = at
+    out["kept_freed_memory"] = kept
     with flop_counter() as flops:
         step()
     out["server_step_mflop"] = flops.get_total_flops() / agents / 1e6

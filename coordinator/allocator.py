@@ -13,10 +13,13 @@ only up to the size of that block.
 What this does: one call at the start of ``sfl-coord serve`` (and ``simulate``) tells glibc
 never to map a block by itself (``M_MMAP_MAX`` 0: every block comes from the heap, however
 large: a step of 200 agents' rows allocates blocks above the 32 MiB that glibc's own
-threshold reaches) and to keep up to 256 MiB of free memory at the heap's top
-(``M_TRIM_THRESHOLD``), so a step reuses the pages the last step freed. The price: up to
-256 MiB of freed memory stays with the process instead of going back to the system, and the
-process's resident size includes it.
+threshold reaches) and to keep up to 1 GiB of free memory at the heap's top
+(``M_TRIM_THRESHOLD``), so a step reuses the pages the last step freed. Why that much: with
+500 agents a round a step frees more than 256 MiB at once (the merged rows, their gradient,
+each agent's decoded rows and gradient), and whatever lies over the threshold goes back to the
+kernel and is faulted in again by the next step. The price: up to 1 GiB of freed memory stays
+with the process instead of going back to the system, and the process's resident size
+includes it.
 
 Only where it applies: glibc (Linux; not musl, macOS or Windows); not when the operator has
 tuned malloc already (any ``MALLOC_*`` variable or ``GLIBC_TUNABLES``) or replaced it
@@ -34,7 +37,7 @@ __all__ = ["keep_freed_memory"]
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
-TRIM_THRESHOLD = 256 * 2**20
+TRIM_THRESHOLD = 2**30
 """Free memory at the heap's top kept before any is returned to the system."""
 
 

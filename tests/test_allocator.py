@@ -15,8 +15,9 @@ from coordinator.allocator import keep_freed_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
-# a fresh process: malloc, touch and free one 40 MiB block twice (above the 32 MiB that glibc's own
-# threshold reaches, so glibc maps it afresh each time by default); the page faults of the second time
+# a fresh process: malloc, touch and free one block of argv[2] MiB twice (40 MiB: above the 32 MiB that
+# glibc's own threshold reaches, so glibc maps it afresh each time by default; 320 MiB: more than a
+# step of 500 agents frees at once, over the 256 MiB once kept); the page faults of the second time
 _REUSE = textwrap.dedent("""
     import ctypes, resource, sys
     from coordinator.allocator import keep_freed_memory
@@ -27,24 +28,26 @@ _REUSE = textwrap.dedent("""
     faults = []
     for _ in range(2):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        p = libc.malloc(40 << 20)
-        ctypes.memset(p, 1, 40 << 20)
+        size = int(sys.argv[2]) << 20
+        p = libc.malloc(size)
+        ctypes.memset(p, 1, size)
         libc.free(p)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     print(faults[1])
 """)
 
 
-def _second_time_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _REUSE, mode], capture_output=True, text=True, check=True,
+def _second_time_faults(mode: str, mib: int) -> int:
+    out = subprocess.run([sys.executable, "-c", _REUSE, mode, str(mib)], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     return int(out.stdout.split()[-1])
 
 
 @pytest.mark.skipif(not GLIBC, reason="the setting exists only in glibc")
-def test_a_freed_block_is_reused_without_faulting_its_pages_in_again():
-    pages = (40 << 20) // 4096
-    kept, default = _second_time_faults("keep"), _second_time_faults("default")
+@pytest.mark.parametrize("mib", [40, 320])
+def test_a_freed_block_is_reused_without_faulting_its_pages_in_again(mib):
+    pages = (mib << 20) // 4096
+    kept, default = _second_time_faults("keep", mib), _second_time_faults("default", mib)
     assert kept < pages // 10, f"{kept} page faults for a block freed just before (of {pages} pages)"
     assert default > pages // 2, f"glibc's default faulted only {default} of {pages} pages in again"
 
