@@ -554,8 +554,8 @@ def floor(args: Any, payload: Payload, agents: int = 100, levels: Sequence[int] 
     portion's forward/backward/update on the merged batch of ``agents`` such messages (per
     agent), and encoding one gradients message. Milliseconds of one thread each. The server
     step is also measured on the merged batch of each load level of ``levels`` (agents per
-    round), ``server_step_ms_at``: the same step on five times the rows costs more per row once
-    they outgrow the CPU's caches, and a coordinator at that load pays it too.
+    round), ``server_step_ms_at``: a step's cost per row depends on how many rows it merges,
+    and a coordinator at that load pays the cost of that size.
 
     Measured with the allocator setting ``sfl-coord serve`` makes at start
     (:func:`coordinator.allocator.keep_freed_memory`, ``kept_freed_memory`` in the result) and
