@@ -355,3 +355,31 @@ def test_a_devices_rounds_pooled_are_the_evidence_of_at_most_its_images():
     liar = {"liar": LabelCount(22, 22, 2.4), **honest}
     out = judge(liar, {"liar": [LabelCount(22, 22, 2.5)]}, 0.2, images={"liar": 4})
     assert out.keys() == {"liar"} and out["liar"] == Verdict(out["liar"].excess, liar["liar"], 1)
+
+
+def test_the_leave_one_out_rates_taken_at_once_are_those_of_each_row_taken_alone():
+    """Each class's rate, from one sum by class and one matrix product, is the share of its rows
+    that lie nearer another class's centroid than their own class's centroid without them, row
+    by row with exact distances; labels out of range and a class of one row are left out."""
+    torch.manual_seed(1)
+    labels = torch.randint(0, 6, (120,))
+    labels[:3] = torch.tensor([-1, 6, 9])       # out of range for 6 classes
+    labels[labels == 5] = 4
+    labels[3] = 5                               # class 5: a single row
+    centres = torch.randn(10, 2, 4, 4)
+    rows = 0.6 * centres[labels.clamp(0, 9)] + torch.randn(120, 2, 4, 4)
+    ref = class_centroids(rows, labels, classes=6)
+    f = rows.flatten(1)
+    for c in range(6):
+        mine = f[labels == c]
+        if len(mine) < 2:
+            assert math.isnan(ref.rates[c].item()) and math.isnan(ref.centroids[c, 0].item())
+            continue
+        assert torch.allclose(ref.centroids[c], mine.mean(0), atol=1e-6)
+        others = [f[labels == k].mean(0) for k in range(6) if k != c and (labels == k).sum() >= 2]
+        missed = 0
+        for i in range(len(mine)):
+            own = torch.dist(mine[i], torch.cat([mine[:i], mine[i + 1:]]).mean(0))
+            missed += int(min(torch.dist(mine[i], m) for m in others) < own)
+        assert ref.rates[c].item() == pytest.approx(missed / len(mine))
+    assert 0 < ref.rates[:5].mean().item() < 1      # the classes overlap: the rates are not all 0 or 1
