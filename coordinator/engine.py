@@ -290,7 +290,9 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
             acts = self.session.collect(agents, "activations", r, k, only=mine)
             if not acts and self.shards is None:
                 break
-            batches = {a: self._batch(agents[a], m) for a, m in acts.items()}
+            places = self.server.place_rows({a: (agents[a].assignment.batch_size, *agents[a].assignment.activation_shape)
+                                             for a in acts})
+            batches = {a: self._batch(agents[a], m, places.get(a)) for a, m in acts.items()}
             for a, b in batches.items():
                 if b is not None and b[1] is None:
                     agents[a].labels_withheld = True
@@ -356,11 +358,13 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
                           tau=self.cfg.local_iters, codec=codec or self.cfg.codec, zstd_level=self.cfg.zstd_level,
                           activation_shape=tuple(shape), window=1 if whole else min(window, self.cfg.local_iters))
 
-    def _batch(self, ra: RoundAgent, msg: Message) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def _batch(self, ra: RoundAgent, msg: Message, place: Optional[torch.Tensor] = None
+               ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """The activations and labels of ``msg``, validated (None, rejected, if invalid) and on
-        their way to the server's device (the copy overlaps decoding the next agent's)."""
+        their way to the server's device (the copy overlaps decoding the next agent's);
+        ``place``: where in the step's merged batch to decode the activations."""
         try:
-            batch = decode_activations(msg.body, ra.assignment, self.num_classes)
+            batch = decode_activations(msg.body, ra.assignment, self.num_classes, out=place)
         except wire.WireError as exc:
             self.session.rejections.reject("invalid", f"activations from {ra.info_id}: {exc}")
             self._refused[ra.info_id] = "invalid activations"

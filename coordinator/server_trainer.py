@@ -120,6 +120,8 @@ class ServerTrainer:
         self._widths: dict[str, int] = {}
         self._counts: dict[str, torch.Tensor] = {}
         self._sequential = False
+        self._placed: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        """Per group (by id), the merged batch :meth:`place_rows` laid out and each member's view of it."""
         self.last_rows = 0
         """Rows the last :meth:`step` trained on (every server worker's, with a reducer)."""
 
@@ -166,6 +168,42 @@ class ServerTrainer:
         if term is not None:
             term.begin_round(self._widths, self._counts, population_counts)
 
+    def place_rows(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+        """Where the coming step's activations can be decoded straight into the batch it merges.
+
+        ``shapes``: each agent's activations' shape this step. For each group whose agents among
+        them all join at its first block with no bottleneck there, and share one shape, a view
+        per agent into one float32 tensor, laid out in the order the step merges them. A step
+        whose rows are exactly these views trains on that tensor where it lies (:meth:`_train`):
+        without it, each agent's rows are copied together into the batch, and their gradients
+        apart again. One whose rows were narrowed or left out merges them as before. Nothing is
+        placed on a GPU (each agent's rows travel there as soon as they are decoded,
+        :meth:`stage`), for SplitFed v2's turns, or for a loss term of the method's."""
+        self._placed = {}
+        if self.device.type != "cpu" or self._sequential or self.loss.term is not None:
+            return {}
+        places: dict[str, torch.Tensor] = {}
+        for group in self._groups:
+            order = sorted(a for a in group.members if a in shapes)
+            row = {tuple(shapes[a][1:]) for a in order}
+            if (not order or len(row) != 1 or any(group.splits[a] != group.first for a in order)
+                    or group.model.bottleneck(group.first) is not None):
+                continue
+            sizes = [int(shapes[a][0]) for a in order]
+            merged = torch.empty((sum(sizes), *row.pop()))
+            views = dict(zip(order, merged.split(sizes)))
+            self._placed[id(group)] = (merged, views)
+            places.update(views)
+        return places
+
+    def _in_place(self, group: _Group, order: Sequence[str], batches: Mapping[str, Batch]) -> Optional[torch.Tensor]:
+        """The merged batch :meth:`place_rows` laid out for ``group``, where the step's rows
+        (``order``) are its views, every one; else None."""
+        merged, views = self._placed.get(id(group), (None, {}))
+        if merged is None or list(views) != list(order) or any(batches[a][0] is not views[a] for a in order):
+            return None
+        return merged
+
     def stage(self, batch: Batch) -> Batch:
         """``batch`` on the server's device, its copy queued rather than waited for: staged as soon
         as it is decoded, one agent's rows travel while the host decodes the next agent's."""
@@ -196,6 +234,7 @@ class ServerTrainer:
             # SplitFed v2 trains the one copy on each member's rows in turn; otherwise one merged batch
             for part in ([{a: present[a]} for a in sorted(present)] if self._sequential else [present]):
                 trained.append(self._train(group, part, exchange))
+        self._placed = {}
         grads = self._gradients_to_host({a: g for out, _, _ in trained for a, g in out.items()})
         host_copies.wait(self.device)
         rows = sum(n for _, _, n in trained)
@@ -240,6 +279,12 @@ class ServerTrainer:
         h = None
         blocks = group.model.blocks
         pos = 0
+        merged = self._in_place(group, order, batches)
+        if merged is not None:   # decoded where the batch lies: one input, every member's rows a view of it
+            h = merged.detach().requires_grad_(True)
+            inputs = dict(zip(order, h.split([batches[a][0].shape[0] for a in order])))
+            pos = len(order)
+        leaf = h
         for layer in range(group.first, len(blocks)):
             joining = []
             pair = group.model.bottleneck(layer)
@@ -252,8 +297,8 @@ class ServerTrainer:
                 pos += 1
             if pair is not None and h is not None:   # rows that joined earlier pass the whole pair
                 h = pair(h)
-            if joining:
-                h = torch.cat(([h] if h is not None else []) + joining)
+            if joining:   # (one member's rows alone are the batch as they are: not copied)
+                h = joining[0] if h is None and len(joining) == 1 else torch.cat(([h] if h is not None else []) + joining)
             if h is not None:
                 h = blocks[layer](h)
         assert h is not None, "a group member's split lies beyond the model"
@@ -269,8 +314,12 @@ class ServerTrainer:
             loss = torch.tensor(self.reducer.mean(float(loss), n, rows))
         group.step()
         out: dict[str, torch.Tensor] = {}
+        if leaf is None:
+            got = {a: inputs[a].grad for a in order}
+        else:
+            got = dict(zip(order, leaf.grad.split(sizes) if leaf.grad is not None else [None] * len(order)))
         for a, b in zip(order, sizes):
-            g = inputs[a].grad
+            g = got[a]
             if g is None:                                   # no reply: no gradient
                 out[a] = torch.zeros_like(inputs[a])
             else:   # scaled in place where it is dense: this step's own tensor, read by nobody else

@@ -17,13 +17,14 @@ from sfl_core.wire.assignment import Assignment
 __all__ = ["decode_activations", "decode_logit_gradients"]
 
 
-def decode_activations(body: dict[str, Any], assignment: Assignment,
-                num_classes: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def decode_activations(body: dict[str, Any], assignment: Assignment, num_classes: int,
+                       out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One step's activations ``(batch, *activation_shape)``, float32 or float16 and finite, and
     its labels in ``0..num_classes-1`` (None: the agent withholds them and scores its own
-    logits, as MergeSFL's agents may)."""
+    logits, as MergeSFL's agents may). ``out``: where to decode the activations (their place
+    in the step's merged batch, :meth:`coordinator.server_trainer.ServerTrainer.place_rows`)."""
     b = assignment.batch_size
-    x = wire.decode_tensor(body["x"], shape=(b, *assignment.activation_shape), dtypes=("float32", "float16"))
+    x = wire.decode_tensor(body["x"], shape=(b, *assignment.activation_shape), dtypes=("float32", "float16"), out=out)
     y = None if body["y"] is None else wire.decode_tensor(body["y"], shape=(b,), dtypes=("int64",))
     if not wire.all_finite(x):
         raise wire.WireError("activations contain NaN or Inf")

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -239,6 +241,7 @@ def decode_tensor(
     max_bytes: int = MAX_MESSAGE_BYTES,
     as_float32: bool = True,
     float_codecs: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rebuild a tensor sent by :func:`encode_tensor`, validating it against ``shape``.
 
@@ -251,12 +254,20 @@ def decode_tensor(
     they are accepted wherever ``"float32"`` is in ``dtypes``, unless ``float_codecs`` is
     false (weights use that: they must arrive as float32/float16). ``"bfloat16"`` may also be
     listed by name. A quantised or sparse tensor never passes a list without ``"float32"``.
+
+    ``out``: a float32 tensor to decode a float tensor into, and return (a caller gathering
+    many tensors into one batch has each written straight into its place, not copied there
+    after). A half-precision payload is widened as it is written. The tensor must be
+    contiguous; a payload of another dtype or shape than ``out``'s raises :class:`WireError`
+    before anything is written.
     """
     if not isinstance(obj, Mapping):
         raise WireError("tensor: expected a map with dtype/shape/z/data")
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or not as_float32):
+        raise ValueError("decode_tensor: out must be a contiguous float32 tensor, and as_float32 true")
     codec = obj.get("codec")
     if codec is None:
-        return _decode_plain(obj, shape, dtypes, max_bytes, as_float32, float_codecs)
+        return _decode_plain(obj, shape, dtypes, max_bytes, as_float32, float_codecs, out)
     if codec not in ("int8", "topk"):
         raise WireError(f"tensor: codec {codec!r} not allowed; expected 'int8', 'topk' or no codec field")
     if dtypes is not None and not (float_codecs and "float32" in dtypes):
@@ -268,9 +279,24 @@ def decode_tensor(
     dense = math.prod(dims) * 4
     if dense > max_bytes:
         raise WireError(f"tensor: {dense} bytes once decoded exceeds the limit of {max_bytes}", reason="too_large")
-    if codec == "int8":
-        return _decode_int8(obj, dims, max_bytes)
-    return _decode_topk(obj, dims, max_bytes)
+    decoded = _decode_int8(obj, dims, max_bytes) if codec == "int8" else _decode_topk(obj, dims, max_bytes)
+    return decoded if out is None else _into(out, decoded)
+
+
+def _into(out: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``decoded`` written into ``out`` (see :func:`decode_tensor`), which is returned."""
+    if tuple(out.shape) != tuple(decoded.shape) or not decoded.is_floating_point():
+        raise WireError(f"tensor: {decoded.dtype} {tuple(decoded.shape)} does not fit the place for it, "
+                        f"float32 {tuple(out.shape)}")
+    return out.copy_(decoded)
+
+
+def _read_only(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over the bytes of ``raw``, not copied, to be read only (copied from). PyTorch
+    warns, once a process, that the buffer is not writable: nothing writes to it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
 
 
 def _check_shape(dims: Any, shape: tuple[int | None, ...] | None) -> list[int]:
@@ -296,7 +322,8 @@ def _raw_bytes(obj: Mapping[str, Any], nbytes: int, what: str) -> bytes:
 
 
 def _decode_plain(obj: Mapping[str, Any], shape: tuple[int | None, ...] | None, dtypes: tuple[str, ...] | None,
-                  max_bytes: int, as_float32: bool, float_codecs: bool) -> torch.Tensor:
+                  max_bytes: int, as_float32: bool, float_codecs: bool,
+                  into: torch.Tensor | None = None) -> torch.Tensor:
     name, dims = obj.get("dtype"), obj.get("shape")
     if name not in _DTYPES:
         raise WireError(f"tensor: dtype {name!r} not allowed; expected one of {sorted(_DTYPES)}")
@@ -314,17 +341,23 @@ def _decode_plain(obj: Mapping[str, Any], shape: tuple[int | None, ...] | None, 
     raw = _decompress(data, nbytes) if z else data
     if len(raw) != nbytes:
         raise WireError(f"tensor: {len(raw)} bytes of data for shape {tuple(dims)} {name} (expected {nbytes})")
+    if into is not None and name in ("float32", "float16") and sys.byteorder == "little":
+        if list(into.shape) != dims:
+            raise WireError(f"tensor: shape {tuple(dims)} does not fit the place for it, {tuple(into.shape)}")
+        return into.copy_(_read_only(raw, _DTYPES[name][1]).view(dims))
     arr = np.frombuffer(raw, dtype=np_dtype).reshape(dims)
     if name == "bfloat16":
         if as_float32:  # bf16 is the upper half of a float32: shifting the bits back is exact
             wide = arr.astype("<u4")
             wide <<= 16  # in place: keeps a 0-D array an array
-            return torch.from_numpy(wide.view("<f4").astype(np.float32, copy=False))
-        return torch.from_numpy(arr.view("<i2").astype(np.int16)).view(torch.bfloat16)
-    out = torch.from_numpy(arr.copy())
-    if as_float32 and out.dtype == torch.float16:
-        out = out.float()
-    return out
+            out = torch.from_numpy(wide.view("<f4").astype(np.float32, copy=False))
+        else:
+            out = torch.from_numpy(arr.view("<i2").astype(np.int16)).view(torch.bfloat16)
+    else:
+        out = torch.from_numpy(arr.copy())
+        if as_float32 and out.dtype == torch.float16:
+            out = out.float()
+    return out if into is None else _into(into, out)
 
 
 def _decode_int8(obj: Mapping[str, Any], dims: list[int], max_bytes: int) -> torch.Tensor:
