@@ -56,17 +56,31 @@ def test_a_tensor_that_does_not_fit_its_place_is_refused_before_anything_is_writ
         wire.decode_tensor(obj, out=torch.zeros(2, *SHAPE, dtype=torch.float16))
 
 
+def _exchange(labels: dict[str, torch.Tensor]):
+    """What agents that withheld their labels answer: the gradient of their mean loss w.r.t. their logits."""
+    def exchange(logits: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, float]]:
+        out = {}
+        for a, z in logits.items():
+            z = z.clone().requires_grad_(True)
+            loss = torch.nn.functional.cross_entropy(z, labels[a])
+            loss.backward()
+            out[a] = (z.grad, loss.item())
+        return out
+    return exchange
+
+
 def _step(sizes: dict[str, int], *, in_place: bool, leave_out: tuple[str, ...] = (), sequential: bool = False,
-          bottleneck: bool = False, steps: int = 2):
+          bottleneck: bool = False, withheld: tuple[str, ...] = (), steps: int = 2):
     """Two server steps on the same messages; the agents' gradients, the losses and the copy's state."""
     messages = _messages(sizes)
     trainer = _trainer(sizes, sequential, bottleneck)
     out = []
     for _ in range(steps):
         places = trainer.place_rows({a: (b, *SHAPE) for a, b in sizes.items()}) if in_place else {}
-        batches = {a: (wire.decode_tensor(obj, shape=(sizes[a], *SHAPE), out=places.get(a)), y)
+        batches = {a: (wire.decode_tensor(obj, shape=(sizes[a], *SHAPE), out=places.get(a)), None if a in withheld else y)
                    for a, (obj, y) in messages.items()}
-        grads, loss = trainer.step({a: b for a, b in batches.items() if a not in leave_out})
+        grads, loss = trainer.step({a: b for a, b in batches.items() if a not in leave_out},
+                                   _exchange({a: y for a, (_, y) in messages.items()}))
         out.append((grads, loss))
     return out, trainer.member_state(sorted(sizes)[0], 2), places
 
@@ -102,6 +116,15 @@ def test_a_step_on_rows_decoded_in_place_is_the_step_on_rows_copied_together(cop
     in_place = _step(sizes, in_place=True)
     assert copied == [] and sorted(in_place[2]) == ["a0", "a1", "a2"]
     _same(in_place, apart)
+
+
+def test_agents_that_withhold_their_labels_get_the_same_gradients_in_place(copied):
+    """MergeSFL's agents that keep their labels score their rows' logits themselves; the step
+    backpropagates their answers through the same batch."""
+    sizes = {"a0": 8, "a1": 6, "a2": 8}
+    in_place = _step(sizes, in_place=True, withheld=("a1",))
+    assert copied == []
+    _same(in_place, _step(sizes, in_place=False, withheld=("a1",)))
 
 
 def test_a_step_that_leaves_an_agents_rows_out_copies_the_others_together_as_before(copied):
