@@ -400,9 +400,12 @@ def window_for(cfg: "RunConfig", costs: Mapping[int, "SplitCost"], plan: "RoundP
                info: "AgentInfo") -> int:
     """An agent's steps in flight: its method's plan's, else the run's ``window`` as
     :func:`price_option` reads it at the agent's cut, codec and width ('auto': the time model's
-    choice; 1 for an agent whose defenses keep it in lock-step, or the whole model)."""
+    choice; 1 for an agent whose defenses keep it in lock-step, or the whole model). A run in
+    lock-step (``window: 1``) prices nothing: every agent's window is 1."""
     if agent in plan.windows:
         return plan.windows[agent]
+    if cfg.window == 1:
+        return 1
     split, width = plan.splits[agent], plan.widths.get(agent, 0)
     codec = plan.codecs.get(agent) or cfg.codec
     return price_option(cfg, costs[split], codec, info, ratio=nominal_ratio(codec), width=width).window

@@ -113,6 +113,18 @@ def test_auto_takes_the_smallest_window_within_five_percent_of_the_fastest():
     assert timing.price_option(_cfg(window=4), cost, "fp32", withheld, ratio=1.0).window == 1
 
 
+def test_each_agents_window_is_its_plans_else_the_runs_priced_and_in_lock_step_nothing_is_priced(monkeypatch):
+    from sfl_core.methods.base import RoundPlan
+    costs = model_costs("small_cnn", (1, 8, 8), 10)
+    plan = RoundPlan(splits={"a": 2, "b": 2}, groups=[["a", "b"]], windows={"b": 2})
+    slow_link = _agent(1e10, 2e5)
+    assert timing.window_for(_cfg(window="auto"), costs, plan, "a", slow_link) > 1
+    assert timing.window_for(_cfg(window=4), costs, plan, "a", slow_link) == 4
+    assert timing.window_for(_cfg(window=4), costs, plan, "b", slow_link) == 2       # the plan's
+    monkeypatch.setattr(timing, "price_option", lambda *a, **k: pytest.fail("lock-step priced a window"))
+    assert timing.window_for(_cfg(window=1), costs, plan, "a", slow_link) == 1
+
+
 @pytest.mark.parametrize("half_duplex", [False, True])
 def test_the_virtual_clock_charges_what_the_planner_predicts_with_a_window(half_duplex):
     """One entry point: a round of the bytes and FLOPs the option assumes, charged by the
