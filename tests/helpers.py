@@ -158,3 +158,19 @@ def write_fleet(root: Path) -> dict[str, Path]:
             Image.fromarray(x[i], "L").save(folder / f"{k}.png")
     (root / "pi-3" / "train" / "five" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     return {k: root / k for k in parts}
+
+
+# ---------------------------------------------------------------- MergeSFL's withheld labels
+
+def withheld_answers(logits: dict, labels: dict) -> dict:
+    """What agents that withheld their labels answer the server's step with: per agent, the
+    gradient of its mean loss w.r.t. the logits it was sent, and that loss (on the host)."""
+    import torch
+
+    out = {}
+    for a, z in logits.items():
+        z = z.clone().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(z, labels[a])
+        loss.backward()
+        out[a] = (z.grad, loss.item())
+    return out

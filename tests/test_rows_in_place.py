@@ -11,6 +11,7 @@ from coordinator.server_trainer import ServerTrainer
 from sfl_core.model.zoo import build_model
 from sfl_core.wire import codec as wire
 from sfl_core.wire.codec import WireError
+from helpers import withheld_answers
 
 SHAPE = (32, 4, 4)   # small_cnn's activations at split 2 on 8x8 inputs
 
@@ -56,19 +57,6 @@ def test_a_tensor_that_does_not_fit_its_place_is_refused_before_anything_is_writ
         wire.decode_tensor(obj, out=torch.zeros(2, *SHAPE, dtype=torch.float16))
 
 
-def _exchange(labels: dict[str, torch.Tensor]):
-    """What agents that withheld their labels answer: the gradient of their mean loss w.r.t. their logits."""
-    def exchange(logits: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, float]]:
-        out = {}
-        for a, z in logits.items():
-            z = z.clone().requires_grad_(True)
-            loss = torch.nn.functional.cross_entropy(z, labels[a])
-            loss.backward()
-            out[a] = (z.grad, loss.item())
-        return out
-    return exchange
-
-
 def _step(sizes: dict[str, int], *, in_place: bool, leave_out: tuple[str, ...] = (), sequential: bool = False,
           bottleneck: bool = False, withheld: tuple[str, ...] = (), steps: int = 2):
     """Two server steps on the same messages; the agents' gradients, the losses and the copy's state."""
@@ -79,8 +67,9 @@ def _step(sizes: dict[str, int], *, in_place: bool, leave_out: tuple[str, ...] =
         places = trainer.place_rows({a: (b, *SHAPE) for a, b in sizes.items()}) if in_place else {}
         batches = {a: (wire.decode_tensor(obj, shape=(sizes[a], *SHAPE), out=places.get(a)), None if a in withheld else y)
                    for a, (obj, y) in messages.items()}
+        labels = {a: y for a, (_, y) in messages.items()}
         grads, loss = trainer.step({a: b for a, b in batches.items() if a not in leave_out},
-                                   _exchange({a: y for a, (_, y) in messages.items()}))
+                                   lambda logits: withheld_answers(logits, labels))
         out.append((grads, loss))
     return out, trainer.member_state(sorted(sizes)[0], 2), places
 

@@ -12,6 +12,7 @@ import torch
 from coordinator import host_copies
 from coordinator.server_trainer import ServerTrainer
 from sfl_core.model.zoo import build_model
+from helpers import withheld_answers
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 AGENTS = {"a": 1, "b": 1, "c": 2}    # agent -> split: two cut after block 1, one after block 2
@@ -42,13 +43,7 @@ def _run(device: str, groups, *, sequential=False, withheld=None, steps=3, stage
     labels = {}
 
     def exchange(logits):   # the agent's side of MergeSFL's logit exchange, on the host
-        out = {}
-        for a, z in logits.items():
-            z = z.clone().requires_grad_(True)
-            loss = torch.nn.functional.cross_entropy(z, labels[a])
-            loss.backward()
-            out[a] = (z.grad, loss.item())
-        return out
+        return withheld_answers(logits, labels)
 
     history = []
     for k in range(steps):
