@@ -341,10 +341,8 @@ def _decode_plain(obj: Mapping[str, Any], shape: tuple[int | None, ...] | None, 
     raw = _decompress(data, nbytes) if z else data
     if len(raw) != nbytes:
         raise WireError(f"tensor: {len(raw)} bytes of data for shape {tuple(dims)} {name} (expected {nbytes})")
-    if into is not None and name in ("float32", "float16") and sys.byteorder == "little":
-        if list(into.shape) != dims:
-            raise WireError(f"tensor: shape {tuple(dims)} does not fit the place for it, {tuple(into.shape)}")
-        return into.copy_(_read_only(raw, _DTYPES[name][1]).view(dims))
+    if into is not None and name in ("float32", "float16") and sys.byteorder == "little":   # widened as written
+        return _into(into, _read_only(raw, _DTYPES[name][1]).view(dims))
     arr = np.frombuffer(raw, dtype=np_dtype).reshape(dims)
     if name == "bfloat16":
         if as_float32:  # bf16 is the upper half of a float32: shifting the bits back is exact
