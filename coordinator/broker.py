@@ -150,12 +150,21 @@ def _broker_class() -> type:
       messages of topics it never subscribed to. Retained messages now go only to a
       client subscribed to the filter.
 
-    And one for Python's streams: asyncio keeps only weak references to tasks, and the
-    task serving a connection is held by nothing but its protocol object, which lets go
-    of it when the socket closes. A connection task still waiting then (on acknowledgements
-    to retained messages, say) is garbage; the collector destroys it mid-await ("Task was
-    destroyed but it is pending!") and, with it, whatever its frame kept alive. The broker
-    now holds each connection's task until it returns, as asyncio's documentation asks.
+    And two for Python's streams:
+
+    * asyncio keeps only weak references to tasks, and the task serving a connection is
+      held by nothing but its protocol object, which lets go of it when the socket closes.
+      A connection task still waiting then (on acknowledgements to retained messages, say)
+      is garbage; the collector destroys it mid-await ("Task was destroyed but it is
+      pending!") and, with it, whatever its frame kept alive. The broker now holds each
+      connection's task until it returns, as asyncio's documentation asks.
+    * A connection that ends before its CONNECT (a readiness probe, a health check, a port
+      scan) is dropped by amqtt without closing it. The garbage collector closed it later,
+      on whichever thread it ran: its socket first, so the descriptor's number went to the
+      next connection, then its stream, which took that number out of the event loop's
+      selector. The agent on the new connection was accepted and never read (no CONNACK,
+      or no PUBACK: a CI failure). The broker now closes every connection when its task
+      returns, on the loop's thread.
     """
     from amqtt.broker import Broker
 
@@ -165,14 +174,17 @@ def _broker_class() -> type:
             self._subscriptions = _SnapshotDict(self._subscriptions)  # type: ignore[has-type]
             self.connection_tasks: set[asyncio.Task[Any]] = set()
 
-        async def stream_connected(self, *args: Any, **kwargs: Any) -> None:
+        async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                   listener_name: str) -> None:
             task = asyncio.current_task()
             if task is not None:
                 self.connection_tasks.add(task)
             try:
-                await super().stream_connected(*args, **kwargs)
+                await super().stream_connected(reader, writer, listener_name)
             finally:
                 self.connection_tasks.discard(task)  # type: ignore[arg-type]
+                if not writer.is_closing():
+                    writer.close()
 
         async def _publish_retained_messages_for_subscription(self, subscription: Any, session: Any) -> None:
             subscribers = self._subscriptions.get(subscription[0], ())
