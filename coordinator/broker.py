@@ -183,8 +183,7 @@ def _broker_class() -> type:
                 await super().stream_connected(reader, writer, listener_name)
             finally:
                 self.connection_tasks.discard(task)  # type: ignore[arg-type]
-                if not writer.is_closing():
-                    writer.close()
+                _close_on_its_loop(writer)
 
         async def _publish_retained_messages_for_subscription(self, subscription: Any, session: Any) -> None:
             subscribers = self._subscriptions.get(subscription[0], ())
@@ -192,6 +191,20 @@ def _broker_class() -> type:
                 await super()._publish_retained_messages_for_subscription(subscription, session)
 
     return _Broker
+
+
+def _close_on_its_loop(writer: asyncio.StreamWriter) -> None:
+    """Close a connection's stream unless it is closed already, and only on its loop's thread,
+    where closing also takes it out of the loop's selector. (A connection task the garbage
+    collector destroys after the loop has closed runs its ``finally`` with no loop: nothing is
+    left to unregister then.)"""
+    if writer.is_closing():
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    writer.close()
 
 
 def _log_loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

@@ -528,6 +528,34 @@ def test_a_connection_that_ends_before_connect_is_closed_by_the_broker_at_once()
         gc.enable()
 
 
+def test_a_connection_is_closed_on_its_loop_and_left_alone_without_one() -> None:
+    """The broker closes a connection on its loop's thread (where the close also unregisters it);
+    a connection task destroyed after its loop has gone does nothing from whatever thread the
+    garbage collector runs on."""
+    import asyncio
+
+    from coordinator.broker import _close_on_its_loop
+
+    loop = asyncio.new_event_loop()
+    try:
+        server = loop.run_until_complete(asyncio.start_server(lambda r, w: None, "127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = loop.run_until_complete(asyncio.open_connection("127.0.0.1", port))
+        _close_on_its_loop(writer)                 # no running loop here: left alone
+        assert not writer.is_closing()
+
+        async def on_the_loop() -> None:
+            _close_on_its_loop(writer)
+            _close_on_its_loop(writer)             # closed once: the second call does nothing
+
+        loop.run_until_complete(on_the_loop())
+        assert writer.is_closing()
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+    finally:
+        loop.close()
+
+
 def test_the_broker_loops_unhandled_errors_are_one_line_naming_the_coroutine(caplog) -> None:
     import asyncio
 
