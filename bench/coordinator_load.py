@@ -52,7 +52,8 @@ sustains on a large fp32 matrix product.
 
 With ``--stages`` the coordinator runs under thread CPU timers (``bench/stage_timers.py``): CPU
 ms per agent-step of each stage on the round engine's thread (collect, decode, server step,
-encode, publish, aggregate, evaluate, checkpoint, the rest) and on paho's network thread
+encode, publish, aggregate, evaluate, checkpoint, the screens, Python's garbage collector, the
+rest) and on paho's network thread
 (parse/validate, paho's own reading and writing), summed over whole rounds 2..R beside the /proc
 figure.
 

@@ -21,6 +21,7 @@ reads, about a microsecond, a few times per agent-step.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -55,8 +56,12 @@ NETWORK_STAGES = (("parse/validate", "coordinator.mqtt_transport", "MqttTranspor
 is paho's own: reading packets, acknowledging them, writing what the engine published."""
 ROUND = ("coordinator.engine", "RoundEngine.run_counted_round")
 
+COLLECTOR = "garbage collection"
+"""Python's garbage collector on the engine's thread (``gc.callbacks``), wherever a stage's
+allocations set it off: it counts here, not in that stage."""
+
 ENGINE_OTHER, NETWORK_OTHER, OTHER_THREADS = "engine other", "paho", "other threads"
-STAGES = (*(s for s, _, _ in ENGINE_STAGES), ENGINE_OTHER, *(s for s, _, _ in NETWORK_STAGES), NETWORK_OTHER,
+STAGES = (*(s for s, _, _ in ENGINE_STAGES), COLLECTOR, ENGINE_OTHER, *(s for s, _, _ in NETWORK_STAGES), NETWORK_OTHER,
           OTHER_THREADS)
 """Every stage of the report, in order: the engine thread's, the network thread's, the rest."""
 
@@ -85,6 +90,22 @@ class Timers:
                 self.seconds[stage] = self.seconds.get(stage, 0.0) + spent - nested
         return timed
 
+    def collector(self, phase: str, info: dict[str, Any]) -> None:
+        """A ``gc.callbacks`` entry: a collection on the main thread (the engine's) is a stage of
+        its own, nested in whatever stage set it off; one on another thread stays in that thread's."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        stack = self._local.__dict__.setdefault("stack", [])
+        if phase == "start":
+            stack.append(0.0)
+            self._local.gc_t0 = time.thread_time()
+            return
+        spent = time.thread_time() - self._local.gc_t0
+        nested = stack.pop()
+        if stack:
+            stack[-1] += spent
+        self.seconds[COLLECTOR] = self.seconds.get(COLLECTOR, 0.0) + spent - nested
+
 
 def _patch(module: str, path: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     owner: Any = __import__(module, fromlist=["_"])
@@ -105,7 +126,7 @@ def snapshot(timers: Timers, main_cpu: float) -> dict[str, float]:
     """The running totals (seconds) of every stage in :data:`STAGES`: each thread's untimed rest
     from its own CPU clock; paho's network thread found by its name."""
     out = {s: timers.seconds.get(s, 0.0) for s in STAGES}
-    out[ENGINE_OTHER] = main_cpu - sum(out[s] for s, _, _ in ENGINE_STAGES)
+    out[ENGINE_OTHER] = main_cpu - sum(out[s] for s, _, _ in ENGINE_STAGES) - out[COLLECTOR]
     network = sum(_thread_cpu(t) for t in threading.enumerate() if t.name.startswith("paho-mqtt-client-"))
     out[NETWORK_OTHER] = network - sum(out[s] for s, _, _ in NETWORK_STAGES)
     out[OTHER_THREADS] = time.process_time() - main_cpu - network
@@ -117,6 +138,7 @@ def install(out: Path) -> None:
     timers = Timers()
     for stage, module, path in (*ENGINE_STAGES, *NETWORK_STAGES):
         _patch(module, path, functools.partial(timers.wrap, stage))
+    gc.callbacks.append(timers.collector)
     rounds: list[dict[str, Any]] = []
 
     def at_round_end(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,6 +17,7 @@ from cli.broker_options import CaFile, CertFile, KeyFile, PasswordFile, address_
 from cli.coord.app import DATA_OPTION, app, checked_parts, console, load_config, setup_logging, tell, web_access
 from coordinator import state as ckpt
 from coordinator.allocator import keep_freed_memory
+from coordinator.garbage_collection import spare_startup_objects
 from coordinator.api import RunError, output_dir
 from coordinator.api import serve as serve_run
 from coordinator.broker import BrokerStartError, BrokerUnavailable
@@ -175,6 +176,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     how = _resume_mode(resume)
     observers = _observers(cfg, metrics, dashboard, web_access(dashboard_token, web_tls_cert, web_tls_key,
                                                                 insecure_web))
+    spare_startup_objects()
     workers = []
     if server_workers > 1 and "RANK" not in os.environ:   # not started by torchrun: start ranks 1..N-1
         workers = launch_workers(server_workers, sys.argv[1:])
@@ -217,6 +219,7 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
     cfg = load_config(config, rounds, output, data)
     parts = checked_parts(cfg, config)
     how = _resume_mode(resume)
+    spare_startup_objects()
     history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=how, device=device, quiet=quiet,
                                                               console=console,
                                                               ray=ray_address or ("local" if ray else None),
