@@ -1,7 +1,7 @@
 """Spare the objects a coordinator is set up with from the garbage collector's full passes.
 
 Problem: by the time ``sfl-coord serve`` trains its first round, importing PyTorch, pydantic,
-rich and the product has left about 300,000 objects that Python's garbage collector tracks,
+rich and the product has left hundreds of thousands of objects that Python's garbage collector tracks,
 and nearly all of them live as long as the process (modules, classes, functions, the config).
 The collector walks every one of them in each full collection, which a round's allocations
 trigger from time to time: on the thread that trains the server's portion, in the middle of
