@@ -56,8 +56,9 @@ def test_a_full_collection_after_set_up_leaves_the_startups_objects_out_and_stil
     assert collected == "True", "a reference cycle made after set-up was not collected"
 
 
-@pytest.mark.parametrize("command, runner", [("simulate", "run_simulation"), ("serve", "serve_run")])
-def test_serve_and_simulate_spare_the_startups_objects_before_the_run(tmp_path, monkeypatch, command, runner):
+@pytest.mark.parametrize("command, runner", [("simulate", "run_simulation"), ("serve", "serve_run"),
+                                             ("demo", "serve_run")])
+def test_serve_simulate_and_demo_spare_the_startups_objects_before_the_run(tmp_path, monkeypatch, command, runner):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"run": "gc", "model": "small_cnn", "data": {"dataset": "digits"},
                                     "fleet": [{"profile": "s2fl-low-low", "count": 2}], "rounds": 1,
@@ -71,7 +72,7 @@ def test_serve_and_simulate_spare_the_startups_objects_before_the_run(tmp_path, 
     monkeypatch.setattr(coord_run, runner, run)
     gc.unfreeze()
     try:
-        result = CliRunner().invoke(coord_app, [command, "-c", str(path), "--quiet"])
+        result = CliRunner().invoke(coord_app, [command, "-c", str(path), *(["--quiet"] if command != "demo" else [])])
     finally:
         gc.unfreeze()   # this test process collects as before
     assert result.exit_code == 2, result.output

@@ -271,6 +271,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
 
     t0 = time.monotonic()
     finished = False
+    spare_startup_objects()
     try:
         history, engine = _run_daemon(cfg, lambda: serve_run(cfg, broker, on_broker=launch, console=console,
                                                                parts=parts))
