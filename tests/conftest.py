@@ -8,6 +8,7 @@ behaviour, not in our code's call graph.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,16 @@ RABBITMQ_MISSING = "rabbitmq-server not installed: apt-get install rabbitmq-serv
 
 
 from helpers import bench_module  # noqa: E402  (after the path fix)
+
+
+@pytest.fixture(autouse=True)
+def _collect_as_before() -> Iterator[None]:
+    """``sfl-coord serve``, ``simulate`` and ``demo`` freeze the objects they are set up with
+    (:mod:`coordinator.garbage_collection`); run in this process by a test, they would freeze the
+    test session's too, and its later garbage cycles would never be collected. Each test ends
+    with the collector as it was."""
+    yield
+    gc.unfreeze()
 
 _brokers = bench_module("brokers")   # the one throw-away-Mosquitto implementation (benches use it too)
 free_port = _brokers.free_port
