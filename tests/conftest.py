@@ -37,6 +37,7 @@ def _collect_as_before() -> Iterator[None]:
     yield
     gc.unfreeze()
 
+
 _brokers = bench_module("brokers")   # the one throw-away-Mosquitto implementation (benches use it too)
 free_port = _brokers.free_port
 wait_port = _brokers.wait_port
