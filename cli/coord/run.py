@@ -77,7 +77,10 @@ class _Stopped(BaseException):
 
 def _run_daemon(cfg: RunConfig, fn) -> tuple[list[dict], RoundEngine]:
     """Run ``fn()`` and turn every way it can stop early into one line and an exit status.
-    None of them tells the agents to stop: they wait for ``--resume``."""
+    None of them tells the agents to stop: they wait for ``--resume``. What the process was set
+    up with is left out of the garbage collector's passes first
+    (:mod:`coordinator.garbage_collection`)."""
+    spare_startup_objects()
     def on_term(signum, frame):
         raise _Stopped()
     previous = signal.signal(signal.SIGTERM, on_term)
@@ -176,7 +179,6 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     how = _resume_mode(resume)
     observers = _observers(cfg, metrics, dashboard, web_access(dashboard_token, web_tls_cert, web_tls_key,
                                                                 insecure_web))
-    spare_startup_objects()
     workers = []
     if server_workers > 1 and "RANK" not in os.environ:   # not started by torchrun: start ranks 1..N-1
         workers = launch_workers(server_workers, sys.argv[1:])
@@ -219,7 +221,6 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
     cfg = load_config(config, rounds, output, data)
     parts = checked_parts(cfg, config)
     how = _resume_mode(resume)
-    spare_startup_objects()
     history, engine = _run_daemon(cfg, lambda: run_simulation(cfg, resume=how, device=device, quiet=quiet,
                                                               console=console,
                                                               ray=ray_address or ("local" if ray else None),
@@ -271,7 +272,6 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
 
     t0 = time.monotonic()
     finished = False
-    spare_startup_objects()
     try:
         history, engine = _run_daemon(cfg, lambda: serve_run(cfg, broker, on_broker=launch, console=console,
                                                                parts=parts))
