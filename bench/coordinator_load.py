@@ -40,15 +40,22 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
   forward/backward (``server_s`` in the run's metrics); the rest is receiving, decoding,
   validating, encoding and publishing.
 
-Two references in the same invocation, per codec level: the floor (the same messages decoded,
-trained on and answered in one thread with no broker) and the transport's floor (a bare paho
-client, no product code, receiving and publishing messages of the same sizes through the same
-broker). Their sum is the least a coordinator built on paho could spend per agent-step, the server step
-taken on the merged batch of the load level's agents (``its floor ms``); ``x its floor`` is the
-coordinator's CPU per agent-step over it (``floor_ms``, ``floor_ratio`` in the JSON). Under
-the floor's server step lies the physical bound: its floating-point operations (counted by
-``sfl_core.model.flops``, i.e. PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU
-sustains on a large fp32 matrix product.
+References in the same invocation, per codec level:
+
+- the floor: the same messages decoded, trained on and answered in one thread with no broker
+  (``FloorWork``, each part timed alone), plus the transport's floor (a bare paho client, no
+  product code, receiving and publishing messages of the same sizes through the same broker).
+  Their sum is the least a coordinator built on paho could spend per agent-step, the server step
+  taken on the merged batch of the load level's agents (``its floor ms``); ``x its floor`` is the
+  coordinator's CPU per agent-step over it (``floor_ms``, ``floor_ratio`` in the JSON). Under
+  the floor's server step lies the physical bound: its floating-point operations (counted by
+  ``sfl_core.model.flops``, i.e. PyTorch's ``FlopCounterMode``) at the rate one thread of this CPU
+  sustains on a large fp32 matrix product.
+- the bare coordinator: the floor's work done as a coordinator with nothing else would do it, in
+  one process on paho, driven in lock-step by as many bare paho agents as the load level
+  (``bare coordinator ms``; ``x bare`` is the coordinator over it: what the product's own work
+  costs, its validation, screens, evaluation, checkpoints and book-keeping). Beside it, the
+  transport alone under the same lock-step traffic (``paho lock-step ms``).
 
 With ``--stages`` the coordinator runs under thread CPU timers (``bench/stage_timers.py``): CPU
 ms per agent-step of each stage on the round engine's thread (collect, decode, server step,
@@ -65,6 +72,7 @@ the cores, generators included).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -76,7 +84,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import common  # noqa: F401  (puts the repository on sys.path)
 import stage_timers
@@ -549,58 +557,88 @@ def stage_ms(doc: dict[str, Any], agent_steps: int) -> dict[str, float]:
     return {s: round(1e3 * (last[s] - first[s]) / agent_steps, 4) + 0.0 for s in doc["stages"]}
 
 
+class FloorWork:
+    """The floor's work, as functions of the bytes on the wire: decode and validate one real
+    activations message (envelope, schema, tensor, labels), the server portion's
+    forward/backward/update on a merged batch, encode one gradients message. :func:`floor` times
+    each alone; :func:`lockstep` runs them as a coordinator with nothing else would."""
+
+    def __init__(self, args: Any, payload: Payload):
+        from coordinator.uploads import decode_activations
+
+        self.args, self.payload = args, payload
+        self.act = Message("activations", RUN, "a0", {"x": payload.x(args.codec), "y": payload.y, "compute_s": 0.0},
+                           round=1, step=0, seq=1).encode()
+        self.shape = tuple(payload.x(args.codec)["shape"][1:])
+        self._decode_activations = decode_activations
+        data = load_dataset(args.dataset_name, args.dataset_root)
+        model = build_model(args.model, data.input_shape, data.num_classes)
+        self.server = model.server(args.split)
+        self.opt = torch.optim.SGD(self.server.parameters(), lr=0.01)
+
+    def decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and labels of one activations message."""
+        args = self.args
+
+        class _Assigned:      # what decode_activations reads of an assignment
+            batch_size, activation_shape = args.batch, self.shape
+
+        msg = protocol.decode(data, run=RUN, allowed=protocol.AGENT_TYPES)
+        x, y = self._decode_activations(msg.body, _Assigned, self.payload.num_classes)
+        assert y is not None
+        return x, y
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The server step on merged rows of ``args.batch`` per agent: each agent's input gradient
+        scaled back to its own mean loss's, as the server trainer answers it."""
+        self.opt.zero_grad()
+        x.grad = None
+        loss = torch.nn.functional.cross_entropy(self.server(x), y)
+        loss.backward()
+        self.opt.step()
+        assert x.grad is not None
+        return x.grad.mul_(len(x) / self.args.batch)
+
+    def encode(self, grad: torch.Tensor) -> bytes:
+        body = {"g": wire.encode_tensor(grad, self.args.codec, self.args.zstd_level)}
+        return Message("gradients", RUN, protocol.COORDINATOR_ID, body, round=1, step=0, seq=1).encode()
+
+    def answer(self, messages: list[bytes]) -> list[bytes]:
+        """One lock-step server step: every message decoded, their rows merged and trained on, one
+        gradients message back per message, in order."""
+        rows = [self.decode(m) for m in messages]
+        x = torch.cat([x for x, _ in rows]).requires_grad_()
+        grad = self.step(x, torch.cat([y for _, y in rows]))
+        return [self.encode(g) for g in grad.split([len(x) for x, _ in rows])]
+
+
 def floor(args: Any, payload: Payload, agents: int = 100, levels: Sequence[int] = ()) -> dict[str, Any]:
-    """The coordinator's unavoidable work per agent-step, in this process with no broker: decoding
-    and validating one real activations message (envelope, schema, tensor, labels), the server
-    portion's forward/backward/update on the merged batch of ``agents`` such messages (per
-    agent), and encoding one gradients message. Milliseconds of one thread each. The server
-    step is also measured on the merged batch of each load level of ``levels`` (agents per
-    round), ``server_step_ms_at``: a step's cost per row depends on how many rows it merges,
-    and a coordinator at that load pays the cost of that size.
+    """The coordinator's unavoidable work per agent-step (:class:`FloorWork`), in this process
+    with no broker, each part alone: decoding one activations message, the server step on the
+    merged batch of ``agents`` such messages (per agent), encoding one gradients message.
+    Milliseconds of one thread each. The server step is also measured on the merged batch of
+    each load level of ``levels`` (agents per round), ``server_step_ms_at``: a step's cost per row
+    depends on how many rows it merges, and a coordinator at that load pays the cost of that size.
 
     Measured with the allocator setting ``sfl-coord serve`` makes at start
     (:func:`coordinator.allocator.keep_freed_memory`, ``kept_freed_memory`` in the result) and
     after three warm-up steps: with glibc's defaults each step would fault in its freed pages
     again, work the coordinator does not do, and the floor would read high."""
     from coordinator.allocator import keep_freed_memory
-    from coordinator.uploads import decode_activations
+    from coordinator.garbage_collection import spare_startup_objects
 
     kept = keep_freed_memory()
     torch.set_num_threads(1)
-    act = Message("activations", RUN, "a0", {"x": payload.x(args.codec), "y": payload.y, "compute_s": 0.0},
-                  round=1, step=0, seq=1).encode()
-    shape = tuple(payload.x(args.codec)["shape"][1:])
-
-    class _Assigned:      # what decode_activations reads of an assignment
-        batch_size, activation_shape = args.batch, shape
-
-    def decode() -> torch.Tensor:
-        msg = protocol.decode(act, run=RUN, allowed=protocol.AGENT_TYPES)
-        return decode_activations(msg.body, _Assigned, payload.num_classes)[0]
-
-    data = load_dataset(args.dataset_name, args.dataset_root)
-    model = build_model(args.model, data.input_shape, data.num_classes)
-    server = model.server(args.split)
-    opt = torch.optim.SGD(server.parameters(), lr=0.01)
-    one = decode()
+    work = FloorWork(args, payload)
+    spare_startup_objects()    # as sfl-coord serve does before its first round
+    one, labels = work.decode(work.act)
 
     def merged(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (one.repeat(n, *([1] * len(shape))).requires_grad_(), torch.zeros(n * args.batch, dtype=torch.int64))
+        """``n`` agents' rows and labels (every load agent sends the same batch)."""
+        return one.repeat(n, *([1] * len(work.shape))).requires_grad_(), labels.repeat(n)
 
     x, y = merged(agents)
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(server(x), y)
-        loss.backward()
-        opt.step()
-        return x.grad
-
-    grad = step()[:args.batch]
-
-    def encode() -> bytes:
-        body = {"g": wire.encode_tensor(grad, args.codec, args.zstd_level)}
-        return Message("gradients", RUN, protocol.COORDINATOR_ID, body, round=1, step=0, seq=1).encode()
+    grad = work.step(x, y)[:args.batch]
 
     def per_call_ms(fn, n: int, warm: int = 1) -> float:
         for _ in range(warm):
@@ -610,19 +648,18 @@ def floor(args: Any, payload: Payload, agents: int = 100, levels: Sequence[int] 
             fn()
         return 1e3 * (time.process_time() - t0) / n
 
-    out = {"decode_ms": per_call_ms(decode, 400), "server_step_ms": per_call_ms(step, 10, warm=3) / agents,
-           "encode_ms": per_call_ms(encode, 400)}
+    out = {"decode_ms": per_call_ms(lambda: work.decode(work.act), 400),
+           "server_step_ms": per_call_ms(lambda: work.step(x, y), 10, warm=3) / agents,
+           "encode_ms": per_call_ms(lambda: work.encode(grad), 400)}
     out["total_ms"] = sum(out.values())
-    out["act_bytes"], out["grad_bytes"] = len(act), len(encode())
+    out["act_bytes"], out["grad_bytes"] = len(work.act), len(work.encode(grad))
     at: dict[str, float] = {}
     for n in sorted(set(levels)):
-        x, y = merged(n)
-        at[str(n)] = per_call_ms(step, max(2, 1000 // n), warm=3) / n
-    x, y = merged(agents)
+        at[str(n)] = per_call_ms(functools.partial(work.step, *merged(n)), max(2, 1000 // n), warm=3) / n
     out["server_step_ms_at"] = at
     out["kept_freed_memory"] = kept
     with flop_counter() as flops:
-        step()
+        work.step(x, y)
     out["server_step_mflop"] = flops.get_total_flops() / agents / 1e6
     out["matmul_gflops"] = matmul_gflops(1024 if args.quick else 2048)
     out["server_step_bound_ms"] = out["server_step_mflop"] / out["matmul_gflops"]
@@ -730,6 +767,105 @@ def transport_floor(url: str, act_bytes: int, grad_bytes: int, messages: int = 3
         link.close()
     return {"receive_ms": receive_ms, "publish_ms": publish_ms, "total_ms": receive_ms + publish_ms,
             "link_publish_ms": link_publish_ms, "receive_qos0_ms": receive_qos0_ms}
+
+
+def bare_fleet(url: str, first: int, count: int, steps: int, message_file: str) -> int:
+    """``--bare-fleet``: agents ``a<first>`` .. as bare paho clients (:func:`_bare_paho`, one
+    connection each), every one sending the bytes of ``message_file``, waiting for its answer and
+    sending them again, ``steps`` times (QoS 1, as agents publish): a lock-step fleet's traffic
+    with no product code on the agents' side."""
+    payload = Path(message_file).read_bytes()
+    finished = threading.Semaphore(0)
+    clients = []
+    for i in range(first, first + count):
+        subscribed, left = threading.Event(), [steps]
+
+        def on_message(client: Any, userdata: Any, msg: Any, i: int = i, left: list = left) -> None:
+            left[0] -= 1
+            if left[0] > 0:
+                client.publish(f"bare/up/a{i}", payload, qos=1)
+            else:
+                finished.release()
+
+        client = _bare_paho(url, f"sfl-bench-bare-agent-{i}")
+        client.on_message = on_message
+        client.on_subscribe = lambda *_, subscribed=subscribed: subscribed.set()
+        client.subscribe(f"bare/down/a{i}", qos=1)
+        clients.append((i, client, subscribed))
+    for i, client, subscribed in clients:
+        if not subscribed.wait(60):
+            raise RuntimeError(f"bare agent a{i}: subscription not acknowledged")
+        client.publish(f"bare/up/a{i}", payload, qos=1)
+    for _ in clients:
+        finished.acquire(timeout=300)
+    for _, client, _ in clients:     # all told first: each loop then ends at once, not after its select's timeout
+        client.disconnect()
+    for _, client, _ in clients:
+        client.loop_stop()
+    return 0
+
+
+def lockstep(url: str, agents: int, procs: int, steps: int, message: bytes,
+             answer: Callable[[list[bytes]], list[bytes]]) -> float:
+    """A coordinator with nothing but paho and ``answer`` under a lock-step fleet's traffic:
+    milliseconds of this process's CPU (every thread) per agent-step. It waits for ``message``
+    from each of ``agents`` :func:`bare_fleet` agents in ``procs`` other processes, then sends
+    them ``answer(the messages)``, 100 at a time, each burst's acknowledgements awaited (as the
+    coordinator sends a step's gradients), ``steps`` times. Measured from the first step's last
+    arrival to the last step's: ``steps`` - 1 answers and arrivals per agent.
+
+    With ``answer`` returning gradients-sized bytes and nothing else, the transport's floor as
+    a round's traffic has it (messages arriving from many connections while answers go out,
+    beside :func:`transport_floor`'s one-way streams); with :meth:`FloorWork.answer`, the floor's
+    work done in one process, as against its parts timed alone."""
+    from coordinator.garbage_collection import spare_startup_objects
+
+    spare_startup_objects()    # as sfl-coord serve does before its first round
+    got: list[tuple[str, bytes]] = []
+    full = threading.Event()
+
+    def on_message(client: Any, userdata: Any, msg: Any) -> None:
+        got.append((msg.topic, msg.payload))   # paho's thread appends; the main thread takes a full step
+        if len(got) == agents:
+            full.set()
+
+    client = _bare_paho(url, "sfl-bench-bare-coordinator")
+    client.on_message = on_message
+    client.subscribe("bare/up/#", qos=1)
+    t0 = t1 = 0.0
+    with tempfile.NamedTemporaryFile(prefix="sfl-bench-bare-", suffix=".bin") as f:
+        f.write(message)
+        f.flush()
+        share = [agents // procs + (1 if p < agents % procs else 0) for p in range(procs)]
+        fleet = [subprocess.Popen([sys.executable, __file__, "--bare-fleet", url, str(sum(share[:p])), str(n),
+                                   str(steps), f.name], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                 for p, n in enumerate(share) if n]
+        try:
+            time.sleep(0.5)                                # the subscription is in place
+            for k in range(steps):
+                if not full.wait(300):
+                    raise RuntimeError(f"lock-step run: step {k}: {len(got)} of {agents} messages arrived")
+                if k == 0:
+                    t0 = time.process_time()
+                elif k == steps - 1:
+                    t1 = time.process_time()
+                step = got[:]
+                got.clear()
+                full.clear()
+                replies = answer([m for _, m in step])
+                for start in range(0, agents, 100):
+                    infos = [client.publish(topic.replace("/up/", "/down/", 1), reply, qos=1)
+                             for (topic, _), reply in zip(step[start:start + 100], replies[start:start + 100])]
+                    infos[-1].wait_for_publish(timeout=60)   # acknowledged in order: the last covers the burst
+            for p in fleet:
+                p.wait(timeout=120)
+        finally:
+            for p in fleet:
+                if p.poll() is None:
+                    p.kill()
+            client.loop_stop()
+            client.disconnect()
+    return 1e3 * (t1 - t0) / (agents * (steps - 1))
 
 
 def flood(url: str, size: int, count: int) -> int:
@@ -877,15 +1013,30 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             bounds[level] = floor(args, payloads[level], levels=[r["agents"] for r in results])
             bounds[level]["transport"] = transport_floor(broker.url, bounds[level]["act_bytes"],
                                                          bounds[level]["grad_bytes"], 300 if args.quick else 3000)
+            work, b = FloorWork(args, payloads[level]), bounds[level]
+            zeros = bytes(b["grad_bytes"])
+
+            def answer_sized(messages: list[bytes], zeros: bytes = zeros) -> list[bytes]:
+                return [zeros] * len(messages)
+
+            b["transport"]["lockstep_ms"], b["bare_coordinator_ms_at"] = {}, {}
+            for n in sorted({r["agents"] for r in results if r["zstd_level"] == level}):
+                steps = 3 if args.quick else max(4, 3000 // n + 1)
+                b["transport"]["lockstep_ms"][str(n)] = lockstep(broker.url, n, args.procs, steps,
+                                                                 bytes(len(work.act)), answer_sized)
+                b["bare_coordinator_ms_at"][str(n)] = lockstep(broker.url, n, args.procs, steps, work.act, work.answer)
     for r in results:   # the coordinator against the least any coordinator on paho spends, at its load, in this run
         b = bounds[r["zstd_level"]]
         r["floor_ms"] = (b["total_ms"] - b["server_step_ms"] + b["server_step_ms_at"][str(r["agents"])]
                          + b["transport"]["total_ms"])
         r["floor_ratio"] = r["coord_cpu_ms_per_agent_step"] / r["floor_ms"]
+        r["bare_coordinator_ms"] = b["bare_coordinator_ms_at"][str(r["agents"])]
+        r["bare_coordinator_ratio"] = r["coord_cpu_ms_per_agent_step"] / r["bare_coordinator_ms"]
     cores = os.cpu_count()
     rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
-             r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["coord_faults_per_agent_step"],
+             r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"], r["bare_coordinator_ratio"],
+             r["coord_faults_per_agent_step"],
              r["coord_rss_mb"],
              r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
@@ -893,7 +1044,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
         f"shared by all processes",
         ["zstd level", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
-         "coord CPU %", "CPU ms/agent-step", "its floor ms", "x its floor", "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
+         "coord CPU %", "CPU ms/agent-step", "its floor ms", "x its floor", "bare coordinator ms", "x bare",
+         "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
          "server step %", "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     common.print_table(
@@ -901,12 +1053,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out)",
         ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core",
          "paho receive ms", "paho receive at QoS 0 ms", "paho publish ms", "product link publish ms",
-         "total with paho ms", "server step MFLOP", "core's matmul GFLOP/s", "server step at that rate ms",
-         "server step ms at each load (agents: ms)"],
+         "total with paho ms", "paho lock-step ms at each load (agents: ms)", "server step MFLOP",
+         "core's matmul GFLOP/s", "server step at that rate ms", "server step ms at each load (agents: ms)"],
         [[level, b["decode_ms"], b["server_step_ms"], b["encode_ms"], b["total_ms"], 1e3 / b["total_ms"],
           b["transport"]["receive_ms"], b["transport"]["receive_qos0_ms"], b["transport"]["publish_ms"],
           b["transport"]["link_publish_ms"],
           b["total_ms"] + b["transport"]["total_ms"],
+          ", ".join(f"{n}: {ms:.3f}" for n, ms in b["transport"]["lockstep_ms"].items()),
           b["server_step_mflop"], b["matmul_gflops"], b["server_step_bound_ms"],
           ", ".join(f"{n}: {ms:.3f}" for n, ms in b["server_step_ms_at"].items())]
          for level, b in bounds.items()])
@@ -947,6 +1100,8 @@ if __name__ == "__main__":
         sys.exit(worker(sys.argv[2]))
     if len(sys.argv) == 5 and sys.argv[1] == "--beats":
         sys.exit(send_beats(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    if len(sys.argv) == 7 and sys.argv[1] == "--bare-fleet":
+        sys.exit(bare_fleet(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]))
     if len(sys.argv) == 5 and sys.argv[1] == "--flood":
         sys.exit(flood(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
     main()

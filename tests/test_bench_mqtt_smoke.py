@@ -125,6 +125,11 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     assert bare["receive_qos0_ms"] > 0     # the same messages with no acknowledgement back (not the product's)
     assert bare["total_ms"] == pytest.approx(bare["receive_ms"] + bare["publish_ms"])
     assert doc["floor"]["act_bytes"] == pytest.approx(lvl["act_kb_per_message"] * 1e3, rel=0.01)
+    # the bare coordinator: the floor's work on paho and nothing else, in lock-step with as many bare
+    # agents as the level; beside it the transport alone under that traffic
+    assert set(bare["lockstep_ms"]) == set(fl["bare_coordinator_ms_at"]) == {"3"}
+    assert 0 < bare["lockstep_ms"]["3"] < fl["bare_coordinator_ms_at"]["3"] == lvl["bare_coordinator_ms"]
+    assert lvl["bare_coordinator_ratio"] == pytest.approx(lvl["coord_cpu_ms_per_agent_step"] / lvl["bare_coordinator_ms"])
     # --stages: the coordinator's CPU per stage, from thread CPU timers on both busy threads
     stages = lvl["stage_cpu_ms"]
     for key in ("decode", "server step", "encode", "publish", "evaluate", "parse/validate", "paho"):
