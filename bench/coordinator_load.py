@@ -576,15 +576,15 @@ class FloorWork:
         self.server = model.server(args.split)
         self.opt = torch.optim.SGD(self.server.parameters(), lr=0.01)
 
-    def decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows and labels of one activations message."""
+    def decode(self, data: bytes, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and labels of one activations message; the rows decoded into ``out`` if given."""
         args = self.args
 
         class _Assigned:      # what decode_activations reads of an assignment
             batch_size, activation_shape = args.batch, self.shape
 
         msg = protocol.decode(data, run=RUN, allowed=protocol.AGENT_TYPES)
-        x, y = self._decode_activations(msg.body, _Assigned, self.payload.num_classes)
+        x, y = self._decode_activations(msg.body, _Assigned, self.payload.num_classes, out=out)
         assert y is not None
         return x, y
 
@@ -604,12 +604,14 @@ class FloorWork:
         return Message("gradients", RUN, protocol.COORDINATOR_ID, body, round=1, step=0, seq=1).encode()
 
     def answer(self, messages: list[bytes]) -> list[bytes]:
-        """One lock-step server step: every message decoded, their rows merged and trained on, one
-        gradients message back per message, in order."""
-        rows = [self.decode(m) for m in messages]
-        x = torch.cat([x for x, _ in rows]).requires_grad_()
-        grad = self.step(x, torch.cat([y for _, y in rows]))
-        return [self.encode(g) for g in grad.split([len(x) for x, _ in rows])]
+        """One lock-step server step: every message decoded where its rows lie in the merged batch
+        (as the server trainer places them), the batch trained on, one gradients message back per
+        message, in order."""
+        b = self.args.batch
+        x = torch.empty((len(messages) * b, *self.shape))
+        y = torch.cat([self.decode(m, out=x[i * b:(i + 1) * b])[1] for i, m in enumerate(messages)])
+        grad = self.step(x.requires_grad_(), y)
+        return [self.encode(g) for g in grad.split(b)]
 
 
 def floor(args: Any, payload: Payload, agents: int = 100, levels: Sequence[int] = ()) -> dict[str, Any]:
@@ -806,13 +808,14 @@ def bare_fleet(url: str, first: int, count: int, steps: int, message_file: str) 
 
 
 def lockstep(url: str, agents: int, procs: int, steps: int, message: bytes,
-             answer: Callable[[list[bytes]], list[bytes]]) -> float:
+             answer: Callable[[list[bytes]], list[bytes]], warm: int = 2) -> float:
     """A coordinator with nothing but paho and ``answer`` under a lock-step fleet's traffic:
     milliseconds of this process's CPU (every thread) per agent-step. It waits for ``message``
     from each of ``agents`` :func:`bare_fleet` agents in ``procs`` other processes, then sends
     them ``answer(the messages)``, 100 at a time, each burst's acknowledgements awaited (as the
     coordinator sends a step's gradients), ``steps`` times. Measured from the first step's last
-    arrival to the last step's: ``steps`` - 1 answers and arrivals per agent.
+    arrival to the last step's, after ``warm`` steps (the first ones grow the heap to a step's
+    size): ``steps`` - 1 - ``warm`` answers and arrivals per agent.
 
     With ``answer`` returning gradients-sized bytes and nothing else, the transport's floor as
     a round's traffic has it (messages arriving from many connections while answers go out,
@@ -845,7 +848,7 @@ def lockstep(url: str, agents: int, procs: int, steps: int, message: bytes,
             for k in range(steps):
                 if not full.wait(300):
                     raise RuntimeError(f"lock-step run: step {k}: {len(got)} of {agents} messages arrived")
-                if k == 0:
+                if k == warm:
                     t0 = time.process_time()
                 elif k == steps - 1:
                     t1 = time.process_time()
@@ -865,7 +868,7 @@ def lockstep(url: str, agents: int, procs: int, steps: int, message: bytes,
                     p.kill()
             client.loop_stop()
             client.disconnect()
-    return 1e3 * (t1 - t0) / (agents * (steps - 1))
+    return 1e3 * (t1 - t0) / (agents * (steps - 1 - warm))
 
 
 def flood(url: str, size: int, count: int) -> int:
@@ -1021,10 +1024,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
             b["transport"]["lockstep_ms"], b["bare_coordinator_ms_at"] = {}, {}
             for n in sorted({r["agents"] for r in results if r["zstd_level"] == level}):
-                steps = 3 if args.quick else max(4, 3000 // n + 1)
+                warm = 1 if args.quick else 2
+                steps = warm + 1 + (2 if args.quick else max(3, 3000 // n))
                 b["transport"]["lockstep_ms"][str(n)] = lockstep(broker.url, n, args.procs, steps,
-                                                                 bytes(len(work.act)), answer_sized)
-                b["bare_coordinator_ms_at"][str(n)] = lockstep(broker.url, n, args.procs, steps, work.act, work.answer)
+                                                                 bytes(len(work.act)), answer_sized, warm)
+                b["bare_coordinator_ms_at"][str(n)] = lockstep(broker.url, n, args.procs, steps, work.act, work.answer,
+                                                               warm)
     for r in results:   # the coordinator against the least any coordinator on paho spends, at its load, in this run
         b = bounds[r["zstd_level"]]
         r["floor_ms"] = (b["total_ms"] - b["server_step_ms"] + b["server_step_ms_at"][str(r["agents"])]
