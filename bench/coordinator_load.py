@@ -1040,9 +1040,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cores = os.cpu_count()
     rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
-             r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"], r["bare_coordinator_ratio"],
-             r["coord_faults_per_agent_step"],
-             r["coord_rss_mb"],
+             r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"],
+             r["bare_coordinator_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
              r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
@@ -1055,7 +1054,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
     common.print_table(
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step), and the "
-        "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out)",
+        "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out; "
+        "and in lock-step with as many bare agents as each load level)",
         ["zstd level", "decode + validate ms", "server step ms", "encode ms", "total ms", "agent-steps/s per core",
          "paho receive ms", "paho receive at QoS 0 ms", "paho publish ms", "product link publish ms",
          "total with paho ms", "paho lock-step ms at each load (agents: ms)", "server step MFLOP",
