@@ -571,6 +571,11 @@ class FloorWork:
                            round=1, step=0, seq=1).encode()
         self.shape = tuple(payload.x(args.codec)["shape"][1:])
         self._decode_activations = decode_activations
+
+        class _Assigned:      # what decode_activations reads of an assignment
+            batch_size, activation_shape = args.batch, self.shape
+
+        self._assigned = _Assigned
         data = load_dataset(args.dataset_name, args.dataset_root)
         model = build_model(args.model, data.input_shape, data.num_classes)
         self.server = model.server(args.split)
@@ -578,13 +583,8 @@ class FloorWork:
 
     def decode(self, data: bytes, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows and labels of one activations message; the rows decoded into ``out`` if given."""
-        args = self.args
-
-        class _Assigned:      # what decode_activations reads of an assignment
-            batch_size, activation_shape = args.batch, self.shape
-
         msg = protocol.decode(data, run=RUN, allowed=protocol.AGENT_TYPES)
-        x, y = self._decode_activations(msg.body, _Assigned, self.payload.num_classes, out=out)
+        x, y = self._decode_activations(msg.body, self._assigned, self.payload.num_classes, out=out)
         assert y is not None
         return x, y
 
