@@ -538,7 +538,29 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
         "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,
+        **round_boundaries(times, t0, t1),
     }
+
+
+def round_boundaries(times: list, t0: float, t1: float) -> dict[str, Any]:
+    """Between rounds, the coordinator's rank 0 works while no agent trains and no other server
+    worker steps: from a round's last weights in to the next round's last assignment out
+    (aggregation, evaluation, checkpoint, planning, assignments). ``boundary_pct``: its share of
+    the measured window ``t0..t1``; ``boundary_ms_p50``: its median between measured rounds
+    (None with one). More server workers shorten the steps, not this: with a share ``b`` of the
+    time between rounds, N workers serve at most ``1 / (b + (1 - b) / N)`` times the
+    agent-steps of one (Amdahl's bound), ``amdahl_4`` for N = 4."""
+    last_in: dict[int, float] = {}
+    last_out: dict[int, float] = {}
+    for _, r, _, kind, t, _ in times:
+        if kind in ("weights", "assign"):
+            last = last_in if kind == "weights" else last_out
+            last[r] = max(t, last.get(r, t))
+    between = {r: (last_in[r], last_out[r + 1]) for r in last_in if r + 1 in last_out}
+    b = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in between.values()) / (t1 - t0)
+    measured = [end - start for start, end in between.values() if start >= t0]
+    return {"boundary_ms_p50": 1e3 * statistics.median(measured) if measured else None, "boundary_pct": 100 * b,
+            "amdahl_4": 1 / (b + (1 - b) / 4)}
 
 
 def step_latencies(times: list) -> list[float]:
@@ -1042,7 +1064,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
              r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"],
              r["bare_coordinator_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
-             r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["heartbeats_per_s"]] for r in results]
+             r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["boundary_ms_p50"], r["boundary_pct"],
+             r["amdahl_4"], r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
@@ -1050,8 +1073,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         ["zstd level", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
          "coord CPU %", "CPU ms/agent-step", "its floor ms", "x its floor", "bare coordinator ms", "x bare",
          "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
-         "server step %", "heartbeats/s"],
-        rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators")
+         "server step %", "between rounds ms", "between rounds %", "4 workers at most x", "heartbeats/s"],
+        rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators; between rounds: "
+                      "a round's last weights in to the next round's last assignment out, which more server "
+                      "workers do not shorten (4 workers at most: Amdahl's bound from that share)")
     common.print_table(
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step), and the "
         "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out; "
