@@ -538,18 +538,19 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
         "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,
-        **round_boundaries(times, t0, t1),
+        **round_boundaries(times, t0, t1, one_worker=args.server_workers == 1),
     }
 
 
-def round_boundaries(times: list, t0: float, t1: float) -> dict[str, Any]:
+def round_boundaries(times: list, t0: float, t1: float, one_worker: bool = True) -> dict[str, Any]:
     """Between rounds, the coordinator's rank 0 works while no agent trains and no other server
     worker steps: from a round's last weights in to the next round's last assignment out
     (aggregation, evaluation, checkpoint, planning, assignments). ``boundary_pct``: its share of
     the measured window ``t0..t1``; ``boundary_ms_p50``: its median between measured rounds
     (None with one). More server workers shorten the steps, not this: with a share ``b`` of the
     time between rounds, N workers serve at most ``1 / (b + (1 - b) / N)`` times the
-    agent-steps of one (Amdahl's bound), ``amdahl_4`` for N = 4."""
+    agent-steps of one (Amdahl's bound), ``amdahl_4`` for N = 4 (None unless ``one_worker``:
+    the share is one worker's)."""
     last_in: dict[int, float] = {}
     last_out: dict[int, float] = {}
     for _, r, _, kind, t, _ in times:
@@ -560,7 +561,7 @@ def round_boundaries(times: list, t0: float, t1: float) -> dict[str, Any]:
     b = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in between.values()) / (t1 - t0)
     measured = [end - start for start, end in between.values() if start >= t0]
     return {"boundary_ms_p50": 1e3 * statistics.median(measured) if measured else None, "boundary_pct": 100 * b,
-            "amdahl_4": 1 / (b + (1 - b) / 4)}
+            "amdahl_4": 1 / (b + (1 - b) / 4) if one_worker else None}
 
 
 def step_latencies(times: list) -> list[float]:
@@ -1064,8 +1065,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
              r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"],
              r["bare_coordinator_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
-             r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"], r["boundary_ms_p50"], r["boundary_pct"],
-             r["amdahl_4"], r["heartbeats_per_s"]] for r in results]
+             r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"],
+             *("-" if r[k] is None else r[k] for k in ("boundary_ms_p50", "boundary_pct", "amdahl_4")),
+             r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
         f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
