@@ -1,0 +1,53 @@
+"""bench/coordinator_load.py's time between rounds, and the bound it puts on server workers.
+
+The figures come from the agents' own clock readings (assignment in, weights out); here on
+hand-made readings whose answer is known, including a window that cuts a boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import bench_module
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def coordinator_load():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))      # the bench scripts import their helpers as 'common'
+    return bench_module("coordinator_load")
+
+
+def _round(r: int, assign: list[float], weights: list[float]) -> list[tuple]:
+    """An agent's readings per round: (agent, round, step, kind, time, bytes)."""
+    return ([(f"a{i}", r, 0, "assign", t, 1) for i, t in enumerate(assign)]
+            + [(f"a{i}", r, 4, "weights", t, 0) for i, t in enumerate(weights)])
+
+
+def test_the_time_between_rounds_its_share_and_amdahls_bound(coordinator_load):
+    # round 1 ends at 9.0; round 2's assignments reach its agents by 10.0 and 10.5, ...
+    times = (_round(1, [0.0, 0.5], [8.0, 9.0]) + _round(2, [10.0, 10.5], [18.0, 19.0])
+             + _round(3, [20.5, 21.0], [28.0, 29.0]))
+    t0, t1 = 10.0, 29.0        # the measured window: round 2's first assignment to round 3's last weights
+    got = coordinator_load.round_boundaries(times, t0, t1)
+    # between 1 and 2: 9.0 -> 10.5, of which 10.0 -> 10.5 in the window; between 2 and 3: 19.0 -> 21.0
+    b = (0.5 + 2.0) / 19.0
+    assert got["boundary_pct"] == pytest.approx(100 * b)
+    assert got["boundary_ms_p50"] == pytest.approx(2000.0)     # only boundaries wholly measured
+    assert got["amdahl_4"] == pytest.approx(1 / (b + (1 - b) / 4))
+    assert 1 < got["amdahl_4"] < 4
+
+
+def test_no_median_from_one_round_and_no_bound_from_several_workers(coordinator_load):
+    # one measured round, one agent: the time before its assignment lies outside the window
+    times = _round(1, [0.0], [5.0]) + _round(2, [6.0], [11.0])
+    one = coordinator_load.round_boundaries(times, 6.0, 11.0)
+    assert one["boundary_ms_p50"] is None and one["boundary_pct"] == 0.0
+    assert one["amdahl_4"] == pytest.approx(4.0)     # nothing serial in the window: four workers, four times
+    two = coordinator_load.round_boundaries(times, 6.0, 11.0, one_worker=False)
+    assert two["amdahl_4"] is None     # a share measured with several workers bounds nothing about one
