@@ -39,6 +39,10 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 - ``server step %``: the share of the coordinator's round time spent in the server portion's
   forward/backward (``server_s`` in the run's metrics); the rest is receiving, decoding,
   validating, encoding and publishing.
+- ``between rounds ms`` / ``%``: from a round's last weights in to the next round's last
+  assignment out, its median and its share of the time (``boundary_ms_p50``, ``boundary_pct``):
+  what only rank 0 works through, so more server workers do not shorten it; ``4 workers at most
+  x`` is the bound that share puts on four (Amdahl's law, ``amdahl_4``; one-worker runs only).
 
 References in the same invocation, per codec level:
 
