@@ -31,7 +31,6 @@ from coordinator import state as ckpt
 from coordinator.clock import WallClock
 from coordinator.console import RunDisplay
 from coordinator.engine import RoundEngine
-from coordinator.option_host import LABELLED_REFERENCE_ROWS
 from coordinator.run_lock import RunLock, RunLocked
 from coordinator.run_parts import RunParts
 from coordinator.server_trainer import pick_device
@@ -323,16 +322,13 @@ class _Unconnected(LocalTransport):
 def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) -> tuple[list[dict], RoundEngine]:
     """A server worker other than the leader: its own MQTT connection, its agents' rows."""
     from coordinator.mqtt_transport import MqttTransport
-    from coordinator.server_workers import held_out_samples
-    from coordinator.validation import screened_samples
+    from coordinator.server_workers import workers_hold_validation
 
-    held = held_out_samples(cfg, LABELLED_REFERENCE_ROWS)   # for the robust screens of its agents' rows
-    total = len(data.y_test[:cfg.eval_samples])   # the leader's validation set (its first eval_samples)
-    kept = screened_samples(total, held)   # the leader's samples, read in the leader's order
+    held = len(data.y_test) if workers_hold_validation(cfg) else 0   # the leader's set, or none
     transport = MqttTransport(broker, cfg.run_id, worker=shards.rank)
     try:
         transport.start()
-        engine = RoundEngine(cfg, transport, WallClock(), (data.x_test[kept], data.y_test[kept]),
+        engine = RoundEngine(cfg, transport, WallClock(), (data.x_test[:held], data.y_test[:held]),
                              input_shape=data.input_shape, num_classes=data.num_classes, out_dir=output_dir(cfg),
                              device=shards.device, preprocessing=data.preprocessing, shards=shards)
         engine.serve_shard()

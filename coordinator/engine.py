@@ -173,6 +173,9 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         round, until the leader says the run is over."""
         assert self.shards is not None and not self.shards.leader
         while (doc := self.shards.broadcast()) is not None:
+            if "score" in doc:   # the leader scores the model between rounds: this rank's block
+                self.score_block(doc["score"])
+                continue
             r = doc["round"]
             plan, agents = shard_round.follow(self.shards, self.transport, self.model, doc, self._now)
             mine = list(agents)

@@ -5,7 +5,8 @@ Past that, the round's split agents are sharded over N server workers (ranks of 
 ``torch.distributed`` process group: NCCL on GPUs, gloo on CPU):
 
 - rank 0, the *leader*, is the coordinator: registration, selection, planning, assignments,
-  aggregation, evaluation, checkpoints. It also trains its own shard.
+  aggregation, checkpoints. It also trains its own shard, and scores a block of the
+  validation set between rounds, as every worker does (:mod:`coordinator.shard_scoring`).
 - ranks 1..N-1 subscribe only to their agents' upward topics. Each decodes its agents'
   activations, runs the server portion on their rows and answers with the gradients.
 - Every step, each rank scales its parameter gradients by its share of the step's rows and
@@ -43,7 +44,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from sfl_core.config.run import RunConfig
 
-__all__ = ["ServerShards", "cannot_share", "held_out_samples", "shard_agents", "worker_user", "launch_workers", "from_env", "GradReducer", "WorkerLost"]
+__all__ = ["ServerShards", "cannot_share", "workers_hold_validation", "shard_agents", "worker_user", "launch_workers", "from_env", "GradReducer", "WorkerLost"]
 
 
 class WorkerLost(ConnectionError):
@@ -73,13 +74,14 @@ def cannot_share(server_mode: str, has_broker: bool) -> str | None:
     return None
 
 
-def held_out_samples(cfg: "RunConfig", reference_rows: int) -> int:
-    """How many of the server's held-out samples a worker other than the leader keeps: the
-    ``reference_rows`` the robust screens of its own agents' rows read, none where the run
-    standardises inputs with statistics the leader agrees with the fleet (``task.normalize:
-    federated``): the worker never learns them, and rows scaled otherwise than the agents'
-    would set every honest row apart. A worker never scores the model."""
-    return 0 if cfg.task is not None and cfg.task.normalize == "federated" else reference_rows
+def workers_hold_validation(cfg: "RunConfig") -> bool:
+    """Whether the workers other than the leader hold the server's validation set, as the
+    leader does: for the robust screens of their own agents' rows, and to score a block of it
+    between rounds (:mod:`coordinator.shard_scoring`). Not where the run standardises inputs
+    with statistics the leader agrees with the fleet (``task.normalize: federated``): a worker
+    never learns them, and rows scaled otherwise than the agents' would set every honest row
+    apart; the leader then scores alone."""
+    return not (cfg.task is not None and cfg.task.normalize == "federated")
 
 
 def worker_user(user: str, rank: int) -> str:

@@ -11,6 +11,7 @@ global model is then scored only by the devices (:mod:`coordinator.evaluation`).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar, cast
 
 import torch
@@ -21,7 +22,7 @@ from sfl_core.data.preprocessing import Normalization
 if TYPE_CHECKING:
     from sfl_core.model.zoo import SplitModel
 
-__all__ = ["ValidationSet", "evaluation_batch", "screen_draw", "screened_samples"]
+__all__ = ["Score", "ValidationSet", "evaluation_batch", "screen_draw"]
 
 T = TypeVar("T")
 
@@ -44,14 +45,6 @@ def screen_draw(total: int, n: int) -> torch.Tensor:
     held-out ones, and a class outside the first ``n`` is not judged at all. The seed is fixed
     (:data:`SCREEN_SEED`): the same set gives the same draw in every process."""
     return torch.randperm(total, generator=torch.Generator().manual_seed(SCREEN_SEED))[:n]
-
-
-def screened_samples(total: int, n: int) -> torch.Tensor:
-    """What a process that keeps only the screens' samples keeps (a server worker:
-    ``x[screened_samples(total, n)]``), ordered so that its own :func:`screen_draw` over them
-    reads them in the order the process holding all ``total`` reads them."""
-    draw = screen_draw(total, n)
-    return draw[torch.argsort(screen_draw(len(draw), n))]
 
 
 def evaluation_batch(block_output_bytes: int, device: torch.device) -> int:
@@ -97,17 +90,10 @@ class ValidationSet:
     def evaluate(self, model: torch.nn.Module, device: torch.device,
                  batch_size: int = 1024) -> tuple[Optional[float], Optional[float]]:
         """Accuracy and mean cross-entropy of ``model`` (the full global model) on this set;
-        (None, None) when the set is empty. The model is left in training mode.
-
-        The set is moved to ``device`` once and kept there (a GPU server scores it every round),
-        and scored in channels-last order on a CPU where the model takes it (:meth:`_ordered`)."""
+        (None, None) when the set is empty. The model is left in training mode."""
         if not len(self.y):
             return None, None
-        device = torch.device(device)
-        try:
-            return self._ordered(model, device, lambda m, order: _score(m, *self._on(device, order), batch_size))
-        finally:
-            model.train()
+        return self.score(model, device, batch_size).means()
 
     def evaluate_at_cut(self, model: "SplitModel", split: int, index: torch.Tensor, device: torch.device,
                         batch_size: int = 1024) -> tuple[float, float, torch.Tensor]:
@@ -116,10 +102,33 @@ class ValidationSet:
         :meth:`SplitModel.forward`'s layers in its order, so the scores are the same), and the
         client portion's outputs for the inputs at ``index`` (in that order) kept on the way: a
         screen that reads them next round need not run them again."""
+        score, rows = self.score_at_cut(model, split, index, device, batch_size)
+        accuracy, loss = score.means()
+        assert accuracy is not None and loss is not None
+        return accuracy, loss, rows
+
+    def score(self, model: torch.nn.Module, device: torch.device, batch_size: int,
+              part: slice = slice(None)) -> "Score":
+        """What :meth:`evaluate` reports, as sums over the samples in ``part`` of the set (a server
+        worker scores a block of it: :mod:`coordinator.shard_scoring`).
+
+        The set is moved to ``device`` once and kept there (a GPU server scores it every round),
+        and scored in channels-last order on a CPU where the model takes it (:meth:`_ordered`)."""
+        device = torch.device(device)
+        try:
+            return self._ordered(model, device, lambda m, order: _score(m, *self._part(device, order, part),
+                                                                         batch_size))
+        finally:
+            model.train()
+
+    def score_at_cut(self, model: "SplitModel", split: int, index: torch.Tensor, device: torch.device,
+                     batch_size: int, part: slice = slice(None)) -> tuple["Score", torch.Tensor]:
+        """What :meth:`evaluate_at_cut` reports, as sums over the samples in ``part``; ``index``
+        counts from the part's first sample."""
         device = torch.device(device)
         try:
             return self._ordered(model, device, lambda m, order: _score_at_cut(
-                cast("SplitModel", m), split, *self._on(device, order), index, batch_size))
+                cast("SplitModel", m), split, *self._part(device, order, part), index, batch_size))
         finally:
             model.train()
 
@@ -156,6 +165,11 @@ class ValidationSet:
                 self._channels_last = False
         return run(model, torch.contiguous_format)
 
+    def _part(self, device: torch.device, memory_format: torch.memory_format, part: slice
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._on(device, memory_format)
+        return x[part], y[part]
+
     def _on(self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
             ) -> tuple[torch.Tensor, torch.Tensor]:
         key = (str(device), memory_format)
@@ -164,24 +178,41 @@ class ValidationSet:
         return self._device_copies[key]
 
 
+@dataclass(frozen=True)
+class Score:
+    """A model's score on some samples, as sums: it adds up over parts of a set."""
+
+    correct: int
+    loss: float
+    """The sum of the samples' cross-entropies."""
+    count: int
+
+    def __add__(self, other: "Score") -> "Score":
+        return Score(self.correct + other.correct, self.loss + other.loss, self.count + other.count)
+
+    def means(self) -> tuple[Optional[float], Optional[float]]:
+        """Accuracy and mean cross-entropy (None, None over no samples)."""
+        if not self.count:
+            return None, None
+        return self.correct / self.count, self.loss / self.count
+
+
 @torch.inference_mode()
 def _score(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
-           through: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``, in batches of ``batch_size``
-    (``through``: what makes a batch's logits from its inputs and their first index, in place of
-    ``model``)."""
+           through: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None) -> Score:
+    """``model``'s score on ``(x, y)``, in batches of ``batch_size`` (``through``: what makes a
+    batch's logits from its inputs and their first index, in place of ``model``)."""
     model.eval()
     correct, total_loss = 0, 0.0
     for i in range(0, len(y), batch_size):
         logits = model(x[i:i + batch_size]) if through is None else through(x[i:i + batch_size], i)
         total_loss += float(F.cross_entropy(logits, y[i:i + batch_size], reduction="sum"))
         correct += int((logits.argmax(1) == y[i:i + batch_size]).sum())
-    n = max(len(y), 1)
-    return correct / n, total_loss / n
+    return Score(correct, total_loss, len(y))
 
 
 def _score_at_cut(model: "SplitModel", split: int, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor,
-                  batch_size: int) -> tuple[float, float, torch.Tensor]:
+                  batch_size: int) -> tuple[Score, torch.Tensor]:
     """:func:`_score` through ``model``'s portions at ``split``, and the client portion's rows of
     the inputs at ``index``."""
     client, server = model.client(split), model.server(split)
@@ -197,7 +228,9 @@ def _score_at_cut(model: "SplitModel", split: int, x: torch.Tensor, y: torch.Ten
             kept.append((at[mine], rows[mine.to(rows.device)].contiguous()))
         return server(rows)
 
-    accuracy, loss = _score(model, x, y, batch_size, through)
+    score = _score(model, x, y, batch_size, through)
+    if not kept:   # none of the inputs at ``index`` lies here (a part of the set)
+        return score, torch.empty(0)
     order = torch.cat([at for at, _ in kept])
     rows = torch.cat([r for _, r in kept])[torch.argsort(order).to(x.device)]
-    return accuracy, loss, rows.clone()   # a tensor of its own, not of inference mode
+    return score, rows.clone()   # a tensor of its own, not of inference mode

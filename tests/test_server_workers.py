@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from coordinator.server_trainer import ServerTrainer
-from coordinator.server_workers import GradReducer, ServerShards, held_out_samples, shard_agents
+from coordinator.server_workers import GradReducer, ServerShards, shard_agents, workers_hold_validation
 from sfl_core.model.zoo import build_model
 from sfl_core.transport.mqtt_link import MqttLink
 from sfl_core.wire import codec as wire
@@ -72,13 +72,79 @@ def test_shard_agents_is_round_robin_over_sorted_ids():
     assert set(shard_agents(["x"], 3).values()) == {0}
 
 
-def test_a_worker_holds_held_out_samples_for_its_screens_unless_the_leader_agrees_the_scaling():
-    """A worker screens its own agents' rows against the server's held-out samples (robust:),
-    except where only the leader knows how the agents standardise their inputs."""
-    assert held_out_samples(SimpleNamespace(task=None), 512) == 512
-    assert held_out_samples(SimpleNamespace(task=SimpleNamespace(normalize="none")), 512) == 512
-    assert held_out_samples(SimpleNamespace(task=SimpleNamespace(normalize=((0.5,), (0.2,)))), 512) == 512
-    assert held_out_samples(SimpleNamespace(task=SimpleNamespace(normalize="federated")), 512) == 0
+def test_a_worker_holds_the_validation_set_unless_only_the_leader_knows_its_scaling():
+    """A worker screens its own agents' rows against the server's held-out samples (robust:) and
+    scores a block of them, except where only the leader knows how the agents standardise
+    their inputs."""
+    assert workers_hold_validation(SimpleNamespace(task=None))
+    assert workers_hold_validation(SimpleNamespace(task=SimpleNamespace(normalize="none")))
+    assert workers_hold_validation(SimpleNamespace(task=SimpleNamespace(normalize=((0.5,), (0.2,)))))
+    assert not workers_hold_validation(SimpleNamespace(task=SimpleNamespace(normalize="federated")))
+
+
+def test_blocks_of_the_validation_set_cover_it_once_in_rank_order():
+    from coordinator.shard_scoring import block
+
+    for total in (0, 1, 2, 37, 256):
+        for world in (1, 2, 3, 4):
+            parts = [block(total, r, world) for r in range(world)]
+            assert [i for p in parts for i in range(total)[p]] == list(range(total))
+            assert max(len(range(total)[p]) for p in parts) - min(len(range(total)[p]) for p in parts) <= 1
+
+
+_SCORED = 37   # samples: blocks of 18 and 19
+
+
+def _scoring_data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(_SCORED, 1, 8, 8, generator=gen), torch.randint(0, 10, (_SCORED,), generator=gen)
+
+
+def _scoring_rank(rank: int, world: int, init: str, out: str) -> None:
+    """The leader scores its model twice (at a cut, keeping the draw's rows, and whole) with a
+    worker whose own model differs: the worker must score the leader's."""
+    from coordinator import shard_scoring
+    from coordinator.validation import ValidationSet, screen_draw
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    shards = ServerShards(rank, world, torch.device("cpu"))
+    torch.manual_seed(rank)   # the worker's model is not the leader's
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    held = ValidationSet(*_scoring_data())
+    if rank == 0:
+        at_cut = shard_scoring.lead(shards, held, model, 1, screen_draw(_SCORED, 20), torch.device("cpu"), 8)
+        whole = shard_scoring.lead(shards, held, model, None, None, torch.device("cpu"), 8)
+        torch.save({"at_cut": at_cut, "whole": whole}, f"{out}/scored.pt")
+        shards.broadcast(None)
+    else:
+        own = {k: v.clone() for k, v in model.state_dict().items()}
+        while (doc := shards.broadcast()) is not None:
+            shard_scoring.follow(shards, held, model, doc["score"], torch.device("cpu"), 8)
+        for k, v in model.state_dict().items():   # its own model stays the round's
+            assert torch.equal(v, own[k]), k
+    shards.close()
+
+
+def test_two_gloo_ranks_score_the_leaders_model_as_one_process_does(tmp_path):
+    """Each rank scores a block of the set: the leader gets the one-process accuracy, the same
+    mean loss to float rounding, and the client portion's rows of the screens' draw in the
+    draw's order (samples of both blocks), as scoring in one process gives them."""
+    from coordinator.validation import ValidationSet, screen_draw
+
+    torch.manual_seed(0)
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    held = ValidationSet(*_scoring_data())
+    draw = screen_draw(_SCORED, 20)
+    assert (draw < _SCORED // 2).any() and (draw >= _SCORED // 2).any()
+    accuracy, loss, rows = held.evaluate_at_cut(model, 1, draw, torch.device("cpu"), 8)
+    whole = held.evaluate(model, torch.device("cpu"), 8)
+    mp.start_processes(_scoring_rank, args=(2, f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    got = torch.load(tmp_path / "scored.pt", weights_only=True)
+    assert got["at_cut"][0] == accuracy and got["at_cut"][1] == pytest.approx(loss, rel=1e-6)
+    torch.testing.assert_close(got["at_cut"][2], rows, rtol=1e-6, atol=1e-7)
+    assert got["whole"][0] == whole[0] and got["whole"][1] == pytest.approx(whole[1], rel=1e-6)
+    assert got["whole"][2] is None
 
 
 def test_two_gloo_ranks_train_the_server_model_one_process_trains(tmp_path):
@@ -296,6 +362,12 @@ def test_serve_with_two_server_workers_trains_the_one_worker_model(mosquitto, tm
     for got, want in zip(m[1:], history[1:]):
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-3)
         assert got["accuracy"] == pytest.approx(want["accuracy"], abs=0.02)
+        assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-3)
+    # the two ranks shared each score between rounds: round 0's, and each round's
+    import re
+    blocks = re.findall(r"server worker 1: scored samples (\d+) to (\d+) of the validation set", logs(tmp_path))
+    assert len(blocks) == 3 and len(set(blocks)) == 1, logs(tmp_path)
+    assert 0 < int(blocks[0][0]) < int(blocks[0][1]), blocks   # the second half of the set
     served, _ = ckpt.load(tmp_path / "out")
     for name, value in engine.model.state_dict().items():
         torch.testing.assert_close(served[name].float(), value.float(), rtol=1e-3, atol=1e-4)
