@@ -147,6 +147,18 @@ class ServerShards:
                 if not self.leader:
                     t.copy_(data.to(t.device))
 
+    def send_to_leader(self, t: torch.Tensor) -> None:
+        """``t`` to the leader, which takes it with :meth:`receive` (a tensor travels as itself,
+        not through msgpack: the rows of a score are megabytes)."""
+        _collective(dist.send, t.detach().contiguous().to(self._comm), 0)
+
+    def receive(self, src: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """At the leader, the tensor rank ``src`` sends with :meth:`send_to_leader`, of ``shape``
+        and ``dtype`` (which the ranks agreed on first)."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self._comm)
+        _collective(dist.recv, buf, src)
+        return buf
+
     def barrier(self) -> None:
         _collective(dist.barrier)
 

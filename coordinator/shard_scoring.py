@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from coordinator.validation import Score
-from sfl_core.wire import codec as wire
 
 if TYPE_CHECKING:
     from coordinator.server_workers import ServerShards
@@ -31,8 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["block", "lead", "follow"]
 
-_ROWS_MAX_BYTES = 1 << 40
-"""The rows come from this run's own ranks, as large as the draw at the cut makes them."""
 
 
 def block(total: int, rank: int, world: int) -> slice:
@@ -49,7 +46,8 @@ def lead(shards: "ServerShards", validation: "ValidationSet", model: "SplitModel
     shards.broadcast({"score": {"split": split, "draw": None if draw is None else draw.tolist(),
                                 "infer_widths": {k: pair.infer_width for k, pair in model.bottlenecks.items()}}})
     shards.broadcast_model(model)
-    parts = shards.gather(_part(shards, validation, model, split, draw, device, batch_size))
+    doc, own = _part(shards, validation, model, split, draw, device, batch_size)
+    parts = shards.gather(doc)
     total = Score(0, 0.0, 0)
     for p in parts:
         total += Score(int(p["correct"]), float(p["loss"]), int(p["count"]))
@@ -57,15 +55,15 @@ def lead(shards: "ServerShards", validation: "ValidationSet", model: "SplitModel
     if split is None or draw is None:
         return accuracy, loss, None
     rows: Optional[torch.Tensor] = None
-    for p in parts:
-        if not p["at"]:
+    for rank, p in enumerate(parts):   # each rank's rows, of the draw's samples in its block
+        if p["rows"] is None:
             continue
-        got = wire.decode_tensor(p["rows"], shape=(len(p["at"]), *([None] * (len(p["rows"]["shape"]) - 1))),
-                                 dtypes=("float32",), max_bytes=_ROWS_MAX_BYTES)
+        got = own if rank == 0 else shards.receive(rank, p["rows"], _DTYPES[p["dtype"]])
+        assert got is not None
         if rows is None:
-            rows = torch.empty((len(draw), *got.shape[1:]), dtype=got.dtype)
-        rows[torch.tensor(p["at"], dtype=torch.long)] = got
-    return accuracy, loss, None if rows is None else rows.to(device)
+            rows = torch.empty((len(draw), *got.shape[1:]), dtype=got.dtype, device=device)
+        rows[_in_block(draw, len(validation), rank, shards.world)[0].to(device)] = got.to(device)
+    return accuracy, loss, rows
 
 
 def follow(shards: "ServerShards", validation: "ValidationSet", model: "SplitModel", doc: dict[str, Any],
@@ -78,21 +76,40 @@ def follow(shards: "ServerShards", validation: "ValidationSet", model: "SplitMod
         scored.bottlenecks[key].infer_width = int(width)  # type: ignore[assignment]  # a Bottleneck
     shards.broadcast_model(scored)
     draw = None if doc["draw"] is None else torch.tensor(doc["draw"], dtype=torch.long)
-    shards.gather(_part(shards, validation, scored, doc["split"], draw, device, batch_size))
+    part, rows = _part(shards, validation, scored, doc["split"], draw, device, batch_size)
+    shards.gather(part)
+    if rows is not None:
+        shards.send_to_leader(rows)
     return block(len(validation), shards.rank, shards.world)
 
 
+_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+def _in_block(draw: torch.Tensor, total: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions in ``draw`` of its samples in rank ``rank``'s block, and those samples'
+    indices counted from the block's first."""
+    part = block(total, rank, world)
+    start = part.start or 0
+    mine = ((draw >= start) & (draw < part.stop)).nonzero().flatten()
+    return mine, draw[mine] - start
+
+
 def _part(shards: "ServerShards", validation: "ValidationSet", model: "SplitModel", split: Optional[int],
-          draw: Optional[torch.Tensor], device: torch.device, batch_size: int) -> dict[str, Any]:
-    """This rank's block scored, as it travels to the leader: the sums, and with a ``split`` the
-    positions in ``draw`` of the draw's samples in the block and their rows."""
+          draw: Optional[torch.Tensor], device: torch.device, batch_size: int
+          ) -> tuple[dict[str, Any], Optional[torch.Tensor]]:
+    """This rank's block scored: the sums as they travel to the leader (with the shape and dtype
+    of the rows that follow them, with a ``split``), and the client portion's rows of the draw's
+    samples in the block (None where there are none)."""
     part = block(len(validation), shards.rank, shards.world)
+    rows: Optional[torch.Tensor] = None
     if split is None or draw is None:
-        score, at, rows = validation.score(model, device, batch_size, part), [], None
+        score = validation.score(model, device, batch_size, part)
     else:
-        start = part.start or 0
-        mine = ((draw >= start) & (draw < part.stop)).nonzero().flatten()
-        score, rows = validation.score_at_cut(model, split, draw[mine] - start, device, batch_size, part)
-        at = mine.tolist()
-    return {"correct": score.correct, "loss": score.loss, "count": score.count, "at": at,
-            "rows": wire.encode_tensor(rows, "fp32", 0) if rows is not None and at else None}
+        at, index = _in_block(draw, len(validation), shards.rank, shards.world)
+        score, rows = validation.score_at_cut(model, split, index, device, batch_size, part)
+        if not len(at):
+            rows = None
+    return {"correct": score.correct, "loss": score.loss, "count": score.count,
+            "rows": None if rows is None else list(rows.shape),
+            "dtype": None if rows is None else str(rows.dtype).removeprefix("torch.")}, rows

@@ -163,3 +163,13 @@ def test_attack_signals_quick(tmp_path: Path) -> None:
     assert {r["statistic"] for r in doc["results"]} == {"loss", "accuracy"}
     for r in doc["results"]:
         assert 0 <= r["honest"][0] <= r["honest"][1] and 0 <= r["flippers"][0] <= r["flippers"][1]
+
+
+def test_shared_scoring_quick(tmp_path: Path) -> None:
+    """The bench scores the set alone and shared among one and two gloo ranks, in turns."""
+    doc = _run("shared_scoring.py", tmp_path)
+    assert [r["ranks"] for r in doc["results"]] == [1, 2]
+    for r in doc["results"]:
+        assert r["samples"] == 64 and len(r["alone_ms"]) == len(r["shared_ms"]) == 3
+        assert r["alone_ms_p50"] > 0 and r["shared_ms_p50"] > 0
+        assert r["x_one_process"] == pytest.approx(r["alone_ms_p50"] / r["shared_ms_p50"])
