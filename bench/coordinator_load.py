@@ -41,8 +41,10 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
   validating, encoding and publishing.
 - ``between rounds ms`` / ``%``: from a round's last weights in to the next round's last
   assignment out, its median and its share of the time (``boundary_ms_p50``, ``boundary_pct``):
-  what only rank 0 works through, so more server workers do not shorten it; ``4 workers at most
-  x`` is the bound that share puts on four (Amdahl's law, ``amdahl_4``; one-worker runs only).
+  what rank 0 works through while the other workers wait, so more server workers do not
+  shorten most of it; ``4 workers at most x`` is the bound that share puts on four were all of
+  it rank 0's alone (Amdahl's law, ``amdahl_4``; one-worker runs only). The score of the round's
+  model, a part of that time, is shared among the workers (``coordinator/shard_scoring.py``).
 
 References in the same invocation, per codec level:
 
@@ -551,10 +553,10 @@ def round_boundaries(times: list, t0: float, t1: float, one_worker: bool = True)
     worker steps: from a round's last weights in to the next round's last assignment out
     (aggregation, evaluation, checkpoint, planning, assignments). ``boundary_pct``: its share of
     the measured window ``t0..t1``; ``boundary_ms_p50``: its median between measured rounds
-    (None with one). More server workers shorten the steps, not this: with a share ``b`` of the
-    time between rounds, N workers serve at most ``1 / (b + (1 - b) / N)`` times the
-    agent-steps of one (Amdahl's bound), ``amdahl_4`` for N = 4 (None unless ``one_worker``:
-    the share is one worker's)."""
+    (None with one). More server workers shorten the steps, and of this only the score: with a
+    share ``b`` of the time between rounds, all of it rank 0's alone, N workers serve at most
+    ``1 / (b + (1 - b) / N)`` times the agent-steps of one (Amdahl's bound), ``amdahl_4`` for
+    N = 4 (None unless ``one_worker``: the share is one worker's)."""
     last_in: dict[int, float] = {}
     last_out: dict[int, float] = {}
     for _, r, _, kind, t, _ in times:

@@ -48,6 +48,11 @@ def lead(shards: "ServerShards", validation: "ValidationSet", model: "SplitModel
     shards.broadcast_model(model)
     doc, own = _part(shards, validation, model, split, draw, device, batch_size)
     parts = shards.gather(doc)
+    n = len(validation)
+    blocks = [len(range(n)[block(n, rank, shards.world)]) for rank in range(shards.world)]
+    if [int(p["count"]) for p in parts] != blocks:
+        raise RuntimeError(f"the server workers scored blocks of {[p['count'] for p in parts]} samples where the "
+                           f"leader's validation set of {n} makes {blocks}: every rank must hold the same set")
     total = Score(0, 0.0, 0)
     for p in parts:
         total += Score(int(p["correct"]), float(p["loss"]), int(p["count"]))

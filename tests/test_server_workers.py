@@ -125,6 +125,37 @@ def _scoring_rank(rank: int, world: int, init: str, out: str) -> None:
     shards.close()
 
 
+def _mismatched_rank(rank: int, world: int, init: str, out: str) -> None:
+    """A worker holding fewer samples than the leader."""
+    from coordinator import shard_scoring
+    from coordinator.validation import ValidationSet
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    shards = ServerShards(rank, world, torch.device("cpu"))
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    x, y = _scoring_data()
+    held = ValidationSet(x, y, limit=None if rank == 0 else 30)
+    if rank == 0:
+        try:
+            shard_scoring.lead(shards, held, model, None, None, torch.device("cpu"), 8)
+        except RuntimeError as exc:
+            with open(f"{out}/refused.txt", "w") as f:
+                f.write(str(exc))
+        shards.broadcast(None)
+    else:
+        while (doc := shards.broadcast()) is not None:
+            shard_scoring.follow(shards, held, model, doc["score"], torch.device("cpu"), 8)
+    shards.close()
+
+
+def test_a_worker_holding_another_set_than_the_leaders_stops_the_score_with_one_line(tmp_path):
+    mp.start_processes(_mismatched_rank, args=(2, f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    assert (tmp_path / "refused.txt").read_text() == (
+        "the server workers scored blocks of [18, 15] samples where the leader's validation set of 37 makes "
+        "[18, 19]: every rank must hold the same set")
+
+
 def test_two_gloo_ranks_score_the_leaders_model_as_one_process_does(tmp_path):
     """Each rank scores a block of the set: the leader gets the one-process accuracy, the same
     mean loss to float rounding, and the client portion's rows of the screens' draw in the
