@@ -2,8 +2,8 @@
 
 Between two rounds only the leader works: it aggregates, scores the new model, records the
 round and sends the next round's assignments, while the other workers and every agent wait.
-Scoring is the largest part of that time on a CPU (the whole model, its convolutions included,
-over the validation set), and it divides: each rank scores one block of the set (every rank
+On a CPU scoring is often the largest part of that time (the whole model, its convolutions
+included, over the validation set), and it divides: each rank scores one block of the set (every rank
 holds the same set), and the leader adds the blocks' sums up (:class:`~coordinator.validation.Score`).
 
 The leader broadcasts what to score (the split whose held-out rows the screens keep, the
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from sfl_core.model.zoo import SplitModel
 
 __all__ = ["block", "lead", "follow"]
-
 
 
 def block(total: int, rank: int, world: int) -> slice:
