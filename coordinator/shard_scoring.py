@@ -87,7 +87,7 @@ def follow(shards: "ServerShards", validation: "ValidationSet", model: "SplitMod
     return block(len(validation), shards.rank, shards.world)
 
 
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+_DTYPES = {str(t).split(".")[-1]: t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
 
 
 def _in_block(draw: torch.Tensor, total: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,4 +116,4 @@ def _part(shards: "ServerShards", validation: "ValidationSet", model: "SplitMode
             rows = None
     return {"correct": score.correct, "loss": score.loss, "count": score.count,
             "rows": None if rows is None else list(rows.shape),
-            "dtype": None if rows is None else str(rows.dtype).removeprefix("torch.")}, rows
+            "dtype": None if rows is None else str(rows.dtype).split(".")[-1]}, rows
