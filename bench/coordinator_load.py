@@ -100,7 +100,7 @@ import yaml
 from brokers import MosquittoBroker, find_mosquitto, MOSQUITTO_MISSING
 
 from sfl_core import liveness
-from sfl_core.wire import protocol
+from sfl_core.wire import protocol, shared_weights
 from sfl_core.wire import codec as wire
 from sfl_core.config.run import load_profile
 from sfl_core.data.builtin import load_dataset
@@ -129,7 +129,8 @@ class LoadAgent:
     thread per agent beyond paho's own.
     """
 
-    def __init__(self, agent_id: str, index: int, payload: "Payload", times: list, legacy: bool = False):
+    def __init__(self, agent_id: str, index: int, payload: "Payload", times: list, legacy: bool = False,
+                 inline: bool = False):
         self.id = agent_id
         self.index = index
         self.payload = payload
@@ -143,11 +144,13 @@ class LoadAgent:
         self.registered = threading.Event()
         self.instance = uuid.uuid4().hex[:12]
         self.legacy = legacy                      # beat every 2 s whatever the run says (older agents)
+        self.inline = inline                      # takes no copies by reference (shared_weights): older agents
         self.idle_s = liveness.BUSY_HEARTBEAT_S    # until the run description says otherwise
         self.last_sent = time.monotonic()       # its last message of any kind (liveness.due)
         self.last_work = float("-inf")
         self.beats: list[float] = []
         self.link: Optional[MqttLink] = None    # its group's connection (AgentGroup)
+        self.group: Optional["AgentGroup"] = None
 
     def announce(self) -> None:
         self.link.publish(protocol.status_topic(RUN, self.id),
@@ -189,7 +192,8 @@ class LoadAgent:
         if msg.type == "run_info" and not self.registered.is_set():
             # a link probe first, as every agent does (the coordinator registers no id that never probed)
             self._send(self._msg("probe", {"nonce": self.index, "pad": b"", "reply_bytes": 0}))
-            self._send(self._msg("register", self.payload.register_body(self.index)))
+            self._send(self._msg("register", {**self.payload.register_body(self.index),
+                                              **({} if self.inline else {"features": [shared_weights.FEATURE]})}))
         elif msg.type == "accepted":
             self.registered.set()
         elif msg.type == "reject":
@@ -198,11 +202,9 @@ class LoadAgent:
         elif msg.type == "shutdown":
             self.done.set()
         elif msg.type == "assign":
-            self.assign, self.step, self.sent = msg, 0, 0
-            window = msg.body.get("window", 1)
-            self._note(msg.round, 0, "assign", now, window)
-            for _ in range(min(window, msg.body["tau"])):   # the steps it may keep in flight
-                self._activations(msg.round)
+            ready = self.group.resolve(self, msg)
+            if ready is not None:   # else its copy comes on the group's subscription
+                self.start(ready, now)
         elif msg.type == "gradients" and self.assign is not None and msg.step == self.step:
             self._note(msg.round, msg.step, "grad", now)
             self.step += 1
@@ -213,6 +215,14 @@ class LoadAgent:
                                                  self.payload.num_samples, "compute_s": 0.0,
                                                  "loss": float("nan")}, msg.round, self.step - 1))
                 self._note(msg.round, self.step - 1, "weights", time.monotonic())
+
+    def start(self, msg: Message, now: float) -> None:
+        """An assignment with its weights (inline, or from its round's copy): its first steps go out."""
+        self.assign, self.step, self.sent = msg, 0, 0
+        window = msg.body.get("window", 1)
+        self._note(msg.round, 0, "assign", now, window)
+        for _ in range(min(window, msg.body["tau"])):   # the steps it may keep in flight
+            self._activations(msg.round)
 
     def _activations(self, rnd: int) -> None:
         """The next step's activations (``sent``: the steps sent so far this round)."""
@@ -231,13 +241,16 @@ class AgentGroup:
     def __init__(self, url: str, agents: list[LoadAgent]):
         self.agents = agents
         self.by_topic = {protocol.down_topic(RUN, a.id): a for a in agents}
+        self.reassembler = wire.Reassembler()
+        self.copies = shared_weights.Copies(RUN)          # the round's copies, for all the group's agents
+        self.waiting: dict[LoadAgent, Message] = {}       # assignments whose copy has not come yet
         first = agents[0]
         will = Message("status", RUN, first.id, {"online": False, "instance": first.instance}).encode()
         self.link = MqttLink(url, f"load-{first.id}-{first.instance[:6]}", self._on_message,
-                             subscriptions=[*self.by_topic, protocol.info_topic(RUN)],
+                             subscriptions=[*self.by_topic, protocol.info_topic(RUN), protocol.model_wildcard(RUN)],
                              will=(protocol.status_topic(RUN, first.id), will, True))
         for a in agents:
-            a.link = self.link
+            a.link, a.group = self.link, self
 
     def start(self) -> None:
         self.link.connect(timeout=60)
@@ -248,8 +261,25 @@ class AgentGroup:
         if topic == protocol.info_topic(RUN):
             for a in self.agents:
                 a._on_message(topic, data)
+        elif topic.startswith(f"sfl/{RUN}/model/"):
+            whole = self.reassembler.feed(topic, data) if data else None
+            if whole is None:
+                return
+            self.copies.received(whole)     # decoded once for the group's agents
+            waiting, self.waiting = self.waiting, {}
+            for a, msg in waiting.items():
+                ready = self.resolve(a, msg)
+                if ready is not None:
+                    a.start(ready, time.monotonic())
         elif topic in self.by_topic:
             self.by_topic[topic]._on_message(topic, data)
+
+    def resolve(self, agent: LoadAgent, assign: Message) -> Optional[Message]:
+        """``assign`` with its weights, or None while the copy it names has not come (it waits)."""
+        ready = self.copies.resolve(assign)
+        if ready is None:
+            self.waiting[agent] = assign
+        return ready
 
 
 class Payload:
@@ -306,7 +336,7 @@ def worker(spec_file: str) -> int:
     spec = json.loads(Path(spec_file).read_text())
     payload = Payload.load(spec["payload"])
     times: list = []
-    agents = [LoadAgent(a, i, payload, times, spec["legacy"]) for a, i in spec["agents"]]
+    agents = [LoadAgent(a, i, payload, times, spec["legacy"], spec["inline"]) for a, i in spec["agents"]]
     per = spec["per_connection"]
     groups = [AgentGroup(spec["url"], agents[i:i + per]) for i in range(0, len(agents), per)]
     for g in groups:
@@ -473,7 +503,7 @@ def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: in
         for p in range(n_procs):
             out = tmp / f"gen{p}.json"
             spec = {"url": url, "agents": ids[p::n_procs], "out": str(out), "timeout_s": args.timeout,
-                    "payload": str(payload_file), "legacy": args.legacy_heartbeats,
+                    "payload": str(payload_file), "legacy": args.legacy_heartbeats, "inline": args.inline_weights,
                     "per_connection": args.agents_per_connection}
             spec_file = tmp / f"gen{p}.spec.json"
             spec_file.write_text(json.dumps(spec))
@@ -1003,6 +1033,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--agents-per-connection", type=int, default=1,
                    help="agents sharing one MQTT connection (default 1, as devices connect; e.g. 50 to host "
                         "--registered 10000 on one machine)")
+    p.add_argument("--inline-weights", action="store_true",
+                   help="agents take no copies by reference: every assignment carries its client portion, as "
+                        "before sfl_core.wire.shared_weights (the reference for the time between rounds); "
+                        "results go to coordinator_load_inline.json")
     p.add_argument("--legacy-heartbeats", action="store_true",
                    help="agents heartbeat every 2 s whatever the run announces or they send, as agents "
                         "before the idle interval did (the reference for --registered)")
@@ -1127,6 +1161,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             + (f"_window{args.window}" if args.window > 1 else "")
             + (f"_registered{args.registered}" if args.registered else "")
             + ("_legacy" if args.legacy_heartbeats else "")
+            + ("_inline" if args.inline_weights else "")
             + ("_zstd" + "-".join(map(str, args.zstd_levels)) if args.zstd_levels != [3] else ""))
     path = common.write_result(args.out, name, doc)
     print(f"wrote {path}")

@@ -76,9 +76,11 @@ def acl_text(coordinator_user: str, server_workers: int = 1) -> str:
         f"pattern write {protocol.up_topic(run, me)}/+",
         "# ... reads and writes its own status (reading it shows a second process with the same id) ...",
         f"pattern readwrite {protocol.status_topic(run, me)}",
-        "# ... and reads only its own downward topic and the run descriptions.",
+        "# ... and reads only its own downward topic, the run descriptions and the round's client",
+        "# portions (one copy per cut for every agent).",
         f"pattern read {protocol.down_topic(run, me)}",
         f"pattern read {protocol.info_topic(run)}",
+        f"pattern read {protocol.model_wildcard(run)}",
         "",
         "# The coordinator reads and writes every run's topics (so do its other server workers).",
         *[line for user in coordinator_users(coordinator_user, server_workers)

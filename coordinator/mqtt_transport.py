@@ -28,6 +28,7 @@ from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
 from sfl_core.wire.protocol import COORDINATOR_ID, Message
 from sfl_core.wire import signing
+from sfl_core.wire.shared_weights import Sharing
 from sfl_core.wire.signing import Signer
 
 log = logging.getLogger("sfl.coord.mqtt")
@@ -90,6 +91,8 @@ class MqttTransport:
         """Agents whose training messages another server worker handles: dropped on arrival."""
         self._following: set[str] = set()
         self._worker = worker
+        self.sharing = Sharing(run_id)
+        """Which agents take the round's client portion by reference, and the copies published."""
         # a worker: its agents' training messages (beneath their topics, assign.server_worker),
         # and from follow() on, their own topics (heartbeats)
         subs = [protocol.worker_wildcard(run_id, worker)] if worker else \
@@ -101,6 +104,7 @@ class MqttTransport:
         client_id = f"sfl-coord-{run_id}" + (f"-w{worker}" if worker else "") + f"-{self.instance[:6]}"
         will = None if worker else (self._coord_topic, self._claim_message(False).encode(), True)
         self.link = MqttLink(url, client_id, self._on_message, subscriptions=subs, will=will)
+        self.link.add_reconnect_callback(self._republish_copies)
 
     def start(self, timeout: float = 10.0) -> "MqttTransport":
         self.link.connect(timeout)
@@ -167,8 +171,16 @@ class MqttTransport:
         if self._run_info is not None:  # on paho's thread: publish only enqueues
             self.link.publish(protocol.info_topic(self.run_id), self._run_info, retain=True)
 
+    def _republish_copies(self) -> None:
+        """After a reconnect: a broker restarted without persistence forgot the round's retained
+        copies, and an agent subscribing now would wait for one."""
+        for topic, (_, payload, _) in list(self.sharing.published.items()):
+            chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
+            for piece in wire.split_chunks(payload, chunk_id, self.chunk_bytes):
+                self.link.publish(topic, piece, retain=True)
+
     def close(self, finished: bool = True) -> None:
-        """Disconnect. A ``finished`` run clears its retained description; an interrupted one
+        """Disconnect. A ``finished`` run clears its retained description and copies; an interrupted one
         keeps it, so agents (re)started before ``--resume`` still find what to train."""
         with self._info_lock:
             if self._info_repeat is not None:
@@ -176,6 +188,8 @@ class MqttTransport:
         try:
             if finished:
                 self.link.publish(protocol.info_topic(self.run_id), b"", retain=True, timeout=5)
+                for topic in self.sharing.published:   # the round's copies, as the description
+                    self.link.publish(topic, b"", retain=True, timeout=5)
             if self._claim.held:   # a clean disconnect does not fire the will: say offline ourselves
                 self.link.publish(self._coord_topic, self._claim_message(False).encode(), retain=True, timeout=5,
                                   wait_offline=False)
@@ -204,22 +218,36 @@ class MqttTransport:
 
     def send_many(self, messages: list[tuple[str, Message]]) -> list[int]:
         """:meth:`send` for several messages: all published, then their acknowledgements
-        awaited together (``publish_timeout_s`` for the lot)."""
+        awaited together (``publish_timeout_s`` for the lot). Assignments to agents that take
+        references name a copy of their client portion published once, first
+        (:mod:`sfl_core.wire.shared_weights`)."""
+        copies, messages, fallen = self.sharing.prepare(messages)
+        for agent_id in fallen:
+            log.info("%s did not fetch its round's client portion from sfl/%s/model/: its assignments carry it "
+                     "from now on", agent_id, self.run_id)
         pieces: list[tuple[str, bytes]] = []
-        owner: list[int] = []      # pieces[i] belongs to messages[owner[i]]
+        owner: list[int] = []      # pieces[i] belongs to messages[owner[i]]; -1: a copy
+        for topic, payload in copies:
+            chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
+            for piece in wire.split_chunks(payload, chunk_id, self.chunk_bytes):
+                pieces.append((topic, piece))
+                owner.append(-1)
         sizes = []
         for i, (agent_id, msg) in enumerate(messages):
             if msg.type in signing.SIGNED_TYPES:
                 self.signer.sign(msg)
             payload = msg.encode()
-            sizes.append(len(payload))
+            ref = msg.body.get("shared_weights") if msg.type == "assign" else None
+            # the agent downloads the copy it names too (now, or retained from an earlier round)
+            sizes.append(len(payload) + (len(self.sharing.published[ref["topic"]][1]) if ref else 0))
             topic = protocol.down_topic(self.run_id, agent_id)
             chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
             for piece in wire.split_chunks(payload, chunk_id, self.chunk_bytes):
                 pieces.append((topic, piece))
                 owner.append(i)
-        acked = self.link.publish_many(pieces, timeout=self.publish_timeout_s, wait_offline=False)
-        late = sorted({owner[j] for j, ok in enumerate(acked) if not ok})
+        acked = self.link.publish_many(pieces, timeout=self.publish_timeout_s, wait_offline=False,
+                                       retain=[i < 0 for i in owner])
+        late = sorted({owner[j] for j, ok in enumerate(acked) if not ok and owner[j] >= 0})
         for i in late:
             log.info("%s to %s queued until the broker is reachable again", messages[i][1].type, messages[i][0])
         return sizes
@@ -276,6 +304,8 @@ class MqttTransport:
             return   # the leader's: it registers agents and aggregates their weights
         if msg.type == "status" and msg.body["online"]:
             self._repeat_run_info()
+        if msg.type == "register":
+            self.sharing.registered(agent, msg.body)
         self._queue.put(msg)
 
     def _repeat_run_info(self) -> None:

@@ -43,7 +43,7 @@ from sfl_core.transport.broker_url import BrokerAddress
 from sfl_core.transport.claim import Claim
 from sfl_core.transport.mqtt_link import MqttLink
 from sfl_core.wire import codec as wire
-from sfl_core.wire import protocol, signing
+from sfl_core.wire import protocol, shared_weights, signing
 from sfl_core.wire.protocol import Message
 
 log = logging.getLogger("sfl.agent")
@@ -147,6 +147,8 @@ class AgentRunner:
         self._extra: dict = {}      # a task run's additions to the registration (fingerprint, statistics)
         self._run_info_ready = threading.Event()
         self._reassembler = wire.Reassembler()
+        self._copies = shared_weights.Copies(opts.run_id)   # the round's client portions, sent once for all agents
+        self._model_topic: Optional[str] = None   # where our cut's copy comes (subscribed once an assignment named it)
         self._stop = threading.Event()
         self.core: Optional[AgentCore] = None
         self._busy = False
@@ -390,7 +392,7 @@ class AgentRunner:
                                       label_counts=self.core.data.label_counts(), num_samples=len(self.core.data),
                                       emulate=self.o.emulate, resume={"rounds_done": self.core.rounds_done},
                                       privacy=self.o.privacy.describe(), instance=self.instance,
-                                      extra=self._extra)
+                                      extra={**self._extra, "features": [shared_weights.FEATURE]})
         warn_at = time.monotonic() + self.o.wait_s
         register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
         held: list[Message] = []   # training messages that arrive meanwhile (a resent gradient): kept
@@ -517,6 +519,9 @@ class AgentRunner:
         if len(parts) == 3 and parts[2] == "info" and parts[1] != self.o.run_id:
             self._runs_seen.add(parts[1])  # another run's description (_announced_runs): its name only
             return
+        if topic == self._model_topic:
+            self._on_copy(topic, payload)
+            return
         if topic not in (protocol.down_topic(self.o.run_id, self.o.agent_id), protocol.info_topic(self.o.run_id),
                          self._status_topic):
             return   # not one of ours (a broker whose wildcard matching is loose delivers others' topics)
@@ -551,6 +556,20 @@ class AgentRunner:
             # write (gradients, accepted, ...) with a huge seq would otherwise make us refuse every
             # later assignment. Unsigned ones are idempotent by round and step (AgentCore).
             self._seqs.advance(msg)
+        if msg.type == "assign":
+            try:
+                ready = self._copies.resolve(msg)
+            except wire.WireError as exc:
+                self.rejections.reject("invalid", f"assign on {topic}: {exc}")
+                return
+            if ready is None:   # its client portion comes on its own topic: wait for it there
+                self._follow_copies(msg.body["shared_weights"]["topic"])
+                return
+            msg = ready
+        self._accept(msg)
+
+    def _accept(self, msg: Message) -> None:
+        """A valid coordinator message for us, ready to use."""
         self.bytes_down += msg.wire_bytes
         if msg.type == "run_info":
             self._run_info = msg
@@ -563,6 +582,30 @@ class AgentRunner:
             if self.emulator:
                 self._arrivals[id(msg)] = self.emulator.arrival(msg.wire_bytes)
             self._inbox.put(msg)
+
+    def _follow_copies(self, topic: str) -> None:
+        """Receive our cut's copies on ``topic`` from now on (the retained one arrives first), and
+        no longer those of a cut we trained before."""
+        if topic == self._model_topic:
+            return
+        if self._model_topic is not None:
+            self.link.unsubscribe(self._model_topic)
+        self._model_topic = topic
+        self.link.subscribe(topic)
+
+    def _on_copy(self, topic: str, payload: bytes) -> None:
+        """A round's client portion (:mod:`sfl_core.wire.shared_weights`); the assignment that
+        waited for it goes on, checked by its digest (the assignment is signed, the copy need not be)."""
+        try:
+            whole = self._reassembler.feed(topic, payload)
+            if whole is None:
+                return
+            ready = self._copies.received(whole)
+        except wire.WireError as exc:
+            self.rejections.reject(exc.reason, f"message on {topic}: {exc}")
+            return
+        if ready is not None:
+            self._accept(ready)
 
     def _trusted(self, msg: Message, topic: str) -> bool:
         """Follow only what our coordinator signed (:mod:`sfl_core.wire.signing`): a run description

@@ -40,6 +40,7 @@ VALID_BODIES = {
     "coordinator_status": {"online": True, "instance": "c0ffee"},
     "evaluate": {"model": "small_cnn", "weights": {}, "bottlenecks": []},
     "evaluation": {"loss": 0.7, "correct": 8, "count": 10, "compute_s": 0.01},
+    "round_model": {"weights": wire.encode_state({"w": torch.zeros(2)})},
     "norm_pass": {"model": "small_cnn", "split": 2, "width": 0, "weights": {}, "batches": 5, "batch_size": 16,
                   "codec": "fp32", "zstd_level": 1, "activation_shape": [32, 4, 4]},
     "norm_sums": {"moments": {}, "counts": {}, "x": _T, "compute_s": 0.01},

@@ -224,19 +224,20 @@ class MqttLink:
         """
         return self.publish_many([(topic, payload)], qos, retain, timeout, wait_offline)[0]
 
-    def publish_many(self, messages: list[tuple[str, bytes]], qos: int = 1, retain: bool = False,
+    def publish_many(self, messages: list[tuple[str, bytes]], qos: int = 1, retain: bool | Sequence[bool] = False,
                      timeout: float | None = 30.0, wait_offline: bool = True) -> list[bool]:
         """:meth:`publish` for several messages, acknowledged together: all are handed to paho
         first and the acknowledgements awaited after, so a round's gradients go out in one
-        burst instead of one broker round trip each (``timeout`` covers them all). One bool
-        per message, in order."""
+        burst instead of one broker round trip each (``timeout`` covers them all). ``retain``:
+        for all, or one per message. One bool per message, in order."""
         if self._closed:
             raise RuntimeError("MqttLink is closed")
+        retains = [retain] * len(messages) if isinstance(retain, bool) else list(retain)
         infos: list[mqtt.MQTTMessageInfo | None] = []
-        for topic, payload in messages:
+        for (topic, payload), keep in zip(messages, retains):
             if isinstance(payload, memoryview):
                 payload = payload.tobytes()
-            info: Optional[mqtt.MQTTMessageInfo] = self._client.publish(topic, payload, qos=qos, retain=retain)
+            info: Optional[mqtt.MQTTMessageInfo] = self._client.publish(topic, payload, qos=qos, retain=keep)
             assert info is not None
             if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:  # cannot happen with an unlimited queue
                 log.error("MQTT publish to %s refused: outgoing queue full", topic)

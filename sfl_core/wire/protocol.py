@@ -70,6 +70,17 @@ def info_topic(run: str) -> str:
     return f"sfl/{run}/info"
 
 
+def model_topic(run: str, split: int, width: int) -> str:
+    """Retained: the round's client portion for agents of cut ``split`` and bottleneck ``width``,
+    sent once for all of them (:mod:`sfl_core.wire.shared_weights`)."""
+    return f"sfl/{run}/model/{split}-{width}"
+
+
+def model_wildcard(run: str) -> str:
+    """Every cut's copy (:func:`model_topic`): what an agent may read there (the broker's ACL)."""
+    return f"sfl/{run}/model/+"
+
+
 def up_wildcard(run: str) -> str:
     return f"sfl/{run}/up/+"
 
@@ -126,6 +137,8 @@ _CORE_SCHEMAS: dict[str, dict[str, Any]] = {
     "shutdown": {"reason": str},
     # federated evaluation (eval.federated_every): the global model, scored on the agent's held-out split
     "evaluate": {"model": str, "weights": dict, "bottlenecks": list},
+    # the round's client portion, once for every agent that trains it (sfl/R/model/S-W, retained)
+    "round_model": {"weights": dict},
     "run_info": {"model": str, "dataset": str, "input_shape": list, "num_classes": int,
                  "splits": list, "partition": dict, "num_agents": int,
                  "coordinator": dict,   # {"key": Ed25519 public key (32 bytes), "instance": str}
@@ -137,12 +150,15 @@ _CORE_OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"privacy": dict,       # the agent's defenses (sfl_core.privacy.AgentPrivacy.describe)
                  "instance": str,       # the registering process (its status messages carry the same)
                  "channel_stats": dict,  # normalize: federated (sfl_core.data.preprocessing.ChannelStats)
-                 "architecture": str},  # the agent's model fingerprint (sfl_core.model.fingerprint)
+                 "architecture": str,   # the agent's model fingerprint (sfl_core.model.fingerprint)
+                 "features": list},     # what the agent understands beyond the core: ["shared_weights"]
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
     "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
                "normalize": dict,       # a task run's standardisation constants {mean, std}
                "window": int,           # steps the agent may keep in flight (absent: 1, lock-step)
-               "server_worker": int},   # the server worker training its rows (absent: 0, the leader)
+               "server_worker": int,    # the server worker training its rows (absent: 0, the leader)
+               # weights {} and where they are: {"topic": sfl/R/model/S-W, "sha256": of that message}
+               "shared_weights": dict},
                # + each training option's own fields (sfl_core.options: ASSIGN_FIELDS)
     "shutdown": {"sig": bytes},         # likewise
     "evaluate": {"sig": bytes, "normalize": dict},
@@ -208,7 +224,7 @@ _CORE_RELATIONS: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {
 _CORE_AGENT_TYPES = frozenset({"register", "probe", "activations", "logit_grads", "weights", "evaluation",
                                "heartbeat", "status"})
 _CORE_COORD_TYPES = frozenset({"accepted", "reject", "probe_ack", "assign", "logits", "gradients", "evaluate",
-                               "shutdown", "run_info"})
+                               "shutdown", "run_info", "round_model"})
 PEER_TYPES = frozenset({"coordinator_status"})
 """Between coordinators of one run (the liveness claim); agents never read it."""
 COORDINATOR_ID = "coordinator"

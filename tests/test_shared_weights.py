@@ -1,0 +1,224 @@
+"""One copy of the round's client portion for every agent that trains it
+(:mod:`sfl_core.wire.shared_weights`): the coordinator's choice of what to publish, the agent's
+use of a copy only by the digest its signed assignment names, and real runs over Mosquitto, one
+of them on a broker whose ACL predates the copies' topic (the agents then get their weights
+inline after the usual resend)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import _brokers, free_port
+from coordinator.broker_config import write_broker_config
+from helpers import REPO, coordinator_key, finish, logs, metrics, start_agents, start_coord, write_config
+from sfl_core.transport.mqtt_link import MqttLink
+from sfl_core.wire import codec as wire
+from sfl_core.wire import protocol, shared_weights
+from sfl_core.wire.protocol import COORDINATOR_ID, Message
+from sfl_core.wire.shared_weights import Copies, Sharing
+
+RUN = "share"
+
+
+def _weights(n: int = 4000, value: float = 0.5) -> dict:
+    return wire.encode_state({"blocks.0.0.weight": torch.full((n,), value)}, 0)
+
+
+def _assign(weights: dict, seq: int, split: int = 2, width: int = 0, r: int = 1) -> Message:
+    body = {"model": "small_cnn", "strategy": "sfl", "split": split, "width": width, "batch_size": 8, "lr": 0.1,
+            "momentum": 0.0, "tau": 2, "codec": "fp32", "zstd_level": 0, "activation_shape": [16, 28, 28],
+            "weights": weights}
+    return Message("assign", RUN, COORDINATOR_ID, body, round=r, seq=seq)
+
+
+def _sharing(*agents: str) -> Sharing:
+    s = Sharing(RUN)
+    for a in agents:
+        s.registered(a, {"features": [shared_weights.FEATURE]})
+    return s
+
+
+# ---------------------------------------------------------------- the coordinator's side
+
+def test_one_copy_per_portion_for_the_agents_that_take_references_and_inline_for_the_others():
+    s = _sharing("a0", "a1", "a2")
+    s.registered("old", {})                        # an agent of an earlier release: no features
+    w = _weights()
+    msgs = [(a, _assign(w, seq=10 + i)) for i, a in enumerate(["a0", "a1", "a2", "old"])]
+    copies, out, fallen = s.prepare(msgs)
+    assert fallen == [] and len(copies) == 1
+    topic, payload = copies[0]
+    assert topic == protocol.model_topic(RUN, 2, 0) == "sfl/share/model/2-0"
+    for (agent, sent), (_, original) in zip(out[:3], msgs):
+        assert sent.body["weights"] == {} and sent is not original
+        assert sent.body["shared_weights"] == {"topic": topic, "sha256": hashlib.sha256(payload).digest()}
+        assert original.body["weights"] is w       # a resend starts again from the engine's message
+    assert out[3][1] is msgs[3][1]                 # the older agent's copy travels inline
+    # the same portion next time (a resend of another agent's, a late joiner): not published again
+    assert s.prepare([("a0", _assign(w, seq=20))])[0] == []
+
+
+def test_a_resent_assignment_carries_the_weights_from_then_on():
+    s = _sharing("a0")
+    w = _weights()
+    first = _assign(w, seq=5)
+    assert s.prepare([("a0", first)])[1][0][1].body["weights"] == {}
+    copies, out, fallen = s.prepare([("a0", first)])   # the coordinator's resend: the agent did not fetch it
+    assert fallen == ["a0"] and out[0][1] is first and copies == []
+    assert s.prepare([("a0", _assign(w, seq=6, r=2))])[1][0][1].body["weights"] is w
+
+
+def test_small_portions_and_a_second_portion_for_one_cut_travel_inline():
+    s = _sharing("a0", "a1")
+    small = _weights(n=10)
+    _, out, _ = s.prepare([("a0", _assign(small, seq=1))])
+    assert out[0][1].body["weights"] is small
+    w, other = _weights(), _weights(value=0.25)    # an option that sends one agent its own portion
+    copies, out, _ = s.prepare([("a0", _assign(w, seq=2)), ("a1", _assign(other, seq=3))])
+    assert len(copies) == 1 and out[0][1].body["weights"] == {} and out[1][1].body["weights"] is other
+
+
+# ---------------------------------------------------------------- the agent's side
+
+def _referenced(seq: int = 7, r: int = 1) -> tuple[Message, bytes]:
+    s = _sharing("a0")
+    copies, out, _ = s.prepare([("a0", _assign(_weights(), seq=seq, r=r))])
+    return out[0][1], copies[0][1]
+
+
+def test_an_assignment_waits_for_its_copy_and_goes_on_with_it():
+    assign, payload = _referenced()
+    c = Copies(RUN)
+    assert c.resolve(assign) is None
+    ready = c.received(payload)
+    assert ready is not None and ready.seq == assign.seq and "shared_weights" not in ready.body
+    state = wire.decode_state(ready.body["weights"], {"blocks.0.0.weight": torch.zeros(4000)})
+    assert torch.equal(state["blocks.0.0.weight"], torch.full((4000,), 0.5))
+    assert ready.wire_bytes == assign.wire_bytes + len(payload)
+    assert c.resolve(assign) is not None          # kept: a duplicate assignment goes on at once
+
+
+def test_a_copy_that_is_not_the_one_named_is_not_used():
+    assign, payload = _referenced()
+    c = Copies(RUN)
+    assert c.resolve(assign) is None
+    forged = shared_weights.round_model(RUN, _weights(value=9.0))   # anyone could publish on the topic
+    assert c.received(forged) is None and c.resolve(assign) is None
+    with pytest.raises(wire.WireError):
+        c.received(Message("round_model", RUN, "a1", {"weights": _weights()}).encode())
+    assert c.received(payload) is not None
+
+
+def test_a_reference_to_another_cuts_topic_or_beside_weights_is_refused():
+    assign, _ = _referenced()
+    for change in ({"shared_weights": {"topic": protocol.model_topic(RUN, 3, 0), "sha256": bytes(32)}},
+                   {"shared_weights": {"topic": protocol.model_topic("other", 2, 0), "sha256": bytes(32)}},
+                   {"shared_weights": {"topic": protocol.model_topic(RUN, 2, 0), "sha256": b"short"}},
+                   {"weights": _weights()}):
+        bad = Message("assign", RUN, COORDINATOR_ID, {**assign.body, **change}, round=1, seq=8)
+        with pytest.raises(wire.WireError):
+            Copies(RUN).resolve(bad)
+
+
+def test_weights_sent_inline_after_all_end_the_wait():
+    assign, payload = _referenced()
+    c = Copies(RUN)
+    assert c.resolve(assign) is None
+    inline = _assign(_weights(), seq=assign.seq)
+    assert c.resolve(inline) is inline
+    assert c.received(payload) is None             # nothing waits any more
+
+
+# ---------------------------------------------------------------- over Mosquitto
+
+class _Watch:
+    """A bare subscriber that keeps the run's copies and assignments as they pass."""
+
+    def __init__(self, url: str):
+        self.copies: list[tuple[str, bytes]] = []
+        self.assigns: list[Message] = []
+        self._reassembler = wire.Reassembler()
+        self._lock = threading.Lock()
+        self.link = MqttLink(url, "test-watch", self._on, subscriptions=[protocol.model_wildcard(RUN),
+                                                                         f"sfl/{RUN}/down/+"])
+        self.link.connect()
+
+    def _on(self, topic: str, payload: bytes) -> None:
+        whole = self._reassembler.feed(topic, payload) if payload else None
+        if whole is None:
+            return
+        with self._lock:
+            if "/model/" in topic:
+                self.copies.append((topic, whole))
+            else:
+                msg = protocol.decode(whole, run=RUN)
+                if msg.type == "assign":
+                    self.assigns.append(msg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_over_mosquitto_sends_each_rounds_portion_once(mosquitto, tmp_path):
+    watch = _Watch(mosquitto.url)
+    try:
+        config = write_config(tmp_path, RUN, rounds=3, local_iters=6)
+        coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
+        agents = start_agents(mosquitto.url, RUN, tmp_path)
+        assert finish([coord, *agents], timeout=240) == [0, 0, 0, 0], logs(tmp_path)
+    finally:
+        watch.link.close()
+    m = metrics(tmp_path)
+    assert [r["completed"] for r in m[1:]] == [["a0", "a1", "a2"]] * 3 and all(not r["rejected"] for r in m[1:])
+    assert m[-1]["accuracy"] > m[0]["accuracy"] + 0.2, m
+    digests = {hashlib.sha256(p).digest() for _, p in watch.copies}
+    assert len(watch.copies) == 3 and {t for t, _ in watch.copies} == {protocol.model_topic(RUN, 2, 0)}
+    assert len(watch.assigns) == 9
+    for a in watch.assigns:                       # every agent took its round's copy by reference
+        assert a.body["weights"] == {} and a.body["shared_weights"]["sha256"] in digests
+        assert a.wire_bytes < min(len(p) for _, p in watch.copies) / 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_agents_a_broker_keeps_from_the_copies_get_their_weights_inline(tmp_path):
+    """A broker whose ACL was written before the copies' topic existed: the agents' subscription
+    is refused, they wait idle, the coordinator resends their assignment with the weights."""
+    binary = _brokers.find_mosquitto()
+    if binary is None:
+        pytest.skip("needs mosquitto")
+    port = free_port()
+    files = write_broker_config(tmp_path / "broker", ["a0", "a1"], port=port, bind="127.0.0.1")
+    acl = files.acl.read_text()
+    files.acl.write_text("\n".join(line for line in acl.splitlines() if "/model/" not in line) + "\n")
+    conf = files.conf.read_text() + ("user root\n" if os.geteuid() == 0 else "")
+    broker = _brokers.MosquittoBroker(binary, port=port, config=conf)
+    broker.start()
+    try:
+        url = f"mqtt://{{user}}@127.0.0.1:{port}"
+        config = write_config(tmp_path, RUN, rounds=2, local_iters=4, fleet=[{"profile": "s2fl-high-high", "count": 2}])
+        cred = files.credentials
+        coord = start_coord(config, tmp_path, "--broker", url.format(user="coordinator"),
+                            "--password-file", str(cred["coordinator"]))
+        agents = []
+        for i, user in enumerate(["a0", "a1"]):
+            log = open(tmp_path / f"agent-{i}.log", "w")
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "cli.agent", "start", "--profile", "s2fl-high-high", "--broker",
+                 url.format(user=user), "--password-file", str(cred[user]), "--run", RUN, "--index", str(i),
+                 "--verbose", "--coordinator-key", coordinator_key(tmp_path / "out")],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        assert finish([coord, *agents], timeout=240) == [0, 0, 0], logs(tmp_path)
+    finally:
+        broker.close()
+    m = metrics(tmp_path)
+    assert [r["completed"] for r in m[1:]] == [["a0", "a1"]] * 2, m
+    text = (tmp_path / "coord.log").read_text()
+    for a in ("a0", "a1"):
+        assert f"{a} did not fetch its round's client portion from sfl/{RUN}/model/" in text, logs(tmp_path)
