@@ -562,8 +562,9 @@ class AgentRunner:
             except wire.WireError as exc:
                 self.rejections.reject("invalid", f"assign on {topic}: {exc}")
                 return
-            if ready is None:   # its client portion comes on its own topic: wait for it there
+            if "shared_weights" in msg.body:   # later copies of our cut's portion come there
                 self._follow_copies(msg.body["shared_weights"]["topic"])
+            if ready is None:   # its copy has not come yet: the assignment waits for it
                 return
             msg = ready
         self._accept(msg)

@@ -47,32 +47,47 @@ def _sharing(*agents: str) -> Sharing:
 
 # ---------------------------------------------------------------- the coordinator's side
 
+def _rounds(s: Sharing, agents: list[str], w: dict, rounds: int = 2) -> list[tuple[list, list, list]]:
+    return [s.prepare([(a, _assign(w, seq=100 * r + i, r=r)) for i, a in enumerate(agents)])
+            for r in range(1, rounds + 1)]
+
+
 def test_one_copy_per_portion_for_the_agents_that_take_references_and_inline_for_the_others():
     s = _sharing("a0", "a1", "a2")
     s.registered("old", {})                        # an agent of an earlier release: no features
+    agents = ["a0", "a1", "a2", "old"]
     w = _weights()
-    msgs = [(a, _assign(w, seq=10 + i)) for i, a in enumerate(["a0", "a1", "a2", "old"])]
-    copies, out, fallen = s.prepare(msgs)
+    (copies, first, fallen), _ = _rounds(s, agents, w)
     assert fallen == [] and len(copies) == 1
     topic, payload = copies[0]
     assert topic == protocol.model_topic(RUN, 2, 0) == "sfl/share/model/2-0"
+    ref = {"topic": topic, "sha256": hashlib.sha256(payload).digest()}
+    # the first assignment naming the topic still carries the weights: the agent subscribes now
+    assert all(m.body["weights"] is w and m.body["shared_weights"] == ref for _, m in first[:3])
+    assert "shared_weights" not in first[3][1].body and first[3][1].body["weights"] is w   # the older agent
+    w2 = _weights(value=0.75)                      # the next round's portion
+    msgs = [(a, _assign(w2, seq=300 + i, r=3)) for i, a in enumerate(agents)]
+    copies, out, _ = s.prepare(msgs)
+    assert len(copies) == 1 and copies[0][0] == topic
     for (agent, sent), (_, original) in zip(out[:3], msgs):
         assert sent.body["weights"] == {} and sent is not original
-        assert sent.body["shared_weights"] == {"topic": topic, "sha256": hashlib.sha256(payload).digest()}
-        assert original.body["weights"] is w       # a resend starts again from the engine's message
+        assert sent.body["shared_weights"] == {"topic": topic, "sha256": hashlib.sha256(copies[0][1]).digest()}
+        assert original.body["weights"] is w2      # a resend starts again from the engine's message
     assert out[3][1] is msgs[3][1]                 # the older agent's copy travels inline
-    # the same portion next time (a resend of another agent's, a late joiner): not published again
-    assert s.prepare([("a0", _assign(w, seq=20))])[0] == []
+    # the same portion again (a resend of another agent's, a late joiner): not published again
+    assert s.prepare([("a0", _assign(w2, seq=400, r=3))])[0] == []
 
 
 def test_a_resent_assignment_carries_the_weights_from_then_on():
     s = _sharing("a0")
     w = _weights()
-    first = _assign(w, seq=5)
-    assert s.prepare([("a0", first)])[1][0][1].body["weights"] == {}
-    copies, out, fallen = s.prepare([("a0", first)])   # the coordinator's resend: the agent did not fetch it
-    assert fallen == ["a0"] and out[0][1] is first and copies == []
-    assert s.prepare([("a0", _assign(w, seq=6, r=2))])[1][0][1].body["weights"] is w
+    assert s.prepare([("a0", _assign(w, seq=5))])[1][0][1].body["weights"] is w
+    second = _assign(w, seq=6, r=2)
+    assert s.prepare([("a0", second)])[1][0][1].body["weights"] == {}
+    copies, out, fallen = s.prepare([("a0", second)])   # the coordinator's resend: the agent did not fetch it
+    assert fallen == ["a0"] and out[0][1] is second and copies == []
+    third = s.prepare([("a0", _assign(w, seq=7, r=3))])[1][0][1]
+    assert third.body["weights"] is w and "shared_weights" not in third.body
 
 
 def test_small_portions_and_a_second_portion_for_one_cut_travel_inline():
@@ -82,14 +97,16 @@ def test_small_portions_and_a_second_portion_for_one_cut_travel_inline():
     assert out[0][1].body["weights"] is small
     w, other = _weights(), _weights(value=0.25)    # an option that sends one agent its own portion
     copies, out, _ = s.prepare([("a0", _assign(w, seq=2)), ("a1", _assign(other, seq=3))])
-    assert len(copies) == 1 and out[0][1].body["weights"] == {} and out[1][1].body["weights"] is other
+    assert len(copies) == 1 and "shared_weights" in out[0][1].body
+    assert out[1][1].body["weights"] is other and "shared_weights" not in out[1][1].body
 
 
 # ---------------------------------------------------------------- the agent's side
 
-def _referenced(seq: int = 7, r: int = 1) -> tuple[Message, bytes]:
+def _referenced() -> tuple[Message, bytes]:
+    """A second round's assignment (weights {}, a reference) and the copy it names."""
     s = _sharing("a0")
-    copies, out, _ = s.prepare([("a0", _assign(_weights(), seq=seq, r=r))])
+    (copies, _, _), (_, out, _) = _rounds(s, ["a0"], _weights())
     return out[0][1], copies[0][1]
 
 
@@ -121,17 +138,24 @@ def test_a_reference_to_another_cuts_topic_or_beside_weights_is_refused():
     for change in ({"shared_weights": {"topic": protocol.model_topic(RUN, 3, 0), "sha256": bytes(32)}},
                    {"shared_weights": {"topic": protocol.model_topic("other", 2, 0), "sha256": bytes(32)}},
                    {"shared_weights": {"topic": protocol.model_topic(RUN, 2, 0), "sha256": b"short"}},
-                   {"weights": _weights()}):
+                   {"shared_weights": {"topic": protocol.model_topic(RUN, 2, 0)}}):
         bad = Message("assign", RUN, COORDINATOR_ID, {**assign.body, **change}, round=1, seq=8)
         with pytest.raises(wire.WireError):
             Copies(RUN).resolve(bad)
+
+
+def test_an_assignment_with_its_weights_and_a_reference_goes_on_at_once():
+    assign, _ = _referenced()
+    first = Message("assign", RUN, COORDINATOR_ID, {**assign.body, "weights": _weights()}, round=1, seq=3)
+    ready = Copies(RUN).resolve(first)
+    assert ready is not None and "shared_weights" not in ready.body and ready.body["weights"] == first.body["weights"]
 
 
 def test_weights_sent_inline_after_all_end_the_wait():
     assign, payload = _referenced()
     c = Copies(RUN)
     assert c.resolve(assign) is None
-    inline = _assign(_weights(), seq=assign.seq)
+    inline = _assign(_weights(), seq=assign.seq, r=assign.round)
     assert c.resolve(inline) is inline
     assert c.received(payload) is None             # nothing waits any more
 
@@ -177,12 +201,15 @@ def test_a_run_over_mosquitto_sends_each_rounds_portion_once(mosquitto, tmp_path
     m = metrics(tmp_path)
     assert [r["completed"] for r in m[1:]] == [["a0", "a1", "a2"]] * 3 and all(not r["rejected"] for r in m[1:])
     assert m[-1]["accuracy"] > m[0]["accuracy"] + 0.2, m
-    digests = {hashlib.sha256(p).digest() for _, p in watch.copies}
+    digests = [hashlib.sha256(p).digest() for _, p in watch.copies]
     assert len(watch.copies) == 3 and {t for t, _ in watch.copies} == {protocol.model_topic(RUN, 2, 0)}
-    assert len(watch.assigns) == 9
-    for a in watch.assigns:                       # every agent took its round's copy by reference
-        assert a.body["weights"] == {} and a.body["shared_weights"]["sha256"] in digests
-        assert a.wire_bytes < min(len(p) for _, p in watch.copies) / 4
+    assert sorted(a.round for a in watch.assigns) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for a in watch.assigns:
+        assert a.body["shared_weights"]["sha256"] == digests[a.round - 1]
+        if a.round == 1:   # the first names the topic and still carries the weights
+            assert a.body["weights"]
+        else:              # later rounds' copy came on the subscription
+            assert a.body["weights"] == {} and a.wire_bytes < len(watch.copies[0][1]) / 4
 
 
 @pytest.mark.slow

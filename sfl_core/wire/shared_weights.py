@@ -10,18 +10,21 @@ Scheme (docs/protocol.md §2.2):
 - The coordinator publishes each distinct client portion once, as a ``round_model`` message
   on ``sfl/R/model/S-W`` (cut ``S``, width ``W``), retained, before the round's assignments.
   The broker copies it to every agent subscribed there.
-- An agent's assignment then carries empty ``weights`` and ``shared_weights``: that topic and
-  the SHA-256 of the ``round_model`` payload. The assignment is signed, so the digest is the
-  coordinator's word: a forged or stale ``round_model`` does not match it and is not used.
-  The ``round_model`` needs no signature of its own.
-- Only agents that said they understand it (``register.features`` holds
-  :data:`FEATURE`) get it. Older agents get their copy inline, as before.
-- An agent subscribes to the topic its assignment names (the retained copy arrives) and keeps
-  that subscription, so the next round's copy arrives before the next assignment.
+- An agent's assignment carries ``shared_weights``: that topic and the SHA-256 of the
+  ``round_model`` payload. The first assignment that names a topic to an agent still carries
+  the weights; the agent subscribes to the topic and keeps that subscription. Later ones carry
+  empty ``weights``: the copy has come on the subscription before them. Why not rely on the
+  retained copy for the first: a portion over one chunk (1 MiB) travels in several messages,
+  and a broker retains only the last.
+- The assignment is signed, so the digest is the coordinator's word: a forged or stale
+  ``round_model`` does not match it and is not used. The ``round_model`` needs no signature of
+  its own.
+- Only agents that said they understand it (``register.features`` holds :data:`FEATURE`) are
+  sent references. Older agents get their copy inline, as before.
 - If the copy does not arrive (a broker's ACL written before this topic existed, a lost
-  retained message), the agent waits idle; the coordinator resends the assignment after its
-  usual retry interval, and a resent assignment carries the weights inline, for that agent for
-  the rest of the run (:meth:`Sharing.inline`).
+  message), the agent waits idle; the coordinator resends the assignment after its usual
+  retry interval, and a resent assignment carries the weights inline, for that agent for the
+  rest of the run (:meth:`Sharing.inline`).
 
 Cost: one SHA-256 over the client portion per distinct portion and round on the coordinator,
 and one per copy received on the agent (tens of microseconds for the built-in models' cuts),
@@ -52,9 +55,10 @@ def digest(payload: bytes) -> bytes:
 
 
 def reference(body: dict[str, Any], run: str) -> Optional[tuple[str, bytes]]:
-    """An assignment's ``shared_weights`` as (topic, SHA-256), None when it carries its weights.
-    WireError when the reference is malformed or names a topic that is not this run's copy for the
-    assignment's own cut and width."""
+    """An assignment's ``shared_weights`` as (topic, SHA-256), None without one. WireError when
+    the reference is malformed or names a topic that is not this run's copy for the assignment's
+    own cut and width. With weights beside it, the assignment carries them itself and the
+    reference only says where the next copies come."""
     ref = body.get("shared_weights")
     if ref is None:
         return None
@@ -66,8 +70,6 @@ def reference(body: dict[str, Any], run: str) -> Optional[tuple[str, bytes]]:
                              f"{body['split']} width {body['width']}")
     if not isinstance(sha, bytes) or len(sha) != 32:
         raise wire.WireError("assign.shared_weights.sha256: expected 32 bytes")
-    if body["weights"]:
-        raise wire.WireError("assign: weights and shared_weights both given")
     return topic, sha
 
 
@@ -84,31 +86,36 @@ class Sharing:
 
     def __init__(self, run: str):
         self.run = run
-        self.agents: set[str] = set()
-        """Agents whose registration said they take references (:data:`FEATURE`)."""
+        self.agents: dict[str, None] = {}
+        """Agents whose registration said they take references (:data:`FEATURE`); bounded
+        (:func:`~sfl_core.wire.protocol.remember`), so a flood of invented ids costs bounded memory.
+        One pushed out gets its weights inline."""
         self.published: dict[str, tuple[dict[str, Any], bytes, bytes]] = {}
         """topic -> (the encoded portion, payload, digest) of the copy last published there
         (retained on the broker)."""
-        self._referenced: dict[str, tuple[int, int]] = {}   # agent -> (round, seq) of its last referencing assignment
+        self._referenced: dict[str, tuple[int, int]] = {}   # agent -> (round, seq) of its last assignment without weights
+        self._told: dict[str, str] = {}   # agent -> the copies' topic its assignments named (it subscribed there)
 
     def registered(self, agent: str, body: dict[str, Any]) -> None:
         """A valid registration: does the agent take references?"""
         if FEATURE in body.get("features", ()):
-            self.agents.add(agent)
+            protocol.remember(self.agents, agent)
         else:
-            self.agents.discard(agent)
+            self.agents.pop(agent, None)
 
     def inline(self, agent: str) -> None:
         """From now on ``agent``'s assignments carry their weights."""
-        self.agents.discard(agent)
+        self.agents.pop(agent, None)
         self._referenced.pop(agent, None)
+        self._told.pop(agent, None)
 
     def prepare(self, messages: list[tuple[str, Message]]) -> tuple[list[tuple[str, bytes]], list[tuple[str, Message]],
                                                                     list[str]]:
         """(copies to publish first: topic and payload; the messages to send; agents that get
         their weights inline from now on because this assignment is a resend of one that named
-        a copy). An assignment is sent as a new message with ``weights`` {} and a reference;
-        the caller's message is left as it was, so a resend starts from the weights again.
+        a copy without its weights). An assignment is sent as a new message with a reference and
+        ``weights`` {}, or its weights as well where it is the first to name that topic to the
+        agent; the caller's message is left as it was, so a resend starts from the weights again.
 
         A portion is known by identity: the engine encodes each distinct one once per round and
         hands every agent of that cut the same object, so a resend or a late agent names the
@@ -138,10 +145,14 @@ class Sharing:
                 copy = self.published[topic] = (weights, payload, digest(payload))
                 publish.append((topic, payload))
             body = {k: v for k, v in msg.body.items() if k != "sig"}
-            body.update(weights={}, shared_weights={"topic": topic, "sha256": copy[2]})
+            body["shared_weights"] = {"topic": topic, "sha256": copy[2]}
+            if self._told.get(agent) == topic:
+                body["weights"] = {}
+                protocol.remember(self._referenced, agent, (msg.round, msg.seq))
+            else:   # it subscribes there now: the copies of later rounds come before their assignments
+                protocol.remember(self._told, agent, topic)
             out.append((agent, Message(msg.type, msg.run, msg.sender, body, round=msg.round, step=msg.step,
                                        seq=msg.seq)))
-            self._referenced[agent] = (msg.round, msg.seq)
         return publish, out, fallen
 
 
@@ -178,10 +189,14 @@ class Copies:
         while that copy has not arrived (the assignment waits, replacing any that waited before).
         WireError for a malformed reference."""
         ref = reference(assign.body, self.run)
-        if ref is None:
+        if ref is None or assign.body["weights"]:
             if self._waiting is not None and self._waiting[0].round <= assign.round:
                 self._waiting = None   # the coordinator sent this round's weights inline after all
-            return assign
+            if ref is None:
+                return assign
+            body = {k: v for k, v in assign.body.items() if k != "shared_weights"}
+            return Message(assign.type, assign.run, assign.sender, body, round=assign.round, step=assign.step,
+                           seq=assign.seq, wire_bytes=assign.wire_bytes)
         sha = ref[1]
         if sha in self._copies:
             return self._filled(assign, sha)
