@@ -237,8 +237,8 @@ class MqttTransport:
             if msg.type in signing.SIGNED_TYPES:
                 self.signer.sign(msg)
             payload = msg.encode()
-            ref = msg.body.get("shared_weights") if msg.type == "assign" else None
-            # the agent downloads the copy it names too (now, or retained from an earlier round)
+            ref = msg.body.get("shared_weights") if msg.type == "assign" and not msg.body["weights"] else None
+            # its weights come to the agent in the copy it names
             sizes.append(len(payload) + (len(self.sharing.published[ref["topic"]][1]) if ref else 0))
             topic = protocol.down_topic(self.run_id, agent_id)
             chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
