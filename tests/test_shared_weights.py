@@ -25,9 +25,11 @@ from sfl_core.wire.protocol import COORDINATOR_ID, Message
 from sfl_core.wire.shared_weights import Copies, Sharing
 
 RUN = "share"
+MODEL = "small_cnn:width=4"
+"""Its client portion (270 KB encoded) is over MIN_BYTES: small_cnn's own (18 KB) travels inline."""
 
 
-def _weights(n: int = 4000, value: float = 0.5) -> dict:
+def _weights(n: int = 20_000, value: float = 0.5) -> dict:
     return wire.encode_state({"blocks.0.0.weight": torch.full((n,), value)}, 0)
 
 
@@ -92,7 +94,7 @@ def test_a_resent_assignment_carries_the_weights_from_then_on():
 
 def test_small_portions_and_a_second_portion_for_one_cut_travel_inline():
     s = _sharing("a0", "a1")
-    small = _weights(n=10)
+    small = _weights(n=4000)                       # 16 KB, as small_cnn's portion: a copy would not pay
     _, out, _ = s.prepare([("a0", _assign(small, seq=1))])
     assert out[0][1].body["weights"] is small
     w, other = _weights(), _weights(value=0.25)    # an option that sends one agent its own portion
@@ -116,8 +118,8 @@ def test_an_assignment_waits_for_its_copy_and_goes_on_with_it():
     assert c.resolve(assign) is None
     ready = c.received(payload)
     assert ready is not None and ready.seq == assign.seq and "shared_weights" not in ready.body
-    state = wire.decode_state(ready.body["weights"], {"blocks.0.0.weight": torch.zeros(4000)})
-    assert torch.equal(state["blocks.0.0.weight"], torch.full((4000,), 0.5))
+    state = wire.decode_state(ready.body["weights"], {"blocks.0.0.weight": torch.zeros(20_000)})
+    assert torch.equal(state["blocks.0.0.weight"], torch.full((20_000,), 0.5))
     assert ready.wire_bytes == assign.wire_bytes + len(payload)
     assert c.resolve(assign) is not None          # kept: a duplicate assignment goes on at once
 
@@ -192,7 +194,7 @@ class _Watch:
 def test_a_run_over_mosquitto_sends_each_rounds_portion_once(mosquitto, tmp_path):
     watch = _Watch(mosquitto.url)
     try:
-        config = write_config(tmp_path, RUN, rounds=3, local_iters=6)
+        config = write_config(tmp_path, RUN, rounds=3, local_iters=6, model=MODEL)
         coord = start_coord(config, tmp_path, "--broker", mosquitto.url)
         agents = start_agents(mosquitto.url, RUN, tmp_path)
         assert finish([coord, *agents], timeout=240) == [0, 0, 0, 0], logs(tmp_path)
@@ -229,7 +231,8 @@ def test_agents_a_broker_keeps_from_the_copies_get_their_weights_inline(tmp_path
     broker.start()
     try:
         url = f"mqtt://{{user}}@127.0.0.1:{port}"
-        config = write_config(tmp_path, RUN, rounds=2, local_iters=4, fleet=[{"profile": "s2fl-high-high", "count": 2}])
+        config = write_config(tmp_path, RUN, rounds=2, local_iters=4, model=MODEL,
+                              fleet=[{"profile": "s2fl-high-high", "count": 2}])
         cred = files.credentials
         coord = start_coord(config, tmp_path, "--broker", url.format(user="coordinator"),
                             "--password-file", str(cred["coordinator"]))

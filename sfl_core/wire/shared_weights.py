@@ -43,8 +43,10 @@ from sfl_core.wire.protocol import COORDINATOR_ID, Message
 
 FEATURE = "shared_weights"
 """What an agent puts in ``register.features`` to be sent references instead of copies."""
-MIN_BYTES = 2048
-"""A client portion smaller than this travels inline: a second message would cost more than it saves."""
+MIN_BYTES = 64 * 1024
+"""A client portion smaller than this travels inline. Below it the copy saves the coordinator
+little (a few microseconds of encoding and signing per agent) against a second message to every
+agent; ``bench/coordinator_load.py`` with an 18 KB portion read no gain (docs/scaling.md)."""
 KEEP = 2
 """Copies an agent keeps, newest first: the round's, and one published ahead of its assignment."""
 
