@@ -223,8 +223,8 @@ class MqttTransport:
         (:mod:`sfl_core.wire.shared_weights`)."""
         copies, messages, fallen = self.sharing.prepare(messages)
         for agent_id in fallen:
-            log.info("%s did not fetch its round's client portion from sfl/%s/model/: its assignments carry it "
-                     "from now on", agent_id, self.run_id)
+            log.info("%s was sent its assignment again: its assignments carry their client portion from now on "
+                     "(if it cannot read sfl/%s/model/, let it: sfl-coord broker-config)", agent_id, self.run_id)
         pieces: list[tuple[str, bytes]] = []
         owner: list[int] = []      # pieces[i] belongs to messages[owner[i]]; -1: a copy
         for topic, payload in copies:

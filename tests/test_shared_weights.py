@@ -92,6 +92,15 @@ def test_a_resent_assignment_carries_the_weights_from_then_on():
     assert third.body["weights"] is w and "shared_weights" not in third.body
 
 
+def test_an_agent_that_registers_again_gets_the_weights_with_its_next_assignment():
+    s = _sharing("a0")
+    w = _weights()
+    _rounds(s, ["a0"], w)                          # subscribed, and sent a reference without weights
+    s.registered("a0", {"features": [shared_weights.FEATURE]})   # a new process: subscribed nowhere
+    sent = s.prepare([("a0", _assign(w, seq=900, r=3))])[1][0][1]
+    assert sent.body["weights"] is w and "shared_weights" in sent.body
+
+
 def test_small_portions_and_a_second_portion_for_one_cut_travel_inline():
     s = _sharing("a0", "a1")
     small = _weights(n=4000)                       # 16 KB, as small_cnn's portion: a copy would not pay
@@ -251,4 +260,5 @@ def test_agents_a_broker_keeps_from_the_copies_get_their_weights_inline(tmp_path
     assert [r["completed"] for r in m[1:]] == [["a0", "a1"]] * 2, m
     text = (tmp_path / "coord.log").read_text()
     for a in ("a0", "a1"):
-        assert f"{a} did not fetch its round's client portion from sfl/{RUN}/model/" in text, logs(tmp_path)
+        assert f"{a} was sent its assignment again: its assignments carry their client portion from now on " \
+               f"(if it cannot read sfl/{RUN}/model/, let it" in text, logs(tmp_path)

@@ -99,7 +99,10 @@ class Sharing:
         self._told: dict[str, str] = {}   # agent -> the copies' topic its assignments named (it subscribed there)
 
     def registered(self, agent: str, body: dict[str, Any]) -> None:
-        """A valid registration: does the agent take references?"""
+        """A valid registration: does the agent take references? A registering process may be a
+        new one, subscribed nowhere yet: its next assignment carries the weights again."""
+        self._told.pop(agent, None)
+        self._referenced.pop(agent, None)
         if FEATURE in body.get("features", ()):
             protocol.remember(self.agents, agent)
         else:
