@@ -7,9 +7,9 @@ client portion per round, while no agent trained (the time between rounds).
 
 Scheme (docs/protocol.md §2.2):
 
-- The coordinator publishes each distinct client portion once, as a ``round_model`` message
-  on ``sfl/R/model/S-W`` (cut ``S``, width ``W``), retained, before the round's assignments.
-  The broker copies it to every agent subscribed there.
+- The coordinator publishes each distinct client portion of :data:`MIN_BYTES` or more once,
+  as a ``round_model`` message on ``sfl/R/model/S-W`` (cut ``S``, width ``W``), retained,
+  before the round's assignments. The broker copies it to every agent subscribed there.
 - An agent's assignment carries ``shared_weights``: that topic and the SHA-256 of the
   ``round_model`` payload. The first assignment that names a topic to an agent still carries
   the weights; the agent subscribes to the topic and keeps that subscription. Later ones carry
@@ -27,8 +27,9 @@ Scheme (docs/protocol.md §2.2):
   rest of the run (:meth:`Sharing.inline`).
 
 Cost: one SHA-256 over the client portion per distinct portion and round on the coordinator,
-and one per copy received on the agent (tens of microseconds for the built-in models' cuts),
-against ``n`` encodings, signatures over the whole portion and publications.
+and one per copy received on the agent (hashlib hashes hundreds of MB a second on a server
+core), and one more small message per agent; against ``n`` encodings, ``n`` signatures over
+the whole portion and ``n`` publications of it.
 """
 
 from __future__ import annotations
