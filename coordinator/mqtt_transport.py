@@ -175,9 +175,13 @@ class MqttTransport:
         """After a reconnect: a broker restarted without persistence forgot the round's retained
         copies, and an agent subscribing now would wait for one."""
         for topic, (_, payload, _) in list(self.sharing.published.items()):
-            chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
-            for piece in wire.split_chunks(payload, chunk_id, self.chunk_bytes):
+            for piece in self._pieces(payload):
                 self.link.publish(topic, piece, retain=True)
+
+    def _pieces(self, payload: bytes) -> list[bytes]:
+        """``payload`` as it goes on the wire: whole, or in chunks under one new id (docs/protocol.md §5)."""
+        chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
+        return wire.split_chunks(payload, chunk_id, self.chunk_bytes)
 
     def close(self, finished: bool = True) -> None:
         """Disconnect. A ``finished`` run clears its retained description and copies; an interrupted one
@@ -228,8 +232,7 @@ class MqttTransport:
         pieces: list[tuple[str, bytes]] = []
         owner: list[int] = []      # pieces[i] belongs to messages[owner[i]]; -1: a copy
         for topic, payload in copies:
-            chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
-            for piece in wire.split_chunks(payload, chunk_id, self.chunk_bytes):
+            for piece in self._pieces(payload):
                 pieces.append((topic, piece))
                 owner.append(-1)
         sizes = []
@@ -241,8 +244,7 @@ class MqttTransport:
             # its weights come to the agent in the copy it names
             sizes.append(len(payload) + (len(self.sharing.published[ref["topic"]][1]) if ref else 0))
             topic = protocol.down_topic(self.run_id, agent_id)
-            chunk_id = uuid.uuid4().hex[:12] if len(payload) > self.chunk_bytes else ""
-            for piece in wire.split_chunks(payload, chunk_id, self.chunk_bytes):
+            for piece in self._pieces(payload):
                 pieces.append((topic, piece))
                 owner.append(i)
         acked = self.link.publish_many(pieces, timeout=self.publish_timeout_s, wait_offline=False,

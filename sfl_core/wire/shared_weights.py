@@ -34,6 +34,7 @@ the whole portion and ``n`` publications of it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from typing import Any, Optional
@@ -157,8 +158,7 @@ class Sharing:
                 protocol.remember(self._referenced, agent, (msg.round, msg.seq))
             else:   # it subscribes there now: the copies of later rounds come before their assignments
                 protocol.remember(self._told, agent, topic)
-            out.append((agent, Message(msg.type, msg.run, msg.sender, body, round=msg.round, step=msg.step,
-                                       seq=msg.seq)))
+            out.append((agent, dataclasses.replace(msg, body=body)))
         return publish, out, fallen
 
 
@@ -200,9 +200,7 @@ class Copies:
                 self._waiting = None   # the coordinator sent this round's weights inline after all
             if ref is None:
                 return assign
-            body = {k: v for k, v in assign.body.items() if k != "shared_weights"}
-            return Message(assign.type, assign.run, assign.sender, body, round=assign.round, step=assign.step,
-                           seq=assign.seq, wire_bytes=assign.wire_bytes)
+            return dataclasses.replace(assign, body={k: v for k, v in assign.body.items() if k != "shared_weights"})
         sha = ref[1]
         if sha in self._copies:
             return self._filled(assign, sha)
@@ -213,5 +211,4 @@ class Copies:
         weights, size = self._copies[sha]
         body = {k: v for k, v in assign.body.items() if k != "shared_weights"}
         body["weights"] = weights
-        return Message(assign.type, assign.run, assign.sender, body, round=assign.round, step=assign.step,
-                       seq=assign.seq, wire_bytes=assign.wire_bytes + size)   # what came down for it, both parts
+        return dataclasses.replace(assign, body=body, wire_bytes=assign.wire_bytes + size)   # both parts came down
