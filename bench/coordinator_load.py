@@ -9,6 +9,7 @@ Command (full run, a few minutes on 2 CPU cores)::
     python bench/coordinator_load.py --agents 100 --rounds 6 --zstd-levels 0 1 3   # what a cheaper codec setting buys
     python bench/coordinator_load.py --agents 100 --rounds 6 --stages   # where the coordinator's CPU goes
     python bench/coordinator_load.py --agents 100 --rounds 4 --window 2   # agents keep 2 steps in flight
+    python bench/coordinator_load.py --agents 100 500 --rounds 4 --procs 8 --server-workers 1 2 4   # past one process
     python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
 
 Writes ``bench/results/coordinator_load.json``.
@@ -45,6 +46,11 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
   shorten most of it; ``4 workers at most x`` is the bound that share puts on four were all of
   it rank 0's alone (Amdahl's law, ``amdahl_4``; one-worker runs only). The score of the round's
   model, a part of that time, is shared among the workers (``coordinator/shard_scoring.py``).
+- ``x one worker`` (with ``--server-workers 1 N ...``, each count a pass over the load levels):
+  the agent-steps/s of N server workers over one worker's at the same load level, in the same
+  invocation (``scaling`` in the JSON), beside ``N at most x``, Amdahl's bound for N from the
+  one-worker run's time between rounds. The goal a user sets past one process is at least
+  0.8·N: the processes need N cores beside the broker's and the load generators'.
 
 References in the same invocation, per codec level:
 
@@ -79,6 +85,7 @@ the cores, generators included).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -461,8 +468,10 @@ class Sampler(threading.Thread):
 
 
 def profile_file(args: Any, agents: int) -> str:
-    """Where py-spy writes the profile of one load level (and zstd level, where several run)."""
-    return f"{args.py_spy}-{agents}" + (f"-zstd{args.zstd_level}" if len(args.zstd_levels) > 1 else "") + ".txt"
+    """Where py-spy writes the profile of one load level (and zstd level and server workers, where
+    several run)."""
+    return (f"{args.py_spy}-{agents}" + (f"-zstd{args.zstd_level}" if len(args.zstd_levels) > 1 else "")
+            + (f"-workers{args.workers}" if len(args.server_workers) > 1 else "") + ".txt")
 
 
 def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
@@ -491,7 +500,7 @@ def run_level(url: str, broker_pid: int, args: Any, payload: Payload, agents: in
         launch = [str(Path(__file__).with_name("stage_timers.py")), str(timers)] if args.stages else ["-m", "cli.coord"]
         coord = subprocess.Popen([*spy, sys.executable, *launch, "serve", "--config", str(config),
                                   "--broker", url, "--quiet", "--device", "cpu",
-                                  "--server-workers", str(args.server_workers)],
+                                  "--server-workers", str(args.workers)],
                                  stdout=coord_log, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT,
                                  env={**os.environ, "OMP_NUM_THREADS": str(args.coord_threads)})
         ids = [(f"a{i}", i) for i in range(registered)]
@@ -574,8 +583,26 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
         "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,
-        **round_boundaries(times, t0, t1, one_worker=args.server_workers == 1),
+        **round_boundaries(times, t0, t1, one_worker=args.workers == 1),
     }
+
+
+def worker_scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run of N > 1 server workers that has a one-worker run at the same load level and codec
+    setting: its agent-steps/s over that run's (``x_one_worker``), beside Amdahl's bound for N
+    from the one-worker run's share of time between rounds (``amdahl_bound``)."""
+    one = {(r["zstd_level"], r["agents"]): r for r in results if r["server_workers"] == 1}
+    out = []
+    for r in results:
+        base = one.get((r["zstd_level"], r["agents"]))
+        if r["server_workers"] == 1 or base is None:
+            continue
+        b, n = base["boundary_pct"] / 100, r["server_workers"]
+        out.append({"zstd_level": r["zstd_level"], "agents": r["agents"], "server_workers": n,
+                    "agent_steps_per_s": r["agent_steps_per_s"],
+                    "x_one_worker": r["agent_steps_per_s"] / base["agent_steps_per_s"],
+                    "amdahl_bound": 1 / (b + (1 - b) / n) if b > 0 else None})
+    return out
 
 
 def round_boundaries(times: list, t0: float, t1: float, one_worker: bool = True) -> dict[str, Any]:
@@ -1016,8 +1043,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         "the product's default; 0 sends raw bytes); with others than 3 alone, results go to "
                         "coordinator_load_zstd<L1>-<L2>....json")
     p.add_argument("--coord-threads", type=int, default=1, help="OMP_NUM_THREADS of the coordinator (default 1)")
-    p.add_argument("--server-workers", type=int, default=1,
-                   help="sfl-coord serve --server-workers N (default 1); results go to coordinator_load_workersN.json")
+    p.add_argument("--server-workers", type=int, nargs="+", default=[1],
+                   help="sfl-coord serve --server-workers N, one pass over the load levels each (default 1); "
+                        "with 1 and more, each N is read against one worker at the same load (x one worker); "
+                        "results go to coordinator_load_workers<N1>-<N2>....json")
     p.add_argument("--window", type=int, default=1,
                    help="the run's window: steps each load agent keeps in flight (default 1, lock-step); "
                         "results go to coordinator_load_windowW.json")
@@ -1041,8 +1070,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="agents heartbeat every 2 s whatever the run announces or they send, as agents "
                         "before the idle interval did (the reference for --registered)")
     args = p.parse_args(argv)
-    if args.stages and args.server_workers > 1:
+    if args.stages and args.server_workers != [1]:
         p.error("--stages times the leader's process only; run it with one server worker")
+    if min(args.server_workers) < 1 or len(set(args.server_workers)) != len(args.server_workers):
+        p.error("--server-workers: distinct counts of 1 or more")
     if args.quick:
         args.agents, args.rounds, args.tau, args.procs = args.agents or [4], 2, 2, 2
     levels = args.agents or [10, 50, 100, 200, 500]
@@ -1060,11 +1091,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             payloads[level] = Payload.build({"dataset": args.dataset_name, "root": args.dataset_root,
                                              "model": args.model, "split": args.split, "batch_size": args.batch,
                                              "zstd_level": level, "codecs": [args.codec]})
-            for n in levels:
+            for workers, n in itertools.product(args.server_workers, levels):
+                args.workers = workers   # this pass's, as args.zstd_level is
                 registered = max(n, args.registered or n)
-                print(f"{n} agents per round ({registered} registered), zstd level {level} ...", flush=True)
+                print(f"{n} agents per round ({registered} registered), zstd level {level}, "
+                      f"{args.workers} server worker(s) ...", flush=True)
                 res = run_level(broker.url, broker.pid, args, payloads[level], n, registered)
-                res["zstd_level"] = level
+                res["zstd_level"], res["server_workers"] = level, args.workers
                 results.append(res)
                 print(f"  {res['steps_per_s']:.2f} steps/s, coordinator CPU {res['coord_cpu_pct']:.0f} % "
                       f"(rank 0: {res['leader_cpu_pct']:.0f} %)", flush=True)
@@ -1100,8 +1133,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         r["floor_ratio"] = r["coord_cpu_ms_per_agent_step"] / r["floor_ms"]
         r["bare_coordinator_ms"] = b["bare_coordinator_ms_at"][str(r["agents"])]
         r["bare_coordinator_ratio"] = r["coord_cpu_ms_per_agent_step"] / r["bare_coordinator_ms"]
+    scaling = worker_scaling(results)
     cores = os.cpu_count()
-    rows = [[r["zstd_level"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
+    rows = [[r["zstd_level"], r["server_workers"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
              r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
              r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"],
              r["bare_coordinator_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
@@ -1110,9 +1144,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
              r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
-        f"tau {args.tau}, {args.codec}, server on CPU ({args.server_workers} server worker(s)), {cores} cores "
-        f"shared by all processes",
-        ["zstd level", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
+        f"tau {args.tau}, {args.codec}, server on CPU, {cores} cores shared by all processes",
+        ["zstd level", "server workers", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
          "coord CPU %", "CPU ms/agent-step", "its floor ms", "x its floor", "bare coordinator ms", "x bare",
          "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
          "server step %", "between rounds ms", "between rounds %", "4 workers at most x", "heartbeats/s"],
@@ -1135,6 +1168,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
           b["server_step_mflop"], b["matmul_gflops"], b["server_step_bound_ms"],
           ", ".join(f"{n}: {ms:.3f}" for n, ms in b["server_step_ms_at"].items())]
          for level, b in bounds.items()])
+    if scaling:
+        common.print_table(
+            "past one process: N server workers against one, at the same load",
+            ["zstd level", "agents", "server workers", "agent-steps/s", "x one worker", "N at most x", "goal 0.8·N"],
+            [[s["zstd_level"], s["agents"], s["server_workers"], s["agent_steps_per_s"], s["x_one_worker"],
+              "-" if s["amdahl_bound"] is None else s["amdahl_bound"], 0.8 * s["server_workers"]] for s in scaling],
+            caption="N at most: Amdahl's bound for N from the one-worker run's time between rounds; the N "
+                    f"processes share this machine's {cores} cores with the broker and the load generators")
     bound = bounds[args.zstd_levels[0]]
     fleets = (10, 2_000, 10_000)
     liveness_rows = [[n, liveness.idle_heartbeat_s(n), n / liveness.idle_heartbeat_s(n),
@@ -1153,11 +1194,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               sum(r["stage_cpu_ms"].values()), r["coord_cpu_ms_per_agent_step"]] for r in timed],
             caption="engine thread: collect .. engine other; paho's network thread: parse/validate, paho")
     doc = {"quick": args.quick, "broker": version, "config": common.config_record(args), "levels": results,
-           "floor": bound, "heartbeat_us": beat_us,
+           "floor": bound, "heartbeat_us": beat_us, **({"scaling": scaling} if scaling else {}),
            **({"floor_by_zstd_level": {str(k): v for k, v in bounds.items()}} if len(bounds) > 1 else {}),
            "liveness": [dict(zip(("registered", "idle_interval_s", "heartbeats_per_s", "coord_cpu_pct",
                                   "coord_cpu_pct_every_2s"), row)) for row in liveness_rows]}
-    name = ("coordinator_load" + (f"_workers{args.server_workers}" if args.server_workers > 1 else "")
+    name = ("coordinator_load" + ("_workers" + "-".join(map(str, args.server_workers))
+                                  if args.server_workers != [1] else "")
             + (f"_window{args.window}" if args.window > 1 else "")
             + (f"_registered{args.registered}" if args.registered else "")
             + ("_legacy" if args.legacy_heartbeats else "")

@@ -147,15 +147,21 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
 
 @pytest.mark.slow
 def test_coordinator_load_with_server_workers_and_steps_in_flight(bench_broker, tmp_path):
-    """``--server-workers 2 --window 2``: the load agents send their rows to the worker their
-    assignment names and keep two steps in flight; every round completes with every agent (the
-    bench raises otherwise) and rank 0's CPU is read apart from the rest."""
-    doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "4", "--server-workers", "2",
-               "--window", "2", timeout=300, result="coordinator_load_workers2_window2")
-    (lvl,) = doc["levels"]
-    assert lvl["agents"] == 4 and lvl["windows"] == [2]
-    assert 0 < lvl["leader_cpu_pct"] < lvl["coord_cpu_pct"]
-    assert _positive(lvl["agent_steps_per_s"]) and lvl["step_ms_p99"] >= lvl["step_ms_p50"] > 0
+    """``--server-workers 1 2 --window 2``: one pass per worker count; with two, the load agents
+    send their rows to the worker their assignment names, and with either they keep two steps in
+    flight; every round completes with every agent (the bench raises otherwise), rank 0's CPU is
+    read apart from the rest, and two workers are read against one at the same load."""
+    doc = _run("coordinator_load.py", tmp_path, "--data", "digits", "--agents", "4", "--server-workers", "1", "2",
+               "--window", "2", timeout=420, result="coordinator_load_workers1-2_window2")
+    one, two = doc["levels"]
+    assert (one["server_workers"], two["server_workers"]) == (1, 2)
+    assert one["agents"] == two["agents"] == 4 and one["windows"] == two["windows"] == [2]
+    assert one["leader_cpu_pct"] == one["coord_cpu_pct"] and 0 < two["leader_cpu_pct"] < two["coord_cpu_pct"]
+    assert _positive(two["agent_steps_per_s"]) and two["step_ms_p99"] >= two["step_ms_p50"] > 0
+    (scaled,) = doc["scaling"]
+    assert (scaled["agents"], scaled["server_workers"]) == (4, 2)
+    assert scaled["x_one_worker"] == pytest.approx(two["agent_steps_per_s"] / one["agent_steps_per_s"])
+    assert scaled["amdahl_bound"] is None or 1 < scaled["amdahl_bound"] <= 2
 
 
 @pytest.mark.slow

@@ -51,3 +51,21 @@ def test_no_median_from_one_round_and_no_bound_from_several_workers(coordinator_
     assert one["amdahl_4"] == pytest.approx(4.0)     # nothing serial in the window: four workers, four times
     two = coordinator_load.round_boundaries(times, 6.0, 11.0, one_worker=False)
     assert two["amdahl_4"] is None     # a share measured with several workers bounds nothing about one
+
+
+def test_n_server_workers_against_one_at_the_same_load(coordinator_load):
+    """``--server-workers 1 2 4``: each count over one worker at the same load level and codec
+    setting, beside Amdahl's bound from the one-worker run's share between rounds; a load level
+    without a one-worker run has no comparison."""
+    def run(workers: int, agents: int, steps_per_s: float, boundary_pct: float = 10.0, level: int = 3) -> dict:
+        return {"zstd_level": level, "agents": agents, "server_workers": workers,
+                "agent_steps_per_s": steps_per_s, "boundary_pct": boundary_pct}
+
+    results = [run(1, 100, 600.0, boundary_pct=20.0), run(2, 100, 900.0), run(4, 100, 1500.0),
+               run(1, 500, 700.0, boundary_pct=0.0), run(4, 500, 2100.0), run(2, 100, 800.0, level=0)]
+    got = coordinator_load.worker_scaling(results)
+    assert [(s["agents"], s["server_workers"]) for s in got] == [(100, 2), (100, 4), (500, 4)]
+    assert [s["x_one_worker"] for s in got] == pytest.approx([1.5, 2.5, 3.0])
+    assert got[0]["amdahl_bound"] == pytest.approx(1 / (0.2 + 0.8 / 2))
+    assert got[1]["amdahl_bound"] == pytest.approx(1 / (0.2 + 0.8 / 4))
+    assert got[2]["amdahl_bound"] is None   # no time between rounds measured: no bound from it
