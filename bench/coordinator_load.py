@@ -34,7 +34,7 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
   training the server waits for every agent's activations, so this is the lock-step latency a
   device sees, not the server's time for its rows.
 - ``coord CPU %`` (100 = one core; all server workers; ``leader_cpu_pct`` in the JSON: rank 0
-  alone), ``CPU ms/agent-step``, ``page faults/agent-step`` (minor: memory the process gave back
+  alone, ``ranks_cpu_pct``: each rank alone, rank 0 first), ``CPU ms/agent-step``, ``page faults/agent-step`` (minor: memory the process gave back
   to the kernel and touched again), ``coord RSS MB`` (peak), ``broker CPU %``, ``gen CPU %`` (all
   generator processes), from /proc, sampled every 0.2 s.
 - ``server step %``: the share of the coordinator's round time spent in the server portion's
@@ -413,6 +413,17 @@ def with_children(pid: int) -> list[int]:
     return [pid, *(int(k) for k in kids)]
 
 
+def rank_of(pid: int) -> Optional[int]:
+    """The server worker rank of a process ``serve --server-workers`` started (its ``RANK``, set
+    in its environment at start as ``torchrun`` sets it); None for any other process."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    rank = next((v[5:] for v in environ if v.startswith(b"RANK=")), b"")
+    return int(rank) if rank.isdigit() else None
+
+
 class Sampler(threading.Thread):
     """CPU seconds of each watched process (by role) and peak RSS, every TICK_S. The
     coordinator's role counts its child processes too (its other server workers)."""
@@ -424,6 +435,7 @@ class Sampler(threading.Thread):
         self.peak_rss: dict[str, float] = {}
         self.last: dict[int, float] = {}
         self.faults: list[tuple[float, int]] = []      # the coordinator's minor page faults so far
+        self._ranks: dict[int, Optional[int]] = {}
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -441,6 +453,10 @@ class Sampler(threading.Thread):
                     rss += rss_mb(pid) or 0.0
                 if role == "coord":
                     row["leader"] = self.last.get(pids[0], 0.0)   # rank 0 alone: with several ranks, their limit
+                    for pid in pids[1:]:                           # each further rank alone: which one the others wait for
+                        rank = self._ranks.setdefault(pid, rank_of(pid))
+                        if rank:
+                            row[f"rank{rank}"] = self.last.get(pid, 0.0)
                     self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), rss)
                     self.faults.append((time.monotonic(), sum(minor_faults(p) or 0 for p in pids)))
                 row[role] = total
@@ -464,7 +480,7 @@ class Sampler(threading.Thread):
         if not before or not after:
             return {}
         (a, ra), (b, rb) = before[-1], after[0]
-        return {role: 100 * (rb[role] - ra[role]) / (b - a) for role in rb}
+        return {role: 100 * (rb[role] - ra.get(role, 0.0)) / (b - a) for role in rb}
 
 
 def profile_file(args: Any, agents: int) -> str:
@@ -579,6 +595,8 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "act_mb_per_s": act_bytes / 1e6 / window, "act_kb_per_message": act_bytes / 1e3 / (steps * agents),
         "step_ms_p50": 1e3 * q[49], "step_ms_p90": 1e3 * q[89], "step_ms_p99": 1e3 * q[98],
         "coord_cpu_pct": coord_cpu, "leader_cpu_pct": cpu.get("leader"),
+        "ranks_cpu_pct": [cpu.get("leader"), *(cpu.get(f"rank{r}") for r in range(1, args.workers))]
+        if args.workers > 1 else None,
         "coord_cpu_ms_per_agent_step": 10 * coord_cpu * window / (steps * agents),
         "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
@@ -599,7 +617,7 @@ def worker_scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         b, n = base["boundary_pct"] / 100, r["server_workers"]
         out.append({"zstd_level": r["zstd_level"], "agents": r["agents"], "server_workers": n,
-                    "agent_steps_per_s": r["agent_steps_per_s"],
+                    "agent_steps_per_s": r["agent_steps_per_s"], "ranks_cpu_pct": r.get("ranks_cpu_pct"),
                     "x_one_worker": r["agent_steps_per_s"] / base["agent_steps_per_s"],
                     "amdahl_bound": 1 / (b + (1 - b) / n) if b > 0 else None})
     return out
@@ -1171,11 +1189,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if scaling:
         common.print_table(
             "past one process: N server workers against one, at the same load",
-            ["zstd level", "agents", "server workers", "agent-steps/s", "x one worker", "N at most x", "goal 0.8·N"],
+            ["zstd level", "agents", "server workers", "agent-steps/s", "x one worker", "N at most x", "goal 0.8·N",
+             "each rank's CPU %"],
             [[s["zstd_level"], s["agents"], s["server_workers"], s["agent_steps_per_s"], s["x_one_worker"],
-              "-" if s["amdahl_bound"] is None else s["amdahl_bound"], 0.8 * s["server_workers"]] for s in scaling],
-            caption="N at most: Amdahl's bound for N from the one-worker run's time between rounds; the N "
-                    f"processes share this machine's {cores} cores with the broker and the load generators")
+              "-" if s["amdahl_bound"] is None else s["amdahl_bound"], 0.8 * s["server_workers"],
+              " / ".join("-" if c is None else f"{c:.0f}" for c in s["ranks_cpu_pct"] or ())] for s in scaling],
+            caption="N at most: Amdahl's bound for N from the one-worker run's time between rounds; each rank's "
+                    "CPU: rank 0 first (a step's all-reduce waits for the busiest); the N processes share this "
+                    f"machine's {cores} cores with the broker and the load generators")
     bound = bounds[args.zstd_levels[0]]
     fleets = (10, 2_000, 10_000)
     liveness_rows = [[n, liveness.idle_heartbeat_s(n), n / liveness.idle_heartbeat_s(n),

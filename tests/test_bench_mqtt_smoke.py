@@ -157,11 +157,16 @@ def test_coordinator_load_with_server_workers_and_steps_in_flight(bench_broker, 
     assert (one["server_workers"], two["server_workers"]) == (1, 2)
     assert one["agents"] == two["agents"] == 4 and one["windows"] == two["windows"] == [2]
     assert one["leader_cpu_pct"] == one["coord_cpu_pct"] and 0 < two["leader_cpu_pct"] < two["coord_cpu_pct"]
+    assert one["ranks_cpu_pct"] is None
+    rank0, rank1 = two["ranks_cpu_pct"]   # each rank alone, found by its RANK
+    assert rank0 == two["leader_cpu_pct"] and rank1 > 0
+    assert rank0 + rank1 == pytest.approx(two["coord_cpu_pct"], rel=0.05, abs=1.0)
     assert _positive(two["agent_steps_per_s"]) and two["step_ms_p99"] >= two["step_ms_p50"] > 0
     (scaled,) = doc["scaling"]
     assert (scaled["agents"], scaled["server_workers"]) == (4, 2)
     assert scaled["x_one_worker"] == pytest.approx(two["agent_steps_per_s"] / one["agent_steps_per_s"])
     assert scaled["amdahl_bound"] is None or 1 < scaled["amdahl_bound"] <= 2
+    assert scaled["ranks_cpu_pct"] == two["ranks_cpu_pct"]
 
 
 @pytest.mark.slow
