@@ -33,10 +33,11 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 - ``step p50/p90/p99 ms``: per agent and step, activations sent -> gradients received. In merged
   training the server waits for every agent's activations, so this is the lock-step latency a
   device sees, not the server's time for its rows.
-- ``coord CPU %`` (100 = one core; all server workers; ``leader_cpu_pct`` in the JSON: rank 0
-  alone, ``ranks_cpu_pct``: each rank alone, rank 0 first), ``CPU ms/agent-step``, ``page faults/agent-step`` (minor: memory the process gave back
-  to the kernel and touched again), ``coord RSS MB`` (peak), ``broker CPU %``, ``gen CPU %`` (all
-  generator processes), from /proc, sampled every 0.2 s.
+- ``coord CPU %`` (100 = one core; all server workers; in the JSON ``leader_cpu_pct``: rank 0
+  alone, and ``ranks_cpu_pct``: each rank alone, rank 0 first), ``CPU ms/agent-step``, ``page
+  faults/agent-step`` (minor: memory the process gave back to the kernel and touched again),
+  ``coord RSS MB`` (peak), ``broker CPU %``, ``gen CPU %`` (all generator processes), from
+  /proc, sampled every 0.2 s.
 - ``server step %``: the share of the coordinator's round time spent in the server portion's
   forward/backward (``server_s`` in the run's metrics); the rest is receiving, decoding,
   validating, encoding and publishing.
@@ -1153,8 +1154,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         r["bare_coordinator_ratio"] = r["coord_cpu_ms_per_agent_step"] / r["bare_coordinator_ms"]
     scaling = worker_scaling(results)
     cores = os.cpu_count()
-    rows = [[r["zstd_level"], r["server_workers"], r["agents"], r["registered"], r["steps_per_s"], r["agent_steps_per_s"], r["act_mb_per_s"],
-             r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"], r["coord_cpu_pct"],
+    rows = [[r["zstd_level"], r["server_workers"], r["agents"], r["registered"], r["steps_per_s"],
+             r["agent_steps_per_s"], r["act_mb_per_s"], r["step_ms_p50"], r["step_ms_p90"], r["step_ms_p99"],
+             r["coord_cpu_pct"],
              r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"],
              r["bare_coordinator_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
              r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"],
