@@ -455,7 +455,9 @@ class Sampler(threading.Thread):
                 if role == "coord":
                     row["leader"] = self.last.get(pids[0], 0.0)   # rank 0 alone: with several ranks, their limit
                     for pid in pids[1:]:                           # each further rank alone: which one the others wait for
-                        rank = self._ranks.setdefault(pid, rank_of(pid))
+                        if pid not in self._ranks:              # read once: a process keeps its rank
+                            self._ranks[pid] = rank_of(pid)
+                        rank = self._ranks[pid]
                         if rank:
                             row[f"rank{rank}"] = self.last.get(pid, 0.0)
                     self.peak_rss[role] = max(self.peak_rss.get(role, 0.0), rss)
@@ -620,7 +622,7 @@ def worker_scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"zstd_level": r["zstd_level"], "agents": r["agents"], "server_workers": n,
                     "agent_steps_per_s": r["agent_steps_per_s"], "ranks_cpu_pct": r.get("ranks_cpu_pct"),
                     "x_one_worker": r["agent_steps_per_s"] / base["agent_steps_per_s"],
-                    "amdahl_bound": 1 / (b + (1 - b) / n) if b > 0 else None})
+                    "amdahl_bound": amdahl(b, n) if b > 0 else None})
     return out
 
 
@@ -643,7 +645,12 @@ def round_boundaries(times: list, t0: float, t1: float, one_worker: bool = True)
     b = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in between.values()) / (t1 - t0)
     measured = [end - start for start, end in between.values() if start >= t0]
     return {"boundary_ms_p50": 1e3 * statistics.median(measured) if measured else None, "boundary_pct": 100 * b,
-            "amdahl_4": 1 / (b + (1 - b) / 4) if one_worker else None}
+            "amdahl_4": amdahl(b, 4) if one_worker else None}
+
+
+def amdahl(serial: float, n: int) -> float:
+    """Amdahl's bound: the most ``n`` workers can speed up a run whose share ``serial`` only one can do."""
+    return 1 / (serial + (1 - serial) / n)
 
 
 def step_latencies(times: list) -> list[float]:

@@ -200,7 +200,7 @@ class Copies:
                 self._waiting = None   # the coordinator sent this round's weights inline after all
             if ref is None:
                 return assign
-            return dataclasses.replace(assign, body={k: v for k, v in assign.body.items() if k != "shared_weights"})
+            return _without_reference(assign, assign.body["weights"])
         sha = ref[1]
         if sha in self._copies:
             return self._filled(assign, sha)
@@ -209,6 +209,11 @@ class Copies:
 
     def _filled(self, assign: Message, sha: bytes) -> Message:
         weights, size = self._copies[sha]
-        body = {k: v for k, v in assign.body.items() if k != "shared_weights"}
-        body["weights"] = weights
-        return dataclasses.replace(assign, body=body, wire_bytes=assign.wire_bytes + size)   # both parts came down
+        return _without_reference(assign, weights, extra_bytes=size)   # both parts came down
+
+
+def _without_reference(assign: Message, weights: Any, extra_bytes: int = 0) -> Message:
+    """``assign`` as the agent runs it: ``weights`` in place, no ``shared_weights`` left."""
+    body = {k: v for k, v in assign.body.items() if k != "shared_weights"}
+    body["weights"] = weights
+    return dataclasses.replace(assign, body=body, wire_bytes=assign.wire_bytes + extra_bytes)
