@@ -197,10 +197,21 @@ class OptionHost:
 
     def labelled_reference(self, split: int, width: int,
                            select: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``select``: indices into the labels this returns without it (a device's mix of classes)."""
-        index = self._screened() if select is None else self._screened()[select]
+        """``select``: indices into the labels this returns without it (a device's mix of classes).
+        Where the portion normalises by no batch, a selection's rows are those of the whole
+        draw, which is run once while the model stands (:meth:`_client_rows`)."""
+        drawn = self._screened()
+        if select is not None and not self._by_batch(split):
+            rows = self._client_rows(split, width, drawn)
+            return None if rows is None else (rows[select].cpu(), self.validation.y[drawn[select]].cpu())
+        index = drawn if select is None else drawn[select]
         rows = self._client_rows(split, width, index)
         return None if rows is None else (rows.cpu(), self.validation.y[index].cpu())
+
+    def held_out_labels(self) -> Optional[torch.Tensor]:
+        if self._terms.devices_own_norms or not len(self.validation):
+            return None
+        return self.validation.y[self._screened()].cpu()
 
     def _screened(self) -> torch.Tensor:
         """The held-out samples the screens read (:func:`~coordinator.validation.screen_draw`),
@@ -226,7 +237,7 @@ class OptionHost:
             return None
         frozen = self._terms.frozen_norms   # the devices normalise with the model's statistics
         portion = self.model.client(split)
-        by_batch = any(not frozen or layer.running_mean is None for layer in batch_norm_layers(portion).values())
+        by_batch = self._by_batch(split)
         drawn = self._screened()
         if by_batch or len(index) > len(drawn) or not torch.equal(index, drawn[:len(index)]):
             return _narrowed(self._run_portion(split, index, by_batch), width)
@@ -239,6 +250,13 @@ class OptionHost:
             kept = more if kept is None else torch.cat([kept[:whole], more])
             self._drawn_rows = (key, kept)
         return _narrowed(kept[:len(index)], width)
+
+    def _by_batch(self, split: int) -> bool:
+        """Whether the client portion at ``split`` normalises by its batch as a device runs it
+        (BatchNorm in training mode, or without running statistics)."""
+        frozen = self._terms.frozen_norms
+        return any(not frozen or layer.running_mean is None
+                   for layer in batch_norm_layers(self.model.client(split)).values())
 
     def cut_to_keep(self) -> Optional[int]:
         """The split whose held-out rows the screens read last, where scoring the model can make

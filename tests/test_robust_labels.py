@@ -178,6 +178,66 @@ def test_a_matched_reference_takes_the_devices_mix_of_classes():
     assert len(matched_selection(torch.tensor([3]), held, classes=4)) == 0
 
 
+def test_the_matched_screen_runs_each_devices_mix_and_nothing_more():
+    """Where the devices' layers normalise by their batch, each device's held-out reference is its
+    own mix of classes run as one batch: the screen runs those and no pass over the whole draw
+    (it reads only the draw's labels to pick them). Where the devices normalise with the model's
+    statistics, a row does not depend on its batch: the whole draw is run once and each mix is
+    taken from it, the rows a pass of the mix alone makes."""
+    from types import SimpleNamespace
+
+    from coordinator.option_host import OptionHost
+    from coordinator.validation import ValidationSet
+    from sfl_core.config.run import run_config_from_dict
+    from sfl_core.model.zoo import build_model
+    from sfl_core.options.base import ServerTerms
+    from sfl_core.options.robust.labels import matched_selection
+    from sfl_core.options.robust.option import Robust
+
+    torch.manual_seed(0)
+    model = build_model("vgg_mini:width=0.25", (1, 16, 16), _CLASSES)
+
+    class Host(OptionHost):
+        def __init__(self, frozen: bool):
+            self.model = model
+            self.validation = ValidationSet(torch.randn(200, 1, 16, 16), torch.arange(200) % _CLASSES)
+            self._terms = ServerTerms(frozen_norms=frozen)
+            self.options = [Robust(run_config_from_dict({"model": "vgg_mini:width=0.25", "min_agents": 2}), model)]
+            self.passes: list[int] = []
+
+        def log(self, text, *, warning=False):
+            pass
+
+        @property
+        def fleet(self):
+            return {a: SimpleNamespace(num_samples=600) for a in ("a0", "a1")}
+
+        def _run_portion(self, split, index, by_batch):
+            self.passes.append(len(index))
+            return super()._run_portion(split, index, by_batch)
+
+    assignment = SimpleNamespace(split=1, width=0)
+    agents = {a: SimpleNamespace(assignment=assignment) for a in ("a0", "a1")}
+    labels = {"a0": torch.tensor([0, 0, 1, 2, 3, 4, 5, 6]), "a1": torch.tensor([7, 7, 7, 8, 8, 9, 9, 9])}
+    with torch.no_grad():
+        batches = {a: (model.client(1)(torch.randn(8, 1, 16, 16)), y) for a, y in labels.items()}
+    by_batch = Host(frozen=False)
+    by_batch.screen_rows(1, 0, agents, batches)
+    held = by_batch.held_out_labels()
+    assert held is not None and len(held) == 200
+    assert by_batch.passes == [len(matched_selection(y, held, _CLASSES)) for y in labels.values()]
+    assert all(n < 200 for n in by_batch.passes)
+    assert by_batch.options[0]._label_counts["a0"].rows == 8
+
+    frozen = Host(frozen=True)
+    frozen.screen_rows(1, 0, agents, batches)
+    assert sum(frozen.passes) == 200                   # the draw once, for both devices' mixes
+    select = matched_selection(labels["a1"], held, _CLASSES)
+    rows, picked = frozen.labelled_reference(1, 0, select=select)
+    alone = frozen._run_portion(1, frozen._screened()[select], by_batch=False)
+    assert torch.allclose(rows, alone, atol=1e-5) and torch.equal(picked, held[select])
+
+
 def test_far_rows_against_the_matched_reference_by_hand():
     from sfl_core.options.robust.labels import count_far
 

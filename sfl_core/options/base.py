@@ -181,6 +181,12 @@ class RoundContext(Protocol):
         as :meth:`reference_rows`."""
         ...
 
+    def held_out_labels(self) -> Optional[torch.Tensor]:
+        """The labels :meth:`labelled_reference` returns, without running a client portion (a
+        reference of each device's own mix reads them to pick its samples); None where it
+        returns None."""
+        ...
+
     def quarantine(self, agent_id: str, why: str) -> None:
         """Stop selecting the agent until an operator readmits it (logged, kept in the checkpoint)."""
         ...

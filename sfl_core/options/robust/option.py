@@ -218,10 +218,13 @@ class Robust(RoundOption):
                 continue
             cut = (assignments[a].split, assignments[a].width)
             matched = self._matched_at(ctx, cut[0])
-            if cut not in self._label_refs:
+            if cut not in self._label_refs and matched:   # each device's mix run apart: only the labels now
+                held_y = ctx.held_out_labels()
+                self._label_refs[cut] = None if held_y is None else (held_y, None)
+            elif cut not in self._label_refs:
                 ref = ctx.labelled_reference(*cut)
                 self._label_refs[cut] = None if ref is None else (
-                    ref[1], None if matched else class_centroids(ref[0], ref[1], ctx.model.num_classes))
+                    ref[1], class_centroids(ref[0], ref[1], ctx.model.num_classes))
             held = self._label_refs[cut]
             if held is None:
                 continue
