@@ -10,6 +10,8 @@ Command (full run, a few minutes on 2 CPU cores)::
     python bench/coordinator_load.py --agents 100 --rounds 6 --stages   # where the coordinator's CPU goes
     python bench/coordinator_load.py --agents 100 --rounds 4 --window 2   # agents keep 2 steps in flight
     python bench/coordinator_load.py --agents 100 500 --rounds 4 --procs 8 --server-workers 1 2 4   # past one process
+    python bench/coordinator_load.py --model vgg11 --split 4 --agents 20 --stages --set robust.label_margin=0
+                                                              # what an option costs (here: the label screen)
     python bench/coordinator_load.py --quick                  # smoke-test size, numbers not meaningful
 
 Writes ``bench/results/coordinator_load.json``.
@@ -90,6 +92,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -493,6 +496,33 @@ def profile_file(args: Any, agents: int) -> str:
             + (f"-workers{args.workers}" if len(args.server_workers) > 1 else "") + ".txt")
 
 
+def settings(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--set`` pairs as the run config's mapping: ``KEY=VALUE``, a dotted key naming a section's
+    setting (``robust.label_margin=0`` -> ``{"robust": {"label_margin": 0}}``), the value read as
+    YAML. Raises ``ValueError`` for a pair without a key and a value."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value or "" in key.split("."):
+            raise ValueError(f"--set {pair}: expected KEY=VALUE, e.g. robust.label_margin=0")
+        *sections, last = key.split(".")
+        node = out
+        for part in sections:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {pair}: {part} is set to a value already")
+        node[last] = yaml.safe_load(value)
+    return out
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s settings, section by section."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
     cfg = {
         "run": RUN, "model": args.model,
@@ -504,7 +534,7 @@ def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
         "output_dir": str(tmp / "out"), "window": args.window,
     }
     path = tmp / "load.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(_merged(cfg, settings(args.set))))
     return path
 
 
@@ -1084,6 +1114,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         "collapsed stacks per thread for a flame graph (its CPU figures then include py-spy's "
                         "own; for the CPU per stage use --stages: a sampler counts a thread waiting for the GIL "
                         "as busy)")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="the coordinator's run-config settings, a dotted key for a section's (e.g. "
+                        "robust.label_margin=0 norm_stats.freeze_after=1: what an option costs, against a run "
+                        "without --set); results go to coordinator_load_set-<KEY>-<VALUE>....json")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per level (default 900)")
     p.add_argument("--agents-per-connection", type=int, default=1,
                    help="agents sharing one MQTT connection (default 1, as devices connect; e.g. 50 to host "
@@ -1100,6 +1134,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         p.error("--stages times the leader's process only; run it with one server worker")
     if min(args.server_workers) < 1 or len(set(args.server_workers)) != len(args.server_workers):
         p.error("--server-workers: distinct counts of 1 or more")
+    try:
+        settings(args.set)
+    except ValueError as e:
+        p.error(str(e))
     if args.quick:
         args.agents, args.rounds, args.tau, args.procs = args.agents or [4], 2, 2, 2
     levels = args.agents or [10, 50, 100, 200, 500]
@@ -1234,7 +1272,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             + (f"_registered{args.registered}" if args.registered else "")
             + ("_legacy" if args.legacy_heartbeats else "")
             + ("_inline" if args.inline_weights else "")
-            + ("_zstd" + "-".join(map(str, args.zstd_levels)) if args.zstd_levels != [3] else ""))
+            + ("_zstd" + "-".join(map(str, args.zstd_levels)) if args.zstd_levels != [3] else "")
+            + "".join("_set-" + re.sub(r"[^A-Za-z0-9.-]+", "-", pair.replace("=", "-")) for pair in args.set))
     path = common.write_result(args.out, name, doc)
     print(f"wrote {path}")
     return doc

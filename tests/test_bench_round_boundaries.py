@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from helpers import bench_module
 
@@ -69,3 +71,18 @@ def test_n_server_workers_against_one_at_the_same_load(coordinator_load):
     assert got[0]["amdahl_bound"] == pytest.approx(1 / (0.2 + 0.8 / 2))
     assert got[1]["amdahl_bound"] == pytest.approx(1 / (0.2 + 0.8 / 4))
     assert got[2]["amdahl_bound"] is None   # no time between rounds measured: no bound from it
+
+
+def test_set_gives_the_coordinators_run_config_its_settings(coordinator_load, tmp_path):
+    """``--set`` pairs become the run config's settings, a dotted key a section's, merged into the
+    bench's own settings; a pair without a key and a value is refused."""
+    assert coordinator_load.settings(["robust.label_margin=0", "norm_stats.freeze_after=1", "eval_samples=512",
+                                      "robust.aggregate=median"]) == {
+        "robust": {"label_margin": 0, "aggregate": "median"}, "norm_stats": {"freeze_after": 1}, "eval_samples": 512}
+    for bad in ("robust.label_margin", "=1", "robust.=1", "eval_samples="):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            coordinator_load.settings([bad])
+    args = SimpleNamespace(model="vgg11", dataset_name="mnist", dataset_root=None, rounds=3, split=4, batch=8, tau=5,
+                           codec="fp16", zstd_level=3, window=1, set=["eval_samples=512", "robust.label_margin=0"])
+    cfg = yaml.safe_load(coordinator_load.write_config(tmp_path, args, 20, 20).read_text())
+    assert cfg["eval_samples"] == 512 and cfg["robust"] == {"label_margin": 0} and cfg["model"] == "vgg11"
