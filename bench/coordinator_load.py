@@ -1273,7 +1273,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             + ("_legacy" if args.legacy_heartbeats else "")
             + ("_inline" if args.inline_weights else "")
             + ("_zstd" + "-".join(map(str, args.zstd_levels)) if args.zstd_levels != [3] else "")
-            + "".join("_set-" + re.sub(r"[^A-Za-z0-9.-]+", "-", pair.replace("=", "-")) for pair in args.set))
+            + "".join("_set-" + re.sub(r"[^A-Za-z0-9._-]+", "-", pair.replace("=", "-")) for pair in args.set))
     path = common.write_result(args.out, name, doc)
     print(f"wrote {path}")
     return doc
