@@ -92,7 +92,11 @@ class RobustConfig(OptionSection):
                          "device is screened against held-out samples of its own mix of classes run as one batch "
                          "(a batch's own statistics move "
                          "its activations by its mix of labels), a row being unlike its label where it lies farther "
-                         "from its class's held-out centroid than 90 % of the class's held-out rows. Needs labels "
+                         "from its class's held-out centroid than 90 % of the class's held-out rows; that batch is "
+                         "the client portion's forward on tens to hundreds of held-out samples per device at its "
+                         "first steps of each round, which on a CPU server can cost more than the server step "
+                         "(docs/scaling.md; frozen statistics, norm_stats.freeze_after, run the held-out samples "
+                         "once a round instead). Needs labels "
                          "sent with the activations and validation data on the server. Devices that poison fewer "
                          "than this share of their rows go unseen."),
         ("repeated_rows", "once (default): the server's step trains on a row a device sent twice in it (the same "
