@@ -178,12 +178,10 @@ def test_a_matched_reference_takes_the_devices_mix_of_classes():
     assert len(matched_selection(torch.tensor([3]), held, classes=4)) == 0
 
 
-def test_the_matched_screen_runs_each_devices_mix_and_nothing_more():
-    """Where the devices' layers normalise by their batch, each device's held-out reference is its
-    own mix of classes run as one batch: the screen runs those and no pass over the whole draw
-    (it reads only the draw's labels to pick them). Where the devices normalise with the model's
-    statistics, a row does not depend on its batch: the whole draw is run once and each mix is
-    taken from it, the rows a pass of the mix alone makes."""
+def _matched_host(frozen: bool):
+    """An option host around the robust option with a BatchNorm client portion (``vgg_mini``) and
+    200 held-out samples, counting the rows of each pass it runs; two agents, a0 and a1, with
+    their steps' rows at split 1."""
     from types import SimpleNamespace
 
     from coordinator.option_host import OptionHost
@@ -191,22 +189,22 @@ def test_the_matched_screen_runs_each_devices_mix_and_nothing_more():
     from sfl_core.config.run import run_config_from_dict
     from sfl_core.model.zoo import build_model
     from sfl_core.options.base import ServerTerms
-    from sfl_core.options.robust.labels import matched_selection
     from sfl_core.options.robust.option import Robust
 
     torch.manual_seed(0)
     model = build_model("vgg_mini:width=0.25", (1, 16, 16), _CLASSES)
 
     class Host(OptionHost):
-        def __init__(self, frozen: bool):
+        def __init__(self):
             self.model = model
             self.validation = ValidationSet(torch.randn(200, 1, 16, 16), torch.arange(200) % _CLASSES)
             self._terms = ServerTerms(frozen_norms=frozen)
             self.options = [Robust(run_config_from_dict({"model": "vgg_mini:width=0.25", "min_agents": 2}), model)]
             self.passes: list[int] = []
+            self.lines: list[str] = []
 
         def log(self, text, *, warning=False):
-            pass
+            self.lines.append(text)
 
         @property
         def fleet(self):
@@ -216,26 +214,64 @@ def test_the_matched_screen_runs_each_devices_mix_and_nothing_more():
             self.passes.append(len(index))
             return super()._run_portion(split, index, by_batch)
 
-    assignment = SimpleNamespace(split=1, width=0)
-    agents = {a: SimpleNamespace(assignment=assignment) for a in ("a0", "a1")}
-    labels = {"a0": torch.tensor([0, 0, 1, 2, 3, 4, 5, 6]), "a1": torch.tensor([7, 7, 7, 8, 8, 9, 9, 9])}
-    with torch.no_grad():
-        batches = {a: (model.client(1)(torch.randn(8, 1, 16, 16)), y) for a, y in labels.items()}
-    by_batch = Host(frozen=False)
-    by_batch.screen_rows(1, 0, agents, batches)
+        def step(self, r: int, k: int, labels: dict[str, torch.Tensor]) -> set[str]:
+            assignment = SimpleNamespace(split=1, width=0)
+            with torch.no_grad():
+                batches = {a: (model.client(1)(torch.randn(len(y), 1, 16, 16)), y) for a, y in labels.items()}
+            return self.screen_rows(r, k, {a: SimpleNamespace(assignment=assignment) for a in labels}, batches)
+
+    return Host()
+
+
+_MIXES = {"a0": torch.tensor([0, 0, 1, 2, 3, 4, 5, 6]), "a1": torch.tensor([7, 7, 7, 8, 8, 9, 9, 9])}
+
+
+def test_the_matched_screen_runs_each_devices_mix_and_nothing_more():
+    """Where the devices' layers normalise by their batch, each device's held-out reference is its
+    own mix of classes run as one batch: the screen runs those and no pass over the whole draw
+    (it reads only the draw's labels to pick them). Where the devices normalise with the model's
+    statistics, a row does not depend on its batch: the whole draw is run once and each mix is
+    taken from it, the rows a pass of the mix alone makes."""
+    from sfl_core.options.robust.labels import matched_selection
+
+    by_batch = _matched_host(frozen=False)
+    by_batch.step(1, 0, _MIXES)
     held = by_batch.held_out_labels()
     assert held is not None and len(held) == 200
-    assert by_batch.passes == [len(matched_selection(y, held, _CLASSES)) for y in labels.values()]
+    assert by_batch.passes == [len(matched_selection(y, held, _CLASSES)) for y in _MIXES.values()]
     assert all(n < 200 for n in by_batch.passes)
     assert by_batch.options[0]._label_counts["a0"].rows == 8
 
-    frozen = Host(frozen=True)
-    frozen.screen_rows(1, 0, agents, batches)
+    frozen = _matched_host(frozen=True)
+    frozen.step(1, 0, _MIXES)
     assert sum(frozen.passes) == 200                   # the draw once, for both devices' mixes
-    select = matched_selection(labels["a1"], held, _CLASSES)
+    select = matched_selection(_MIXES["a1"], held, _CLASSES)
     rows, picked = frozen.labelled_reference(1, 0, select=select)
     alone = frozen._run_portion(1, frozen._screened()[select], by_batch=False)
     assert torch.allclose(rows, alone, atol=1e-5) and torch.equal(picked, held[select])
+
+
+def test_the_log_says_once_what_the_label_screen_costs_where_it_took_most_of_a_round(monkeypatch):
+    """An operator whose coordinator spends most of a round in the label screen's held-out passes
+    is told once, with the choices (turning it off, frozen statistics); not where it took less
+    than the notice's seconds, and not again in later rounds."""
+    from sfl_core.options.robust import option
+
+    host = _matched_host(frozen=False)
+    robust = host.options[0]
+    host.step(1, 0, _MIXES)
+    robust.after_round(host, 1)
+    assert host.lines == []                       # well under a second here
+    monkeypatch.setattr(option, "SCREEN_NOTICE_S", 0.0)
+    host.step(2, 0, _MIXES)
+    robust.after_round(host, 2)
+    assert len(host.lines) == 1
+    line = host.lines[0]
+    assert line.startswith("robust: round 2: the label screen took") and "BatchNorm" in line
+    assert "robust.label_margin: 0" in line and "norm_stats.freeze_after" in line
+    host.step(3, 0, _MIXES)
+    robust.after_round(host, 3)
+    assert len(host.lines) == 1                   # once a run
 
 
 def test_far_rows_against_the_matched_reference_by_hand():

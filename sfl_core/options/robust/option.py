@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
@@ -75,6 +76,14 @@ OUTLIER_SCORE = 2.0
 """Multi-Krum leaves ``f`` devices out every round, honest ones too where fewer attack; a device
 left out counts as flagged (named, towards quarantine) only where its score is over this many
 times the round's median score."""
+
+
+SCREEN_NOTICE_S = 1.0
+SCREEN_NOTICE_SHARE = 0.5
+"""The coordinator's log says once what the label screen costs where, in a round, it took at
+least :data:`SCREEN_NOTICE_S` seconds and this share of the round's steps (from the first
+screened step to the round's end): with BatchNorm on a CPU server its held-out passes can take
+most of a round, and an operator then has choices (docs/scaling.md)."""
 
 
 def krum_f(agents: int, share: float) -> int:
@@ -158,6 +167,9 @@ class Robust(RoundOption):
         :data:`~sfl_core.options.robust.labels.POOLED_ROUNDS` - 1), pooled with this round's."""
         self._label_refs: dict[tuple[int, int], Optional[tuple[torch.Tensor, Optional[Reference]]]] = {}
         """Per cut this round, the held-out labels and (without BatchNorm) their class centroids."""
+        self._label_s, self._round_t0, self._noticed = 0.0, 0.0, False
+        """This round's seconds in the label screen, when its first step was screened, and whether
+        the log said what the screen costs (:data:`SCREEN_NOTICE_S`)."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of :func:`change_scale`) clipping last measured it by."""
         self.past_peer_change: dict[tuple[Any, ...], dict[str, float]] = {}
@@ -179,15 +191,32 @@ class Robust(RoundOption):
                     self._label_past[a] = [*self._label_past.get(a, ()), c][1 - POOLED_ROUNDS:]
             self.rows, self._rows_round, self._anchors = {}, r, {}
             self.labels, self._label_counts, self._label_refs = {}, {}, {}
+            self._label_s, self._round_t0 = 0.0, time.monotonic()
 
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                     assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
         self._start_round(r)
         out = self._screen_sizes(ctx, r, step, rows, assignments)
         if self.section.label_margin != 0:
+            t0 = time.monotonic()
             out |= self._screen_labels(ctx, r, step, {a: x for a, x in rows.items() if a not in out},
                                        assignments, labels)
+            self._label_s += time.monotonic() - t0
         return out
+
+    def after_round(self, ctx: RoundContext, r: int) -> None:
+        """Say once what the label screen costs, where it took most of a round (:data:`SCREEN_NOTICE_S`)."""
+        if self._noticed or r != self._rows_round or self._label_s < SCREEN_NOTICE_S:
+            return
+        steps_s = time.monotonic() - self._round_t0
+        if self._label_s < SCREEN_NOTICE_SHARE * steps_s:
+            return
+        self._noticed = True
+        why = (" (with BatchNorm in the devices' layers, each device's own mix of held-out samples runs through "
+               "the client portion at its first steps; with norm_stats.freeze_after they run once a round)"
+               if any(self._matched.values()) else "")
+        ctx.log(f"robust: round {r}: the label screen took {self._label_s:.1f} s of the round's {steps_s:.1f} s of "
+                f"steps{why}; robust.label_margin: 0 turns it off (docs/scaling.md)")
 
     def rows_trained(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                      labels: Mapping[str, torch.Tensor]) -> dict[str, RowsTrained]:
