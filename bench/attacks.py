@@ -94,7 +94,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "run": "attacks", "model": job["model"], "strategy": "sfl", "server_mode": "merged",
         "data": {**dataset, "partition": "dirichlet", "alpha": job["alpha"], "seed": job["seed"]},
         "fleet": [{"profile": "s2fl-mid-mid", "count": n}], "per_round": n // 2, "rounds": job["rounds"],
-        "batch_size": 32, "lr": 0.05, "local_iters": 10, "seed": job["seed"], "robust": robust_section(job["rule"]),
+        "batch_size": job["batch"], "lr": 0.05, "local_iters": 10, "seed": job["seed"], "robust": robust_section(job["rule"]),
         "output_dir": str(Path(job["work"]) / f"{job['rule']}-{job['attack']}-{share}-s{job['seed']}".replace(" ", "_"))})
     t0 = time.time()
     try:
@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--agents", type=int, default=20)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--alpha", type=float, default=0.1)
+    p.add_argument("--batch", type=int, default=32,
+                   help="each device's batch (default 32); small batches of many classes make the label screen's "
+                        "held-out references largest where the devices' layers hold BatchNorm")
     p.add_argument("--shares", type=float, nargs="*", default=[0.1, 0.3])
     p.add_argument("--rules", nargs="*", default=list(RULES),
                    help="defenses: " + ", ".join(RULES) + " (any with @M: the label screen's margin M)")
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.seeds, args.rounds, args.rules, args.attacks, args.shares = 1, 2, ["off", "clip"], ["none", "scale x1000"], [0.3]
     jobs = [{"rule": rule, "attack": attack, "share": share if attack != "none" else 0.0, "seed": args.seed + s,
              "agents": args.agents, "rounds": args.rounds, "alpha": args.alpha, "data": args.data, "work": str(args.work),
-             "model": args.model}
+             "model": args.model, "batch": args.batch}
             for rule in args.rules for attack in args.attacks for share in (args.shares if attack != "none" else [0.0])
             for s in range(args.seeds)]
     t0 = time.time()

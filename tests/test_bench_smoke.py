@@ -173,3 +173,14 @@ def test_shared_scoring_quick(tmp_path: Path) -> None:
         assert r["samples"] == 64 and len(r["alone_ms"]) == len(r["shared_ms"]) == 3
         assert r["alone_ms_p50"] > 0 and r["shared_ms_p50"] > 0
         assert r["x_one_process"] == pytest.approx(r["alone_ms_p50"] / r["shared_ms_p50"])
+
+
+def test_attacks_quick_at_a_batch_of_eight(tmp_path: Path) -> None:
+    """The attack bench trains the batch it is given (``--batch``), recorded with its result."""
+    cmd = [sys.executable, str(BENCH / "attacks.py"), "--quick", "--batch", "8", "--out", str(tmp_path), "--data", DATA,
+           "--work", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "attacks-quick.json").read_text())
+    assert doc["config"]["batch"] == 8 and doc["rows"]
+    assert all(r["runs"] == 1 for r in doc["rows"])
