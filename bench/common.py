@@ -14,6 +14,7 @@ without ``pip install -e .``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -231,6 +232,14 @@ def fmt(v: Any) -> str:
 
 
 # --------------------------------------------------------------------------- simulation sweeps
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, mappings merged key by key (lists and scalars replaced)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
 
 
 def config_record(args: argparse.Namespace) -> dict[str, Any]:

@@ -515,14 +515,6 @@ def settings(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``over``'s settings, section by section."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
     cfg = {
         "run": RUN, "model": args.model,
@@ -534,7 +526,7 @@ def write_config(tmp: Path, args: Any, agents: int, registered: int) -> Path:
         "output_dir": str(tmp / "out"), "window": args.window,
     }
     path = tmp / "load.yaml"
-    path.write_text(yaml.safe_dump(_merged(cfg, settings(args.set))))
+    path.write_text(yaml.safe_dump(common.deep_merge(cfg, settings(args.set))))
     return path
 
 

@@ -30,7 +30,6 @@ and a PNG of accuracy against virtual time and against rounds.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -52,14 +51,6 @@ PAPERS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 # --------------------------------------------------------------------------- config assembly
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` on top of ``base``, mappings merged key by key (lists and scalars replaced)."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
 
 
 def input_shape(base: dict[str, Any]) -> tuple[int, int, int]:
@@ -133,8 +124,8 @@ def ordered_fleet(fleet: list[dict[str, Any]], correlate: dict[str, Any] | None,
 
 def build_config(spec: dict[str, Any], setting: str, method: str, seed: int, args: Any,
                  factors: dict[str, float] | None, work: Path, labels: Any) -> dict[str, Any]:
-    base = deep_merge(spec["base"], {} if args.full else spec["replica"].get("overrides", {}))
-    cfg = deep_merge(deep_merge(base, spec["settings"][setting] or {}), spec["methods"][method] or {})
+    base = common.deep_merge(spec["base"], {} if args.full else spec["replica"].get("overrides", {}))
+    cfg = common.deep_merge(common.deep_merge(base, spec["settings"][setting] or {}), spec["methods"][method] or {})
     cfg.pop("correlate", None)
     parsed = ModelSpec.parse(cfg["model"])
     norm = args.norm or parsed.norm
@@ -142,8 +133,8 @@ def build_config(spec: dict[str, Any], setting: str, method: str, seed: int, arg
     cfg["model"] = model
     if args.rounds:
         cfg["rounds"] = args.rounds
-    fleet = ordered_fleet(cfg["fleet"], deep_merge(spec["base"], spec["settings"][setting] or {}).get("correlate"),
-                          cfg["data"], labels)
+    correlate = common.deep_merge(spec["base"], spec["settings"][setting] or {}).get("correlate")
+    fleet = ordered_fleet(cfg["fleet"], correlate, cfg["data"], labels)
     # profile copies (scaled for a replica, with the setting's capacity schedules); a copy keeps
     # its profile's name, so profile_splits still match
     f = factors or {"flops": 1.0, "activation_bytes": 1.0}
