@@ -178,22 +178,6 @@ def test_a_matched_reference_takes_the_devices_mix_of_classes():
     assert len(matched_selection(torch.tensor([3]), held, classes=4)) == 0
 
 
-def test_a_matched_reference_holds_at_most_its_cap_of_samples_per_row():
-    """The reference is a forward pass per device: a large held-out draw does not make it larger
-    than MATCHED_SCALE_MAX samples per row the device sent, in the device's mix."""
-    from sfl_core.options.robust.labels import MATCHED_LEAST, MATCHED_SCALE_MAX, matched_selection
-
-    held = torch.arange(4).repeat(250)           # 250 held-out samples of each of 4 classes
-    claimed = torch.tensor([0] * 5 + [1] * 2 + [2])
-    picked = matched_selection(claimed, held, classes=4)
-    assert torch.bincount(held[picked], minlength=4).tolist() == [5 * MATCHED_SCALE_MAX, 2 * MATCHED_SCALE_MAX,
-                                                                  MATCHED_SCALE_MAX, 0]
-    assert len(set(picked.tolist())) == len(picked)
-    # under the cap, the scarcest class bounds the mix; a class is never under its least
-    many = matched_selection(torch.tensor([0] + [3] * 100), held, classes=4)
-    assert torch.bincount(held[many], minlength=4).tolist() == [MATCHED_LEAST, 0, 0, 250]
-
-
 def _matched_host(frozen: bool):
     """An option host around the robust option with a BatchNorm client portion (``vgg_mini``) and
     200 held-out samples, counting the rows of each pass it runs; two agents, a0 and a1, with

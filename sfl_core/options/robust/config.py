@@ -93,7 +93,7 @@ class RobustConfig(OptionSection):
                          "(a batch's own statistics move "
                          "its activations by its mix of labels), a row being unlike its label where it lies farther "
                          "from its class's held-out centroid than 90 % of the class's held-out rows; that batch is "
-                         "the client portion's forward on up to 12 held-out samples per row the device sent, at its "
+                         "the client portion's forward on tens to hundreds of held-out samples per device at its "
                          "first steps of each round, which on a CPU server can cost more than the server step "
                          "(docs/scaling.md; frozen statistics, norm_stats.freeze_after, run the held-out samples "
                          "once a round instead). Needs labels "

@@ -63,9 +63,9 @@ import torch
 
 from sfl_core.options.robust.repeats import repeats
 
-__all__ = ["MATCHED_LEAST", "MATCHED_SCALE_MAX", "MIN_ROWS", "MIN_WHOLE_ROWS", "POOLED_ROUNDS", "QUANTILE",
-           "SIGNIFICANCE", "SUSPICION", "LabelCount", "Reference", "Verdict", "binomial_tail", "class_centroids",
-           "count_each", "count_far", "distinct", "judge", "label_outliers", "matched_selection"]
+__all__ = ["MIN_ROWS", "MIN_WHOLE_ROWS", "POOLED_ROUNDS", "QUANTILE", "SIGNIFICANCE", "SUSPICION", "LabelCount", "Reference", "Verdict",
+           "binomial_tail", "class_centroids", "count_each", "count_far", "distinct", "judge", "label_outliers",
+           "matched_selection"]
 
 MIN_ROWS = 16
 """Rows a device must have sent in a round before its share of mismatches is judged."""
@@ -103,18 +103,6 @@ class's held-out rows."""
 
 MATCHED_LEAST = 4
 """Matched reference: held-out samples a class needs to be judged."""
-
-MATCHED_SCALE_MAX = 12
-"""Matched reference: held-out samples per row of the device's at most (:func:`matched_selection`).
-
-The reference is a forward pass of the client portion on these samples, per device at its first
-steps of each round: its size is most of the label screen's cost on a CPU server. With a
-reference of 12 samples per claimed row, a class's bound (the ``quantile`` of its held-out
-rows' distances) is read from 12 times the evidence the device brings of that class, so its
-chance error is small beside the device's own. A smaller reference is cheaper still but moves
-the bound by chance enough to change verdicts; the attack bench with a BatchNorm client portion
-and small batches, where the references are largest, gives the same verdicts with this cap as
-without it (docs/methods/robust.md)."""
 
 
 @dataclass(frozen=True)
@@ -354,16 +342,15 @@ def judge(now: Mapping[str, LabelCount], past: Mapping[str, Sequence[LabelCount]
 
 def matched_selection(claimed: torch.Tensor, held: torch.Tensor, classes: int) -> torch.Tensor:
     """Indices into the held-out labels ``held`` whose mix of classes is the device's ``claimed``
-    labels' (each class in proportion, as many as the scarcest allows and at most
-    :data:`MATCHED_SCALE_MAX` per claimed row, at least :data:`MATCHED_LEAST` of each); a class
-    with fewer held-out samples is left out (not judged)."""
+    labels' (each class in proportion, as many as the scarcest allows, at least
+    :data:`MATCHED_LEAST` of each); a class with fewer held-out samples is left out (not judged)."""
     claimed, held = claimed.long(), held.long()
     counts = torch.bincount(claimed[(claimed >= 0) & (claimed < classes)], minlength=classes)
     avail = {k: (held == k).nonzero().flatten() for k in range(classes) if counts[k] > 0}
     avail = {k: idx for k, idx in avail.items() if len(idx) >= MATCHED_LEAST}
     if not avail:
         return torch.zeros(0, dtype=torch.long)
-    scale = min([MATCHED_SCALE_MAX] + [len(idx) / int(counts[k]) for k, idx in avail.items()])
+    scale = min(len(idx) / int(counts[k]) for k, idx in avail.items())
     return torch.cat([idx[:max(MATCHED_LEAST, round(int(counts[k]) * scale))] for k, idx in avail.items()])
 
 
