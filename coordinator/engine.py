@@ -257,7 +257,8 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
                                 label_counts=label_counts, population=population, lr=self.cfg.lr * lr_scale,
                                 terms=terms, encode=self.encode_state) if self.shards is not None else split_agents
         self.server.begin_round(plan.groups, plan.splits, widths=plan.widths, label_counts=label_counts,
-                                lr=self.cfg.lr * lr_scale, sequential=plan.sequential, population_counts=population,
+                                lr=self.cfg.lr * lr_scale, sequential=plan.sequential,
+                                member_lr={a: ra.assignment.lr for a, ra in agents.items()}, population_counts=population,
                                 frozen_norms=terms.frozen_norms, corrections=terms.corrections, proximal=terms.proximal)
         bodies: dict[tuple[int, int], dict] = {}  # encode each distinct client portion once
         assigns: list[tuple[RoundAgent, Message]] = []

@@ -90,6 +90,12 @@ class _Group:
             terms.append((p, term))
         self.terms = StepTerms(terms, proximal)
 
+    def step_at(self, lr: float) -> None:
+        """The learning rate of this copy's next optimiser steps (a sequential copy's turn)."""
+        if self.opt is not None:
+            for param_group in self.opt.param_groups:
+                param_group["lr"] = lr
+
     def step(self) -> None:
         """One optimiser step (the drift correction added to the gradients first)."""
         if self.opt is None:
@@ -120,6 +126,8 @@ class ServerTrainer:
         self._widths: dict[str, int] = {}
         self._counts: dict[str, torch.Tensor] = {}
         self._sequential = False
+        self._turn_lr: dict[str, float] = {}
+        """Each member's rate in its turn of a sequential copy (:meth:`begin_round`)."""
         self._placed: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         """Per group (by id), the merged batch :meth:`place_rows` laid out and each member's view of it."""
         self.last_rows = 0
@@ -129,6 +137,7 @@ class ServerTrainer:
                     widths: Mapping[str, int] | None = None,
                     label_counts: Mapping[str, Sequence[int]] | None = None,
                     lr: float | None = None, sequential: bool = False,
+                    member_lr: Mapping[str, float] | None = None,
                     population_counts: Mapping[str, Sequence[int]] | None = None,
                     frozen_norms: bool = False,
                     corrections: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
@@ -138,7 +147,13 @@ class ServerTrainer:
         ``widths`` are the members' bottleneck widths (0 or absent = none); ``label_counts``
         their registered label counts, needed by the calibrated loss and by a method's loss term; ``lr`` this
         round's learning rate (default: the trainer's). ``sequential`` is SplitFed v2: a group's
-        copy takes one optimiser step per member, in turn, instead of one on the merged batch.
+        copy takes one optimiser step per member, in turn, instead of one on the merged batch;
+        ``member_lr`` (each member's own rate, its assignment's) then caps its turn's rate.
+        Why: a turn is one step on one member's rows. Where the method regulates batches
+        (MergeSFL's Eq. 15) a device given a small batch steps its client portion at a smaller
+        rate, since a gradient of few rows is noisy; its turn at the round's full rate was not,
+        and with steps in flight a device of 2 rows a step made the copy diverge. A turn never
+        steps faster than the round's rate (the merged step does not either).
         ``population_counts`` (every registered agent's label counts) is handed to the method's
         loss term (BDKS's global data set). ``frozen_norms``:
         the copies' BatchNorm layers normalise with the model's statistics and keep them
@@ -148,6 +163,7 @@ class ServerTrainer:
         """
         self._sequential = sequential
         lr = self.lr if lr is None else lr
+        self._turn_lr = {a: min(lr, m) for a, m in (member_lr or {}).items()} if sequential else {}
         self._groups = [_Group(self.model, g, splits, lr, self.momentum) for g in groups if g]
         if frozen_norms:
             for group in self._groups:
@@ -232,8 +248,12 @@ class ServerTrainer:
             if not present:
                 continue
             # SplitFed v2 trains the one copy on each member's rows in turn; otherwise one merged batch
-            for part in ([{a: present[a]} for a in sorted(present)] if self._sequential else [present]):
-                trained.append(self._train(group, part, exchange))
+            if not self._sequential:
+                trained.append(self._train(group, present, exchange))
+                continue
+            for a in sorted(present):
+                group.step_at(self._turn_lr.get(a, group.lr))
+                trained.append(self._train(group, {a: present[a]}, exchange))
         self._placed = {}
         grads = self._gradients_to_host({a: g for out, _, _ in trained for a, g in out.items()})
         host_copies.wait(self.device)

@@ -96,6 +96,33 @@ def test_sequential_server_takes_one_step_per_agent_in_turn():
     assert any(not torch.allclose(got[k], merged[k]) for k in got)
 
 
+def test_a_sequential_turn_steps_at_its_members_rate_at_most():
+    """A member given a smaller rate (a smaller batch under batch regulation) has its turn of the
+    sequential copy step at that rate; a larger one is capped at the round's."""
+    torch.manual_seed(0)
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    xa, xb = torch.randn(2, 1, 8, 8), torch.randn(8, 1, 8, 8)
+    acts = {"a": (model.client(2)(xa).detach(), torch.randint(0, 10, (2,))),
+            "b": (model.client(2)(xb).detach(), torch.randint(0, 10, (8,)))}
+    trainer = ServerTrainer(model, lr=0.5)
+    trainer.begin_round([["a", "b"]], {"a": 2, "b": 2}, sequential=True, member_lr={"a": 0.125, "b": 2.0})
+    trainer.step(acts)
+    ref = copy.deepcopy(model)
+    params = [p for b in ref.blocks[2:] for p in b.parameters()]
+    for a, lr in (("a", 0.125), ("b", 0.5)):
+        opt = torch.optim.SGD(params, lr=lr)
+        torch.nn.functional.cross_entropy(ref.server(2)(acts[a][0]), acts[a][1]).backward()
+        opt.step()
+        opt.zero_grad()
+    got = trainer.member_state("a", 2)
+    for k, v in ref.server_state(2).items():
+        torch.testing.assert_close(got[k], v)
+    merged = ServerTrainer(model, lr=0.5)   # a merged step keeps the round's rate
+    merged.begin_round([["a", "b"]], {"a": 2, "b": 2}, member_lr={"a": 0.125, "b": 2.0})
+    merged.step(acts)
+    assert merged._groups[0].opt.param_groups[0]["lr"] == 0.5
+
+
 def test_lr_decay_reaches_agents_and_server(tmp_path):
     from simulation import run_simulation
     cfg = run_config_from_dict({
