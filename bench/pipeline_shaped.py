@@ -9,7 +9,9 @@ flight get my model to accuracy on real links, what does it cost in accuracy, an
 simulator predict it?" Nothing here is emulated: compute runs at this machine's speed and the
 bytes cross the shaped virtual links. The simulation prices the same links, with each device's
 and the coordinator's compute rates as the lock-step run (window 1) of the same seed measured
-them: the windows' rounds are then predictions of the time model's pipeline, not fits.
+them, and the coordinator's own seconds per agent and step (``agent_step_overhead_s``) as that
+run's rounds beyond their slowest agent gave it: the windows' rounds are then predictions of the
+time model's pipeline, not fits.
 
 Lock-step runs ``--rounds``; each window runs more (:data:`LONGER` times the links' bound as
 many) and is read at lock-step's seconds in rounds of the same seed: a user who gives the run
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -50,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -77,6 +80,9 @@ LINKS: list[dict[str, float]] = HOME
 """The links in use (``--links``), one per agent in turn."""
 COMPUTE_FLOPS = 5e9
 """The devices' compute in their profiles: this machine runs their small steps in a few ms."""
+CAL_SERVER_FLOPS = 1e9
+"""The server's FLOP/s in the simulation the calibration starts from: slow, so that the seconds
+it charges stand well above the record's rounding (0.1 ms)."""
 FREE_FLOPS = 1e15
 """Compute the links' bound is priced with: free beside any transfer."""
 AGENT_ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -154,13 +160,16 @@ def topology_down(n: int) -> None:
 
 
 def goodput(n: int) -> list[dict[str, float]]:
-    """Each shaped link's goodput in bytes/s, up and down (:mod:`link_goodput`: one bulk TCP
-    transfer of two seconds at the shaped rate, timed by the receiver)."""
+    """Each shaped link's goodput in bytes/s (:mod:`link_goodput`: bulk TCP transfers of two
+    seconds at the shaped rate, timed by the receiver): ``up`` and ``down`` one way at a time,
+    as a lock-step agent uses its link and as the profiles price it, and ``both_up`` and
+    ``both_down`` both ways at once over one connection, as steps in flight use it."""
     script, port, out = str(REPO / "bench" / "link_goodput.py"), 5201, []
     for i in range(n):
         rates = {}
-        for direction in ("up", "down"):
-            nbytes = str(max(256 * 1024, int(2 * LINKS[i % len(LINKS)][direction] / 8)))
+        for direction in ("up", "down", "both"):
+            rate = LINKS[i % len(LINKS)]["up" if direction == "both" else direction]
+            nbytes = str(max(256 * 1024, int(2 * rate / 8)))
             server = subprocess.Popen(["ip", "netns", "exec", HUB, sys.executable, script, "serve", f"{SUBNET}.1",
                                        str(port), direction, nbytes], stdout=subprocess.PIPE, text=True)
             try:
@@ -169,8 +178,11 @@ def goodput(n: int) -> list[dict[str, float]]:
                 client = subprocess.run(["ip", "netns", "exec", f"sflp-a{i}", sys.executable, script, "connect",
                                          f"{SUBNET}.1", str(port), direction, nbytes],
                                         capture_output=True, text=True, timeout=60, check=True)
-                said = server.communicate(timeout=60)[0] if direction == "up" else client.stdout
-                rates[direction] = float(said.split()[-1])
+                hub_said = server.communicate(timeout=60)[0]
+                if direction == "both":   # the hub received the uplink's bytes, the device the downlink's
+                    rates["both_up"], rates["both_down"] = float(hub_said.split()[-1]), float(client.stdout.split()[-1])
+                else:
+                    rates[direction] = float((hub_said if direction == "up" else client.stdout).split()[-1])
             finally:
                 if server.poll() is None:
                     server.kill()
@@ -271,14 +283,14 @@ def real_run(tmp: Path, config: Path, name: str, n: int) -> list[dict[str, Any]]
 
 
 def simulated_run(config: Path, name: str, fleet: list[Path] | None = None,
-                  server_flops: float | None = None) -> list[dict[str, Any]]:
-    """The same run in ``sfl-coord simulate`` (the virtual clock), on ``fleet``'s profiles and
-    ``server_flops`` where given."""
+                  server_flops: float | None = None, overhead_s: float = 0.0) -> list[dict[str, Any]]:
+    """The same run in ``sfl-coord simulate`` (the virtual clock), on ``fleet``'s profiles,
+    ``server_flops`` where given, and ``overhead_s`` as the run's ``agent_step_overhead_s``."""
     from sfl_core.config.run import run_config_from_dict
     from simulation import run_simulation
 
     d = yaml.safe_load(config.read_text())
-    d = {**d, "run": f"{name}-sim", "output_dir": str(Path(d["output_dir"]) / "sim")}
+    d = {**d, "run": f"{name}-sim", "output_dir": str(Path(d["output_dir"]) / "sim"), "agent_step_overhead_s": overhead_s}
     if fleet is not None:
         d["fleet"] = [{"profile": str(p), "count": 1} for p in fleet]
     if server_flops is not None:
@@ -287,22 +299,49 @@ def simulated_run(config: Path, name: str, fleet: list[Path] | None = None,
     return history
 
 
-def calibrated(real: list[dict[str, Any]], sim: list[dict[str, Any]], server_flops: float
-               ) -> tuple[list[float], float]:
-    """Each device's FLOP/s and the coordinator's as the lock-step run measured them: the virtual
-    clock charges ``flops / rate``, so a rate scales by the simulated seconds over the measured
-    ones (summed over the rounds). The links stay what the bench shaped."""
-    def total(history: list[dict[str, Any]], key: str) -> list[float]:
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What the lock-step run of a seed measured, in the time model's terms (:func:`calibrated`)."""
+
+    compute_flops: list[float]
+    """Each device's FLOP/s."""
+    server_flops: float
+    """The coordinator's FLOP/s for the server steps."""
+    overhead_s: float
+    """The coordinator's own seconds per split agent per step (``agent_step_overhead_s``)."""
+
+
+def calibrated(real: list[dict[str, Any]], sim: list[dict[str, Any]], server_flops: float, steps: int
+               ) -> Calibration:
+    """Each device's and the coordinator's rates and the coordinator's own overhead as the
+    lock-step run measured them. ``sim``: the same run simulated at the profiles' compute,
+    the server at ``server_flops`` and no overhead.
+
+    The virtual clock charges ``flops / rate``, so a rate scales by the simulated seconds over
+    the measured ones, summed over the rounds: each device's from its ``client_s``; the
+    coordinator's from the server seconds the clock charged (an agent's ``time_s`` less its
+    ``client_s`` and ``transfer_s``: the record's ``server_s`` is the host's watch in a
+    simulation) against the measured ``server_s``. The overhead is the measured round beyond
+    its slowest agent (the coordinator decoding, encoding and publishing the steps' messages,
+    which no agent's time holds) per split agent per step, the run's documented way to price
+    it. The links stay what the bench shaped."""
+    def total(history: list[dict[str, Any]], part: Callable[[dict[str, Any]], float]) -> list[float]:
         agents = sorted(history[1]["agents"])
-        return [sum(r["agents"][a][key] for r in history[1:]) for a in agents]
-    compute = [COMPUTE_FLOPS * s / m for s, m in zip(total(sim, "client_s"), total(real, "client_s"))]
-    server = server_flops * sum(total(sim, "server_s")) / sum(total(real, "server_s"))
-    return compute, server
+        return [sum(part(r["agents"][a]) for r in history[1:]) for a in agents]
+
+    compute = [COMPUTE_FLOPS * s / m for s, m in zip(total(sim, lambda x: x["client_s"]),
+                                                     total(real, lambda x: x["client_s"]))]
+    charged = sum(total(sim, lambda x: x["time_s"] - x["client_s"] - x["transfer_s"]))
+    server = server_flops * charged / sum(total(real, lambda x: x["server_s"]))
+    beyond = [r["round_time_s"] - max(a["time_s"] for a in r["agents"].values()) for r in real[1:]]
+    overhead = max(0.0, statistics.mean(beyond)) / (steps * len(real[1]["agents"]))
+    return Calibration(compute, server, overhead)
 
 
 ROUND_KEYS = ("round", "accuracy", "round_time_s", "elapsed_s", "wall_s", "eval_s", "waiting_s", "bytes_up",
               "bytes_down")
-AGENT_KEYS = ("time_s", "client_s", "transfer_s", "server_s", "bytes_up", "bytes_down", "window", "overlap_s")
+AGENT_KEYS = ("time_s", "client_s", "transfer_s", "server_s", "coordinator_s", "bytes_up", "bytes_down", "window",
+              "overlap_s")
 
 
 def compact(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -380,7 +419,8 @@ def main() -> None:
             GOODPUT[:] = goodput(n)
             for i, (g, x) in enumerate(zip(GOODPUT, LINKS)):
                 print(f"agent {i}: goodput {g['up']:.0f} B/s up, {g['down']:.0f} down (shaped at "
-                      f"{x['up'] / 8:.0f} and {x['down'] / 8:.0f})", flush=True)
+                      f"{x['up'] / 8:.0f} and {x['down'] / 8:.0f}); both ways at once {g['both_up']:.0f} up, "
+                      f"{g['both_down']:.0f} down", flush=True)
             paths = profiles(tmp, n)
             mosquitto = broker(tmp)
             for seed in range(args.seed, args.seed + args.seeds):
@@ -398,17 +438,17 @@ def main() -> None:
                 # the simulation, on the devices' and the coordinator's rates as lock-step measured them
                 first = args.windows[0]
                 config = run_config(tmp, f"shaped-w{first}-s{seed}", first, seed, args, paths)
-                server_flops = yaml.safe_load(config.read_text()).get("server_flops", 5e10)
-                compute, server = calibrated(real[first], simulated_run(config, f"cal-s{seed}"), server_flops)
-                fleet = profiles(tmp, n, compute, tag=f"-cal{seed}")
+                cal = calibrated(real[first], simulated_run(config, f"cal-s{seed}", server_flops=CAL_SERVER_FLOPS),
+                                 CAL_SERVER_FLOPS, args.local_iters)
+                fleet = profiles(tmp, n, cal.compute_flops, tag=f"-cal{seed}")
                 for w in args.windows:
                     run = f"shaped-w{w}-s{seed}"
                     rounds = real[w][-1]["round"]
-                    sim = simulated_run(run_config(tmp, run, w, seed, args, paths, rounds), run, fleet, server)
+                    sim = simulated_run(run_config(tmp, run, w, seed, args, paths, rounds), run, fleet,
+                                        cal.server_flops, cal.overhead_s)
                     runs.setdefault(f"window {w}", []).append({"seed": seed, "real": compact(real[w]),
                                                                "sim": compact(sim),
-                                                               "calibrated": {"compute_flops": compute,
-                                                                              "server_flops": server}})
+                                                               "calibrated": dataclasses.asdict(cal)})
                     print(f"window {w} seed {seed}: simulated {sum(r['round_time_s'] for r in sim[1:]):.1f} s "
                           f"in rounds", flush=True)
         finally:
@@ -417,6 +457,7 @@ def main() -> None:
                 mosquitto.wait()
             topology_down(n)
     summary, table = {}, []
+    duplex = [1 - g[f"both_{d}"] / g[d] for g in GOODPUT for d in ("up", "down")]   # what both ways at once cost
     curves = {row: [training_curve(r["real"]) for r in rs] for row, rs in runs.items()}
     budgets = [c[-1]["elapsed_s"] for c in curves["window 1"]]   # lock-step's seconds in rounds, per seed
     target = 0.9 * statistics.mean(c[-1]["accuracy"] for c in curves["window 1"])
@@ -457,11 +498,14 @@ def main() -> None:
                         "x shorter rounds", "round s (simulated)", "sim error % (median)"], table,
                        caption=f"target: 90 % of window 1's mean final accuracy; the links allow rounds at most "
                                f"{min(bounds):.2f}-{max(bounds):.2f}x shorter (the time model, compute free); "
+                               f"window 1 calibrates the simulation (its error is a fit's, the others' predictions); "
+                               f"both ways at once the links moved {100 * min(duplex):.0f}-{100 * max(duplex):.0f} % "
+                               f"less each way than one way at a time, which the time model does not price; "
                                f"links per agent: {LINKS[:n]}")
     name = "pipeline-shaped" + ("" if args.links == "boards" else f"-{args.links}") + ("-quick" if args.quick else "")
     path = common.write_result(args.out, name,
                                {"config": common.config_record(args), "links_set": args.links, "links": LINKS[:n],
-                                "goodput": GOODPUT, "links_bound": bounds, "summary": summary, "netem": NETEM,
+                                "goodput": GOODPUT, "duplex_loss": duplex, "links_bound": bounds, "summary": summary, "netem": NETEM,
                                 "runs": runs})
     print(f"wrote {path}")
 

@@ -26,6 +26,7 @@ def bench_module(name: str):
     spec = importlib.util.spec_from_file_location(f"sfl_bench_{name}", REPO / "bench" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # where its dataclasses look up their annotations
     spec.loader.exec_module(module)
     return module
 
