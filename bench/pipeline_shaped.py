@@ -7,7 +7,8 @@ one.
 The user's question: "my devices sit on slow WiFi; how much sooner does a window of steps in
 flight get my model to accuracy on real links, what does it cost in accuracy, and does the
 simulator predict it?" Nothing here is emulated: compute runs at this machine's speed and the
-bytes cross the shaped virtual links. The simulation prices the same links, with each device's
+bytes cross the shaped virtual links. The simulation prices the same links (their goodput as
+measured one way at a time and both ways at once, the profiles' ``bidir_*`` rates), with each device's
 and the coordinator's compute rates as the lock-step run (window 1) of the same seed measured
 them, and the coordinator's own seconds per agent and step (``agent_step_overhead_s``) as that
 run's rounds beyond their slowest agent gave it: the windows' rounds are then predictions of the
@@ -163,11 +164,12 @@ def goodput(n: int) -> list[dict[str, float]]:
     """Each shaped link's goodput in bytes/s (:mod:`link_goodput`: bulk TCP transfers of two
     seconds at the shaped rate, timed by the receiver): ``up`` and ``down`` one way at a time,
     as a lock-step agent uses its link and as the profiles price it, and ``both_up`` and
-    ``both_down`` both ways at once over one connection, as steps in flight use it."""
+    ``both_down`` both ways at once over one connection, as steps in flight use it (the median
+    of :data:`BOTH_PROBES` probes: they vary more than one way's)."""
     script, port, out = str(REPO / "bench" / "link_goodput.py"), 5201, []
     for i in range(n):
-        rates = {}
-        for direction in ("up", "down", "both"):
+        rates, both = {}, []
+        for direction in ("up", "down", *["both"] * BOTH_PROBES):
             rate = LINKS[i % len(LINKS)]["up" if direction == "both" else direction]
             nbytes = str(max(256 * 1024, int(2 * rate / 8)))
             server = subprocess.Popen(["ip", "netns", "exec", HUB, sys.executable, script, "serve", f"{SUBNET}.1",
@@ -180,34 +182,41 @@ def goodput(n: int) -> list[dict[str, float]]:
                                         capture_output=True, text=True, timeout=60, check=True)
                 hub_said = server.communicate(timeout=60)[0]
                 if direction == "both":   # the hub received the uplink's bytes, the device the downlink's
-                    rates["both_up"], rates["both_down"] = float(hub_said.split()[-1]), float(client.stdout.split()[-1])
+                    both.append((float(hub_said.split()[-1]), float(client.stdout.split()[-1])))
                 else:
                     rates[direction] = float((hub_said if direction == "up" else client.stdout).split()[-1])
             finally:
                 if server.poll() is None:
                     server.kill()
                     server.wait()
+        rates["both_up"] = statistics.median(u for u, _ in both)
+        rates["both_down"] = statistics.median(d for _, d in both)
         out.append(rates)
     return out
 
 
+BOTH_PROBES = 3
+"""How many times :func:`goodput` measures each link both ways at once."""
 GOODPUT: list[dict[str, float]] = []
 """The shaped links' goodput, bytes/s (:func:`goodput`), once the topology is up."""
 
 
 def profiles(tmp: Path, n: int, compute: list[float] | None = None, tag: str = "") -> list[Path]:
     """Device profiles that say what the shaped links are (the run config's fleet and the
-    simulation's): their goodput as measured (:data:`GOODPUT`), else the shaped rate;
-    ``compute``: each device's FLOP/s where measured (:func:`calibrated`)."""
+    simulation's): their goodput as measured (:data:`GOODPUT`), one way at a time and both ways
+    at once, else the shaped rate; ``compute``: each device's FLOP/s where measured
+    (:func:`calibrated`)."""
     out = []
     for i in range(n):
         link = LINKS[i % len(LINKS)]
         up, down = (GOODPUT[i]["up"], GOODPUT[i]["down"]) if GOODPUT else (link["up"] / 8, link["down"] / 8)
         path = tmp / f"shaped-{i}{tag}.yaml"
+        both = {"bidir_link_bytes_per_s": GOODPUT[i]["both_up"],
+                "bidir_downlink_bytes_per_s": GOODPUT[i]["both_down"]} if GOODPUT else {}
         path.write_text(yaml.safe_dump({
             "name": f"shaped-{i}{tag}", "compute_flops": compute[i] if compute else COMPUTE_FLOPS,
-            "link_bytes_per_s": up,
-            "downlink_bytes_per_s": down, "latency_s": link["delay_ms"] / 1000 if NETEM else 0.0,
+            "link_bytes_per_s": up, "downlink_bytes_per_s": down, **both,
+            "latency_s": link["delay_ms"] / 1000 if NETEM else 0.0,
             "memory_bytes": 2**32, "description": "a device behind the bench's shaped link"}))
         out.append(path)
     return out
@@ -420,7 +429,7 @@ def main() -> None:
             for i, (g, x) in enumerate(zip(GOODPUT, LINKS)):
                 print(f"agent {i}: goodput {g['up']:.0f} B/s up, {g['down']:.0f} down (shaped at "
                       f"{x['up'] / 8:.0f} and {x['down'] / 8:.0f}); both ways at once {g['both_up']:.0f} up, "
-                      f"{g['both_down']:.0f} down", flush=True)
+                      f"{g['both_down']:.0f} down (median of {BOTH_PROBES})", flush=True)
             paths = profiles(tmp, n)
             mosquitto = broker(tmp)
             for seed in range(args.seed, args.seed + args.seeds):
@@ -500,7 +509,7 @@ def main() -> None:
                                f"{min(bounds):.2f}-{max(bounds):.2f}x shorter (the time model, compute free); "
                                f"window 1 calibrates the simulation (its error is a fit's, the others' predictions); "
                                f"both ways at once the links moved {100 * min(duplex):.0f}-{100 * max(duplex):.0f} % "
-                               f"less each way than one way at a time, which the time model does not price; "
+                               f"less each way than one way at a time (the profiles' bidir rates); "
                                f"links per agent: {LINKS[:n]}")
     name = "pipeline-shaped" + ("" if args.links == "boards" else f"-{args.links}") + ("-quick" if args.quick else "")
     path = common.write_result(args.out, name,

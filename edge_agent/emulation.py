@@ -4,7 +4,9 @@ Compute is stretched to the profile's FLOP/s and the link is throttled to its ra
 laptop can host a heterogeneous fleet whose wall-clock times mean something. The link moves
 one message at a time each way, beside the compute (the uplink in the agent's sending thread,
 the downlink timed from each message's arrival), as a device's radio does; on a
-``half_duplex`` link (a WiFi cell) one message at a time in either direction. Emulation
+``half_duplex`` link (a WiFi cell) one message at a time in either direction; on a full-duplex
+link a message that starts while the other direction is busy moves at the profile's ``bidir_*``
+rate, where it gives one (both ways at once a link moves less each way). Emulation
 can only slow down: if this machine is slower than the profile, the real time stands
 (and a warning says so once).
 
@@ -33,6 +35,7 @@ class Emulator:
         self.slowdown = float(slowdown)
         self._warned = False
         self._down_free = 0.0   # when the emulated downlink finishes what it is receiving
+        self._up_free = 0.0     # when the emulated uplink finishes what it is sending
         self._air_free = 0.0    # half duplex: when the shared medium finishes what it carries
         self._air = threading.Lock()   # the sending thread and the receiving one both book the medium
 
@@ -52,17 +55,22 @@ class Emulator:
         return actual_s
 
     def uplink(self, nbytes: int) -> None:
-        seconds = (nbytes / self.profile.link_bytes_per_s + self.profile.latency_s) * self.slowdown
         if self.profile.half_duplex:
-            self.wait_until(self._book_air(seconds))
-        else:
-            time.sleep(seconds)
+            self.wait_until(self._book_air((nbytes / self.profile.link_bytes_per_s + self.profile.latency_s)
+                                           * self.slowdown))
+            return
+        share = self.profile.both_ways[0] if time.monotonic() < self._down_free else 1.0
+        seconds = (nbytes / (self.profile.link_bytes_per_s * share) + self.profile.latency_s) * self.slowdown
+        self._up_free = time.monotonic() + seconds
+        time.sleep(seconds)
 
     def downlink(self, nbytes: int) -> None:
         time.sleep(self.downlink_s(nbytes))
 
-    def downlink_s(self, nbytes: int) -> float:
-        return (nbytes / self.profile.downlink + self.profile.latency_s) * self.slowdown
+    def downlink_s(self, nbytes: int, both: bool = False) -> float:
+        """A message's seconds down; ``both``: while the uplink is busy too."""
+        rate = self.profile.downlink * (self.profile.both_ways[1] if both else 1.0)
+        return (nbytes / rate + self.profile.latency_s) * self.slowdown
 
     def arrival(self, nbytes: int) -> float:
         """When a message that starts arriving now is all in over the emulated downlink: one
@@ -71,7 +79,7 @@ class Emulator:
         if self.profile.half_duplex:
             return self._book_air(self.downlink_s(nbytes))
         start = max(time.monotonic(), self._down_free)
-        self._down_free = start + self.downlink_s(nbytes)
+        self._down_free = start + self.downlink_s(nbytes, both=start < self._up_free)
         return self._down_free
 
     def _book_air(self, seconds: float) -> float:

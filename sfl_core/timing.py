@@ -164,7 +164,7 @@ the deepest one's: every step in flight beyond it buys staleness for under 5 % o
 
 
 def pipelined_step_s(*, client_s: float, up_s: float, down_s: float, server_s: float, latency_s: float,
-                     window: int, half_duplex: bool = False) -> float:
+                     window: int, half_duplex: bool = False, both_ways: tuple[float, float] = (1.0, 1.0)) -> float:
     """One step's share of a round once ``window`` steps are in flight (steady state).
 
     A step is a chain: client forward, activations up, the server's step, gradients down,
@@ -180,6 +180,12 @@ def pipelined_step_s(*, client_s: float, up_s: float, down_s: float, server_s: f
     resource's share (the pipeline's bound). ``c``, ``u``, ``v``, ``d`` are per-step seconds;
     latency occupies no resource. Window 1 gives ``s``.
 
+    ``both_ways``: on a full-duplex link, the share of its one-way rate the uplink and the
+    downlink each keep while both carry data at once (a profile's ``bidir_*`` rates over its
+    one-way ones): each direction's segments and acknowledgements queue behind the other's, so
+    a pipeline that keeps both busy is bounded by ``u / e_up`` and ``d / e_down``:
+    ``max(s / W, c, u / e_up, v, d / e_down)``. ``u`` and ``d`` are one-way seconds.
+
     ``half_duplex``: the uplink and the downlink are one medium that carries one direction at
     a time (a WiFi cell), one resource busy ``u + d`` of every step:
     ``max(s / W, c, u + d, v)``.
@@ -187,34 +193,38 @@ def pipelined_step_s(*, client_s: float, up_s: float, down_s: float, server_s: f
     if window <= 1:
         return client_s + up_s + down_s + server_s + 2 * latency_s
     return max(pipeline_bounds(client_s=client_s, up_s=up_s, down_s=down_s, server_s=server_s, latency_s=latency_s,
-                               window=window, half_duplex=half_duplex))
+                               window=window, half_duplex=half_duplex, both_ways=both_ways))
 
 
 def pipeline_bounds(*, client_s: float, up_s: float, down_s: float, server_s: float, latency_s: float,
-                    window: int, half_duplex: bool = False) -> tuple[float, ...]:
+                    window: int, half_duplex: bool = False, both_ways: tuple[float, float] = (1.0, 1.0)
+                    ) -> tuple[float, ...]:
     """The terms :func:`pipelined_step_s` takes the largest of: the round trip over the window,
-    then each resource's seconds per step (the links as one resource where ``half_duplex``).
-    The planners price a window as the largest of these, each a line in the batch."""
+    then each resource's seconds per step (the links as one resource where ``half_duplex``,
+    else each at its rate while both are busy, ``both_ways``). The planners price a window as
+    the largest of these, each a line in the batch."""
     serial = client_s + up_s + down_s + server_s + 2 * latency_s
-    links = (up_s + down_s,) if half_duplex else (up_s, down_s)
+    links = (up_s + down_s,) if half_duplex else (up_s / both_ways[0], down_s / both_ways[1])
     return (serial / window, client_s, server_s, *links)
 
 
 def pipeline_overlap_s(*, steps: int, window: int, client_s: float, up_s: float, down_s: float,
-                       server_s: float, latency_s: float, half_duplex: bool = False) -> float:
+                       server_s: float, latency_s: float, half_duplex: bool = False,
+                       both_ways: tuple[float, float] = (1.0, 1.0)) -> float:
     """What a window of ``window`` steps in flight hides of a round of ``steps`` lock-step steps
     whose totals are ``client_s`` (compute), ``up_s`` / ``down_s`` (the activations' and
-    gradients' bytes over the links), ``server_s`` (the server and coordinator for this
-    agent's rows): the first step runs alone, the other ``steps - 1`` each take
-    :func:`pipelined_step_s` instead of the whole chain (on a ``half_duplex`` link, as it
-    says). 0 for window 1 or a single step.
+    gradients' bytes over the links, one way at a time), ``server_s`` (the server and
+    coordinator for this agent's rows): the first step runs alone, the other ``steps - 1`` each
+    take :func:`pipelined_step_s` instead of the whole chain (on a ``half_duplex`` link, or at
+    ``both_ways``' shares of the link's rates, as it says). 0 for window 1 or a single step.
     """
     if window <= 1 or steps <= 1:
         return 0.0
     per: dict[str, Any] = dict(client_s=client_s / steps, up_s=up_s / steps, down_s=down_s / steps,
                                server_s=server_s / steps, latency_s=latency_s)
     serial = pipelined_step_s(**per, window=1)
-    return (steps - 1) * max(0.0, serial - pipelined_step_s(**per, window=window, half_duplex=half_duplex))
+    return (steps - 1) * max(0.0, serial - pipelined_step_s(**per, window=window, half_duplex=half_duplex,
+                                                            both_ways=both_ways))
 
 
 def round_time(times: Iterable[float]) -> float:
@@ -295,7 +305,8 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
                latency_s: float, messages: int, compute_scale: float = 1.0, link_scale: float = 1.0,
                mem_fixed: float = 0.0, mem_per_sample: float = 0.0, width: int = 0,
                coordinator_s: float = 0.0, weight_bytes_down: float | None = None, window: int = 1,
-               up_share: float = 0.5, half_duplex: bool = False) -> Option:
+               up_share: float = 0.5, half_duplex: bool = False, both_ways: tuple[float, float] = (1.0, 1.0)
+               ) -> Option:
     """An :class:`Option` from the time model itself (:func:`sfl_core.agent_round_time`, the
     function the virtual clock charges), evaluated at batch 0 and 1 (it is linear in the batch).
 
@@ -307,8 +318,8 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
     ``coordinator_s`` the round's :func:`step_overhead_s` (independent of the batch).
     ``window``: steps in flight; over 1 the round is the maximum of :func:`pipelined_step_s`'s
     lines (:attr:`Option.lines`), each linear in the batch; ``up_share`` of the steps' bytes go up
-    (gradients often compress less than activations: the busier direction bounds a window;
-    on a ``half_duplex`` link both directions together do).
+    (gradients often compress less than activations: the busier direction bounds a window, at
+    its ``both_ways`` share of its rate; on a ``half_duplex`` link both directions together do).
     """
     weights_down = weight_bytes if weight_bytes_down is None else weight_bytes_down
 
@@ -338,7 +349,7 @@ def option_for(*, split: int, codec: str, tau: int, client_flops: float, server_
                 down_s=2 * (1 - up_share) * n * activation_bytes / downlink_bytes_per_s * link_scale / tau,
                 server_s=(t.server_compute_s + t.coordinator_s) / tau, latency_s=latency_s * link_scale)
             serial = pipelined_step_s(**step, window=1)
-            bounds = pipeline_bounds(**step, window=window, half_duplex=half_duplex)
+            bounds = pipeline_bounds(**step, window=window, half_duplex=half_duplex, both_ways=both_ways)
             return scaled(t) - (tau - 1) * serial, [(tau - 1) * x for x in bounds]
         (head0, at0), (head1, at1) = stages(0), stages(1)
         lines = tuple((head0 + a0, (head1 + a1) - (head0 + a0)) for a0, a1 in zip(at0, at1))
@@ -386,7 +397,7 @@ def price_option(cfg: "RunConfig", cost: "SplitCost", codec: str, info: "AgentIn
             compute_scale=compute_scale, link_scale=link_scale, mem_fixed=(copies + w - 1) * cost.client_param_bytes,
             mem_per_sample=2 * cost.client_activation_bytes * w, width=width,
             coordinator_s=0.0 if whole else step_overhead_s(h, steps=cfg.local_iters, split_agents=split_agents),
-            window=w, up_share=up_share, half_duplex=info.profile.half_duplex)
+            window=w, up_share=up_share, half_duplex=info.profile.half_duplex, both_ways=info.profile.both_ways)
 
     w = cfg.window if window is None else window
     if whole or w == 1 or keeps_lockstep(info):

@@ -39,7 +39,8 @@ class VirtualClock:
         return dataclasses.replace(parts, overlap_s=timing.pipeline_overlap_s(
             steps=work.steps, window=work.window, client_s=parts.client_compute_s,
             up_s=work.step_bytes_up / p.link_bytes_per_s, down_s=work.step_bytes_down / p.downlink,
-            server_s=parts.server_compute_s + parts.coordinator_s, latency_s=p.latency_s, half_duplex=p.half_duplex))
+            server_s=parts.server_compute_s + parts.coordinator_s, latency_s=p.latency_s, half_duplex=p.half_duplex,
+            both_ways=p.both_ways))
 
     def end_round(self, agent_times: Iterable[float], wall_s: float) -> float:
         t = timing.round_time(agent_times)

@@ -4,6 +4,7 @@ of a round, the planner's lines (exact for the largest batch by a deadline), the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -25,6 +26,18 @@ def test_a_step_in_flight_repeats_at_the_busiest_resource_or_the_round_trip_over
     assert timing.pipelined_step_s(**step, window=16) == pytest.approx(0.040)
     compute_bound = {**step, "client_s": 0.200}
     assert timing.pipelined_step_s(**compute_bound, window=4) == pytest.approx(0.200)
+
+
+def test_a_full_duplex_link_both_ways_busy_bounds_the_pipeline_at_its_both_ways_rates():
+    """Both directions at once, the uplink keeps 80 % of its rate: its 40 ms a step become
+    50 ms, the bound at 4 in flight; lock-step, one direction at a time, is as before."""
+    step = dict(client_s=0.010, up_s=0.040, server_s=0.002, down_s=0.030, latency_s=0.005)
+    assert timing.pipelined_step_s(**step, window=1, both_ways=(0.8, 1.0)) == pytest.approx(0.092)
+    assert timing.pipelined_step_s(**step, window=4, both_ways=(0.8, 1.0)) == pytest.approx(0.050)
+    assert timing.pipelined_step_s(**step, window=4, both_ways=(1.0, 0.5)) == pytest.approx(0.060)   # the downlink
+    assert timing.pipelined_step_s(**step, window=2, both_ways=(0.8, 1.0)) == pytest.approx(0.050)
+    # a half-duplex medium takes turns: its directions are never busy at once
+    assert timing.pipelined_step_s(**step, window=4, half_duplex=True, both_ways=(0.5, 0.5)) == pytest.approx(0.070)
 
 
 def test_on_a_half_duplex_link_the_activations_and_the_gradients_take_turns():
@@ -52,22 +65,22 @@ LINK_BOUND = dict(split=1, codec="fp32", tau=10, client_flops=1e6, server_flops=
                   uplink_bytes_per_s=1e6, downlink_bytes_per_s=2e6, latency_s=0.02, messages=22)
 
 
-def by_hand(batch: int, window: int, half_duplex: bool = False) -> float:
+def by_hand(batch: int, window: int, half_duplex: bool = False, both_ways: tuple = (1.0, 1.0)) -> float:
     """LINK_BOUND's round: weights both ways, the first step's chain, then 9 pipelined steps."""
     c, u, d, v = batch * 1e-3, batch * 1e4 / 1e6, batch * 1e4 / 2e6, batch * 1e-5
     chain = c + u + d + v + 2 * 0.02
     weights = 1e5 / 1e6 + 1e5 / 2e6 + 2 * 0.02
-    links = (u + d,) if half_duplex else (u, d)
+    links = (u + d,) if half_duplex else (u / both_ways[0], d / both_ways[1])
     return weights + chain + 9 * max(chain / window, c, v, *links)
 
 
-@pytest.mark.parametrize("half_duplex", [False, True])
+@pytest.mark.parametrize("half_duplex, both_ways", [(False, (1.0, 1.0)), (True, (1.0, 1.0)), (False, (0.7, 0.9))])
 @pytest.mark.parametrize("window", [1, 2, 4, 8])
-def test_the_planners_round_is_the_pipelines_by_hand_at_every_batch(window, half_duplex):
-    option = timing.option_for(**LINK_BOUND, window=window, half_duplex=half_duplex)
+def test_the_planners_round_is_the_pipelines_by_hand_at_every_batch(window, half_duplex, both_ways):
+    option = timing.option_for(**LINK_BOUND, window=window, half_duplex=half_duplex, both_ways=both_ways)
     assert option.window == window
     for batch in (0, 1, 7, 32, 500):
-        assert option.time(batch) == pytest.approx(by_hand(batch, window, half_duplex), rel=1e-9)
+        assert option.time(batch) == pytest.approx(by_hand(batch, window, half_duplex, both_ways), rel=1e-9)
         assert option.serial_time(batch) == pytest.approx(by_hand(batch, 1), rel=1e-9)
 
 
@@ -86,9 +99,9 @@ def _cfg(**over):
                                  "batch_size": 16, "local_iters": 10, **over})
 
 
-def _agent(compute_flops: float, link: float, half_duplex: bool = False) -> AgentInfo:
+def _agent(compute_flops: float, link: float, half_duplex: bool = False, bidir: float | None = None) -> AgentInfo:
     profile = DeviceProfile(name="x", compute_flops=compute_flops, link_bytes_per_s=link, latency_s=0.005,
-                            half_duplex=half_duplex)
+                            half_duplex=half_duplex, bidir_link_bytes_per_s=bidir, bidir_downlink_bytes_per_s=bidir)
     return AgentInfo(agent_id="a", index=0, profile=profile, measured={}, label_counts=[], num_samples=0)
 
 
@@ -125,13 +138,14 @@ def test_each_agents_window_is_its_plans_else_the_runs_priced_and_in_lock_step_n
     assert timing.window_for(_cfg(window=1), costs, plan, "a", slow_link) == 1
 
 
-@pytest.mark.parametrize("half_duplex", [False, True])
-def test_the_virtual_clock_charges_what_the_planner_predicts_with_a_window(half_duplex):
+@pytest.mark.parametrize("half_duplex, bidir", [(False, None), (True, None), (False, 1.5e5)])
+def test_the_virtual_clock_charges_what_the_planner_predicts_with_a_window(half_duplex, bidir):
     """One entry point: a round of the bytes and FLOPs the option assumes, charged by the
-    virtual clock, lasts what :func:`price_option` predicted, on either kind of link."""
+    virtual clock, lasts what :func:`price_option` predicted, on either kind of link and on a
+    full-duplex one that moves less each way while both are busy."""
     cfg = _cfg(window=4)
     cost = model_costs("small_cnn", (1, 8, 8), 10)[2]
-    info = _agent(5e8, 2e5, half_duplex=half_duplex)
+    info = _agent(5e8, 2e5, half_duplex=half_duplex, bidir=bidir)
     option = timing.price_option(cfg, cost, "fp32", info, ratio=1.0)
     batch, tau = 16, cfg.local_iters
     samples = batch * tau
@@ -145,3 +159,6 @@ def test_the_virtual_clock_charges_what_the_planner_predicts_with_a_window(half_
     assert charged.overlap_s > 0
     assert charged.total_s == pytest.approx(option.time(batch), rel=1e-9)
     assert math.isclose(charged.total_s + charged.overlap_s, option.serial_time(batch), rel_tol=1e-9)
+    if bidir:   # the link both ways busy bounds the pipeline: it hides less than at one-way rates
+        one_way = VirtualClock().agent_time(dataclasses.replace(work, profile=_agent(5e8, 2e5).profile))
+        assert charged.total_s > one_way.total_s

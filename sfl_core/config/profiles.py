@@ -99,6 +99,12 @@ class DeviceProfile(Section):
     """Uploads and downloads share one medium and take turns (a WiFi cell), so steps in flight
     cannot overlap the activations going up with the gradients coming down
     (:func:`sfl_core.timing.pipelined_step_s`); False: a full-duplex link (Ethernet, cellular)."""
+    bidir_link_bytes_per_s: Annotated[Optional[float], OPTIONAL_POSITIVE_NUMBER] = None
+    bidir_downlink_bytes_per_s: Annotated[Optional[float], OPTIONAL_POSITIVE_NUMBER] = None
+    """A full-duplex link's uplink and downlink rates while both directions carry data at once
+    (``iperf3 --bidir``; None: the one-way rate). Each direction's segments and acknowledgements
+    queue behind the other's, so a link both ways busy moves less each way; steps in flight keep
+    it so (:func:`sfl_core.timing.pipelined_step_s`)."""
     memory_bytes: Annotated[Optional[float], OPTIONAL_POSITIVE_NUMBER] = None
     description: Annotated[str, checked(_text)] = ""
     source: Annotated[str, checked(_text)] = ""  # where the numbers come from
@@ -117,13 +123,23 @@ class DeviceProfile(Section):
         """The downlink rate as a float (``downlink_bytes_per_s`` is never None after init)."""
         return float(self.downlink_bytes_per_s or self.link_bytes_per_s)
 
+    @property
+    def both_ways(self) -> tuple[float, float]:
+        """The share of its one-way rate the uplink and the downlink each keep while both carry
+        data at once (1 where the profile does not say, and at most 1)."""
+        up, down = self.bidir_link_bytes_per_s, self.bidir_downlink_bytes_per_s
+        return (min(1.0, up / self.link_bytes_per_s) if up else 1.0,
+                min(1.0, down / self.downlink) if down else 1.0)
+
     def at_round(self, r: int) -> "DeviceProfile":
         """This profile as the device runs in round ``r`` (the latest capacity change in force)."""
         compute, link = capacity_scales(self.capacity, r)
         if (compute, link) == (1.0, 1.0):
             return self
+        bidir = {k: getattr(self, k) * link for k in ("bidir_link_bytes_per_s", "bidir_downlink_bytes_per_s")
+                 if getattr(self, k)}
         return replace(self, compute_flops=self.compute_flops * compute, link_bytes_per_s=self.link_bytes_per_s * link,
-                       downlink_bytes_per_s=self.downlink * link)
+                       downlink_bytes_per_s=self.downlink * link, **bidir)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (msgpack/YAML friendly); ``profile_from_dict`` reads it back."""

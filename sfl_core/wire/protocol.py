@@ -413,6 +413,9 @@ def profile_body(profile: Any) -> dict[str, Any]:
         body["memory_bytes"] = float(profile.memory_bytes)   # what a planner may place on the device
     if getattr(profile, "half_duplex", False):
         body["half_duplex"] = True   # uploads and downloads take turns: how steps in flight are priced
+    for key in ("bidir_link_bytes_per_s", "bidir_downlink_bytes_per_s"):
+        if getattr(profile, key, None):
+            body[key] = float(getattr(profile, key))   # each way while both carry data: steps in flight too
     return body
 
 
