@@ -84,6 +84,8 @@ COMPUTE_FLOPS = 5e9
 CAL_SERVER_FLOPS = 1e9
 """The server's FLOP/s in the simulation the calibration starts from: slow, so that the seconds
 it charges stand well above the record's rounding (0.1 ms)."""
+BOTH_PROBES = 3
+"""How many times :func:`goodput` measures each link both ways at once."""
 FREE_FLOPS = 1e15
 """Compute the links' bound is priced with: free beside any transfer."""
 AGENT_ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -195,8 +197,6 @@ def goodput(n: int) -> list[dict[str, float]]:
     return out
 
 
-BOTH_PROBES = 3
-"""How many times :func:`goodput` measures each link both ways at once."""
 GOODPUT: list[dict[str, float]] = []
 """The shaped links' goodput, bytes/s (:func:`goodput`), once the topology is up."""
 

@@ -56,11 +56,10 @@ class Emulator:
 
     def uplink(self, nbytes: int) -> None:
         if self.profile.half_duplex:
-            self.wait_until(self._book_air((nbytes / self.profile.link_bytes_per_s + self.profile.latency_s)
-                                           * self.slowdown))
+            self.wait_until(self._book_air(self._seconds(nbytes, self.profile.link_bytes_per_s)))
             return
         share = self.profile.both_ways[0] if time.monotonic() < self._down_free else 1.0
-        seconds = (nbytes / (self.profile.link_bytes_per_s * share) + self.profile.latency_s) * self.slowdown
+        seconds = self._seconds(nbytes, self.profile.link_bytes_per_s * share)
         self._up_free = time.monotonic() + seconds
         time.sleep(seconds)
 
@@ -69,7 +68,10 @@ class Emulator:
 
     def downlink_s(self, nbytes: int, both: bool = False) -> float:
         """A message's seconds down; ``both``: while the uplink is busy too."""
-        rate = self.profile.downlink * (self.profile.both_ways[1] if both else 1.0)
+        return self._seconds(nbytes, self.profile.downlink * (self.profile.both_ways[1] if both else 1.0))
+
+    def _seconds(self, nbytes: int, rate: float) -> float:
+        """One message of ``nbytes`` over a link at ``rate`` bytes/s, its latency included."""
         return (nbytes / rate + self.profile.latency_s) * self.slowdown
 
     def arrival(self, nbytes: int) -> float:
