@@ -18,6 +18,7 @@ import copy
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -187,7 +188,7 @@ def write_result(out_dir: Path, name: str, payload: dict[str, Any], device: torc
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": name,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),   # quoted: it can be pasted back
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(device),
         **payload,
