@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import DATASETS
+from helpers import DATASETS, bench_module
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -33,6 +34,7 @@ def _run(script: str, out: Path, *extra: str) -> dict:
     assert len(files) == 1, f"expected one JSON file in {out}, found {files}"
     doc = json.loads(files[0].read_text())
     assert "wrote" in proc.stdout
+    assert shlex.split(doc["command"])[1:] == cmd[1:], "the recorded command is not the one that ran"
     for key in ("benchmark", "command", "machine", "config", "reference", "results"):
         assert key in doc, f"{files[0].name} lacks {key!r}"
     for key in ("torch", "device_name", "cpu_count", "git_commit"):
@@ -184,3 +186,13 @@ def test_attacks_quick_at_a_batch_of_eight(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "attacks-quick.json").read_text())
     assert doc["config"]["batch"] == 8 and doc["rows"]
     assert all(r["runs"] == 1 for r in doc["rows"])
+
+
+def test_a_result_records_its_command_so_that_it_can_be_pasted_back(tmp_path, monkeypatch):
+    """An argument with spaces (a fleet's name, a row's) comes back as one argument."""
+    common = bench_module("common")
+    argv = ["bench/pipeline.py", "--only", "40 boards, Dirichlet 0.3", "--rows", "window 1", "window auto",
+            "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    doc = json.loads(common.write_result(tmp_path, "probe", {"results": {}}).read_text())
+    assert shlex.split(doc["command"]) == [Path(sys.executable).name, *argv]
