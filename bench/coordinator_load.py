@@ -46,13 +46,14 @@ Measured over rounds 2..R (round 1 pays model builds and first connections):
 - ``between rounds ms`` / ``%``: from a round's last weights in to the next round's last
   assignment out, its median and its share of the time (``boundary_ms_p50``, ``boundary_pct``):
   what rank 0 works through while the other workers wait, so more server workers do not
-  shorten most of it; ``4 workers at most x`` is the bound that share puts on four were all of
-  it rank 0's alone (Amdahl's law, ``amdahl_4``; one-worker runs only). The score of the round's
-  model, a part of that time, is shared among the workers (``coordinator/shard_scoring.py``).
+  shorten most of it. The score of the round's model, a part of that time, is shared among the
+  workers (``coordinator/shard_scoring.py``; ``scored_pct``, from the run's ``eval_s``): the
+  rest is the serial share (``serial_pct``), and ``4 workers at most x`` is the bound it puts on
+  four (Amdahl's law, ``amdahl_4``; one-worker runs only).
 - ``x one worker`` (with ``--server-workers 1 N ...``, each count a pass over the load levels):
   the agent-steps/s of N server workers over one worker's at the same load level, in the same
   invocation (``scaling`` in the JSON), beside ``N at most x``, Amdahl's bound for N from the
-  one-worker run's time between rounds. The goal a user sets past one process is at least
+  one-worker run's serial share. The goal a user sets past one process is at least
   0.8·N: the processes need N cores beside the broker's and the load generators'.
 
 References in the same invocation, per codec level:
@@ -626,21 +627,23 @@ def summarise(args: Any, agents: int, registered: int, metrics: list[dict], time
         "coord_faults_per_agent_step": sampler.faults_between(t0, t1) / (steps * agents),
         "coord_rss_mb": sampler.peak_rss.get("coord"), "broker_cpu_pct": cpu.get("broker"),
         "gen_cpu_pct": cpu.get("gen"), "server_step_pct": 100 * server_s / wall,
-        **round_boundaries(times, t0, t1, one_worker=args.workers == 1),
+        # the scores of rounds 2..R-1 fall inside the window (round 1's before it, round R's after it)
+        **round_boundaries(times, t0, t1, one_worker=args.workers == 1,
+                           scored_s=sum(m.get("eval_s", 0.0) for m in rounds if m["round"] < args.rounds)),
     }
 
 
 def worker_scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per run of N > 1 server workers that has a one-worker run at the same load level and codec
     setting: its agent-steps/s over that run's (``x_one_worker``), beside Amdahl's bound for N
-    from the one-worker run's share of time between rounds (``amdahl_bound``)."""
+    from the one-worker run's serial share (``amdahl_bound``)."""
     one = {(r["zstd_level"], r["agents"]): r for r in results if r["server_workers"] == 1}
     out = []
     for r in results:
         base = one.get((r["zstd_level"], r["agents"]))
         if r["server_workers"] == 1 or base is None:
             continue
-        b, n = base["boundary_pct"] / 100, r["server_workers"]
+        b, n = base["serial_pct"] / 100, r["server_workers"]
         out.append({"zstd_level": r["zstd_level"], "agents": r["agents"], "server_workers": n,
                     "agent_steps_per_s": r["agent_steps_per_s"], "ranks_cpu_pct": r.get("ranks_cpu_pct"),
                     "x_one_worker": r["agent_steps_per_s"] / base["agent_steps_per_s"],
@@ -648,15 +651,18 @@ def worker_scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def round_boundaries(times: list, t0: float, t1: float, one_worker: bool = True) -> dict[str, Any]:
+def round_boundaries(times: list, t0: float, t1: float, one_worker: bool = True,
+                     scored_s: float = 0.0) -> dict[str, Any]:
     """Between rounds, the coordinator's rank 0 works while no agent trains and no other server
     worker steps: from a round's last weights in to the next round's last assignment out
     (aggregation, evaluation, checkpoint, planning, assignments). ``boundary_pct``: its share of
     the measured window ``t0..t1``; ``boundary_ms_p50``: its median between measured rounds
-    (None with one). More server workers shorten the steps, and of this only the score: with a
-    share ``b`` of the time between rounds, all of it rank 0's alone, N workers serve at most
-    ``1 / (b + (1 - b) / N)`` times the agent-steps of one (Amdahl's bound), ``amdahl_4`` for
-    N = 4 (None unless ``one_worker``: the share is one worker's)."""
+    (None with one). More server workers shorten the steps, and of this only the score:
+    ``scored_s``, the seconds the run scored its model inside the window, which the workers share
+    (``scored_pct``). With a serial share ``s`` = the time between rounds less the score
+    (``serial_pct``), N workers serve at most ``1 / (s + (1 - s) / N)`` times the agent-steps of
+    one (Amdahl's bound), ``amdahl_4`` for N = 4 (None unless ``one_worker``: the shares are one
+    worker's). Counted as serial, the score would put the bound below what N workers can reach."""
     last_in: dict[int, float] = {}
     last_out: dict[int, float] = {}
     for _, r, _, kind, t, _ in times:
@@ -665,9 +671,11 @@ def round_boundaries(times: list, t0: float, t1: float, one_worker: bool = True)
             last[r] = max(t, last.get(r, t))
     between = {r: (last_in[r], last_out[r + 1]) for r in last_in if r + 1 in last_out}
     b = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in between.values()) / (t1 - t0)
+    scored = min(b, scored_s / (t1 - t0))
     measured = [end - start for start, end in between.values() if start >= t0]
     return {"boundary_ms_p50": 1e3 * statistics.median(measured) if measured else None, "boundary_pct": 100 * b,
-            "amdahl_4": amdahl(b, 4) if one_worker else None}
+            "scored_pct": 100 * scored, "serial_pct": 100 * (b - scored),
+            "amdahl_4": amdahl(b - scored, 4) if one_worker else None}
 
 
 def amdahl(serial: float, n: int) -> float:
@@ -1197,7 +1205,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
              r["coord_cpu_ms_per_agent_step"], r["floor_ms"], r["floor_ratio"], r["bare_coordinator_ms"],
              r["bare_coordinator_ratio"], r["coord_faults_per_agent_step"], r["coord_rss_mb"],
              r["broker_cpu_pct"], r["gen_cpu_pct"], r["server_step_pct"],
-             *("-" if r[k] is None else r[k] for k in ("boundary_ms_p50", "boundary_pct", "amdahl_4")),
+             *("-" if r[k] is None else r[k] for k in ("boundary_ms_p50", "boundary_pct", "scored_pct", "amdahl_4")),
              r["heartbeats_per_s"]] for r in results]
     common.print_table(
         f"sfl-coord serve under load: {args.model} split {args.split} on {ds.name}, batch {args.batch}, "
@@ -1205,10 +1213,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         ["zstd level", "server workers", "agents", "registered", "steps/s", "agent-steps/s", "act MB/s", "step p50 ms", "p90 ms", "p99 ms",
          "coord CPU %", "CPU ms/agent-step", "its floor ms", "x its floor", "bare coordinator ms", "x bare",
          "page faults/agent-step", "coord RSS MB", "broker CPU %", "gen CPU %",
-         "server step %", "between rounds ms", "between rounds %", "4 workers at most x", "heartbeats/s"],
+         "server step %", "between rounds ms", "between rounds %", "of which the score %", "4 workers at most x",
+         "heartbeats/s"],
         rows, caption="CPU % = 100 per core; measured over rounds 2..R; gen = the load generators; between rounds: "
                       "a round's last weights in to the next round's last assignment out, which more server "
-                      "workers do not shorten (4 workers at most: Amdahl's bound from that share)")
+                      "workers do not shorten but for the score they share (4 workers at most: Amdahl's bound "
+                      "from the rest)")
     common.print_table(
         "the floor, per agent-step (one thread, no broker, 100 agents' rows per server step), and the "
         "transport's (bare paho through the same broker: one activations-sized message in, one gradients-sized out; "
@@ -1233,7 +1243,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             [[s["zstd_level"], s["agents"], s["server_workers"], s["agent_steps_per_s"], s["x_one_worker"],
               "-" if s["amdahl_bound"] is None else s["amdahl_bound"], 0.8 * s["server_workers"],
               " / ".join("-" if c is None else f"{c:.0f}" for c in s["ranks_cpu_pct"] or ())] for s in scaling],
-            caption="N at most: Amdahl's bound for N from the one-worker run's time between rounds; each rank's "
+            caption="N at most: Amdahl's bound for N from the one-worker run's serial share; each rank's "
                     "CPU: rank 0 first (a step's all-reduce waits for the busiest); the N processes share this "
                     f"machine's {cores} cores with the broker and the load generators")
     bound = bounds[args.zstd_levels[0]]

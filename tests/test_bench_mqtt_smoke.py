@@ -110,11 +110,13 @@ def test_coordinator_load_quick(bench_broker, tmp_path):
     assert lvl["step_ms_p99"] >= lvl["step_ms_p90"] >= lvl["step_ms_p50"]
     assert lvl["act_mb_per_s"] == pytest.approx(lvl["act_kb_per_message"] * 1e-3 * lvl["agent_steps_per_s"])
     assert 0 < lvl["server_step_pct"] < 100
-    # the time between rounds (assignments out after weights in): a share of the window, and the
-    # bound it puts on four server workers; no median from a single measured round
-    b = lvl["boundary_pct"] / 100
-    assert 0 < b < 1 and lvl["boundary_ms_p50"] is None
-    assert lvl["amdahl_4"] == pytest.approx(1 / (b + (1 - b) / 4)) and 1 < lvl["amdahl_4"] < 4
+    # the time between rounds (assignments out after weights in): a share of the window; the score
+    # inside it, which server workers share; the bound the rest puts on four; no median from a
+    # single measured round
+    b, scored = lvl["boundary_pct"] / 100, lvl["scored_pct"] / 100
+    assert 0 < b < 1 and 0 <= scored < b and lvl["boundary_ms_p50"] is None
+    assert lvl["serial_pct"] == pytest.approx(100 * (b - scored))
+    assert lvl["amdahl_4"] == pytest.approx(1 / (b - scored + (1 - b + scored) / 4)) and 1 < lvl["amdahl_4"] < 4
     assert lvl["heartbeats_per_s"] >= 0 and lvl["generators"] >= 1
     # the floor and the heartbeat's cost: measured, and the liveness rows follow from them
     assert 0 < doc["floor"]["decode_ms"] < doc["floor"]["total_ms"]

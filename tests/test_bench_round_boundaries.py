@@ -45,6 +45,22 @@ def test_the_time_between_rounds_its_share_and_amdahls_bound(coordinator_load):
     assert 1 < got["amdahl_4"] < 4
 
 
+def test_the_score_the_workers_share_is_not_counted_serial(coordinator_load):
+    """Of the time between rounds, the score of the model is split among the server workers: only
+    the rest bounds them. Counted serial, the bound would lie below what four workers can reach."""
+    times = (_round(1, [0.0, 0.5], [8.0, 9.0]) + _round(2, [10.0, 10.5], [18.0, 19.0])
+             + _round(3, [20.5, 21.0], [28.0, 29.0]))
+    got = coordinator_load.round_boundaries(times, 10.0, 29.0, scored_s=0.95)
+    b, scored = 2.5 / 19.0, 0.95 / 19.0
+    assert got["boundary_pct"] == pytest.approx(100 * b)
+    assert got["scored_pct"] == pytest.approx(100 * scored)
+    assert got["serial_pct"] == pytest.approx(100 * (b - scored))
+    assert got["amdahl_4"] == pytest.approx(1 / (b - scored + (1 - b + scored) / 4))
+    assert got["amdahl_4"] > coordinator_load.round_boundaries(times, 10.0, 29.0)["amdahl_4"]
+    # a score longer than the time between rounds (clock readings apart) leaves nothing negative
+    assert coordinator_load.round_boundaries(times, 10.0, 29.0, scored_s=5.0)["serial_pct"] == 0.0
+
+
 def test_no_median_from_one_round_and_no_bound_from_several_workers(coordinator_load):
     # one measured round, one agent: the time before its assignment lies outside the window
     times = _round(1, [0.0], [5.0]) + _round(2, [6.0], [11.0])
@@ -57,14 +73,14 @@ def test_no_median_from_one_round_and_no_bound_from_several_workers(coordinator_
 
 def test_n_server_workers_against_one_at_the_same_load(coordinator_load):
     """``--server-workers 1 2 4``: each count over one worker at the same load level and codec
-    setting, beside Amdahl's bound from the one-worker run's share between rounds; a load level
-    without a one-worker run has no comparison."""
-    def run(workers: int, agents: int, steps_per_s: float, boundary_pct: float = 10.0, level: int = 3) -> dict:
+    setting, beside Amdahl's bound from the one-worker run's serial share; a load level without a
+    one-worker run has no comparison."""
+    def run(workers: int, agents: int, steps_per_s: float, serial_pct: float = 10.0, level: int = 3) -> dict:
         return {"zstd_level": level, "agents": agents, "server_workers": workers,
-                "agent_steps_per_s": steps_per_s, "boundary_pct": boundary_pct}
+                "agent_steps_per_s": steps_per_s, "serial_pct": serial_pct}
 
-    results = [run(1, 100, 600.0, boundary_pct=20.0), run(2, 100, 900.0), run(4, 100, 1500.0),
-               run(1, 500, 700.0, boundary_pct=0.0), run(4, 500, 2100.0), run(2, 100, 800.0, level=0)]
+    results = [run(1, 100, 600.0, serial_pct=20.0), run(2, 100, 900.0), run(4, 100, 1500.0),
+               run(1, 500, 700.0, serial_pct=0.0), run(4, 500, 2100.0), run(2, 100, 800.0, level=0)]
     got = coordinator_load.worker_scaling(results)
     assert [(s["agents"], s["server_workers"]) for s in got] == [(100, 2), (100, 4), (500, 4)]
     assert [s["x_one_worker"] for s in got] == pytest.approx([1.5, 2.5, 3.0])
