@@ -217,8 +217,9 @@ class RoundOption:
 
     @classmethod
     def wanted(cls, cfg: "RunConfig") -> bool:
-        """Whether ``cfg`` switches the option on (the engine builds only those)."""
-        return False
+        """Whether ``cfg`` switches the option on (the engine builds only those): by default the
+        ``on`` property of its section, where the section has one."""
+        return bool(getattr(cls.settings(cfg), "on", False))
 
     @classmethod
     def left_to_auto(cls, cfg: "RunConfig") -> bool:

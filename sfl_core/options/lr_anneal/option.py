@@ -25,10 +25,6 @@ class LrAnneal(RoundOption):
     """The share auto anneals over (a quarter did less at the hard end, docs/methods/auto.md)."""
 
     @classmethod
-    def wanted(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).on)
-
-    @classmethod
     def left_to_auto(cls, cfg: "RunConfig") -> bool:
         return bool(cls.settings(cfg).share == "auto")
 

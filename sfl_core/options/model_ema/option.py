@@ -26,10 +26,6 @@ class ModelEma(RoundOption):
     SECTION: ClassVar[type[ModelEmaConfig]] = ModelEmaConfig
     STATE_PREFIX = STATE_PREFIX
 
-    @classmethod
-    def wanted(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).on)
-
     SWINGS = 0.02
     """How far the validation accuracy falls back a round, on average over the last 5 scored
     rounds (:func:`sfl_core.evidence.swing`), that switches the average on."""

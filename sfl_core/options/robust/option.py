@@ -139,10 +139,6 @@ def _farther(x: float, y: float) -> bool:
 class Robust(RoundOption):
     SECTION: ClassVar[type[RobustConfig]] = RobustConfig
 
-    @classmethod
-    def wanted(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).on)
-
     def __init__(self, cfg: "RunConfig", model: "SplitModel"):
         super().__init__(cfg, model)
         self.last: dict[str, Any] = {}

@@ -26,10 +26,6 @@ class ServerOpt(RoundOption):
     STATE_PREFIX = STATE_PREFIX
 
     @classmethod
-    def wanted(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).on)
-
-    @classmethod
     def left_to_auto(cls, cfg: "RunConfig") -> bool:
         return bool(cls.settings(cfg).kind == "auto")
 
