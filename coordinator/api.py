@@ -48,18 +48,13 @@ from sfl_core.transport.broker_url import BrokerAddress
 
 log = logging.getLogger("sfl.coord")
 
-__all__ = ["RunError", "serve", "output_dir", "run_info_body", "run_dataset", "lock_run", "read_checkpoint",
+__all__ = ["RunError", "serve", "run_info_body", "run_dataset", "lock_run", "read_checkpoint",
            "set_aside_earlier_run", "task_eval_set"]
 
 
 class RunError(ValueError):
     """A run that cannot start: a missing data set, a checkpoint that cannot be resumed, an
     address the embedded broker must not listen on. The message says what to fix."""
-
-
-def output_dir(cfg: RunConfig) -> Path:
-    """Where a run's metrics and checkpoints go: ``output_dir``, else ``runs/<run>``."""
-    return Path(cfg.output_dir) if cfg.output_dir else Path("runs") / cfg.run_id
 
 
 def run_dataset(cfg: RunConfig) -> Dataset:
@@ -228,7 +223,7 @@ def serve(cfg: RunConfig, broker: "Optional[str | BrokerAddress]" = None, *, res
     if shards is not None and not shards.leader:
         assert broker is not None   # cannot_share: server workers need a broker all of them reach
         return _serve_shard(cfg, broker, data, shards)
-    out = output_dir(cfg)
+    out = cfg.resolved_output_dir
     lock = lock_run(out, cfg.run_id)
     embedded = transport = None
     finished = False
@@ -329,7 +324,7 @@ def _serve_shard(cfg: RunConfig, broker: "str | BrokerAddress", data, shards) ->
     try:
         transport.start()
         engine = RoundEngine(cfg, transport, WallClock(), (data.x_test[:held], data.y_test[:held]),
-                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=output_dir(cfg),
+                             input_shape=data.input_shape, num_classes=data.num_classes, out_dir=cfg.resolved_output_dir,
                              device=shards.device, preprocessing=data.preprocessing, shards=shards)
         engine.serve_shard()
         return [], engine

@@ -17,7 +17,6 @@ from coordinator.api import (
     Resume,
     RunError,
     lock_run,
-    output_dir,
     read_checkpoint,
     run_dataset,
     set_aside_earlier_run,
@@ -47,7 +46,7 @@ def run_simulation(cfg: RunConfig, *, resume: Resume = False, device: str = "aut
     ``parts``: the model and method the caller built while checking the config."""
     console = console or Console(stderr=True)
     data = run_dataset(cfg)
-    out = output_dir(cfg)
+    out = cfg.resolved_output_dir
     lock = lock_run(out, cfg.run_id)
     try:
         checkpoint = read_checkpoint(out, resume)

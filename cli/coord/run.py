@@ -18,7 +18,7 @@ from cli.coord.app import DATA_OPTION, app, checked_parts, console, load_config,
 from coordinator import state as ckpt
 from coordinator.allocator import keep_freed_memory
 from coordinator.garbage_collection import spare_startup_objects
-from coordinator.api import RunError, output_dir
+from coordinator.api import RunError
 from coordinator.api import serve as serve_run
 from coordinator.broker import BrokerStartError, BrokerUnavailable
 from coordinator.console import print_table, summary_table
@@ -60,7 +60,7 @@ def _observers(cfg: RunConfig, metrics: Optional[str], dashboard: Optional[str],
             observers.append(start_metrics(metrics, cfg, access))
             tell(f"metrics: {scheme}://{metrics}/metrics", style="dim")
         if dashboard:
-            observers.append(start_dashboard(dashboard, output_dir(cfg), cfg, access))
+            observers.append(start_dashboard(dashboard, cfg.resolved_output_dir, cfg, access))
             tell(f"live fleet page: {scheme}://{dashboard}/" + ("?token=..." if access.token else ""), style="dim")
     except WebError as exc:
         for obs in observers:
@@ -84,7 +84,7 @@ def _run_daemon(cfg: RunConfig, fn) -> tuple[list[dict], RoundEngine]:
     def on_term(signum, frame):
         raise _Stopped()
     previous = signal.signal(signal.SIGTERM, on_term)
-    resume_hint = f"the run is checkpointed in {output_dir(cfg)}: continue it with --resume"
+    resume_hint = f"the run is checkpointed in {cfg.resolved_output_dir}: continue it with --resume"
     try:
         return fn()
     except (KeyboardInterrupt, _Stopped):
@@ -193,7 +193,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="Run config YA
     if engine.shards is not None and not engine.shards.leader:
         return                                             # the leader reports the run
     print_table(console, summary_table(history, engine.registry))
-    tell(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}", style="default")
+    tell(f"metrics: {cfg.resolved_output_dir / ckpt.METRICS_FILE}", style="default")
 
 
 @app.command()
@@ -226,7 +226,7 @@ def simulate(config: Path = typer.Option(..., "--config", "-c", help="Run config
                                                               ray=ray_address or ("local" if ray else None),
                                                               ray_workers=ray_workers, parts=parts))
     print_table(console, summary_table(history, engine.registry))
-    tell(f"metrics: {output_dir(cfg) / ckpt.METRICS_FILE}", style="default")
+    tell(f"metrics: {cfg.resolved_output_dir / ckpt.METRICS_FILE}", style="default")
 
 
 @app.command()
@@ -250,7 +250,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
             tell(f"--broker: {exc}")
             raise typer.Exit(2)
     procs: list[subprocess.Popen] = []
-    logs_dir = output_dir(cfg) / "agent-logs"
+    logs_dir = cfg.resolved_output_dir / "agent-logs"
 
     def launch(broker_url: Any, coordinator_key: str) -> None:   # the demo's embedded broker: a URL
         logs_dir.mkdir(parents=True, exist_ok=True)
@@ -283,7 +283,7 @@ def demo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="Def
     print_table(console, summary_table(history, engine.registry))
     codes = [p.returncode for p in procs]
     tell(f"demo finished in {time.monotonic() - t0:.1f} s wall; agent exit codes {codes}; "
-         f"metrics in {output_dir(cfg) / ckpt.METRICS_FILE}", style="default")
+         f"metrics in {cfg.resolved_output_dir / ckpt.METRICS_FILE}", style="default")
     if any(codes):
         raise typer.Exit(1)
 

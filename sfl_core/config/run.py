@@ -240,6 +240,7 @@ class RunConfig(Section):
 
     @property
     def resolved_output_dir(self) -> Path:
+        """Where the run's metrics and checkpoints go: ``output_dir``, else ``runs/<run>``."""
         return Path(self.output_dir) if self.output_dir else Path("runs") / self.run_id
 
     def agent_profiles(self) -> list[str]:

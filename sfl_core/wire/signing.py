@@ -169,10 +169,6 @@ class Trust:
     def pinned(self, run: str) -> Optional[bytes]:
         return self.explicit if self.explicit is not None else self._pinned.get(run)
 
-    def can_trust(self, run: str) -> bool:
-        """Whether any key can be trusted for ``run``: one given or pinned, or first use allowed."""
-        return self.first_use or self.pinned(run) is not None
-
     def decide(self, run: str, key: bytes) -> Optional[str]:
         trusted = self.pinned(run)
         if trusted is None and not self.first_use:
