@@ -462,11 +462,6 @@ def encoded_nbytes(obj: Mapping[str, Any]) -> int:
     return total
 
 
-def tensor_nbytes(obj: Mapping[str, Any]) -> int:
-    """Bytes an encoded tensor occupies on the wire (compressed payload); same as :func:`encoded_nbytes`."""
-    return encoded_nbytes(obj)
-
-
 # --------------------------------------------------------------------------- envelopes
 
 _ENVELOPE_FIELDS: dict[str, type | tuple[type, ...]] = {
