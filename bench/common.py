@@ -161,11 +161,24 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return cpu_name()
 
 
+SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".toml")
+"""Untracked files with these suffixes could change what a run does; any other (a log, an
+``--out`` folder of results a run left in the tree) cannot."""
+
+
+def source_changed(porcelain: str) -> bool:
+    """Whether ``git status --porcelain --untracked-files=all`` lists a change to the source: a
+    tracked file changed, or an untracked file of :data:`SOURCE_SUFFIXES`."""
+    return any(not line.startswith("??") or line[3:].strip().strip('"').endswith(SOURCE_SUFFIXES)
+               for line in porcelain.splitlines())
+
+
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """Facts needed to compare two result files: software, hardware, source revision."""
     commit = _git("rev-parse", "HEAD")
     # results written by earlier runs are not source: a run from a tree holding them is at the commit
-    status = _git("status", "--porcelain", "--", ".", ":(exclude)bench/results") if commit else None
+    status = (_git("status", "--porcelain", "--untracked-files=all", "--", ".", ":(exclude)bench/results")
+              if commit else None)
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -178,7 +191,7 @@ def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
         "git_commit": commit,
-        "git_dirty": bool(status) if status is not None else None,
+        "git_dirty": source_changed(status) if status is not None else None,
     }
 
 

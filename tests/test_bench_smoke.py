@@ -196,3 +196,15 @@ def test_a_result_records_its_command_so_that_it_can_be_pasted_back(tmp_path, mo
     monkeypatch.setattr(sys, "argv", argv)
     doc = json.loads(common.write_result(tmp_path, "probe", {"results": {}}).read_text())
     assert shlex.split(doc["command"]) == [Path(sys.executable).name, *argv]
+
+
+def test_a_run_is_at_its_commit_whatever_logs_and_results_it_leaves_in_the_tree():
+    """Only source marks a result's tree as changed: a tracked file, or an untracked Python or YAML
+    file; a log or an ``--out`` folder of JSON a run wrote into the clone does not."""
+    common = bench_module("common")
+    assert not common.source_changed("")
+    assert not common.source_changed("?? boards.log\n?? out/pipeline.json\n?? out/paper-s2fl.md")
+    assert common.source_changed("?? boards.log\n M sfl_core/timing.py")
+    assert common.source_changed("?? bench/probe.py")
+    assert common.source_changed("?? profiles/runs/mine.yaml")
+    assert common.source_changed("D  docs/results.md")
