@@ -331,10 +331,6 @@ def _probe_option():
             return cls.settings(cfg).state == "on"
 
         @classmethod
-        def left_to_auto(cls, cfg) -> bool:
-            return cls.settings(cfg).state == "auto"
-
-        @classmethod
         def recommend(cls, cfg, evidence, on) -> Recommendation:
             best = max(evidence.accuracy, default=0.0)
             return Recommendation({"state": "on"} if best > 0.5 else None, f"best accuracy {best:.2f}")

@@ -223,9 +223,11 @@ class RoundOption:
 
     @classmethod
     def left_to_auto(cls, cfg: "RunConfig") -> bool:
-        """Whether ``cfg`` leaves this option to ``strategy: auto`` (its section says ``auto``,
-        the default): never, unless the option can recommend itself."""
-        return False
+        """Whether ``cfg`` leaves this option to ``strategy: auto``: by default, whether its
+        section's switch (the field its ``SHORTHAND`` names) says ``auto``. An option whose switch
+        has no ``auto`` value is never left to auto; one that has it answers :meth:`recommend`."""
+        section = cls.settings(cfg)
+        return bool(section.SHORTHAND) and getattr(section, section.SHORTHAND) == "auto"
 
     @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:

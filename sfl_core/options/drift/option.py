@@ -57,10 +57,6 @@ class Drift(RoundOption):
     STATE_PREFIX = STATE_PREFIX
 
     @classmethod
-    def left_to_auto(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).kind == "auto")
-
-    @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
         """SCAFFOLD where the devices' label mixes differ: each one's local steps pull its portion
         towards its own classes, and the control variates take that pull out (its cost, one more

@@ -25,10 +25,6 @@ class LrAnneal(RoundOption):
     """The share auto anneals over (a quarter did less at the hard end, docs/methods/auto.md)."""
 
     @classmethod
-    def left_to_auto(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).share == "auto")
-
-    @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
         """On (the last half of the run) where a round trains a sample of strongly label-skewed
         devices whose accuracy stopped climbing in the first half

@@ -31,10 +31,6 @@ class ModelEma(RoundOption):
     rounds (:func:`sfl_core.evidence.swing`), that switches the average on."""
 
     @classmethod
-    def left_to_auto(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).decay == "auto")
-
-    @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
         """The average (decay 0.8) once the global model swings from round to round: the scored
         accuracy falls back by :attr:`SWINGS` a round on average; or, where a round trains a

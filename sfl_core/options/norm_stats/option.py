@@ -104,10 +104,6 @@ class NormStats(RoundOption):
         return ns.federated or ns.freeze_after > 0 or ns.local
 
     @classmethod
-    def left_to_auto(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).mode == "auto")
-
-    @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
         """Federated statistics where a model with BatchNorm layers trains on label-skewed
         devices: averaging each device's batch statistics gives the global model statistics of

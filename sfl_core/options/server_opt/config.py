@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from pydantic.dataclasses import dataclass
 from typing_extensions import Annotated  # typing.Annotated needs Python 3.9
@@ -11,9 +11,6 @@ from sfl_core.config.fields import STRICT, checked
 from sfl_core.config.section import OptionSection
 from sfl_core.config.values import POSITIVE_NUMBER, UNIT_OPEN, one_of
 
-
-if TYPE_CHECKING:
-    pass
 
 KINDS = ("auto", "none", "momentum", "adam", "yogi")
 

@@ -26,10 +26,6 @@ class ServerOpt(RoundOption):
     STATE_PREFIX = STATE_PREFIX
 
     @classmethod
-    def left_to_auto(cls, cfg: "RunConfig") -> bool:
-        return bool(cls.settings(cfg).kind == "auto")
-
-    @classmethod
     def recommend(cls, cfg: "RunConfig", evidence: "Evidence", on: bool) -> Recommendation:
         """Server momentum (FedAvgM, beta 0.5) wherever a round trains a sample of the fleet: each
         round's average follows the devices it happened to take (their classes where labels are
