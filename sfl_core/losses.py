@@ -63,6 +63,17 @@ def _check_logits(name: str, logits: torch.Tensor) -> None:
         raise ValueError(f"{name} must be (batch, classes), got shape {tuple(logits.shape)}")
 
 
+def _check_distillation(student: str, student_logits: torch.Tensor, teacher: str, teacher_logits: torch.Tensor,
+                        T: float) -> None:
+    """A knowledge-sharing loss's inputs: logits of one shape, and a temperature to divide by."""
+    _check_logits(f"{student}_logits", student_logits)
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(f"{student} {tuple(student_logits.shape)} and {teacher} {tuple(teacher_logits.shape)} "
+                         "logits differ in shape")
+    if not math.isfinite(T) or T <= 0:
+        raise ValueError(f"T must be finite and positive, got {T!r}")
+
+
 def _check_labels(labels: torch.Tensor, logits: torch.Tensor) -> None:
     if labels.shape != (logits.shape[0],):
         raise ValueError(f"labels must have shape ({logits.shape[0]},), got {tuple(labels.shape)}")
@@ -120,12 +131,7 @@ def n2w_loss(wide_logits: torch.Tensor, narrow_logits: torch.Tensor, under_repre
     Every sample contributes (Eq. 6 restricts classes, not samples). The narrow logits are
     the teacher and are detached. R empty gives 0; R = all classes is plain soft-label CE.
     """
-    _check_logits("wide_logits", wide_logits)
-    if narrow_logits.shape != wide_logits.shape:
-        raise ValueError(f"wide {tuple(wide_logits.shape)} and narrow {tuple(narrow_logits.shape)} logits "
-                         "differ in shape")
-    if not math.isfinite(T) or T <= 0:
-        raise ValueError(f"T must be finite and positive, got {T!r}")
+    _check_distillation("wide", wide_logits, "narrow", narrow_logits, T)
     c = wide_logits.shape[1]
     r = sorted(set(int(i) for i in under_represented))
     if any(not 0 <= i < c for i in r):
@@ -151,12 +157,7 @@ def w2n_loss(narrow_logits: torch.Tensor, wide_logits: torch.Tensor, *, T: float
     The wide logits are the teacher and are detached. (Same gradient as KL; the value is
     offset by the teacher's entropy, so it is not 0 when the logits agree.)
     """
-    _check_logits("narrow_logits", narrow_logits)
-    if narrow_logits.shape != wide_logits.shape:
-        raise ValueError(f"narrow {tuple(narrow_logits.shape)} and wide {tuple(wide_logits.shape)} logits "
-                         "differ in shape")
-    if not math.isfinite(T) or T <= 0:
-        raise ValueError(f"T must be finite and positive, got {T!r}")
+    _check_distillation("narrow", narrow_logits, "wide", wide_logits, T)
     if narrow_logits.shape[0] == 0:
         return narrow_logits.sum() * 0.0
     p_w = F.softmax(wide_logits.detach() / T, dim=1)

@@ -95,6 +95,18 @@ def test_w2n_is_soft_label_ce():
     torch.testing.assert_close(a.grad, b.grad)
 
 
+
+@pytest.mark.parametrize("loss", [lambda s, t, **k: n2w_loss(s, t, [0], **k), w2n_loss])
+def test_knowledge_sharing_refuses_mismatched_logits_and_a_bad_temperature(loss):
+    with pytest.raises(ValueError, match=r"\(2, 3\) and .* \(2, 4\) logits differ in shape"):
+        loss(_logits(2, 3), _logits(2, 4))
+    with pytest.raises(ValueError, match="must be \\(batch, classes\\)"):
+        loss(_logits(2, 3)[0], _logits(2, 3)[0])
+    for T in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="T must be finite and positive"):
+            loss(_logits(2, 3), _logits(2, 3), T=T)
+
+
 # ------------------------------------------------------------------ BDKS gradient routing
 def _grads(loss, wide, narrow):
     return torch.autograd.grad(loss, [wide, narrow], retain_graph=True, allow_unused=True)
