@@ -80,7 +80,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     from coordinator.engine import RoundFailed
     from sfl_core.config.run import run_config_from_dict
     from simulation import run_simulation
-    from sfl_core.options.robust.option import FLAGS
+    from sfl_core.options.robust.option import flagged_in
     from simulation.adversary import Attack, trigger
 
     data = common.load_data(job["data"])
@@ -118,7 +118,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         for a in r.get("selected", []):
             seen[a] = seen.get(a, 0) + 1
         rb = r.get("robust", {})
-        accused = {a for key in FLAGS if key != "capped" for a in rb.get(key, ())}
+        accused = flagged_in(rb)
         for a in accused:
             flagged[a] = flagged.get(a, 0) + 1
         for a in accused | set(rb.get("capped", ())):

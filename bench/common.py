@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -274,7 +274,23 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], args: argparse.Names
 
 
 CURVE_KEYS = ("round", "accuracy", "elapsed_s", "bytes_up", "bytes_down")
-"""What a bench keeps of each round's metrics (its curves)."""
+"""What a bench keeps of each round's metrics (its curves), besides :func:`flagged`."""
+
+
+def flagged(round_metrics: dict[str, Any]) -> list[str]:
+    """The agents the robust option flagged in a round (its metrics ``robust``): on an honest
+    fleet, its false positives."""
+    from sfl_core.options.robust.option import flagged_in
+    return sorted(flagged_in(round_metrics.get("robust") or {}))
+
+
+def tally(counts: Iterable[Mapping[Any, int]]) -> dict[str, int]:
+    """Counts by an integer key (a window, a cut), added up over runs, in the keys' order."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, n in c.items():
+            out[str(k)] = out.get(str(k), 0) + n
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def simulate_seeds(label: str, make_config: Callable[[int], Any], seeds: int, device: str = "auto",
@@ -287,7 +303,7 @@ def simulate_seeds(label: str, make_config: Callable[[int], Any], seeds: int, de
     for seed in range(first, first + seeds):
         t0 = time.time()
         history, _ = run_simulation(make_config(seed), device=device, quiet=True)
-        runs.append([{k: r[k] for k in CURVE_KEYS} for r in history])
+        runs.append([{**{k: r[k] for k in CURVE_KEYS}, "flagged": flagged(r)} for r in history])
         print(f"{label} seed {seed}: acc {history[-1]['accuracy']:.4f}  virtual {history[-1]['elapsed_s']:.0f} s  "
               f"({time.time() - t0:.0f} s wall)", flush=True)
     return runs

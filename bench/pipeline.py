@@ -17,7 +17,9 @@ the other rows run :data:`LONGER` times as many and are read at lock-step's virt
 the same seed: a user who gives the run lock-step's time has that model. Reported per fleet
 and row: accuracy at lock-step's time (mean and worst seed) and at lock-step's rounds (mean),
 virtual seconds to the fleet's target (90 % of the lock-step row's mean final accuracy) and
-its ratio to lock-step's, and the planner's median error (predicted round against the clock's).
+its ratio to lock-step's, the planner's median error (predicted round against the clock's), the
+device-rounds by window and by cut over every seed, and the device-rounds the defense flagged
+(its false positives: every device of these fleets is honest).
 
     python bench/pipeline.py --seeds 2                  # both fleets, 2 seeds
     python bench/pipeline.py --quick                    # smoke test
@@ -55,7 +57,8 @@ def run_row(base: dict[str, Any], extra: dict[str, Any], seed: int, work: Path, 
     split = [a for r in history[1:] for a in r["agents"].values() if not a["whole_model"]]
     windows = [a.get("window", 1) for a in split]
     cuts = [a["split"] for a in split]
-    return {"curve": [{k: r.get(k) for k in ("round", "accuracy", "elapsed_s")} for r in history],
+    return {"curve": [{**{k: r.get(k) for k in ("round", "accuracy", "elapsed_s")}, "flagged": common.flagged(r)}
+                      for r in history],
             "plan_error": statistics.median(errors) if errors else None,
             "windows": {w: windows.count(w) for w in sorted(set(windows))},
             "cuts": {c: cuts.count(c) for c in sorted(set(cuts))}}
@@ -102,7 +105,8 @@ def main() -> None:
                 "reached": f"{sum(t is not None for t in times)}/{len(times)}",
                 "virtual_s": statistics.mean(r["curve"][-1]["elapsed_s"] for r in runs),
                 "plan_error_median": statistics.median(errors) if errors else None,
-                "windows": runs[0]["windows"], "cuts": runs[0]["cuts"]}
+                "windows": common.tally(r["windows"] for r in runs), "cuts": common.tally(r["cuts"] for r in runs),
+                "flagged_device_rounds": sum(len(x["flagged"]) for r in runs for x in r["curve"])}
         ref = summary[name].get("window 1", {}).get("time_to_target_s")
         for row, s in summary[name].items():
             s["speedup_to_target"] = ref / s["time_to_target_s"] if ref and s["time_to_target_s"] else None

@@ -31,6 +31,8 @@ def test_paper_bench_quick(tmp_path, paper):
     if extra:
         assert all(0.0 <= m["norm_stats_recomputed_mean"] <= 1.0 for m in summary["methods"].values())
     assert len(summary["methods"]) == 2
+    # each round of each run records whom the defense flagged (none expected, but always a list)
+    assert all(isinstance(x["flagged"], list) for runs in doc["curves"][setting].values() for r in runs for x in r)
     for m in summary["methods"].values():
         assert 0.0 <= m["final_accuracy_mean"] <= 1.0 and m["round_time_s_mean"] > 0
     # the replica's profiles were scaled by the factors the model shrank

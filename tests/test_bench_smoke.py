@@ -188,6 +188,27 @@ def test_attacks_quick_at_a_batch_of_eight(tmp_path: Path) -> None:
     assert all(r["runs"] == 1 for r in doc["rows"])
 
 
+def test_pipeline_quick_records_whom_the_defense_flagged_each_round(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "pipeline.py"), "--quick", "--only", "demo", "--rows", "window 1", "window auto",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "pipeline-quick.json").read_text())
+    for row, runs in doc["results"]["demo"].items():
+        assert all(isinstance(x["flagged"], list) for r in runs for x in r["curve"])
+        summary = doc["summary"]["demo"][row]
+        assert summary["flagged_device_rounds"] == sum(len(x["flagged"]) for r in runs for x in r["curve"])
+        # every split device-round counted once by window and once by cut
+        assert sum(summary["windows"].values()) == sum(summary["cuts"].values()) > 0
+
+
+def test_the_pipeline_bench_adds_up_windows_and_cuts_over_every_seed():
+    tally = bench_module("common").tally
+    assert tally([{2: 240}, {"2": 112, "4": 128}]) == {"2": 352, "4": 128}
+    assert list(tally([{"10": 1}, {"4": 1, "2": 1}])) == ["2", "4", "10"]
+    assert tally([]) == {}
+
+
 def test_a_result_records_its_command_so_that_it_can_be_pasted_back(tmp_path, monkeypatch):
     """An argument with spaces (a fleet's name, a row's) comes back as one argument."""
     common = bench_module("common")

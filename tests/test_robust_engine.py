@@ -332,3 +332,15 @@ def test_a_device_flagged_round_after_round_is_quarantined_until_an_operator_rea
     assert "sim-001" in resumed[-1]["selected"] and {"sim-000", "sim-002"}.isdisjoint(resumed[-1]["selected"])
     assert any(m.startswith("readmitted sim-001 at an operator's request") for m in caplog.messages)
     assert not (run_dir / "readmit" / "sim-001").exists()
+
+
+def test_a_rounds_flagged_agents_are_every_named_one_but_the_capped():
+    """What counts towards quarantine, read back from a round's metrics (the benches count false
+    positives with it): a capped claim alone accuses nobody, scores and scales are no verdicts."""
+    from sfl_core.options.robust.option import flagged_in
+
+    metrics = {"capped": {"a": 10.0}, "clipped": {"b": 2.0}, "rows_left_out": {"c": 1}, "refused": {"d": "NaN"},
+               "outliers": ["e"], "replaced": {"f": 1.1}, "clipped_by_peers": {"g": 5.0},
+               "scores": {"h": 1.0}, "label_mismatch": {"c": 0.3}, "quarantined": ["b"]}
+    assert flagged_in(metrics) == {"b", "c", "d", "e", "f", "g"}
+    assert flagged_in({}) == set() and flagged_in({"capped": {"a": 1e6}}) == set()

@@ -49,11 +49,19 @@ if TYPE_CHECKING:
     from sfl_core.model.zoo import SplitModel
     from sfl_core.wire.assignment import Assignment
 
-__all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "PEERS", "Robust", "change_scale", "krum_f", "peer_key"]
+__all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "PEERS", "Robust", "change_scale", "flagged_in", "krum_f",
+           "peer_key"]
 
 FLAGS = ("refused", "capped", "clipped", "clipped_by_peers", "replaced", "outliers", "rows_left_out")
 """The round's metrics' keys that name agents; each counts towards quarantine (``capped`` only
 over :data:`IMPLAUSIBLE`)."""
+
+
+def flagged_in(metrics: Mapping[str, Any]) -> set[str]:
+    """The agents a round's metrics of this option (``metrics["robust"]``) name as flagged: every
+    key of :data:`FLAGS` but ``capped`` (a cap alone is no accusation; :data:`IMPLAUSIBLE`)."""
+    return {a for key in FLAGS if key != "capped" for a in metrics.get(key, ())}
+
 
 IMPLAUSIBLE = 10.0
 """A capped claim counts towards quarantine only where it is over this many times the cap (by
@@ -444,7 +452,7 @@ class Robust(RoundOption):
         :data:`IMPLAUSIBLE` times the weight cap, its update clipped or replaced, a Multi-Krum
         outlier, or its rows left out of a server step); quarantine at ``quarantine`` of them.
         ``implausible``: the round's capped agents whose claims count."""
-        flagged = {a for key in FLAGS if key != "capped" for a in self.last.get(key, ())} | implausible
+        flagged = flagged_in(self.last) | implausible
         for a in took_part:
             self.streak[a] = self.streak.get(a, 0) + 1 if a in flagged else 0
             k = self.section.quarantine
