@@ -90,6 +90,20 @@ def test_status_fits_80_columns_and_speaks_json(tmp_path):
     assert RUNNER.invoke(app, ["status", str(tmp_path / "out"), "--format", "yaml"]).exit_code == 2
 
 
+def test_profiles_read_in_a_datasheets_units_within_80_columns():
+    """The profile names uncut (what ``--profile`` takes), and what decides a window's worth: each
+    link's duplex (docs/methods/pipeline.md)."""
+    res = RUNNER.invoke(app, ["profiles"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "…" not in res.output and max(map(len, lines)) <= 80
+    header, = [l.split() for l in lines if l.split()[:1] == ["name"]]
+    assert header == ["name", "GFLOP/s", "up", "Mb/s", "down", "Mb/s", "latency", "duplex", "memory"]
+    rows = {l.split()[0]: l.split()[1:] for l in lines if l.split()[:1] in (["jetson-nano"], ["s2fl-server"])}
+    assert rows["jetson-nano"] == ["47", "10", "10", "5", "ms", "half", "4", "GiB"]   # 4.7e10, 1.25e6 B/s
+    assert rows["s2fl-server"] == ["50", "80", "80", "0", "ms", "full", "-"]
+
+
 def test_mergesfl_selection_says_per_round_is_unused_and_bounds_the_count(tmp_path):
     import json
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -138,13 +139,16 @@ def profiles() -> None:
     root, origin = default_profiles_dir(), profiles_origin()
     hint = "" if origin == "SFL_PROFILES_DIR" else "; set SFL_PROFILES_DIR to use a folder of your own"
     console.print(f"profiles folder: {root} ({origin}{hint})", markup=False, highlight=False)
-    table = Table(title=f"device profiles ({root / 'devices'})")
-    for col in ("name", "FLOP/s", "uplink B/s", "downlink B/s", "latency s"):
-        table.add_column(col)
+    # in the units a datasheet and iperf3 give, in 80 columns; never cut (a name is what --profile takes)
+    table = Table(title=f"device profiles ({root / 'devices'})", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("name", "GFLOP/s", "up Mb/s", "down Mb/s", "latency", "duplex", "memory"):
+        table.add_column(col, no_wrap=True, justify="left" if col == "name" else "right")
     for name in list_profiles():
         p = load_profile(name)
-        table.add_row(name, f"{p.compute_flops:.3g}", f"{p.link_bytes_per_s:.3g}", f"{p.downlink_bytes_per_s:.3g}",
-                      f"{p.latency_s:g}")
+        # half duplex (WiFi): steps in flight cannot overlap uploads with downloads (docs/methods/pipeline.md)
+        table.add_row(name, f"{p.compute_flops / 1e9:.3g}", f"{p.link_bytes_per_s * 8 / 1e6:.3g}",
+                      f"{p.downlink * 8 / 1e6:.3g}", f"{p.latency_s * 1e3:g} ms", "half" if p.half_duplex else "full",
+                      "-" if p.memory_bytes is None else f"{p.memory_bytes / 2**30:.3g} GiB")
     console.print(table)
     runs = sorted(p.name for p in (root / "runs").glob("*.y*ml")) if (root / "runs").is_dir() else []
     console.print(f"run configs ({root / 'runs'}): {', '.join(runs) or 'none'}", markup=False, highlight=False)
