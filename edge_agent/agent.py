@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -514,6 +514,10 @@ class AgentCore:
         return replies
 
     def _resend(self) -> list[Message]:
-        if self._window > 1 and self._flight:   # any of the steps in flight may be the one lost
-            return [f.sent for f in self._flight]
+        """What the coordinator may have lost: our last reply, sent as it was (its seq marks it
+        as a retransmission). With steps in flight, any of them may be the one lost, and each goes
+        again under a new seq: the coordinator may already hold the later ones, and their seqs
+        would make the original's a replay, refused, so the step would never arrive."""
+        if self._window > 1 and self._flight:
+            return [replace(f.sent, seq=protocol.next_seq()) for f in self._flight]
         return [self._last_reply] if self._last_reply is not None else []

@@ -114,6 +114,49 @@ def test_a_lost_gradient_is_resent_with_every_unanswered_one_and_the_round_compl
     assert history[2]["completed"] == ["sim-000", "sim-001", "sim-002"]
 
 
+class LosesOneActivations(InProcessTransport):
+    """The in-process fleet, where ``agent``'s activations of one step are lost on the way (its
+    later steps in flight arrive); the agent, waiting for that step's gradients, then says it is
+    idle until the step comes in."""
+
+    def __init__(self, inner: InProcessTransport, agent: str, step: int):
+        super().__init__(inner.run_id, inner.agents)
+        self._inbox = inner._inbox
+        self.agent, self.step = agent, step
+        self.lost: Optional[Message] = None
+        self.steps: list[int] = []
+        """The steps of the agent's activations of round 1 that reached the coordinator."""
+
+    def poll(self, timeout: float) -> Optional[Message]:
+        msg = super().poll(timeout)
+        if msg is not None and msg.sender == self.agent and msg.type == "activations" and msg.round == 1:
+            if msg.step == self.step and self.lost is None:
+                self.lost = msg
+                return self.poll(timeout)
+            self.steps.append(msg.step)
+        if msg is None and self.lost is not None and self.step not in self.steps:
+            self._inbox.append(Message("heartbeat", self.run_id, self.agent, {"state": "idle"},
+                                       round=1, seq=protocol.next_seq()))
+        return msg
+
+
+def test_lost_activations_come_again_after_the_later_steps_and_the_round_completes(tmp_path):
+    """Steps 3 and 4 reach the coordinator before step 2 was lost for good: the agent's resends
+    (new seqs) are taken, not refused as replays of seqs older than 3's and 4's, and the agent
+    stays in the round rather than being dropped once it falls silent."""
+    cfg = _cfg(tmp_path, "la", window=3, rounds=2, local_iters=6)
+    data = load_dataset("digits")
+    t = LosesOneActivations(build_fleet(cfg, data), "sim-001", step=2)
+    engine = RoundEngine(cfg, t, VirtualClock(), (data.x_test, data.y_test), input_shape=data.input_shape,
+                         num_classes=data.num_classes, out_dir=Path(cfg.output_dir))
+    history = engine.run()
+    assert t.lost is not None
+    assert t.steps[:5] == [0, 1, 3, 4, 2]      # the lost step again, after the ones ahead of it
+    assert history[1]["completed"] == ["sim-000", "sim-001", "sim-002"]
+    assert "replayed" not in history[1].get("rejected", {}), history[1]["rejected"]
+    assert history[2]["completed"] == ["sim-000", "sim-001", "sim-002"]
+
+
 def test_sfl_coord_plans_row_with_a_window_matches_the_simulated_run(tmp_path):
     """``sfl-coord plan`` prices the window as the virtual clock charges it: SFL's row with
     ``window: 4`` against a simulated run of it, and each agent's planned window."""
