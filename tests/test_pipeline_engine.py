@@ -2,10 +2,13 @@
 the link on a link-bound fleet and the run learns as in lock-step; the metrics say what each
 agent kept in flight and what it hid; ``window: auto`` under ``strategy: auto`` plans it with
 the cut and the batch; a gradient lost with steps in flight is recovered by the agent's idle
-heartbeat and the coordinator's resend of every unanswered gradient."""
+heartbeat and the coordinator's resend of every unanswered gradient; lost activations by the agent's
+resend of every step in flight; with one message in twenty lost either way the run learns the same
+model."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Optional
 
@@ -70,13 +73,31 @@ def test_auto_plans_the_window_with_the_cut_and_the_batch(tmp_path):
     assert abs(plan["error"]) < 0.15      # the planner's round as the clock charged it
 
 
-class LosesOneGradient(InProcessTransport):
+class OverTheFleet(InProcessTransport):
+    """The in-process fleet of ``inner``, its messages passed through a subclass's rules."""
+
+    def __init__(self, inner: InProcessTransport):
+        super().__init__(inner.run_id, inner.agents)
+        self._inbox = inner._inbox
+
+
+def _run(cfg, over=None):
+    """The run of ``cfg`` on the digits, its fleet wrapped by ``over`` if given: its history,
+    its final model and the transport."""
+    data = load_dataset("digits")
+    t = build_fleet(cfg, data)
+    t = over(t) if over is not None else t
+    engine = RoundEngine(cfg, t, VirtualClock(), (data.x_test, data.y_test), input_shape=data.input_shape,
+                         num_classes=data.num_classes, out_dir=Path(cfg.output_dir))
+    return engine.run(), engine.model.state_dict(), t
+
+
+class LosesOneGradient(OverTheFleet):
     """The in-process fleet, where one gradient to ``agent`` is lost on the way; the agent, with
     nothing left to compute, then says it is idle (a deployed agent's heartbeat)."""
 
     def __init__(self, inner: InProcessTransport, agent: str, step: int):
-        super().__init__(inner.run_id, inner.agents)
-        self._inbox = inner._inbox
+        super().__init__(inner)
         self.agent, self.step = agent, step
         self.lost: Optional[Message] = None
         self.after: list[int] = []
@@ -100,12 +121,8 @@ class LosesOneGradient(InProcessTransport):
 
 
 def test_a_lost_gradient_is_resent_with_every_unanswered_one_and_the_round_completes(tmp_path):
-    cfg = _cfg(tmp_path, "wl", window=3, rounds=2, local_iters=6)
-    data = load_dataset("digits")
-    t = LosesOneGradient(build_fleet(cfg, data), "sim-001", step=2)
-    engine = RoundEngine(cfg, t, VirtualClock(), (data.x_test, data.y_test), input_shape=data.input_shape,
-                         num_classes=data.num_classes, out_dir=Path(cfg.output_dir))
-    history = engine.run()
+    history, _, t = _run(_cfg(tmp_path, "wl", window=3, rounds=2, local_iters=6),
+                         lambda fleet: LosesOneGradient(fleet, "sim-001", step=2))
     assert t.lost is not None
     # steps 3 and 4 had come in ahead, so gradients 3 and 4 went out after the lost 2; the agent,
     # holding them, fell idle: all three went again, the lost one first, and the round went on
@@ -114,14 +131,13 @@ def test_a_lost_gradient_is_resent_with_every_unanswered_one_and_the_round_compl
     assert history[2]["completed"] == ["sim-000", "sim-001", "sim-002"]
 
 
-class LosesOneActivations(InProcessTransport):
+class LosesOneActivations(OverTheFleet):
     """The in-process fleet, where ``agent``'s activations of one step are lost on the way (its
     later steps in flight arrive); the agent, waiting for that step's gradients, then says it is
     idle until the step comes in."""
 
     def __init__(self, inner: InProcessTransport, agent: str, step: int):
-        super().__init__(inner.run_id, inner.agents)
-        self._inbox = inner._inbox
+        super().__init__(inner)
         self.agent, self.step = agent, step
         self.lost: Optional[Message] = None
         self.steps: list[int] = []
@@ -144,17 +160,61 @@ def test_lost_activations_come_again_after_the_later_steps_and_the_round_complet
     """Steps 3 and 4 reach the coordinator before step 2 was lost for good: the agent's resends
     (new seqs) are taken, not refused as replays of seqs older than 3's and 4's, and the agent
     stays in the round rather than being dropped once it falls silent."""
-    cfg = _cfg(tmp_path, "la", window=3, rounds=2, local_iters=6)
-    data = load_dataset("digits")
-    t = LosesOneActivations(build_fleet(cfg, data), "sim-001", step=2)
-    engine = RoundEngine(cfg, t, VirtualClock(), (data.x_test, data.y_test), input_shape=data.input_shape,
-                         num_classes=data.num_classes, out_dir=Path(cfg.output_dir))
-    history = engine.run()
+    history, _, t = _run(_cfg(tmp_path, "la", window=3, rounds=2, local_iters=6),
+                         lambda fleet: LosesOneActivations(fleet, "sim-001", step=2))
     assert t.lost is not None
     assert t.steps[:5] == [0, 1, 3, 4, 2]      # the lost step again, after the ones ahead of it
     assert history[1]["completed"] == ["sim-000", "sim-001", "sim-002"]
     assert "replayed" not in history[1].get("rejected", {}), history[1]["rejected"]
     assert history[2]["completed"] == ["sim-000", "sim-001", "sim-002"]
+
+
+class LossyLinks(OverTheFleet):
+    """The in-process fleet over links that lose each training message, either way, with
+    probability ``p`` (from round 1; seeded), and agents that say they are idle whenever the
+    coordinator finds nothing to read (a deployed agent's heartbeat)."""
+
+    TRAINING = frozenset({"assign", "activations", "gradients", "weights"})
+
+    def __init__(self, inner: InProcessTransport, p: float, seed: int):
+        super().__init__(inner)
+        self.p, self.rng = p, random.Random(seed)
+        self.lost = {"up": 0, "down": 0}
+
+    def _loses(self, msg: Message) -> bool:
+        return msg.type in self.TRAINING and msg.round >= 1 and self.rng.random() < self.p
+
+    def send(self, agent_id: str, msg: Message) -> int:
+        if self._loses(msg):
+            self.lost["down"] += 1
+            return len(msg.encode())
+        return super().send(agent_id, msg)
+
+    def poll(self, timeout: float) -> Optional[Message]:
+        msg = super().poll(timeout)
+        while msg is not None and self._loses(msg):
+            self.lost["up"] += 1
+            msg = super().poll(timeout)
+        if msg is None:
+            self._inbox.extend(Message("heartbeat", self.run_id, a, {"state": "idle"}, seq=protocol.next_seq())
+                               for a in self.agents)
+        return msg
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_messages_lost_both_ways_change_nothing_the_run_learns(tmp_path, window):
+    """Training messages lost either way, one in twenty: every round completes with every agent
+    and the model comes out identical to the run that lost none (each step applied exactly
+    once, in order). With steps in flight, before the agent re-sent them under new seqs, most
+    agents were dropped from their rounds."""
+    _, clean, _ = _run(_cfg(tmp_path, "clean", window=window, rounds=2, local_iters=8))
+    history, model, links = _run(_cfg(tmp_path, "lossy", window=window, rounds=2, local_iters=8),
+                                 lambda fleet: LossyLinks(fleet, 0.05, seed=window))
+    assert links.lost["up"] and links.lost["down"], links.lost
+    for r in history[1:]:
+        assert r["completed"] == ["sim-000", "sim-001", "sim-002"], r["completed"]
+        assert "replayed" not in r.get("rejected", {}), r["rejected"]
+    assert all(torch.equal(model[k], clean[k]) for k in clean)
 
 
 def test_sfl_coord_plans_row_with_a_window_matches_the_simulated_run(tmp_path):
