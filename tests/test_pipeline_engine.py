@@ -3,8 +3,8 @@ the link on a link-bound fleet and the run learns as in lock-step; the metrics s
 agent kept in flight and what it hid; ``window: auto`` under ``strategy: auto`` plans it with
 the cut and the batch; a gradient lost with steps in flight is recovered by the agent's idle
 heartbeat and the coordinator's resend of every unanswered gradient; lost activations by the agent's
-resend of every step in flight; with one message in twenty lost either way the run learns the same
-model."""
+resend of every step in flight; with one message in twenty lost either way, or one in ten
+delivered twice, the run learns the same model."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ class LossyLinks(OverTheFleet):
     probability ``p`` (from round 1; seeded), and agents that say they are idle whenever the
     coordinator finds nothing to read (a deployed agent's heartbeat)."""
 
-    TRAINING = frozenset({"assign", "activations", "gradients", "weights"})
+    TRAINING = frozenset({"assign", "activations", "gradients", "weights", "logits", "logit_grads"})
 
     def __init__(self, inner: InProcessTransport, p: float, seed: int):
         super().__init__(inner)
@@ -201,20 +201,78 @@ class LossyLinks(OverTheFleet):
         return msg
 
 
-@pytest.mark.parametrize("window", [1, 2, 4])
-def test_messages_lost_both_ways_change_nothing_the_run_learns(tmp_path, window):
-    """Training messages lost either way, one in twenty: every round completes with every agent
-    and the model comes out identical to the run that lost none (each step applied exactly
-    once, in order). With steps in flight, before the agent re-sent them under new seqs, most
-    agents were dropped from their rounds."""
-    _, clean, _ = _run(_cfg(tmp_path, "clean", window=window, rounds=2, local_iters=8))
-    history, model, links = _run(_cfg(tmp_path, "lossy", window=window, rounds=2, local_iters=8),
-                                 lambda fleet: LossyLinks(fleet, 0.05, seed=window))
-    assert links.lost["up"] and links.lost["down"], links.lost
+SETTINGS = {"window 1": {}, "window 2": {"window": 2}, "window 4": {"window": 4},
+            "auto, window auto": {"strategy": "auto", "window": "auto"},
+            "labels withheld, window 2": {"privacy": {"withhold_labels": True}, "window": 2}}
+"""Runs the faults below must not change: lock-step, steps in flight, the planner's windows, and
+an exchange of logits (labels withheld keep lock-step whatever the window)."""
+
+
+def _same_run_despite(tmp_path, setting: dict, over) -> tuple[list[dict], OverTheFleet]:
+    """The run of ``setting`` with its fleet wrapped by ``over``: every round completes with every
+    agent, and the model comes out identical to the undisturbed run's (each step applied exactly
+    once, in order)."""
+    _, clean, _ = _run(_cfg(tmp_path, "clean", rounds=2, local_iters=8, **setting))
+    history, model, t = _run(_cfg(tmp_path, "disturbed", rounds=2, local_iters=8, **setting), over)
     for r in history[1:]:
         assert r["completed"] == ["sim-000", "sim-001", "sim-002"], r["completed"]
-        assert "replayed" not in r.get("rejected", {}), r["rejected"]
     assert all(torch.equal(model[k], clean[k]) for k in clean)
+    return history, t
+
+
+@pytest.mark.parametrize("setting", SETTINGS.values(), ids=SETTINGS.keys())
+def test_messages_lost_both_ways_change_nothing_the_run_learns(tmp_path, setting):
+    """Training messages lost either way, one in twenty. With steps in flight, before the agent
+    re-sent them under new seqs, most agents were dropped from their rounds."""
+    history, links = _same_run_despite(tmp_path, setting, lambda fleet: LossyLinks(fleet, 0.05, seed=1))
+    assert links.lost["up"] and links.lost["down"], links.lost
+    assert not any("replayed" in r.get("rejected", {}) for r in history[1:])   # every resend was taken
+
+
+class Echoes(OverTheFleet):
+    """The in-process fleet, where each training message, either way, comes twice with
+    probability ``p``, the copy a few messages later (MQTT's at-least-once delivery, a copy
+    re-sent after a reconnect overtaken by newer messages)."""
+
+    def __init__(self, inner: InProcessTransport, p: float, seed: int):
+        super().__init__(inner)
+        self.p, self.rng = p, random.Random(seed)
+        self.later: list[list] = []   # [messages to go by first, destination (None: the coordinator), message]
+        self.copies = 0
+
+    def _echo(self, to: Optional[str], msg: Message) -> None:
+        if msg.type in LossyLinks.TRAINING and msg.round >= 1 and self.rng.random() < self.p:
+            self.copies += 1
+            self.later.append([self.rng.randint(1, 6), to, msg])
+
+    def _due(self) -> None:
+        for item in self.later:
+            item[0] -= 1
+        for _, to, msg in [item for item in self.later if item[0] <= 0]:
+            super().send(to, msg) if to is not None else self._inbox.append(msg)
+        self.later = [item for item in self.later if item[0] > 0]
+
+    def send(self, agent_id: str, msg: Message) -> int:
+        self._echo(agent_id, msg)
+        return super().send(agent_id, msg)
+
+    def poll(self, timeout: float) -> Optional[Message]:
+        msg = super().poll(timeout)
+        if msg is not None:
+            self._echo(None, msg)
+        self._due()
+        if msg is None:
+            self._inbox.extend(Message("heartbeat", self.run_id, a, {"state": "idle"}, seq=protocol.next_seq())
+                               for a in self.agents)
+        return msg
+
+
+@pytest.mark.parametrize("setting", SETTINGS.values(), ids=SETTINGS.keys())
+def test_messages_that_come_twice_and_late_change_nothing_the_run_learns(tmp_path, setting):
+    """One training message in ten, either way, delivered again a few messages later: a copy
+    behind newer messages is refused as a replay or a duplicate, never applied."""
+    _, echoes = _same_run_despite(tmp_path, setting, lambda fleet: Echoes(fleet, 0.1, seed=1))
+    assert echoes.copies, "nothing was delivered twice"
 
 
 def test_sfl_coord_plans_row_with_a_window_matches_the_simulated_run(tmp_path):
