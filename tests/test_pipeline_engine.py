@@ -80,6 +80,11 @@ class OverTheFleet(InProcessTransport):
         super().__init__(inner.run_id, inner.agents)
         self._inbox = inner._inbox
 
+    def idle(self, *agents: str) -> None:
+        """``agents`` say they are idle (a deployed agent's heartbeat: nothing left to compute)."""
+        self._inbox.extend(Message("heartbeat", self.run_id, a, {"state": "idle"}, round=1, seq=protocol.next_seq())
+                           for a in agents)
+
 
 def _run(cfg, over=None):
     """The run of ``cfg`` on the digits, its fleet wrapped by ``over`` if given: its history,
@@ -115,8 +120,7 @@ class LosesOneGradient(OverTheFleet):
     def poll(self, timeout: float) -> Optional[Message]:
         msg = super().poll(timeout)
         if msg is None and self.lost is not None and self.step not in self.after:
-            self._inbox.append(Message("heartbeat", self.run_id, self.agent, {"state": "idle"},
-                                       round=1, seq=protocol.next_seq()))
+            self.idle(self.agent)
         return msg
 
 
@@ -151,8 +155,7 @@ class LosesOneActivations(OverTheFleet):
                 return self.poll(timeout)
             self.steps.append(msg.step)
         if msg is None and self.lost is not None and self.step not in self.steps:
-            self._inbox.append(Message("heartbeat", self.run_id, self.agent, {"state": "idle"},
-                                       round=1, seq=protocol.next_seq()))
+            self.idle(self.agent)
         return msg
 
 
@@ -196,8 +199,7 @@ class LossyLinks(OverTheFleet):
             self.lost["up"] += 1
             msg = super().poll(timeout)
         if msg is None:
-            self._inbox.extend(Message("heartbeat", self.run_id, a, {"state": "idle"}, seq=protocol.next_seq())
-                               for a in self.agents)
+            self.idle(*self.agents)
         return msg
 
 
@@ -262,8 +264,7 @@ class Echoes(OverTheFleet):
             self._echo(None, msg)
         self._due()
         if msg is None:
-            self._inbox.extend(Message("heartbeat", self.run_id, a, {"state": "idle"}, seq=protocol.next_seq())
-                               for a in self.agents)
+            self.idle(*self.agents)
         return msg
 
 
