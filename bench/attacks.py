@@ -95,6 +95,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "data": {**dataset, "partition": "dirichlet", "alpha": job["alpha"], "seed": job["seed"]},
         "fleet": [{"profile": "s2fl-mid-mid", "count": n}], "per_round": n // 2, "rounds": job["rounds"],
         "batch_size": job["batch"], "lr": 0.05, "local_iters": 10, "seed": job["seed"], "robust": robust_section(job["rule"]),
+        "window": job["window"],
         "output_dir": str(Path(job["work"]) / f"{job['rule']}-{job['attack']}-{share}-s{job['seed']}".replace(" ", "_"))})
     t0 = time.time()
     try:
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one CPU thread each)")
     p.add_argument("--work", type=Path, default=Path("/tmp/sfl-bench-attacks"))
     p.add_argument("--tag", default="")
+    p.add_argument("--window", default="1",
+                   help="steps each device keeps in flight (docs/methods/pipeline.md): 1 (lock-step), 2..16 or auto")
     p.add_argument("--model", default="small_cnn",
                    help="the fleet's model (e.g. vgg_mini:width=0.5: BatchNorm in the devices' layers)")
     args = p.parse_args(argv)
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.seeds, args.rounds, args.rules, args.attacks, args.shares = 1, 2, ["off", "clip"], ["none", "scale x1000"], [0.3]
     jobs = [{"rule": rule, "attack": attack, "share": share if attack != "none" else 0.0, "seed": args.seed + s,
              "agents": args.agents, "rounds": args.rounds, "alpha": args.alpha, "data": args.data, "work": str(args.work),
-             "model": args.model, "batch": args.batch}
+             "model": args.model, "batch": args.batch,
+             "window": int(args.window) if args.window.isdigit() else args.window}
             for rule in args.rules for attack in args.attacks for share in (args.shares if attack != "none" else [0.0])
             for s in range(args.seeds)]
     t0 = time.time()

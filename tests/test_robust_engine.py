@@ -15,8 +15,9 @@ from simulation.adversary import Attack, poison_data, trigger
 ATTACKERS = ("sim-000", "sim-001", "sim-002")   # 30 % of 10
 
 
-def _run(tmp_path, name: str, attack: Attack | None, rounds: int = 8, per_round: int | None = None, **robust):
-    spec = {"run": "robust", "model": "small_cnn", "strategy": "sfl", "server_mode": "merged",
+def _run(tmp_path, name: str, attack: Attack | None, rounds: int = 8, per_round: int | None = None, window: int = 1,
+         **robust):
+    spec = {"run": "robust", "model": "small_cnn", "strategy": "sfl", "server_mode": "merged", "window": window,
             "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0}, "per_round": per_round,
             "fleet": [{"profile": "s2fl-mid-mid", "count": 10}], "rounds": rounds, "batch_size": 16, "lr": 0.05,
             "local_iters": 10, "robust": robust, "output_dir": str(tmp_path / name)}
@@ -131,6 +132,29 @@ def test_poisoned_activations_are_left_out_of_the_server_step_by_default_and_the
     rows = {row["agent"]: row for row in FleetPage(tmp_path / "activations").state()["fleet"]}
     assert rows["sim-000"]["flagged"].startswith("round 3: rows left out (activations")
     assert history[-1]["accuracy"] > clean - 0.1
+
+
+def test_with_steps_in_flight_the_screens_and_the_clip_name_the_same_devices_and_leave_out_the_same_steps(tmp_path):
+    """A window (docs/methods/pipeline.md) changes when a device's activations arrive, not what
+    the screens see: each step is still judged on its own rows, each update on its own change.
+    Poisoned activations, flipped labels and updates x1000, with 4 steps in flight, are caught
+    as in lock-step: every step of theirs left out, their senders quarantined, nobody else
+    named, and the model learns (chance is 0.1; updates x1000 left in leave it there)."""
+    cases = {"activations": Attack("activations", factor=10.0, noise=1.0), "label_flip": Attack("label_flip"),
+             "scale": Attack("scale", factor=1000.0)}
+    for name, attack in cases.items():
+        history, _ = _run(tmp_path, f"{name}-window-4", attack, window=4)
+        assert {a["window"] for r in history[1:] for a in r["agents"].values()} == {4}
+        quarantined: dict[str, int] = {}
+        for record in history[1:]:
+            found = record.get("robust", {})
+            named = set(found.get("rows_left_out", {})) | set(found.get("clipped", {}))
+            assert named <= set(ATTACKERS), (name, record["round"], found)
+            assert all(n == 10 for n in found.get("rows_left_out", {}).values())   # every step, not some
+            assert not set(record["selected"]) & set(quarantined)
+            quarantined.update({a: record["round"] for a in found.get("quarantined", [])})
+        assert sorted(quarantined) == list(ATTACKERS), (name, quarantined)
+        assert history[-1]["accuracy"] > 0.4, name
 
 
 def _attack_rates(engine):
