@@ -208,7 +208,7 @@ class MetricsExporter(_Served):
         self.agent_round_s = Gauge("sfl_agent_last_round_seconds", "Each agent's time in the last round it "
                                    "completed.", ["agent"], registry=r)
         self.assignment = Gauge("sfl_agent_assignment_info", "Each agent's last assignment (value 1).",
-                                ["agent", "profile", "split", "width", "codec", "batch"], registry=r)
+                                ["agent", "profile", "split", "width", "codec", "batch", "window"], registry=r)
         self._assigned: dict[str, tuple[str, ...]] = {}
         self._step_at = time.monotonic()
 
@@ -271,7 +271,7 @@ class MetricsExporter(_Served):
         for a, row in rec["agents"].items():
             self.agent_round_s.labels(a).set(row["time_s"])
             labels = (a, profiles.get(a, "?"), "whole" if row.get("whole_model") else str(row["split"]),
-                      str(row.get("width", 0)), row["codec"], str(row["batch_size"]))
+                      str(row.get("width", 0)), row["codec"], str(row["batch_size"]), str(row.get("window", 1)))
             old = self._assigned.get(a)
             if old is not None and old != labels:
                 self.assignment.remove(*old)
@@ -405,6 +405,7 @@ class FleetPage(_Served):
             rows.append({"agent": a, **k, "privacy": r.get("privacy") or k["privacy"],
                          "split": ("whole" if r.get("whole_model") else r.get("split")) if r else None,
                          "width": r.get("width"), "codec": r.get("codec"), "batch": r.get("batch_size"),
+                         "window": r.get("window", 1) if r and not r.get("whole_model") else None,
                          "last_round": r.get("round"), "last_round_s": r.get("time_s"),
                          "flagged": flagged.get(a, "")})
         return rows

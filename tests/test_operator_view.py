@@ -76,7 +76,7 @@ def _names_in(exposition: str) -> set[str]:
 
 
 def test_metrics_follow_a_run_and_the_grafana_dashboard_queries_only_exported_names(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, window=2)
     exporter = start_metrics("127.0.0.1:0", cfg)
     try:
         from coordinator.api import _Events  # the engine's event fan-out, as serve() builds it
@@ -102,6 +102,7 @@ def test_metrics_follow_a_run_and_the_grafana_dashboard_queries_only_exported_na
     assert values["sfl_agents_registered"] == 3 and values["sfl_agents_selected"] == 3
     assert values["sfl_round_duration_seconds_count"] == 3 and values["sfl_step_duration_seconds_count"] == 6
     assert sum(v for k, v in values.items() if k.startswith("sfl_agent_assignment_info{")) == 3
+    assert all('window="2"' in k for k in values if k.startswith("sfl_agent_assignment_info{"))   # in flight
     assert 'sfl_agent_last_round_seconds{agent="sim-000"}' in values
 
     exported = _names_in(text)
@@ -172,7 +173,7 @@ def test_metrics_and_page_need_a_token_and_tls_beyond_loopback(tmp_path):
 # ============================================================ item 11: the page's state
 
 def test_the_fleet_page_state_of_a_finished_run_from_its_files(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, window="auto")
     history, _ = run_simulation(cfg)
     page = start_dashboard("127.0.0.1:0", tmp_path / "out")
     try:
@@ -188,6 +189,9 @@ def test_the_fleet_page_state_of_a_finished_run_from_its_files(tmp_path):
     row = st["fleet"][0]
     assert row["profile"] == "s2fl-low-low" and row["split"] == 2 and row["codec"] == "fp32"
     assert row["batch"] == 8 and row["rounds"] == 3 and row["last_round"] == 3 and row["bytes_up"] > 0
+    # each agent's window as the round set it (auto's, per agent), beside its cut; <th>window</th> heads it
+    assert [a["window"] for a in st["fleet"]] == [history[-1]["agents"][a["agent"]]["window"] for a in st["fleet"]]
+    assert all(w in (1, 2, 4) for w in (a["window"] for a in st["fleet"])) and "<th>window</th>" in html
 
 
 def test_the_page_of_a_directory_without_a_run(tmp_path):
