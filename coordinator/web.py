@@ -338,6 +338,7 @@ class FleetPage(_Served):
             problem = None  # type: ignore[assignment]
         saved = _read_json(self.out_dir / ckpt.STATE_FILE) or {}
         engine = self.engine
+        owner = None
         if engine is not None:
             status = self.status
         else:
@@ -356,10 +357,12 @@ class FleetPage(_Served):
             "rounds_planned": self.rounds, "status": status, "problem": problem,
             "updated": time.strftime("%H:%M:%S"),
             "rounds": [_round_row(m) for m in history],
-            "fleet": self._fleet(history, saved),
+            "fleet": self._fleet(history, saved, live=engine is not None or owner is not None),
         }
 
-    def _fleet(self, history: list[dict[str, Any]], saved: dict[str, Any]) -> list[dict[str, Any]]:
+    def _fleet(self, history: list[dict[str, Any]], saved: dict[str, Any], live: bool) -> list[dict[str, Any]]:
+        """One row per agent. ``online`` is None where no coordinator holds the run: its files say
+        only what was true when it stopped."""
         last_row: dict[str, dict[str, Any]] = {}
         flagged: dict[str, str] = {}   # what a defense (robust:) last did to an agent, in the rounds it took part
         for rec in history:
@@ -391,13 +394,14 @@ class FleetPage(_Served):
                          "quarantined": i.quarantined}
                      for a, i in list(engine.registry.agents.items())}
         else:
-            known = {a: {"profile": (d.get("profile") or {}).get("name", "?"), "online": bool(d.get("online")),
+            known = {a: {"profile": (d.get("profile") or {}).get("name", "?"),
+                         "online": bool(d.get("online")) if live else None,
                          "rounds": d.get("rounds", 0), "bytes_up": d.get("bytes_up", 0),
                          "bytes_down": d.get("bytes_down", 0), "privacy": d.get("privacy") or {},
                          "quarantined": d.get("quarantined") or ""}
                      for a, d in (saved.get("registry") or {}).items()}
         for a in last_row:
-            known.setdefault(a, {"profile": "?", "online": False, "rounds": 0, "bytes_up": 0, "bytes_down": 0,
+            known.setdefault(a, {"profile": "?", "online": False if live else None, "rounds": 0, "bytes_up": 0, "bytes_down": 0,
                                  "privacy": {}, "quarantined": ""})
         rows = []
         for a, k in sorted(known.items()):

@@ -339,6 +339,7 @@ def test_live_fleet_page_and_metrics_of_a_running_run(mosquitto, tmp_path):
         _wait_round(tmp_path, 2, 120, [coord])
         first = _dom(f"http://127.0.0.1:{page}/")
         assert first.count('class="agent"') == 3, first
+        assert first.count('<td class="on">yes</td>') == 3, first
         for a in ("a0", "a1", "a2"):
             assert f"<td class=\"l\">{a}</td>" in first, first
         points_early = first.count('class="pt"')
@@ -363,6 +364,7 @@ def test_live_fleet_page_and_metrics_of_a_running_run(mosquitto, tmp_path):
         assert wait_log(tmp_path / "viewer.log", "fleet page of", 30), logs(tmp_path)
         done = _dom(f"http://127.0.0.1:{port}/")
         assert "finished after round 10" in done and done.count('class="agent"') == 3, done
+        assert 'class="on"' not in done and 'class="off"' not in done, done   # online: unknown once it ended
     finally:
         viewer.send_signal(signal.SIGTERM)
         assert viewer.wait(timeout=10) == 0

@@ -189,6 +189,7 @@ def test_the_fleet_page_state_of_a_finished_run_from_its_files(tmp_path):
     row = st["fleet"][0]
     assert row["profile"] == "s2fl-low-low" and row["split"] == 2 and row["codec"] == "fp32"
     assert row["batch"] == 8 and row["rounds"] == 3 and row["last_round"] == 3 and row["bytes_up"] > 0
+    assert all(a["online"] is None for a in st["fleet"])   # nobody holds the run: its files can't say
     # each agent's window as the round set it (auto's, per agent), beside its cut; <th>window</th> heads it
     assert [a["window"] for a in st["fleet"]] == [history[-1]["agents"][a["agent"]]["window"] for a in st["fleet"]]
     assert all(w in (1, 2, 4) for w in (a["window"] for a in st["fleet"])) and "<th>window</th>" in html
