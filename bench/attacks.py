@@ -22,6 +22,7 @@ Honest devices whose claimed samples the weight cap bounds are counted apart fro
 the claim is implausible).
 
     python bench/attacks.py --data digits --seeds 4 --jobs 2
+    python bench/attacks.py --data digits --seeds 4 --jobs 2 --rules off clip --window 4   # 4 steps in flight
     python bench/attacks.py --data PATH/TO/mnist --seeds 2 --rules off clip@0 clip --attacks none "label flip" backdoor
 """
 
