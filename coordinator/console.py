@@ -156,6 +156,23 @@ def status_table(metrics: list[dict[str, Any]], title: str) -> Table:
     return table
 
 
+def assignment_lines(agents: dict[str, dict[str, Any]], most: int = 4, kinds: int = 12) -> list[str]:
+    """A round's assignments, one line per distinct one with the agents given it: 'split 2 b16,
+    fp16, window 4: a0, a3' (past ``most`` agents, the first, the last and the count). The
+    ``kinds`` given to most agents come first (ties in the round's agent order); the rest are
+    counted in one last line, so a fleet of hundreds given as many batches reads on one screen."""
+    given: dict[str, list[str]] = {}
+    for a, m in agents.items():
+        given.setdefault(_assignment(m), []).append(a)
+    ranked = sorted(given.items(), key=lambda kv: -len(kv[1]))   # ties: in the order first given
+    lines = [f"{what}: " + (", ".join(names) if len(names) <= most else f"{names[0]} … {names[-1]} ({len(names)} agents)")
+             for what, names in ranked[:kinds]]
+    if len(ranked) > kinds:
+        rest = sum(len(names) for _, names in ranked[kinds:])
+        lines.append(f"… {len(ranked) - kinds} more assignments, {rest} agents (--format json lists every one)")
+    return lines
+
+
 def _assignment(m: dict[str, Any] | None) -> str:
     """'split 2 b16' (or 'whole model b16'), plus the bottleneck width, codec and window where set."""
     if not m:

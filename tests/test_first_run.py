@@ -73,7 +73,7 @@ def test_status_fits_80_columns_and_speaks_json(tmp_path):
     from simulation import run_simulation
     from sfl_core.config.run import load_run_config
 
-    cfg = load_run_config(_run_config(tmp_path, rounds=2, output_dir=str(tmp_path / "out")))
+    cfg = load_run_config(_run_config(tmp_path, rounds=2, window=2, output_dir=str(tmp_path / "out")))
     history, _ = run_simulation(cfg, device="cpu")
     res = RUNNER.invoke(app, ["status", str(tmp_path / "out")], env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
@@ -83,6 +83,10 @@ def test_status_fits_80_columns_and_speaks_json(tmp_path):
         assert header in table
     assert "kB" in table or "MB" in table                       # human units, not raw byte counts
     assert str(history[-1]["bytes_up"]) not in table
+    # the last round's assignments, one line per kind with the agents given it, in words
+    given = res.output.split("each assignment and the agents given it:\n")[1].splitlines()
+    split, batch = history[-1]["agents"]["sim-000"]["split"], cfg.batch_size
+    assert given == [f"  split {split} b{batch}, window 2: " + ", ".join(sorted(history[-1]["agents"]))], given
     res = RUNNER.invoke(app, ["status", str(tmp_path / "out"), "--format", "json"])
     doc = json.loads(res.output)
     assert [r["accuracy"] for r in doc["rounds"]] == [h["accuracy"] for h in history]
@@ -191,3 +195,17 @@ def test_demo_through_a_bad_broker_url_is_one_line_and_starts_nothing(tmp_path):
     assert res.exit_code == 2, res.output
     assert "--broker: unsupported MQTT broker URL scheme 'foo'" in " ".join(res.output.split())
     assert "Traceback" not in res.output and not (tmp_path / "out" / "agent-logs").exists()
+
+
+def test_status_names_a_large_fleets_assignments_on_one_screen():
+    """A hundred agents given twenty batches: the twelve assignments given to most agents, each
+    with its first and last agent and the count, then one line counting the rest."""
+    from coordinator.console import assignment_lines
+
+    agents = {f"a{i:03d}": {"split": 2, "batch_size": 8 + i % 20, "window": 1 + (i % 20 == 0)} for i in range(100)}
+    agents.update({f"b{i:03d}": {"split": 3, "batch_size": 8, "codec": "fp16"} for i in range(30)})
+    lines = assignment_lines(agents)
+    assert lines[0] == "split 3 b8, fp16: b000 … b029 (30 agents)"      # the most agents first
+    assert lines[1] == "split 2 b8, window 2: a000 … a080 (5 agents)"
+    assert len(lines) == 13 and lines[-1] == "… 9 more assignments, 45 agents (--format json lists every one)"
+    assert assignment_lines({"a0": {"whole_model": True, "batch_size": 4}}) == ["whole model b4: a0"]

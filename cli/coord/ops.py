@@ -12,14 +12,15 @@ from rich.console import Console
 
 from cli.coord.app import app, console, tell, web_access
 from coordinator import state as ckpt
-from coordinator.console import print_table, status_table
+from coordinator.console import assignment_lines, print_table, status_table
 
 
 @app.command()
 def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e.g. runs/demo."),
            fmt: str = typer.Option("table", "--format", help="table (fits 80 columns) or json (for scripts: "
                                    "every metric of every round and the checkpoint state).")) -> None:
-    """Print a run's checkpoint state and its per-round metrics."""
+    """Print a run's per-round metrics, its checkpoint state and its last round's assignments
+    (split, batch, width, codec, window), each with the agents given it."""
     if fmt not in ("table", "json"):
         tell(f"--format: expected table or json, got {fmt!r}")
         raise typer.Exit(2)
@@ -51,8 +52,12 @@ def status(run_dir: Path = typer.Argument(..., help="A run's output directory, e
             print(ClientTimeTable.from_json(st["time_table"]).format(st["candidates"]))
     last = metrics[-1]
     if last.get("agents"):
-        splits = {a: v["split"] for a, v in last["agents"].items()}
-        out.print(f"round {last['round']} ({last.get('phase', '')}): splits {splits}; groups {last.get('groups')}")
+        phase = f" ({last['phase']})" if last.get("phase") else ""
+        out.print(f"round {last['round']}{phase}, each assignment and the agents given it:", highlight=False)
+        for line in assignment_lines(last["agents"]):
+            out.print(f"  {line}", highlight=False, markup=False)
+        if len(last.get("groups") or ()) > 1:
+            out.print("groups: " + "; ".join(", ".join(g) for g in last["groups"]), highlight=False, markup=False)
 
 
 @app.command()
