@@ -184,6 +184,12 @@ class AgentCore:
         """The round's assignment being (or last) executed."""
         return self._assign
 
+    @property
+    def window(self) -> int:
+        """Steps the round keeps in flight: the assignment's, or 1 where this agent withholds its
+        labels or runs DP-SGD (a defense on the step just sent)."""
+        return self._window
+
     def last_reply(self) -> Optional[Message]:
         """What to retransmit when the coordinator has gone quiet."""
         return self._last_reply

@@ -492,7 +492,7 @@ class AgentRunner:
         summary = RoundSummary(round=weights.round, split=a.split, batch=a.batch_size, steps=a.tau,
                                loss=RoundSummary.loss_of(weights.body.get("loss")),
                                bytes_up=self.bytes_up - up0, bytes_down=self.bytes_down - down0,
-                               seconds=round(time.monotonic() - t0, 3))
+                               seconds=round(time.monotonic() - t0, 3), window=self.core.window)
         log.info("%s", summary.line())
         self._note("waiting for a round", round=weights.round, rounds_done=self.core.rounds_done,
                    last_round=asdict(summary))

@@ -43,11 +43,14 @@ class RoundSummary:
     bytes_up: int
     bytes_down: int
     seconds: float
+    window: int = 1
+    """Steps kept in flight (1: lock-step; a status file of an earlier release has none)."""
 
     def line(self) -> str:
         loss = f"loss {self.loss:.4f}" if self.loss is not None else "loss on the server"
-        return (f"round {self.round} done: split {self.split}, batch {self.batch}, {self.steps} steps, {loss}, "
-                f"{_size(self.bytes_up)} up, {_size(self.bytes_down)} down, {self.seconds:.1f} s")
+        window = f", window {self.window}" if self.window > 1 else ""
+        return (f"round {self.round} done: split {self.split}, batch {self.batch}{window}, {self.steps} steps, "
+                f"{loss}, {_size(self.bytes_up)} up, {_size(self.bytes_down)} down, {self.seconds:.1f} s")
 
     @staticmethod
     def loss_of(value: Any) -> Optional[float]:
@@ -112,7 +115,10 @@ def describe(doc: dict, now: Optional[float] = None) -> list[str]:
     lines = [head, f"rounds done: {doc.get('rounds_done', 0)}"]
     last = doc.get("last_round")
     if isinstance(last, dict):
-        lines.append("last " + RoundSummary(**last).line())
+        try:
+            lines.append("last " + RoundSummary(**last).line())
+        except (TypeError, ValueError):   # written by another release, or by hand
+            lines.append(f"last round: not readable ({', '.join(sorted(map(str, last)))})")
     return lines
 
 

@@ -88,6 +88,7 @@ def test_the_agent_keeps_the_window_in_flight_and_never_more(digits):
 def test_a_window_past_the_steps_sends_every_step_at_once(digits):
     agent, coord = make_agent(digits), Coordinator(digits)
     assert steps_of(send(agent, assign(coord, 0, tau=2, window=8))) == [("activations", 0), ("activations", 1)]
+    assert agent.window == 2    # the steps there are: what its round line says
 
 
 def test_each_gradient_is_exact_for_the_weights_its_step_was_computed_with(digits):
@@ -173,3 +174,18 @@ def test_a_duplicate_gradient_resends_every_step_in_flight(digits):
 def test_defenses_that_need_the_step_just_sent_keep_lock_step(digits):
     agent, coord = make_agent(digits, privacy=AgentPrivacy(withhold_labels=True)), Coordinator(digits)
     assert steps_of(send(agent, assign(coord, 0, tau=4, window=4))) == [("activations", 0)]
+    assert agent.window == 1    # what its round line and status file then say
+
+
+def test_the_devices_round_line_and_status_name_its_window():
+    """What an operator reads on the device: the window of the round just done, where over 1; a
+    status file of an earlier release (no window) or edited by hand still reads, in one line."""
+    from edge_agent.status import RoundSummary, describe
+
+    done = dict(round=3, split=2, batch=16, steps=12, loss=None, bytes_up=2_000_000, bytes_down=3_000_000, seconds=4.2)
+    assert RoundSummary(**done, window=4).line().startswith("round 3 done: split 2, batch 16, window 4, 12 steps,")
+    assert RoundSummary(**done).line().startswith("round 3 done: split 2, batch 16, 12 steps,")
+    doc = {"agent": "a0", "run": "r", "pid": 1, "state": "stopped", "rounds_done": 3, "updated": 0.0}
+    assert describe({**doc, "last_round": done}, now=1.0)[2].startswith("last round 3 done: split 2, batch 16, 12 steps")
+    odd = describe({**doc, "last_round": {**done, "cut": 2}}, now=1.0)
+    assert odd[2] == "last round: not readable (batch, bytes_down, bytes_up, cut, loss, round, seconds, split, steps)"
