@@ -199,7 +199,7 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
         round is planned again with whoever is online; after ``ROUND_ATTEMPTS`` plans the run
         stops with :class:`RoundFailed`, the completed rounds safe in the checkpoint.
         """
-        self.session.late, self.session.stalled = [], []
+        self.session.begin_round()
         for attempt in range(1, ROUND_ATTEMPTS + 1):
             snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             widths = {k: pair.infer_width for k, pair in self.model.bottlenecks.items()}
@@ -439,6 +439,9 @@ class RoundEngine(OptionHost, TaskNormalization, RunState, Scoring, RoundAverage
             per_agent=per_agent, plan=plan, done=done, rejected=self.session.rejected_since_last_round(),
             federated=federated, method_metrics={**self.method.round_metrics(), **self._option_metrics()},
             phases=phase_records)
+        if self.session.resent:
+            record["resent"] = self.session.resent
+            self.session.report_losses(r, agents)
         if self.session.late or self.session.stalled:
             record["stragglers"] = {"policy": self.cfg.stragglers, "late": sorted(set(self.session.late)),
                                     "busy": sorted(set(self.session.stalled))}

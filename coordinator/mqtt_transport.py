@@ -213,6 +213,18 @@ class MqttTransport:
         """Time in which agents could reach us (stands still while the broker is down)."""
         return self.link.live_time()
 
+    def outages(self) -> int:
+        return self.link.outages
+
+    def loss_hint(self, in_flight: int) -> str:
+        """Over a connection that stayed up, QoS 1 loses nothing but what the broker drops: a
+        client's queue that is full (the coordinator reads every agent's messages, so its queue
+        is the one that fills)."""
+        return (f"a broker drops a client's messages once its queue is full (Mosquitto past max_inflight_messages + "
+                f"max_queued_messages, 20 + 1000 by default, and its log says 'Outgoing messages are being dropped "
+                f"for client {self.link.client_id}'), and this round's agents kept up to {in_flight} messages in "
+                f"flight toward this coordinator: raise both (sfl-coord broker-config sets 0, no limit, and 10000)")
+
     # --------------------------------------------------------------- Transport
     def send(self, agent_id: str, msg: Message) -> int:
         """Publish and wait for the broker's acknowledgement (``publish_timeout_s`` at most).

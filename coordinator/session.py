@@ -99,6 +99,9 @@ class RoundAgent:
     unanswered: list[Message] = field(default_factory=list)
     """With a window: the gradients sent whose steps' successors have not all arrived, resent
     together when it reports itself idle (any of them may be the one lost)."""
+    reconnected: bool = False
+    """Its process announced itself online again mid-round: its connection dropped, and with it
+    what was in flight (a loss with a cause the operator already sees)."""
 
     @property
     def weights_phase_s(self) -> float:
@@ -162,6 +165,33 @@ class FleetSession:
         """Agents dropped at this round's deadline (reset by the engine each round)."""
         self.stalled: list[str] = []
         """Agents dropped this round for staying busy without answering (``busy_timeout_s``)."""
+        self.resent = 0
+        """Times this round an agent that waited for a lost message was sent it again (reset by
+        :meth:`begin_round`; with a window, each time every gradient it may have lost)."""
+        self._unexplained = 0
+        """Of those, the ones to agents whose connection stayed up."""
+        self._outages = 0
+        self._loss_told = False
+
+    def begin_round(self) -> None:
+        """A new round's counts: its stragglers, its resends and the link's outages so far."""
+        self.late, self.stalled = [], []
+        self.resent = self._unexplained = 0
+        self._outages = self.transport.outages()
+
+    def report_losses(self, r: int, agents: dict[str, RoundAgent]) -> None:
+        """Say where round ``r`` sent messages again to agents whose connection, like ours, stayed
+        up: something between them dropped the originals, and every resend cost its agent
+        :data:`RETRY_S` idle. The transport says what (a broker's full queue); a WARNING the first
+        time in the run, INFO after."""
+        if not self._unexplained or self.transport.outages() != self._outages:
+            return
+        hint = self.transport.loss_hint(sum(ra.assignment.window for ra in agents.values()))
+        if hint:
+            log.log(logging.INFO if self._loss_told else logging.WARNING,
+                    "round %d: agents whose connection stayed up waited %d time(s) for messages lost on the way, "
+                    "each time %g s idle before they went again: %s", r, self._unexplained, RETRY_S, hint)
+            self._loss_told = True
 
     def wait_for_agents(self) -> None:
         need = self.cfg.min_agents or self.cfg.num_agents
@@ -390,7 +420,10 @@ class FleetSession:
 
     def _send_again(self, ra: RoundAgent) -> None:
         """What the agent may have lost: our last message, or with a window every gradient whose
-        step's successors have not all come in (it applies each once, in order)."""
+        step's successors have not all come in (it applies each once, in order). Counted for
+        :meth:`report_losses`."""
+        self.resent += 1
+        self._unexplained += not ra.reconnected
         if ra.unanswered and ra.last_sent is not None and ra.last_sent.type == "gradients":
             self.transport.send_many([(ra.info_id, m) for m in ra.unanswered])
         elif ra.last_sent is not None:
@@ -612,6 +645,8 @@ class FleetSession:
                 # the process holding the round left: a clean stop says so as it goes, a crash
                 # through its last will once the broker misses it; nothing more will come from it
                 self.drop(agents, msg.sender, "left (its process said it is offline)")
+            elif ra.instance and msg.body["online"]:
+                ra.reconnected = True   # its process announced itself again: its connection came back
             if msg.body["online"]:
                 protocol.remember(self._present, msg.sender, msg.body["instance"])
                 self._gone.discard(msg.sender)

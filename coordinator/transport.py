@@ -42,6 +42,13 @@ class Transport(Protocol):
         """A monotonic clock that stands still while the agents cannot be reached (MQTT: the
         broker is down): silence and resend timers are measured on it."""
 
+    def outages(self) -> int:
+        """Times the link to the agents was lost so far (MQTT: the broker connection dropped)."""
+
+    def loss_hint(self, in_flight: int) -> str:
+        """Why messages to and from agents may be lost on a link that stayed up, for the operator,
+        with ``in_flight`` the most the round's agents keep in flight at once ("": no reason to give)."""
+
     def follow(self, agents: set[str]) -> None:
         """Server workers: receive the step messages of these agents too."""
 
@@ -59,6 +66,12 @@ class LocalTransport:
 
     def live_time(self) -> float:
         return time.monotonic()
+
+    def outages(self) -> int:
+        return 0
+
+    def loss_hint(self, in_flight: int) -> str:
+        return ""
 
     def send_many(self, messages: list[tuple[str, Message]]) -> list[int]:
         return [self.send(agent, msg) for agent, msg in messages]   # type: ignore[attr-defined]

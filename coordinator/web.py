@@ -203,6 +203,8 @@ class MetricsExporter(_Served):
         self.online = Gauge("sfl_agents_online", "Agents online (status online, heard from recently).", registry=r)
         self.selected = Gauge("sfl_agents_selected", "Agents selected for the current round.", registry=r)
         self.rejected = Counter("sfl_rejected_messages", "Messages rejected, by reason.", ["reason"], registry=r)
+        self.resent = Counter("sfl_resent", "Times an agent waited for a message lost on the way and was sent "
+                              "it again (with steps in flight, every step it had in flight).", registry=r)
         self.stragglers = Counter("sfl_stragglers", "Agents dropped from a round for being late: at the round's "
                                   "deadline (late) or busy without answering (busy).", ["kind"], registry=r)
         self.agent_round_s = Gauge("sfl_agent_last_round_seconds", "Each agent's time in the last round it "
@@ -265,6 +267,7 @@ class MetricsExporter(_Served):
         self.bytes_down.inc(rec["bytes_down"])
         for reason, n in (rec.get("rejected") or {}).items():
             self.rejected.labels(reason).inc(n)
+        self.resent.inc(rec.get("resent", 0))
         for kind in ("late", "busy"):
             self.stragglers.labels(kind).inc(len((rec.get("stragglers") or {}).get(kind, ())))
         profiles = {a: i.profile.name for a, i in self.engine.registry.agents.items()} if self.engine else {}

@@ -267,3 +267,36 @@ def test_every_agent_of_a_big_fleet_is_told_to_shut_down_once(tmp_path, fail_bur
     assert sorted(told) == sorted(reg.agents) and len(told) == 2500
     if not fail_bursts:
         assert [len(b) for b in transport.bursts] == [1000, 1000, 500]
+
+
+def test_a_loss_to_an_agent_whose_connection_came_back_is_not_blamed_on_the_broker(tmp_path, caplog):
+    """An agent of the round whose own process announces itself online again mid-round (it
+    reconnected) lost what was in flight with its connection: its resends are counted, but only
+    the agent whose connection stayed up is named in the warning about lost messages."""
+    from coordinator.session import RoundAgent
+    from sfl_core.wire.assignment import Assignment
+
+    class Broker(_Inbox):
+        def loss_hint(self, in_flight: int) -> str:
+            return f"the broker's queue ({in_flight} in flight)"
+
+    session, reg, transport = _big_fleet(tmp_path, 2, _arrivals(2))
+    session.wait_for_agents()
+    session.transport = Broker([])
+    a = Assignment(model="small_cnn", mode="sfl", split=2, width=0, batch_size=8, lr=0.1, momentum=0.0, tau=3,
+                   codec="fp32", zstd_level=1, activation_shape=(32, 4, 4), window=2)
+    gradients = Message("gradients", "lv", protocol.COORDINATOR_ID, {}, round=1, seq=protocol.next_seq())
+    agents = {f"pi-{i}": RoundAgent(f"pi-{i}", a, last_heard=0.0, last_sent_at=0.0, instance=f"i{i}",
+                                    last_sent=gradients) for i in range(2)}
+    session.begin_round()
+    session.dispatch(Message("status", "lv", "pi-0", {"online": True, "instance": "i0"}, seq=protocol.next_seq()),
+                     agents)
+    assert agents["pi-0"].reconnected and not agents["pi-1"].reconnected
+    with caplog.at_level("INFO", logger="sfl.coord"):
+        for ra in agents.values():
+            session._send_again(ra)
+        session.report_losses(1, agents)
+    assert session.resent == 2
+    assert [r.getMessage() for r in caplog.records if "lost on the way" in r.getMessage()] == [
+        "round 1: agents whose connection stayed up waited 1 time(s) for messages lost on the way, each time 5 s "
+        "idle before they went again: the broker's queue (4 in flight)"]

@@ -4,10 +4,12 @@ agent kept in flight and what it hid; ``window: auto`` under ``strategy: auto`` 
 the cut and the batch; a gradient lost with steps in flight is recovered by the agent's idle
 heartbeat and the coordinator's resend of every unanswered gradient; lost activations by the agent's
 resend of every step in flight; with one message in twenty lost either way, or one in ten
-delivered twice, the run learns the same model."""
+delivered twice, the run learns the same model; losses on a connection that stayed up are
+counted and named to the operator."""
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Optional
@@ -229,6 +231,47 @@ def test_messages_lost_both_ways_change_nothing_the_run_learns(tmp_path, setting
     history, links = _same_run_despite(tmp_path, setting, lambda fleet: LossyLinks(fleet, 0.05, seed=1))
     assert links.lost["up"] and links.lost["down"], links.lost
     assert not any("replayed" in r.get("rejected", {}) for r in history[1:])   # every resend was taken
+
+
+class LossyBroker(LossyLinks):
+    """:class:`LossyLinks` as a broker loses messages: with a reason to give the operator
+    (:meth:`loss_hint`), and, with ``outage``, a connection that drops whenever a message is lost
+    (then the outage is the reason, already in the log)."""
+
+    def __init__(self, inner: InProcessTransport, p: float, seed: int, outage: bool = False):
+        super().__init__(inner, p, seed)
+        self.outage = outage
+
+    def outages(self) -> int:
+        return sum(self.lost.values()) if self.outage else 0
+
+    def loss_hint(self, in_flight: int) -> str:
+        return f"the broker's queue ({in_flight} in flight)"
+
+
+def test_messages_lost_on_a_connection_that_stayed_up_are_named_once_with_the_brokers_reason(tmp_path, caplog):
+    """Each round counts the times an agent waited for a lost message and was sent it again
+    (``resent``). The first round with such losses logs one WARNING with what the transport
+    says drops them, and the most the round's agents kept in flight (3 agents x window 2);
+    later rounds say it at INFO. Where the connection itself dropped, the outage explains the
+    loss and nothing more is said."""
+    cfg = _cfg(tmp_path, "lb", window=2, rounds=3, local_iters=8)
+    with caplog.at_level(logging.INFO, logger="sfl.coord"):
+        history, _, t = _run(cfg, lambda fleet: LossyBroker(fleet, 0.05, seed=1))
+    lossy = [r["round"] for r in history if r.get("resent")]
+    assert len(lossy) >= 2, [r.get("resent") for r in history]
+    told = [rec for rec in caplog.records if "lost on the way" in rec.getMessage()]
+    assert [rec.levelno for rec in told] == [logging.WARNING] + [logging.INFO] * (len(lossy) - 1)
+    assert told[0].getMessage().startswith(f"round {lossy[0]}: agents whose connection stayed up waited "
+                                           f"{history[lossy[0]]['resent']} time(s)")
+    assert told[0].getMessage().endswith("5 s idle before they went again: the broker's queue (6 in flight)")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sfl.coord"):
+        history, _, t = _run(_cfg(tmp_path, "lo", window=2, rounds=3, local_iters=8),
+                             lambda fleet: LossyBroker(fleet, 0.05, seed=1, outage=True))
+    assert any(r.get("resent") for r in history)
+    assert "lost on the way" not in caplog.text
 
 
 class Echoes(OverTheFleet):

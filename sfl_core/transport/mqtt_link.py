@@ -106,6 +106,8 @@ class MqttLink:
         self._paho_thread_id: int | None = None
         self._down_since: float | None = time.monotonic()   # not connected yet
         self._down_total = 0.0
+        self.outages = 0
+        """Times the connection was lost after it was up (what was in flight then may be gone)."""
 
         c = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
                         clean_session=clean_start, protocol=mqtt.MQTTv311)
@@ -373,6 +375,7 @@ class MqttLink:
         with self._lock:
             if self._down_since is None:
                 self._down_since = time.monotonic()
+                self.outages += 1
         if not self._closed and getattr(reason_code, "is_failure", False):
             log.warning("MQTT connection to %s lost (%s); reconnecting", self.url, reason_code)
 
