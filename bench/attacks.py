@@ -24,6 +24,7 @@ the claim is implausible).
     python bench/attacks.py --data digits --seeds 4 --jobs 2
     python bench/attacks.py --data digits --seeds 4 --jobs 2 --rules off clip --window 4   # 4 steps in flight
     python bench/attacks.py --data PATH/TO/mnist --seeds 2 --rules off clip@0 clip --attacks none "label flip" backdoor
+    python bench/attacks.py --data digits --seeds 4 --method mergesfl --rules off clip --attacks none "even mix claim" "label flip"
 """
 
 from __future__ import annotations
@@ -55,7 +56,18 @@ ATTACKS = {   # name -> (kind, factor, noise)
     "random weights": ("random", 1.0, 0.0),
     "activations x10 + noise": ("activations", 10.0, 1.0),
     "claim x1000": ("claim", 1000.0, 0.0),
+    "even mix claim": ("even_mix", 1.0, 0.0),
 }
+DEFAULT_ATTACKS = [a for a in ATTACKS if a != "even mix claim"]
+"""What a run measures unless ``--attacks`` says: a claimed mix of classes pays only where a
+method selects devices by it (``--method mergesfl``)."""
+METHODS = {
+    "sfl": {"strategy": "sfl", "server_mode": "merged"},
+    "mergesfl": {"strategy": "sfl", "server_mode": "merged", "mergesfl": {"select": True, "regulate": True}},
+}
+"""The fleet's method: SplitFed with a random half of the fleet a round (the default), or
+MergeSFL with its KL selection by the devices' registered mix of classes (at most half the fleet
+a round) and its batch regulation."""
 TARGET = 0
 """The backdoor's target class."""
 
@@ -64,7 +76,7 @@ def robust_section(rule: str) -> dict[str, Any]:
     """The run config's ``robust:`` for a bench rule (``clip:3``: clip at factor 3)."""
     if rule == "off":
         return {"aggregate": "mean", "weight_cap": 0, "activation_factor": 0, "label_margin": 0,
-                "repeated_rows": "each"}
+                "repeated_rows": "each", "mix_limit": 0}
     if rule == "absent":
         return {}
     rule, _, peers = rule.partition("~")
@@ -92,7 +104,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     dataset = {"dataset": data.name} if job["data"] in ("digits", "mnist", "fashion-mnist") and not Path(job["data"]).exists() \
         else {"dataset": data.name, "root": job["data"]}
     cfg = run_config_from_dict({
-        "run": "attacks", "model": job["model"], "strategy": "sfl", "server_mode": "merged",
+        "run": "attacks", "model": job["model"], **_method(job["method"], n),
         "data": {**dataset, "partition": "dirichlet", "alpha": job["alpha"], "seed": job["seed"]},
         "fleet": [{"profile": "s2fl-mid-mid", "count": n}], "per_round": n // 2, "rounds": job["rounds"],
         "batch_size": job["batch"], "lr": 0.05, "local_iters": 10, "seed": job["seed"], "robust": robust_section(job["rule"]),
@@ -135,6 +147,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             / max(1, honest_seen),
             "attackers_flagged": (sum(v for a, v in named.items() if a in attackers) / bad_seen) if bad_seen else None,
             "named": sorted(a for a in named if a in attackers),
+            "attackers_share_of_rounds": bad_seen / max(1, bad_seen + honest_seen),
             "coordinator_s_per_round": statistics.mean(r["wall_s"] for r in history[1:]), "wall_s": wall}
 
 
@@ -161,6 +174,14 @@ def mean(xs: list[Any]) -> float | None:
     return statistics.mean(known) if known else None
 
 
+def _method(name: str, agents: int) -> dict[str, Any]:
+    """The run config's keys for ``name`` (:data:`METHODS`) on a fleet of ``agents``."""
+    keys = dict(METHODS[name])
+    if "mergesfl" in keys:
+        keys["mergesfl"] = {**keys["mergesfl"], "max_agents": agents // 2}
+    return keys
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = common.base_parser(__doc__)
     p.add_argument("--seeds", type=int, default=2)
@@ -173,7 +194,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--shares", type=float, nargs="*", default=[0.1, 0.3])
     p.add_argument("--rules", nargs="*", default=list(RULES),
                    help="defenses: " + ", ".join(RULES) + " (any with @M: the label screen's margin M)")
-    p.add_argument("--attacks", nargs="*", default=list(ATTACKS), choices=list(ATTACKS))
+    p.add_argument("--attacks", nargs="*", default=DEFAULT_ATTACKS, choices=list(ATTACKS))
+    p.add_argument("--method", default="sfl", choices=list(METHODS),
+                   help="sfl (default): SplitFed, a random half of the fleet a round; mergesfl: MergeSFL's KL "
+                        "selection by the registered mix of classes and its batch regulation")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one CPU thread each)")
     p.add_argument("--work", type=Path, default=Path("/tmp/sfl-bench-attacks"))
     p.add_argument("--tag", default="")
@@ -186,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.seeds, args.rounds, args.rules, args.attacks, args.shares = 1, 2, ["off", "clip"], ["none", "scale x1000"], [0.3]
     jobs = [{"rule": rule, "attack": attack, "share": share if attack != "none" else 0.0, "seed": args.seed + s,
              "agents": args.agents, "rounds": args.rounds, "alpha": args.alpha, "data": args.data, "work": str(args.work),
-             "model": args.model, "batch": args.batch,
+             "model": args.model, "batch": args.batch, "method": args.method,
              "window": int(args.window) if args.window.isdigit() else args.window}
             for rule in args.rules for attack in args.attacks for share in (args.shares if attack != "none" else [0.0])
             for s in range(args.seeds)]
@@ -211,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "honest_flagged": mean([r.get("honest_flagged") for r in runs]),
                     "honest_capped": mean([r.get("honest_capped") for r in runs]),
                     "attackers_flagged": mean([r.get("attackers_flagged") for r in runs]),
+                    "attackers_share_of_rounds": mean([r.get("attackers_share_of_rounds") for r in runs]),
                     "coordinator_s_per_round": mean([r.get("coordinator_s_per_round") for r in runs])})
     _print(rows)
     payload = {"config": common.config_record(args), "reference": "no defense (rule off: the plain mean, no weight cap, no "
@@ -229,12 +254,13 @@ def _print(rows: list[dict[str, Any]]) -> None:
     def f(x: Any, pct: bool = True) -> str:
         return "—" if x is None else (f"{100 * x:.1f}" if pct else f"{x:.3f}")
     print(f"{'defense':>12} {'attack':>24} {'share':>5} {'acc %':>6} {'worst':>6} {'Δ clean':>8} {'ASR %':>6} "
-          f"{'FP %':>5} {'cap %':>5} {'named %':>7} {'coord s/rd':>10}")
+          f"{'FP %':>5} {'cap %':>5} {'named %':>7} {'theirs %':>8} {'coord s/rd':>10}")
     for r in rows:
         fails = f" ({r['failed']} of {r['runs']} failed)" if r["failed"] else ""
         print(f"{r['rule']:>12} {r['attack']:>24} {r['share']:>5.0%} {f(r['accuracy']):>6} {f(r['worst']):>6} "
               f"{f(r['vs_clean']):>8} {f(r['success_rate']):>6} {f(r['honest_flagged']):>5} {f(r['honest_capped']):>5} "
-              f"{f(r['attackers_flagged']):>7} {f(r['coordinator_s_per_round'], False):>10}{fails}")
+              f"{f(r['attackers_flagged']):>7} {f(r.get('attackers_share_of_rounds')):>8} "
+              f"{f(r['coordinator_s_per_round'], False):>10}{fails}")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,11 @@ class OptionHost:
         self._notice(f"quarantined {agent_id}: {why}; it is no longer selected until an operator readmits it "
                      f"(sfl-coord agents readmit {self.out_dir} {agent_id})")
 
+    def correct_mix(self, agent_id: str, counts: list[int]) -> None:
+        info = self.registry.agents.get(agent_id)
+        if info is not None and sum(counts) == info.num_samples and len(counts) == len(info.label_counts):
+            info.label_counts = list(counts)
+
     def _notice(self, line: str) -> None:
         """One line for the operator: the log (a warning) and the run's display."""
         log.warning("%s", line)

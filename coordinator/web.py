@@ -389,6 +389,9 @@ class FleetPage(_Served):
                 flagged[a] = f"round {rec['round']}: rows left out (activations {scale:.3g}x their cut's median)"
             for a, excess in (rb.get("label_mismatch") or {}).items():
                 flagged[a] = f"round {rec['round']}: rows left out (labels disagree with its inputs, +{excess:.2f})"
+            for a, z in (rb.get("mix_refuted") or {}).items():
+                why = f"{z:g} standard deviations" if isinstance(z, (int, float)) else z
+                flagged[a] = f"round {rec['round']}: its registered mix of classes refuted by its labels ({why})"
         engine = self.engine
         if engine is not None:
             online = set(engine.session.online())

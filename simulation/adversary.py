@@ -14,6 +14,9 @@ through the real encoder and the coordinator's validation. The attacks:
 * ``activations``: sends its activations scaled by ``factor`` and noised with standard
   deviation ``noise`` (poisoning the server portion through the server's step).
 * ``claim``: registers ``factor`` times its samples (label counts scaled alike), to weigh more.
+* ``even_mix``: registers its samples spread evenly over the classes, whatever it holds: the
+  mix a selection by label mix (MergeSFL's KL selection) or a balancing planner prefers, to be
+  picked round after round. It trains honestly.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from sfl_core.wire.protocol import Message
 
 __all__ = ["ATTACKS", "Attack", "MaliciousCore", "poison_data", "trigger"]
 
-ATTACKS = ("label_flip", "backdoor", "scale", "nan", "random", "activations", "claim")
+ATTACKS = ("label_flip", "backdoor", "scale", "nan", "random", "activations", "claim", "even_mix")
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,12 @@ class MaliciousCore(AgentCore):
 
 
 def claimed_counts(counts: list[int], attacks: Mapping[str, Attack], agent_id: str) -> list[int]:
-    """The label counts an agent registers: scaled for a ``claim`` attacker."""
+    """The label counts an agent registers: scaled for a ``claim`` attacker, its samples spread
+    evenly over the classes for an ``even_mix`` one."""
     a = attacks.get(agent_id)
-    return [int(c * a.factor) for c in counts] if a is not None and a.kind == "claim" else counts
+    if a is not None and a.kind == "claim":
+        return [int(c * a.factor) for c in counts]
+    if a is not None and a.kind == "even_mix":
+        n, k = sum(counts), len(counts)
+        return [n // k + (1 if i < n % k else 0) for i in range(k)]
+    return counts

@@ -164,7 +164,9 @@ def fleet_agents(cfg: RunConfig, data: Dataset, attacks: Optional[Mapping[str, A
         agent = SimAgent(agent_id, i, x, y, data.num_classes, tuple(data.input_shape),
                          seed=cfg.seed * 1000 + i, privacy=cfg.privacy.agent(), attack=attack)
         agents.append(agent)
-        counts = claimed_counts(local.label_counts(), attacks, agent_id)
+        # an attacker registers the mix of the labels it trains on (a claim its labels would
+        # refute is an attack of its own: ``even_mix``)
+        counts = claimed_counts(torch.bincount(y, minlength=data.num_classes).tolist(), attacks, agent_id)
         registrations.append(Message(
             "register", cfg.run_id, agent.agent_id, round=0, seq=1,
             body=protocol.register_body(index=i, profile=profile, measured={}, label_counts=counts,

@@ -191,6 +191,11 @@ class RoundContext(Protocol):
         """Stop selecting the agent until an operator readmits it (logged, kept in the checkpoint)."""
         ...
 
+    def correct_mix(self, agent_id: str, counts: list[int]) -> None:
+        """Replace the mix of classes the agent registered (what the planners read) by ``counts``,
+        as many samples in all (kept in the checkpoint; a new registration claims afresh)."""
+        ...
+
 
 class RoundOption:
     """A training option's hooks; the base class does nothing in every one.

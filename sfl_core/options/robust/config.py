@@ -99,6 +99,15 @@ class RobustConfig(OptionSection):
                          "once a round instead). Needs labels "
                          "sent with the activations and validation data on the server. Devices that poison fewer "
                          "than this share of their rows go unseen."),
+        ("mix_limit", "the mix of classes each device registered (what MergeSFL's selection, the joint planner's "
+                      "batches and S2FL's groups read) against the labels it sends in a round: where they lie over "
+                      "this many standard deviations of chance from the claim (the likelihood-ratio statistic's "
+                      "Wilson-Hilferty transform), or include a class it claimed none of, the device is named, "
+                      "counted towards quarantine, and planned from then on by the mix it showed; > 0, 0 = off. "
+                      "An honest device's labels are draws from what it holds: the default 5 is passed by chance "
+                      "about once in three million rounds, while a device claiming an even mix and holding a "
+                      "label-skewed one lies far beyond it within a round. Needs labels sent with the "
+                      "activations."),
         ("repeated_rows", "once (default): the server's step trains on a row a device sent twice in it (the same "
                           "input and label: a device holding fewer samples than its batch wraps around its data) "
                           "once, and gives each copy its gradient, so a device weighs in the server's step by the "
@@ -120,6 +129,7 @@ class RobustConfig(OptionSection):
     weight_cap: Annotated[float, checked(_cap)] = 10.0
     activation_factor: Annotated[float, checked(_factor_or_off)] = 4.0
     label_margin: Annotated[Union[str, float], checked(auto_or_share)] = "auto"
+    mix_limit: Annotated[float, checked(number_in(0.0, lo_open=False, what="a number >= 0"))] = 5.0
     repeated_rows: Annotated[str, checked(one_of("once", "each"))] = "once"
     quarantine: Annotated[int, NONNEG_INTEGER] = 3
 
@@ -138,4 +148,4 @@ class RobustConfig(OptionSection):
     @property
     def on(self) -> bool:
         return (self.aggregate != "mean" or self.weight_cap > 0 or self.activation_factor > 0
-                or self.label_margin != 0 or self.repeated_rows == "once")
+                or self.label_margin != 0 or self.repeated_rows == "once" or self.mix_limit > 0)

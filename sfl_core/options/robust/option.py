@@ -11,6 +11,9 @@ do to the round's average is bounded, and every device a rule acts on is named.
   devices' layers hold BatchNorm, against held-out samples of each device's own mix of
   classes), has its rows left out of the server's steps, and its update out of the round's
   average.
+* The mix of classes a device registered is checked against the labels it sends
+  (``mix_limit``; :mod:`sfl_core.options.robust.mix`): a claim its labels refute is named and
+  replaced, for the planners, by the mix it showed.
 * A row a device sent twice in a step (its sampler wrapped around fewer samples than its batch)
   is trained on once (``repeated_rows``; :mod:`sfl_core.options.robust.repeats`): a device
   weighs in the server's step by the samples it showed.
@@ -39,6 +42,7 @@ from sfl_core.options.base import RoundContext, RoundOption, RowsTrained
 from sfl_core.options.robust.config import RobustConfig
 from sfl_core.options.robust.labels import (MIN_ROWS, POOLED_ROUNDS, LabelCount, Reference, class_centroids,
                                            count_each, count_far, distinct, judge, matched_selection)
+from sfl_core.options.robust.mix import deviations, shown_mix
 from sfl_core.options.robust.repeats import repeats
 from sfl_core.options.robust.rows import cut_sizes, far_rows, rms, typical_size
 from sfl_core.options.robust.rules import (Changes, coordinate_median, measure_changes, multi_krum, relative_of,
@@ -52,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["FLAGS", "IMPLAUSIBLE", "OUTLIER_SCORE", "PEERS", "Robust", "change_scale", "flagged_in", "krum_f",
            "peer_key"]
 
-FLAGS = ("refused", "capped", "clipped", "clipped_by_peers", "replaced", "outliers", "rows_left_out")
+FLAGS = ("refused", "capped", "clipped", "clipped_by_peers", "replaced", "outliers", "rows_left_out", "mix_refuted")
 """The round's metrics' keys that name agents; each counts towards quarantine (``capped`` only
 over :data:`IMPLAUSIBLE`)."""
 
@@ -130,6 +134,11 @@ def capped_weights(weights: Mapping[str, float], cap: float,
     return {a: min(w, bound) for a, w in weights.items()}
 
 
+def _mix_text(counts: Sequence[int]) -> str:
+    """A mix of classes in one short run: the classes held, ``class: count`` (e.g. ``3: 120, 7: 25``)."""
+    return ", ".join(f"{k}: {n}" for k, n in enumerate(counts) if n) or "none"
+
+
 def _holds_all(ctx: RoundContext, agent: str, images: int) -> bool:
     """Whether a step that repeated rows holds all of ``agent``'s data: its distinct ``images``
     are as many as the samples it registered (a step at the end of a larger device's epoch
@@ -174,6 +183,8 @@ class Robust(RoundOption):
         self._label_s, self._round_t0, self._noticed = 0.0, 0.0, False
         """This round's seconds in the label screen, when its first step was screened, and whether
         the log said what the screen costs (:data:`SCREEN_NOTICE_S`)."""
+        self.sent: dict[str, list[int]] = {}
+        """This round's labels each agent sent, a count per class (checked against its claimed mix)."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of :func:`change_scale`) clipping last measured it by."""
         self.past_peer_change: dict[tuple[Any, ...], dict[str, float]] = {}
@@ -194,12 +205,14 @@ class Robust(RoundOption):
                 if c.rows >= MIN_ROWS:
                     self._label_past[a] = [*self._label_past.get(a, ()), c][1 - POOLED_ROUNDS:]
             self.rows, self._rows_round, self._anchors = {}, r, {}
-            self.labels, self._label_counts, self._label_refs = {}, {}, {}
+            self.labels, self._label_counts, self._label_refs, self.sent = {}, {}, {}, {}
             self._label_s, self._round_t0 = 0.0, time.monotonic()
 
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                     assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
         self._start_round(r)
+        if self.section.mix_limit:
+            self._add_sent(labels, ctx.model.num_classes)
         out = self._screen_sizes(ctx, r, step, rows, assignments)
         if self.section.label_margin != 0:
             t0 = time.monotonic()
@@ -207,6 +220,41 @@ class Robust(RoundOption):
                                        assignments, labels)
             self._label_s += time.monotonic() - t0
         return out
+
+    def _add_sent(self, labels: Mapping[str, torch.Tensor], classes: int) -> None:
+        """Count each agent's labels of a step, a count per class (what :meth:`_check_mixes` reads)."""
+        for a, y in labels.items():
+            y = y.reshape(-1).long().cpu()
+            y = y[(y >= 0) & (y < classes)]   # out of range was refused at decoding; never counted
+            counts = torch.bincount(y, minlength=classes).tolist()
+            mine = self.sent.get(a)
+            self.sent[a] = counts if mine is None else [x + k for x, k in zip(mine, counts)]
+
+    def _check_mixes(self, ctx: RoundContext, r: int, took_part: Sequence[str]) -> None:
+        """Each agent's claimed mix of classes against the labels it sent this round
+        (:mod:`sfl_core.options.robust.mix`): a refuted claim is named, flagged, and replaced for
+        the planners by the mix it showed, its claimed total kept."""
+        limit = self.section.mix_limit
+        refuted: dict[str, float] = {}
+        for a in took_part:
+            info, sent = ctx.fleet.get(a), self.sent.get(a)
+            if info is None or not sent or len(info.label_counts) != len(sent):
+                continue
+            z = deviations(info.label_counts, sent)
+            if z <= limit:
+                continue
+            refuted[a] = z
+            shown = shown_mix(sent, int(info.num_samples))
+            ctx.log(f"robust: round {r}: the mix of classes {a} registered disagrees with the labels it sent "
+                    f"({sum(sent)} labels, " + ("one of a class it claimed none of" if math.isinf(z) else
+                                                f"{z:.1f} standard deviations of chance from its claim")
+                    + f", limit {limit:g}): planned from now on by the mix it showed "
+                    f"({_mix_text(shown)} of {int(info.num_samples)}, against {_mix_text(info.label_counts)})",
+                    warning=True)
+            ctx.correct_mix(a, shown)
+        if refuted:
+            self.last["mix_refuted"] = {a: (round(z, 1) if math.isfinite(z) else "a class claimed none of")
+                                        for a, z in sorted(refuted.items())}
 
     def after_round(self, ctx: RoundContext, r: int) -> None:
         """Say once what the label screen costs, where it took most of a round (:data:`SCREEN_NOTICE_S`)."""
@@ -322,8 +370,11 @@ class Robust(RoundOption):
     def worker_findings(self, r: int) -> dict[str, Any]:
         if self._rows_round != r:
             return {}
-        return {key: {a: [steps, x] for a, (steps, x) in mine.items()}
-                for key, mine in (("rows", self.rows), ("labels", self.labels)) if mine}
+        found: dict[str, Any] = {key: {a: [steps, x] for a, (steps, x) in mine.items()}
+                                 for key, mine in (("rows", self.rows), ("labels", self.labels)) if mine}
+        if self.sent:
+            found["sent"] = dict(self.sent)
+        return found
 
     def merge_worker_findings(self, ctx: RoundContext, r: int, findings: Mapping[str, Any]) -> None:
         """A worker's agents whose rows it left out: their updates are left out here, they are
@@ -331,6 +382,15 @@ class Robust(RoundOption):
         if not isinstance(findings, Mapping):
             return
         self._start_round(r)
+        sent = findings.get("sent")
+        for a, counts in (sent.items() if isinstance(sent, Mapping) else ()):
+            if isinstance(a, str) and isinstance(counts, list) and len(counts) == ctx.model.num_classes \
+                    and all(isinstance(k, int) and 0 <= k for k in counts):
+                mine = self.sent.get(a)
+                self.sent[a] = counts if mine is None else [x + k for x, k in zip(mine, counts)]
+            else:
+                ctx.log(f"robust: round {r}: a server worker's label counts for {a!r} are malformed; ignored",
+                        warning=True)
         for key, why in (("rows", "activations {:.3g}x the typical size at its cut"),
                          ("labels", "labels disagree with its inputs, over the expected share by {:.2f}")):
             found_by = findings.get(key)
@@ -416,6 +476,8 @@ class Robust(RoundOption):
                 ctx.log(f"robust: round {r}: Multi-Krum left out {', '.join(out)} (f = {f}; outliers, over "
                         f"{OUTLIER_SCORE:g}x the median score: {', '.join(outliers) or 'none'})", warning=True)
             clients = {a: clients[a] for a in ids if a not in out}
+        if s.mix_limit and self._rows_round == r:
+            self._check_mixes(ctx, r, list(weights))
         self._count(ctx, r, list(weights) + [a for a in refused if a not in weights], implausible)
         return clients, {a: bounded[a] for a in clients}
 
