@@ -105,3 +105,9 @@ mix it showed, and seldom picked again;
     for a in liars:   # the planners now read what it holds, its claimed total kept
         info = engine.registry.agents[a]
         assert sum(info.label_counts) == info.num_samples and max(info.label_counts) > info.num_samples // 3
+    from coordinator.web import FleetPage   # the operator's fleet page names them until they are cleared
+    rows = {row["agent"]: row for row in FleetPage(tmp_path / "on").state()["fleet"]}
+    for a in liars:   # a round it takes part in later, unflagged, clears it
+        later = any(a in r["selected"] for r in checked if r["round"] > refuted[a])
+        assert later or "its registered mix of classes refuted by its labels" in rows[a]["flagged"], rows[a]
+    assert all(rows[a]["flagged"] == "" for a in rows if a not in liars)
