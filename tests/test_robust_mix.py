@@ -111,3 +111,43 @@ mix it showed, and seldom picked again;
         later = any(a in r["selected"] for r in checked if r["round"] > refuted[a])
         assert later or "its registered mix of classes refuted by its labels" in rows[a]["flagged"], rows[a]
     assert all(rows[a]["flagged"] == "" for a in rows if a not in liars)
+
+
+def test_a_server_workers_label_counts_reach_the_leaders_check():
+    """With server workers each counts the labels of its own agents' rows; the leader adds the
+    workers' counts (a malformed one is named and ignored) and checks every agent's claim at
+    the round's end, correcting the registry the planners read."""
+    from types import SimpleNamespace
+
+    from coordinator.option_host import OptionHost
+    from sfl_core.model.zoo import build_model
+    from sfl_core.options.robust.option import Robust
+
+    class Host(OptionHost):
+        def __init__(self, robust, fleet):
+            self.options, self.lines = [robust], []
+            self.registry = SimpleNamespace(agents=fleet)
+            self.model = build_model("small_cnn", (1, 8, 8), 10)
+
+        def log(self, text, *, warning=False):
+            self.lines.append(text)
+
+        def quarantine(self, agent_id, why):
+            self.lines.append(f"quarantined {agent_id}")
+
+    fleet = {"even": SimpleNamespace(label_counts=[10] * 10, num_samples=100),
+             "true": SimpleNamespace(label_counts=[60, 40] + [0] * 8, num_samples=100)}
+    robust = Robust(run_config_from_dict({"model": "small_cnn", "min_agents": 2}), build_model("small_cnn", (1, 8, 8), 10))
+    host = Host(robust, fleet)
+    robust._start_round(1)
+    host.merge_worker_findings(1, [{"robust": {"sent": {"even": [50, 30] + [0] * 8, "true": [31, 19] + [0] * 8}}},
+                                   {"robust": {"sent": {"even": [10, 10] + [0] * 8, "bad": [1, -1]}}}])
+    assert robust.sent == {"even": [60, 40] + [0] * 8, "true": [31, 19] + [0] * 8}
+    assert sum("malformed" in line for line in host.lines) == 1
+    assignments = {a: SimpleNamespace(mode="split", split=1, width=0, batch_size=4, tau=2, window=1, lr=0.1)
+                   for a in fleet}
+    start = {"w": torch.zeros(3)}
+    clients = {a: {"w": torch.full((3,), 0.1)} for a in fleet}
+    robust.screen(host, 1, start, clients, {a: 1.0 for a in fleet}, assignments, {})
+    assert list(robust.round_metrics()["mix_refuted"]) == ["even"]
+    assert fleet["even"].label_counts == [60, 40] + [0] * 8 and fleet["true"].label_counts == [60, 40] + [0] * 8
