@@ -183,8 +183,9 @@ class Robust(RoundOption):
         self._label_s, self._round_t0, self._noticed = 0.0, 0.0, False
         """This round's seconds in the label screen, when its first step was screened, and whether
         the log said what the screen costs (:data:`SCREEN_NOTICE_S`)."""
-        self.sent: dict[str, list[int]] = {}
-        """This round's labels each agent sent, a count per class (checked against its claimed mix)."""
+        self._sent: dict[tuple[str, ...], torch.Tensor] = {}
+        """This round's labels sent, a count per agent and class, summed over the steps that had the
+        same agents (usually all of them: one addition a step; :attr:`sent` reads them out)."""
         self.past_change: dict[str, float] = {}
         """Per layer, the typical change (per unit of :func:`change_scale`) clipping last measured it by."""
         self.past_peer_change: dict[tuple[Any, ...], dict[str, float]] = {}
@@ -205,13 +206,13 @@ class Robust(RoundOption):
                 if c.rows >= MIN_ROWS:
                     self._label_past[a] = [*self._label_past.get(a, ()), c][1 - POOLED_ROUNDS:]
             self.rows, self._rows_round, self._anchors = {}, r, {}
-            self.labels, self._label_counts, self._label_refs, self.sent = {}, {}, {}, {}
+            self.labels, self._label_counts, self._label_refs, self._sent = {}, {}, {}, {}
             self._label_s, self._round_t0 = 0.0, time.monotonic()
 
     def screen_rows(self, ctx: RoundContext, r: int, step: int, rows: Mapping[str, torch.Tensor],
                     assignments: Mapping[str, "Assignment"], labels: Mapping[str, torch.Tensor]) -> set[str]:
         self._start_round(r)
-        if self.section.mix_limit:
+        if self.section.mix_limit and labels:
             self._add_sent(labels, ctx.model.num_classes)
         out = self._screen_sizes(ctx, r, step, rows, assignments)
         if self.section.label_margin != 0:
@@ -222,13 +223,33 @@ class Robust(RoundOption):
         return out
 
     def _add_sent(self, labels: Mapping[str, torch.Tensor], classes: int) -> None:
-        """Count each agent's labels of a step, a count per class (what :meth:`_check_mixes` reads)."""
-        for a, y in labels.items():
-            y = y.reshape(-1).long().cpu()
-            y = y[(y >= 0) & (y < classes)]   # out of range was refused at decoding; never counted
-            counts = torch.bincount(y, minlength=classes).tolist()
-            mine = self.sent.get(a)
-            self.sent[a] = counts if mine is None else [x + k for x, k in zip(mine, counts)]
+        """Count a step's labels, a count per agent and class, in one pass over them all."""
+        ids = tuple(labels)
+        if not ids:
+            return
+        ys = [labels[a].reshape(-1).long().cpu() for a in ids]
+        y = torch.cat(ys)
+        owner = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(x) for x in ys]))
+        ok = (y >= 0) & (y < classes)   # out of range was refused at decoding; never counted
+        counts = torch.bincount(owner[ok] * classes + y[ok], minlength=len(ids) * classes).view(len(ids), classes)
+        mine = self._sent.get(ids)
+        self._sent[ids] = counts if mine is None else mine + counts
+
+    @property
+    def sent(self) -> dict[str, list[int]]:
+        """This round's labels each agent sent, a count per class (checked against its claimed mix)."""
+        out: dict[str, list[int]] = {}
+        for ids, counts in self._sent.items():
+            for a, row in zip(ids, counts.tolist()):
+                mine = out.get(a)
+                out[a] = row if mine is None else [x + k for x, k in zip(mine, row)]
+        return out
+
+    def _add_counts(self, agent: str, counts: list[int]) -> None:
+        """A server worker's count of ``agent``'s labels, added to this round's."""
+        mine = self._sent.get((agent,))
+        row = torch.tensor([counts], dtype=torch.long)
+        self._sent[(agent,)] = row if mine is None else mine + row
 
     def _check_mixes(self, ctx: RoundContext, r: int, took_part: Sequence[str]) -> None:
         """Each agent's claimed mix of classes against the labels it sent this round
@@ -236,8 +257,9 @@ class Robust(RoundOption):
         the planners by the mix it showed, its claimed total kept."""
         limit = self.section.mix_limit
         refuted: dict[str, float] = {}
+        sent_by = self.sent
         for a in took_part:
-            info, sent = ctx.fleet.get(a), self.sent.get(a)
+            info, sent = ctx.fleet.get(a), sent_by.get(a)
             if info is None or not sent or len(info.label_counts) != len(sent):
                 continue
             z = deviations(info.label_counts, sent)
@@ -372,8 +394,8 @@ class Robust(RoundOption):
             return {}
         found: dict[str, Any] = {key: {a: [steps, x] for a, (steps, x) in mine.items()}
                                  for key, mine in (("rows", self.rows), ("labels", self.labels)) if mine}
-        if self.sent:
-            found["sent"] = dict(self.sent)
+        if self._sent:
+            found["sent"] = self.sent
         return found
 
     def merge_worker_findings(self, ctx: RoundContext, r: int, findings: Mapping[str, Any]) -> None:
@@ -386,8 +408,7 @@ class Robust(RoundOption):
         for a, counts in (sent.items() if isinstance(sent, Mapping) else ()):
             if isinstance(a, str) and isinstance(counts, list) and len(counts) == ctx.model.num_classes \
                     and all(isinstance(k, int) and 0 <= k for k in counts):
-                mine = self.sent.get(a)
-                self.sent[a] = counts if mine is None else [x + k for x, k in zip(mine, counts)]
+                self._add_counts(a, counts)
             else:
                 ctx.log(f"robust: round {r}: a server worker's label counts for {a!r} are malformed; ignored",
                         warning=True)
