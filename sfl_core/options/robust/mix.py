@@ -5,9 +5,9 @@ MergeSFL's KL selection picks the agents whose merged mix is nearest the fleet's
 planner regulates batches by it, S2FL groups devices into balanced groups by it, and the
 population every one of them aims at is the fleet's claims added up. A mix is a claim, and a
 device that claims the fleet's missing classes (or a perfectly even mix) is picked round after
-round whatever it holds: two label flippers of twenty claiming an even mix took every round but
-one of a MergeSFL run, and the model never learned (which also kept the label screen, whose
-held-out rates need a model that separates the classes, from ever judging them).
+round whatever it holds; where such devices take most rounds from the start, the model may
+never learn enough for the label screen, whose held-out rates need a model that separates the
+classes, to judge them (docs/results.md measures the claim under MergeSFL's selection).
 
 The labels a device sends with its activations are draws from what it holds: its sampler walks
 reshuffled epochs of its data, so a round's rows follow its true mix at least as closely as
