@@ -128,6 +128,14 @@ REGISTER_AGAIN_PREFIX = "not registered"
 """A ``reject`` whose reason starts so asks a registered agent to register again."""
 
 
+class RunWithdrawn(Exception):
+    """The coordinator cleared the run's retained description while this agent was still joining
+    it: a finished run does so when it closes (:meth:`coordinator.mqtt_transport.MqttTransport.close`),
+    after it told its registered agents to stop, so an agent that joins at that moment was told
+    nothing else. The agent goes back to waiting for the description, as one started after the
+    run ended does."""
+
+
 class AgentStopped(BaseException):
     """SIGTERM or Ctrl-C: raised in the main thread wherever it waits, so every wait wakes (a
     BaseException, like KeyboardInterrupt, so no ``except Exception`` on the way swallows it)."""
@@ -146,6 +154,8 @@ class AgentRunner:
         self._measured: dict = {}
         self._extra: dict = {}      # a task run's additions to the registration (fingerprint, statistics)
         self._run_info_ready = threading.Event()
+        self._withdrawn = threading.Event()   # the description was cleared since we last read it (RunWithdrawn)
+        self._joining = False                 # in _join: a withdrawn description starts it again
         self._reassembler = wire.Reassembler()
         self._copies = shared_weights.Copies(opts.run_id)   # the round's client portions, sent once for all agents
         self._model_topic: Optional[str] = None   # where our cut's copy comes (subscribed once an assignment named it)
@@ -190,12 +200,9 @@ class AgentRunner:
             self._note("starting")
             self._announce_online()
             self._claim_id()
-            info = self._wait_run_info()
             if self.o.privacy.active:
                 log.info("privacy defenses on what this agent sends: %s", self.o.privacy.describe())
-            self.core = self._build_core(info)
-            self._measured = self._measure(info)
-            self._register(info, self._measured)
+            self._join()
             self._note("waiting for a round")
             heartbeat = threading.Thread(target=self._heartbeat, daemon=True)
             heartbeat.start()
@@ -255,6 +262,34 @@ class AgentRunner:
         elif self._claim.rival is not None:
             log.info("agent id %s was last announced by another process that no longer answers: taking it over",
                      self.o.agent_id)
+
+    def _join(self) -> None:
+        """Read the run's description, load our data for it, measure our link against its
+        coordinator and register; from the start again if the description is withdrawn on the way."""
+        self._joining = True
+        try:
+            while True:
+                info = self._wait_run_info()
+                try:
+                    self.core = self._build_core(info)
+                    self._measured = self._measure(info)
+                    self._register(info, self._measured)
+                    return
+                except RunWithdrawn:
+                    log.info("run %s ended before this agent joined it (its coordinator withdrew the run's "
+                             "description): waiting for the run to be announced again", self.o.run_id)
+                    self._announce_online()   # a coordinator still running (the clearing was not its) answers with it
+        finally:
+            self._joining = False
+
+    def _left_behind(self) -> bool:
+        """Whether the run's description was withdrawn while we join it (:class:`RunWithdrawn`)."""
+        return self._joining and self._withdrawn.is_set()
+
+    def _check_withdrawn(self) -> None:
+        """Raise :class:`RunWithdrawn` where :meth:`_left_behind` (the joining steps' waits call this)."""
+        if self._left_behind():
+            raise RunWithdrawn()
 
     def _wait_run_info(self) -> Message:
         log.info("waiting for the coordinator's description of run %s", self.o.run_id)
@@ -355,6 +390,7 @@ class AgentRunner:
             seconds = self._probe_once(up_bytes, down_bytes)
             if seconds is not None:
                 return seconds
+            self._check_withdrawn()
             if self._run_info is not None and self._run_info.seq != announced:
                 log.info("a coordinator announced the run anew while we waited for a probe's answer: probing it")
                 continue
@@ -376,8 +412,8 @@ class AgentRunner:
             try:
                 ack = self._probe_acks.get(timeout=min(0.5, max(0.0, deadline - time.perf_counter())))
             except queue.Empty:
-                if self._run_info is not None and self._run_info.seq != announced:
-                    return None   # a new coordinator process: it never saw this probe
+                if self._left_behind() or (self._run_info is not None and self._run_info.seq != announced):
+                    return None   # the run ended, or a new coordinator process never saw this probe
                 continue
             if ack.body["nonce"] == nonce:
                 if self.emulator:
@@ -405,6 +441,7 @@ class AgentRunner:
             try:
                 reply = self._inbox.get(timeout=self.o.retry_s)
             except queue.Empty:
+                self._check_withdrawn()
                 continue
             if reply.type == "accepted":
                 log.info("registered: %s", reply.body["message"])
@@ -514,6 +551,8 @@ class AgentRunner:
     # ================================================================ network
     def _on_message(self, topic: str, payload: bytes) -> None:
         if not payload:
+            if topic == protocol.info_topic(self.o.run_id) and self._run_info is not None:
+                self._withdraw()
             return
         parts = topic.split("/")
         if len(parts) == 3 and parts[2] == "info" and parts[1] != self.o.run_id:
@@ -547,7 +586,8 @@ class AgentRunner:
             self.rejections.reject("replayed", f"{msg.type} on {topic}: seq {msg.seq} is older than "
                                                f"{self._seqs.last(msg.sender)}")
             return
-        if msg.type == "run_info" and self._run_info is not None and msg.seq == self._run_info.seq:
+        if msg.type == "run_info" and self._run_info is not None and msg.seq == self._run_info.seq \
+                and not self._withdrawn.is_set():
             return  # the coordinator repeating its description for an agent that just came online
         if not self._trusted(msg, topic):
             return
@@ -574,6 +614,7 @@ class AgentRunner:
         self.bytes_down += msg.wire_bytes
         if msg.type == "run_info":
             self._run_info = msg
+            self._withdrawn.clear()
             self._run_info_ready.set()
         elif msg.type == "probe_ack":
             self._probe_acks.put(msg)
@@ -583,6 +624,14 @@ class AgentRunner:
             if self.emulator:
                 self._arrivals[id(msg)] = self.emulator.arrival(msg.wire_bytes)
             self._inbox.put(msg)
+
+    def _withdraw(self) -> None:
+        """An empty retained message on the run's description topic: the coordinator cleared the
+        description (a finished run, as it closes). Nothing is taken from it but that: an agent
+        still joining waits for the description again (:class:`RunWithdrawn`); a registered one
+        carries on, and its coordinator's shutdown ends it."""
+        self._run_info_ready.clear()
+        self._withdrawn.set()
 
     def _follow_copies(self, topic: str) -> None:
         """Receive our cut's copies on ``topic`` from now on (the retained one arrives first), and

@@ -1,7 +1,7 @@
 """Faults and forgeries that earlier defenses let through, each with real processes over a real
 Mosquitto: a forger's retained run description, a lying ``seq`` in both directions, a probe
-flood, a coordinator killed while agents probe it, an agent restarted mid-round, a straggler
-and a device that stays busy without answering."""
+flood, a coordinator killed while agents probe it, a run that finishes while an agent joins it,
+an agent restarted mid-round, a straggler and a device that stays busy without answering."""
 
 from __future__ import annotations
 
@@ -266,6 +266,54 @@ def test_agents_outlast_a_coordinator_that_died_before_answering_their_probe(mos
     finally:
         _kill(*agents, *([coord] if coord else []))
     assert [m["completed"] for m in metrics(tmp_path)[1:]] == [["a0", "a1", "a2"]] * 2
+
+
+def test_an_agent_joining_as_the_run_finishes_waits_for_the_next_announcement(mosquitto, tmp_path):
+    """An agent probes a coordinator that does not answer; the run's description is cleared,
+    first by another client (a mistaken or forged clearing: the coordinator is still there) and
+    then by the coordinator as its finished run closes. Each time the agent stops probing at
+    once and waits for the description again: after the first the coordinator's repeat brings
+    it back, after the second the next coordinator's run trains it. Before, it kept probing the
+    finished run and warned every 30 s that its coordinator "may be restarting"."""
+    from coordinator.api import run_info_body
+    from sfl_core.config.run import load_run_config
+    from sfl_core.data.builtin import load_dataset
+
+    run, url = "latecomer", mosquitto.url
+    config = write_config(tmp_path, run, fleet=[{"profile": PROFILES[0], "count": 1}], rounds=1, local_iters=4)
+    signer = signing.Signer.load_or_create(tmp_path / "out" / signing.KEY_FILE)
+    ending = MqttTransport(url, run, signer=signer).start()
+    ending._answer_probe = lambda msg: None                      # it finishes before answering any
+    ending.publish_run_info(run_info_body(load_run_config(config), load_dataset("digits")))
+    agent_log = tmp_path / "agent-0.log"
+    agent = start_agents(url, run, tmp_path, n=1, emulate=False)[0]
+    coord = None
+    try:
+        assert wait_log(agent_log, "loaded shard", 90), logs(tmp_path)
+        time.sleep(1.0)                                            # probing
+        clearer = _publisher(mosquitto.port, "clearer")
+        clearer.publish(protocol.info_topic(run), b"", qos=1, retain=True).wait_for_publish(10)
+        _close(clearer)
+        assert wait_log(agent_log, "ended before this agent joined it", 5), agent_log.read_text()
+        deadline = time.monotonic() + 30                           # the coordinator repeats its description
+        while agent_log.read_text().count("loaded shard") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert agent_log.read_text().count("loaded shard") == 2, agent_log.read_text()
+        time.sleep(1.0)                                            # probing again
+        ending.close(finished=True)                                # the run is over: its description cleared
+        deadline = time.monotonic() + 5
+        while agent_log.read_text().count("ended before this agent joined it") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = agent_log.read_text()
+        assert text.count("ended before this agent joined it") == 2, text
+        assert text.count("waiting for the coordinator's description") == 3, text
+        assert agent.poll() is None, text
+        coord = start_coord(config, tmp_path, "--broker", url)
+        assert finish([coord, agent], 180) == [0, 0], logs(tmp_path)
+    finally:
+        _kill(agent, *([coord] if coord else []))
+    assert [m["completed"] for m in metrics(tmp_path)[1:]] == [["a0"]]
+    assert "may be restarting" not in agent_log.read_text()
 
 
 # ============================================================ item 6: an agent restarted mid-round
