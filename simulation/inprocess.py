@@ -17,7 +17,7 @@ from coordinator.transport import LocalTransport
 from edge_agent.agent import AgentCore, LocalData
 from sfl_core.config.run import RunConfig, load_profile
 from sfl_core.data.builtin import Dataset, DatasetError
-from sfl_core.data.partition import partition_indices
+from sfl_core.data.partition import label_counts, partition_indices
 from sfl_core.privacy import AgentPrivacy
 from sfl_core.wire import codec as wire
 from sfl_core.wire import protocol
@@ -166,7 +166,7 @@ def fleet_agents(cfg: RunConfig, data: Dataset, attacks: Optional[Mapping[str, A
         agents.append(agent)
         # an attacker registers the mix of the labels it trains on (a claim its labels would
         # refute is an attack of its own: ``even_mix``)
-        counts = claimed_counts(torch.bincount(y, minlength=data.num_classes).tolist(), attacks, agent_id)
+        counts = claimed_counts(label_counts(y.numpy(), data.num_classes), attacks, agent_id)
         registrations.append(Message(
             "register", cfg.run_id, agent.agent_id, round=0, seq=1,
             body=protocol.register_body(index=i, profile=profile, measured={}, label_counts=counts,
