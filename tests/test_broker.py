@@ -578,3 +578,28 @@ def test_the_broker_loops_unhandled_errors_are_one_line_naming_the_coroutine(cap
         "embedded MQTT broker: Task was destroyed but it is pending! in "
         "test_the_broker_loops_unhandled_errors_are_one_line_naming_the_coroutine.<locals>.stream_connected "
         "(the client concerned reconnects)"]
+
+
+def test_closing_a_link_whose_network_thread_ends_first_does_not_raise(mosquitto):
+    """After the DISCONNECT, paho's thread may end on its own and clear the client's handle to it
+    while loop_stop, which reads that handle again after checking it, is on its way to joining it.
+    A coordinator closing a finished run crashed there (exit 1). Here the handle is read, the
+    thread ends, and only then does loop_stop join: the same order, every time."""
+    link = MqttLink(mosquitto.url, "close-race", lambda topic, data: None)
+    link.connect()
+    client = link._client
+    real = client._thread
+
+    class EndsFirst:
+        """paho's handle to its thread, which lets the thread end before loop_stop joins it."""
+
+        def __ne__(self, other: object) -> bool:
+            real.join(10)                       # the DISCONNECT ends the loop; the thread clears the handle
+            return True
+
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+    client._thread = EndsFirst()
+    link.close()
+    assert not real.is_alive() and client._thread is None

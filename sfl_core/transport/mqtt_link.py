@@ -290,7 +290,13 @@ class MqttLink:
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("MQTT disconnect: %s", exc)
         if self._loop_running:
-            self._client.loop_stop()
+            try:
+                self._client.loop_stop()
+            except AttributeError:
+                # paho 2.x: after the disconnect its thread ends on its own and clears the client's
+                # handle to it as it goes, which loop_stop reads again between its check and its
+                # join ('NoneType' has no 'join'); that thread has ended, which is all we wait for
+                pass
             self._loop_running = False
 
     def _wait_published(self, info: mqtt.MQTTMessageInfo, timeout: float | None, wait_offline: bool = True) -> bool:
