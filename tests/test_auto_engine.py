@@ -277,3 +277,24 @@ def test_bottleneck_widths_beside_earlier_cuts_train_one_model(tmp_path):
     ckpt.save(tmp_path / "out", weights, st)
     resumed, again = run_simulation(cfg, resume=True, device="cpu")
     assert len(resumed) == len(history) and again.model.bottleneck(2).infer_width == 16
+
+
+def test_a_link_at_its_profiles_rate_learns_no_link_factor_whatever_the_codec_compresses(tmp_path):
+    """The first round prices the activations at the codec's nominal ratio; the wire shows another
+    (fp16 then zstd compresses ReLU activations past one half). The method learns that ratio; the
+    link factor must not learn it a second time, or the agents of the first round are predicted
+    too fast for as long as the factor lasts, and batch regulation gives them too much."""
+    from simulation import run_simulation
+
+    prof = tmp_path / "slow-link.yaml"
+    prof.write_text(yaml.safe_dump({"name": "slow-link", "compute_flops": 2e10, "link_bytes_per_s": 5e5,
+                                    "capacity": [{"from_round": 1, "compute": 1.0, "link": 0.5}]}))
+    fleet = [{"profile": "s2fl-high-low", "count": 2}, {"profile": str(prof), "count": 1}]
+    cfg = _cfg(tmp_path, fleet, rounds=3, codecs=["fp16"], candidates=[1], widths=None, whole_model=False)
+    history, engine = run_simulation(cfg, device="cpu")
+    assert engine.method.wire_ratio["1/fp16"] < 0.45     # the wire beat the nominal 0.5
+    links = {engine.registry.agents[a].profile.name: s[1] for a, s in engine.method.scales.items()}
+    assert links["s2fl-high-low"] == pytest.approx(1.0, abs=0.03)  # at its profile's rate
+    assert links["slow-link"] == pytest.approx(2.0, abs=0.06)      # at half of it
+    # once the ratio is known, the planner's round is the clock's
+    assert all(abs(r["auto"]["error"]) < 0.05 for r in history[2:])

@@ -205,6 +205,19 @@ class Auto(Method):
                              up_share=self.up_share.get(f"{s}/{codec}", 0.5))
                 for s, codec, w in self.choices()]
 
+    def _unscaled(self, info: AgentInfo, p: Any, ratio: float | None = None) -> tuple[float, float, float, float]:
+        """Agent plan ``p``'s compute, link, server and client-portion transfer seconds before the
+        factors: what they divide. ``ratio``: the compression the round's wire actually showed
+        (default: the one the plan was priced at), so that the link factor leaves to the
+        measured ratio what the ratio explains and is not counted twice."""
+        o = p.option
+        raw = price_option(self.cfg, self.costs[o.split], o.codec, info,
+                           ratio=ratio or self.wire_ratio.get(f"{o.split}/{o.codec}") or nominal_ratio(o.codec),
+                           width=o.width, per_agent_step_s=0.0, up_share=self.up_share.get(f"{o.split}/{o.codec}", 0.5))
+        compute = raw.compute_per_sample_s * p.batch
+        server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
+        return compute, raw.serial_time(p.batch) - compute - server, server, raw.weights_down_s + raw.weights_up_s
+
     def _priced(self, selected: Sequence[str], agents: Mapping[str, AgentInfo], *, scaled: bool = True
                 ) -> tuple[dict[str, list[Option]], dict[str, float | None]]:
         """Per agent of ``selected`` its priced options and its memory limit (the planner's input)."""
@@ -260,14 +273,7 @@ class Auto(Method):
         if plan.infeasible:
             log.warning("round %d: %s cannot hold any client portion in memory; left out", r, ", ".join(plan.infeasible))
         self.current = plan
-        self.unscaled = {}
-        for x, p in plan.agents.items():   # what the factors divide: this option's seconds before them
-            o = p.option
-            raw = self.options(x, agents[x], scaled=False)[self.choices().index((o.split, o.codec, o.width))]
-            compute = raw.compute_per_sample_s * p.batch
-            server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
-            self.unscaled[x] = (compute, raw.serial_time(p.batch) - compute - server, server,
-                                raw.weights_down_s + raw.weights_up_s)
+        self.unscaled = {x: self._unscaled(agents[x], p) for x, p in plan.agents.items()}
         self.predicted_s = self._predicted(plan)
         return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
 
@@ -302,6 +308,9 @@ class Auto(Method):
         for a in rounds:
             if a.agent_id not in self.unscaled:
                 continue
+            if self.current is not None and a.agent_id in self.current.agents and a.fp32_bytes > 0 and a.wire_bytes > 0:
+                self.unscaled[a.agent_id] = self._unscaled(a.info, self.current.agents[a.agent_id],
+                                                           ratio=a.wire_bytes / a.fp32_bytes)
             compute, link, _, weights = self.unscaled[a.agent_id]
             if a.weights_phase_s > 0 and weights > 0:
                 w_old = self.weight_scales.get(a.agent_id)
