@@ -29,7 +29,7 @@ def test_unequal_agents_get_different_assignments_and_the_model_learns(tmp_path)
 
     fleet = [{"profile": "s2fl-low-high", "count": 1}, {"profile": "s2fl-high-low", "count": 1},
              {"profile": "s2fl-high-high", "count": 1}]
-    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=4), device="cpu")
+    history, engine = run_simulation(_cfg(tmp_path, fleet, rounds=6), device="cpu")
     last = _by_profile(engine, history[-1])
     # agents of different classes get different assignments
     assert len({(v["split"], v["codec"], v["batch"]) for v in last.values()}) == 3

@@ -205,14 +205,13 @@ class Auto(Method):
                              up_share=self.up_share.get(f"{s}/{codec}", 0.5))
                 for s, codec, w in self.choices()]
 
-    def _unscaled(self, info: AgentInfo, p: Any, ratio: float | None = None) -> tuple[float, float, float, float]:
+    def _unscaled(self, info: AgentInfo, p: Any) -> tuple[float, float, float, float]:
         """Agent plan ``p``'s compute, link, server and client-portion transfer seconds before the
-        factors: what they divide. ``ratio``: the compression the round's wire actually showed
-        (default: the one the plan was priced at), so that the link factor leaves to the
-        measured ratio what the ratio explains and is not counted twice."""
+        factors, at the compression ratio learned so far: what the factors divide, and what they
+        will multiply in the next plan."""
         o = p.option
         raw = price_option(self.cfg, self.costs[o.split], o.codec, info,
-                           ratio=ratio or self.wire_ratio.get(f"{o.split}/{o.codec}") or nominal_ratio(o.codec),
+                           ratio=self.wire_ratio.get(f"{o.split}/{o.codec}") or nominal_ratio(o.codec),
                            width=o.width, per_agent_step_s=0.0, up_share=self.up_share.get(f"{o.split}/{o.codec}", 0.5))
         compute = raw.compute_per_sample_s * p.batch
         server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
@@ -308,9 +307,10 @@ class Auto(Method):
         for a in rounds:
             if a.agent_id not in self.unscaled:
                 continue
-            if self.current is not None and a.agent_id in self.current.agents and a.fp32_bytes > 0 and a.wire_bytes > 0:
-                self.unscaled[a.agent_id] = self._unscaled(a.info, self.current.agents[a.agent_id],
-                                                           ratio=a.wire_bytes / a.fp32_bytes)
+            if self.current is not None and a.agent_id in self.current.agents:
+                # priced again at the ratio this round's wire taught (super().observe): the
+                # factor then holds what the ratio does not explain, and not the ratio twice
+                self.unscaled[a.agent_id] = self._unscaled(a.info, self.current.agents[a.agent_id])
             compute, link, _, weights = self.unscaled[a.agent_id]
             if a.weights_phase_s > 0 and weights > 0:
                 w_old = self.weight_scales.get(a.agent_id)
