@@ -132,8 +132,8 @@ class Auto(Method):
         """Per agent the smoothed [compute, link] factor: measured seconds over predicted."""
         self.current: JointPlan | None = None
         self.unscaled: dict[str, tuple[float, float, float, float]] = {}
-        """Per agent of this round: predicted compute, link, server and client-portion transfer
-        (down and up) seconds before the factors."""
+        """Per agent of the last observed round: predicted compute, link, server and client-portion
+        transfer (down and up) seconds before the factors (:meth:`_unscaled`)."""
         self.weight_scales: dict[str, float] = {}
         """Per agent the smoothed factor on its client portion's transfer (measured over predicted):
         apart from the link factor, which the per-message costs of the steps inflate."""
@@ -197,22 +197,26 @@ class Auto(Method):
         """Every choice this agent may train, priced by the time model (in :meth:`choices` order),
         in a round of ``split_agents`` agents (the coordinator's step overhead grows with them);
         ``scaled=False``: the model before the measured factors and overhead."""
-        cs, ls = self.scales.get(agent_id, (1.0, 1.0)) if scaled else (1.0, 1.0)
-        h = self.overhead_s if scaled else 0.0
-        return [price_option(self.cfg, self.costs[s], codec, info,
-                             ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
-                             compute_scale=cs, link_scale=ls, width=w, split_agents=split_agents, per_agent_step_s=h,
-                             up_share=self.up_share.get(f"{s}/{codec}", 0.5))
-                for s, codec, w in self.choices()]
+        return [self._price(agent_id, info, c, scaled=scaled, split_agents=split_agents) for c in self.choices()]
 
-    def _unscaled(self, info: AgentInfo, p: Any) -> tuple[float, float, float, float]:
+    def _price(self, agent_id: str, info: AgentInfo, choice: tuple[int, str, int], *, scaled: bool = True,
+               split_agents: int = 1) -> Option:
+        """One (split, codec, width) of :meth:`choices` for this agent, at the compression ratio
+        and upload share learned so far (see :meth:`options`)."""
+        s, codec, w = choice
+        cs, ls = self.scales.get(agent_id, (1.0, 1.0)) if scaled else (1.0, 1.0)
+        return price_option(self.cfg, self.costs[s], codec, info,
+                            ratio=self.wire_ratio.get(f"{s}/{codec}") or nominal_ratio(codec),
+                            compute_scale=cs, link_scale=ls, width=w, split_agents=split_agents,
+                            per_agent_step_s=self.overhead_s if scaled else 0.0,
+                            up_share=self.up_share.get(f"{s}/{codec}", 0.5))
+
+    def _unscaled(self, agent_id: str, info: AgentInfo, p: Any) -> tuple[float, float, float, float]:
         """Agent plan ``p``'s compute, link, server and client-portion transfer seconds before the
         factors, at the compression ratio learned so far: what the factors divide, and what they
         will multiply in the next plan."""
         o = p.option
-        raw = price_option(self.cfg, self.costs[o.split], o.codec, info,
-                           ratio=self.wire_ratio.get(f"{o.split}/{o.codec}") or nominal_ratio(o.codec),
-                           width=o.width, per_agent_step_s=0.0, up_share=self.up_share.get(f"{o.split}/{o.codec}", 0.5))
+        raw = self._price(agent_id, info, (o.split, o.codec, o.width), scaled=False)
         compute = raw.compute_per_sample_s * p.batch
         server = self.costs[raw.split].server_flops * self.cfg.local_iters * p.batch / self.cfg.server_flops
         return compute, raw.serial_time(p.batch) - compute - server, server, raw.weights_down_s + raw.weights_up_s
@@ -272,7 +276,6 @@ class Auto(Method):
         if plan.infeasible:
             log.warning("round %d: %s cannot hold any client portion in memory; left out", r, ", ".join(plan.infeasible))
         self.current = plan
-        self.unscaled = {x: self._unscaled(agents[x], p) for x, p in plan.agents.items()}
         self.predicted_s = self._predicted(plan)
         return list(plan.agents), {x: p.batch for x, p in plan.agents.items()}
 
@@ -304,13 +307,14 @@ class Auto(Method):
                 old_j = self.jitter.get(a.agent_id)
                 self.jitter[a.agent_id] = a.step_jitter_s if old_j is None else \
                     alpha * old_j + (1 - alpha) * a.step_jitter_s
+        # the plan's agents priced at the ratio this round's wire taught (super().observe): each
+        # factor then holds what the ratio does not explain, and not the ratio twice
+        plan = self.current.agents if self.current is not None else {}
+        self.unscaled = {a.agent_id: self._unscaled(a.agent_id, a.info, plan[a.agent_id]) for a in rounds
+                         if a.agent_id in plan}
         for a in rounds:
             if a.agent_id not in self.unscaled:
                 continue
-            if self.current is not None and a.agent_id in self.current.agents:
-                # priced again at the ratio this round's wire taught (super().observe): the
-                # factor then holds what the ratio does not explain, and not the ratio twice
-                self.unscaled[a.agent_id] = self._unscaled(a.info, self.current.agents[a.agent_id])
             compute, link, _, weights = self.unscaled[a.agent_id]
             if a.weights_phase_s > 0 and weights > 0:
                 w_old = self.weight_scales.get(a.agent_id)
