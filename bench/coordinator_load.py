@@ -205,7 +205,7 @@ class LoadAgent:
             # a link probe first, as every agent does (the coordinator registers no id that never probed)
             self._send(self._msg("probe", {"nonce": self.index, "pad": b"", "reply_bytes": 0}))
             self._send(self._msg("register", {**self.payload.register_body(self.index),
-                                              **({} if self.inline else {"features": [shared_weights.FEATURE]})}))
+                                              **({} if self.inline else {"features": [shared_weights.FEATURE, signing.ADDRESSED]})}))
         elif msg.type == "accepted":
             self.registered.set()
         elif msg.type == "reject":

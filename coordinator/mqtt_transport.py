@@ -92,6 +92,9 @@ class MqttTransport:
         self._following: set[str] = set()
         self._worker = worker
         self.sharing = Sharing(run_id)
+        self.addressed: dict[str, None] = {}
+        """Agents whose registration said they check that a signed message names them
+        (:data:`~sfl_core.wire.signing.ADDRESSED`); bounded as the sharing agents are."""
         """Which agents take the round's client portion by reference, and the copies published."""
         # a worker: its agents' training messages (beneath their topics, assign.server_worker),
         # and from follow() on, their own topics (heartbeats)
@@ -250,6 +253,8 @@ class MqttTransport:
         sizes = []
         for i, (agent_id, msg) in enumerate(messages):
             if msg.type in signing.SIGNED_TYPES:
+                if agent_id in self.addressed:    # named inside the signature: not another agent's to replay
+                    msg.body["to"] = agent_id
                 self.signer.sign(msg)
             payload = msg.encode()
             ref = msg.body.get("shared_weights") if msg.type == "assign" and not msg.body["weights"] else None
@@ -320,6 +325,10 @@ class MqttTransport:
             self._repeat_run_info()
         if msg.type == "register":
             self.sharing.registered(agent, msg.body)
+            if signing.ADDRESSED in msg.body.get("features", ()):
+                protocol.remember(self.addressed, agent)
+            else:
+                self.addressed.pop(agent, None)
         self._queue.put(msg)
 
     def _repeat_run_info(self) -> None:

@@ -428,7 +428,7 @@ class AgentRunner:
                                       label_counts=self.core.data.label_counts(), num_samples=len(self.core.data),
                                       emulate=self.o.emulate, resume={"rounds_done": self.core.rounds_done},
                                       privacy=self.o.privacy.describe(), instance=self.instance,
-                                      extra={**self._extra, "features": [shared_weights.FEATURE]})
+                                      extra={**self._extra, "features": [shared_weights.FEATURE, signing.ADDRESSED]})
         warn_at = time.monotonic() + self.o.wait_s
         register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
         held: list[Message] = []   # training messages that arrive meanwhile (a resent gradient): kept
@@ -684,6 +684,10 @@ class AgentRunner:
             key = self.trust.pinned(self.o.run_id)
             if key is None or not signing.verify(msg, key):
                 self.rejections.reject("unsigned", f"{msg.type} on {topic}: not signed by our coordinator; ignored")
+                return False
+            why = signing.misaddressed(msg, self.o.agent_id)
+            if why is not None:
+                self.rejections.reject("misaddressed", f"{msg.type} on {topic}: {why}; ignored")
                 return False
         return True
 

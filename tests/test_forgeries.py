@@ -1,13 +1,15 @@
 """Faults and forgeries that earlier defenses let through, each with real processes over a real
 Mosquitto: a forger's retained run description, a lying ``seq`` in both directions, a probe
 flood, a coordinator killed while agents probe it, a run that finishes while an agent joins it,
-an agent restarted mid-round, a straggler and a device that stays busy without answering."""
+an agent restarted mid-round, a straggler, a device that stays busy without answering, and one
+agent's signed assignment replayed on another's topic."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from coordinator.mqtt_transport import MqttTransport
+from sfl_core.config.run import load_profile
 from sfl_core.wire import protocol, signing
 from sfl_core.wire.protocol import COORDINATOR_ID, Message
 from helpers import (PROFILES, REPO, coordinator_key, finish, logs, metrics, start_agents, start_coord, wait_log,
@@ -137,6 +140,81 @@ def test_a_lying_seq_locks_nobody_out_in_either_direction(mosquitto, tmp_path):
     assert all(m["completed"] == ["a0"] for m in history[1:]), [(m["round"], m["completed"]) for m in history]
     text = (tmp_path / "coord.log").read_text() + (tmp_path / "agent-0.log").read_text()
     assert "is older than 4611686018427387904" not in text
+
+
+def test_an_assignment_replayed_on_another_agents_topic_is_refused(mosquitto, tmp_path):
+    """An eavesdropper on a broker without per-topic ACLs reads both agents' signed assignments of
+    round 2 and publishes the later one, whose ``seq`` passes the other agent's replay bar, on
+    that agent's topic. The signature names the agent it was for, so the other agent refuses it
+    with one line and trains its own; every round trains both. Before, the signature bound no
+    recipient: the agent took it as its round restarted, on the other's assignment, and dropped
+    out of round 2, which waited for it until its resends ran out."""
+    run, url = "addressed", mosquitto.url
+    config = write_config(tmp_path, run, fleet=[{"profile": PROFILES[2], "count": 2}], rounds=3, local_iters=20)
+    captured: dict[str, tuple[int, bytes]] = {}    # agent -> its round-2 assignment's (seq, payload)
+    both = threading.Event()
+
+    def on_message(client, userdata, m) -> None:
+        msg = protocol.decode(m.payload, run=run, allowed=protocol.COORD_TYPES)
+        if msg.type == "assign" and msg.round == 2:
+            captured[m.topic.rsplit("/", 1)[-1]] = (msg.seq, m.payload)
+            if len(captured) == 2:
+                both.set()
+
+    eavesdropper = _publisher(mosquitto.port, "eavesdropper")
+    eavesdropper.on_message = on_message
+    eavesdropper.subscribe(protocol.down_topic(run, "+"), qos=1)
+    coord = start_coord(config, tmp_path, "--broker", url)
+    agents = start_agents(url, run, tmp_path, n=2, emulate=False)
+    try:
+        assert both.wait(180), logs(tmp_path)
+        later = max(captured, key=lambda a: captured[a][0])
+        victim = "a1" if later == "a0" else "a0"
+        eavesdropper.publish(protocol.down_topic(run, victim), captured[later][1], qos=1).wait_for_publish(5)
+        assert finish([coord, *agents], 180) == [0, 0, 0], logs(tmp_path)
+    finally:
+        _close(eavesdropper)
+        _kill(coord, *agents)
+    assert [sorted(m["completed"]) for m in metrics(tmp_path)[1:]] == [["a0", "a1"]] * 3
+    victim_log = (tmp_path / f"agent-{victim[1]}.log").read_text()
+    assert f"assign on sfl/{run}/down/{victim}: it is addressed to '{later}', not to '{victim}'; ignored" \
+        in victim_log, logs(tmp_path)
+
+
+def test_the_coordinator_names_only_the_agents_that_check_names(mosquitto):
+    """Registered with ``addressed`` among its features, an agent is sent signed messages that
+    name it; one that did not say so (an older agent, which refuses a field it does not know)
+    gets them as before."""
+    run = "names"
+    coord = signing.Signer.generate()
+    transport = MqttTransport(mosquitto.url, run, signer=coord).start()
+    got: dict[str, Message] = {}
+    both = threading.Event()
+
+    def on_message(client, userdata, m) -> None:
+        got[m.topic.rsplit("/", 1)[-1]] = protocol.decode(m.payload, run=run, allowed=protocol.COORD_TYPES)
+        if len(got) == 2:
+            both.set()
+
+    device = _publisher(mosquitto.port, "devices")
+    device.on_message = on_message
+    device.subscribe(protocol.down_topic(run, "+"), qos=1)
+    body = protocol.register_body(index=0, profile=load_profile(PROFILES[2]), measured={}, label_counts=[10] * 10,
+                                  num_samples=100, emulate=False, resume={}, privacy={})
+    try:
+        for agent, features in (("newer", [signing.ADDRESSED]), ("older", [])):
+            device.publish(protocol.up_topic(run, agent), Message("register", run, agent, {**body, "features": features},
+                                                                  seq=protocol.next_seq()).encode(), qos=1)
+            registered = transport.poll(10)
+            assert registered is not None and registered.sender == agent
+        transport.send_many([(a, Message("shutdown", run, COORDINATOR_ID, {"reason": "done"}, seq=protocol.next_seq()))
+                             for a in ("newer", "older")])
+        assert both.wait(10), got
+    finally:
+        _close(device)
+        transport.close(finished=True)
+    assert got["newer"].body["to"] == "newer" and "to" not in got["older"].body
+    assert all(signing.verify(m, coord.public) for m in got.values())
 
 
 # ============================================================ item 3: round deadline, busy without progress

@@ -220,6 +220,24 @@ def test_signatures_cover_the_whole_envelope_and_trust_pins_one_key(tmp_path):
         signing.parse_public("nonsense", "--coordinator-key")
 
 
+def test_a_signed_message_that_names_another_agent_is_not_followed():
+    coord = signing.Signer.generate()
+    msg = coord.sign(Message("assign", "r", "coordinator", {"split": 2, "to": "a0"}, round=3, seq=7))
+    assert signing.verify(msg, coord.public)
+    assert signing.misaddressed(msg, "a0") is None
+    assert signing.misaddressed(msg, "a1") == "it is addressed to 'a0', not to 'a1'"
+    renamed = Message(**{**msg.__dict__, "body": {**msg.body, "to": "a1"}})
+    assert not signing.verify(renamed, coord.public)                  # the name is inside the signature
+    unnamed = coord.sign(Message("assign", "r", "coordinator", {"split": 2}, round=3, seq=8))
+    assert signing.misaddressed(unnamed, "a1") is None                 # an older coordinator names nobody
+    # every signed message to one agent may carry the name; nothing an agent sends, and never a non-string
+    for mtype in ("assign", "evaluate", "shutdown", *protocol.OPTION_COORD_TYPES):
+        assert protocol.OPTIONAL[mtype]["to"] is str, mtype
+    assert not any("to" in protocol.OPTIONAL.get(t, {}) for t in protocol.AGENT_TYPES)
+    with pytest.raises(protocol.wire.WireError, match="shutdown.to: expected str"):
+        protocol.validate_body("shutdown", {"reason": "done", "to": 1})
+
+
 def test_the_signing_key_is_kept_with_the_run(tmp_path):
     key = tmp_path / "out" / signing.KEY_FILE
     first = signing.Signer.load_or_create(key)

@@ -154,14 +154,15 @@ _CORE_OPTIONAL: dict[str, dict[str, Any]] = {
                  "features": list},     # what the agent understands beyond the core: ["shared_weights"]
     "weights": {"epsilon": _NUM},       # DP-SGD's epsilon so far
     "assign": {"sig": bytes,            # required over MQTT (sfl_core.wire.signing); absent in a simulation
+               "to": str,               # the agent it is for, inside the signature (signing.ADDRESSED)
                "normalize": dict,       # a task run's standardisation constants {mean, std}
                "window": int,           # steps the agent may keep in flight (absent: 1, lock-step)
                "server_worker": int,    # the server worker training its rows (absent: 0, the leader)
                # weights {} and where they are: {"topic": sfl/R/model/S-W, "sha256": of that message}
                "shared_weights": dict},
                # + each training option's own fields (sfl_core.options: ASSIGN_FIELDS)
-    "shutdown": {"sig": bytes},         # likewise
-    "evaluate": {"sig": bytes, "normalize": dict},
+    "shutdown": {"sig": bytes, "to": str},   # likewise
+    "evaluate": {"sig": bytes, "normalize": dict, "to": str},
     "coordinator_status": {"pid": int, "host": str, "out_dir": str},   # for the operator's one line
     # a run on the devices' own data: its task contract (sfl_core.config.run.TaskConfig.to_wire), the
     # constants when already known, and the model's fingerprint (sfl_core.model.fingerprint)
@@ -273,7 +274,7 @@ class _Schemas:
             schemas[mtype] = dict(fields)
             if direction == "coordinator":   # signed; it may carry the run's standardisation constants
                 coord.add(mtype)
-                optional[mtype] = {"sig": bytes, "normalize": dict}
+                optional[mtype] = {"sig": bytes, "normalize": dict, "to": str}
             else:
                 agent.add(mtype)
         self.schemas, self.optional = schemas, optional

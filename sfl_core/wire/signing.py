@@ -12,6 +12,15 @@ Trust model (docs/protocol.md §2.1):
 - the coordinator signs ``run_info``, ``assign`` and ``shutdown``: the signature covers the
   whole envelope (type, run, sender, seq, round, step and body without ``sig``), so a signed
   message cannot be replayed under another round or altered;
+- a signed message to one agent names it (``body.to``) where the agent said it checks that
+  (:data:`ADDRESSED` in its registration's ``features``), and such an agent refuses a signed
+  message that names another (:func:`misaddressed`). Without the name, one agent's signed
+  assignment, read off the broker and published on another's topic after that one's own
+  assignment of the round, passed as a restarted round: that agent trained the other's cut,
+  batch and server worker, and dropped out of the round. A message that names nobody is still followed: a coordinator of an
+  older version names nobody, and nor does this one an agent it does not know to check (an
+  older agent refuses a field it does not know), so a fleet mixing versions can still have an
+  older agent's assignment replayed to a newer one;
 - an agent trusts one key per run, and that trust comes from outside the broker: the key given
   at install or start (``--coordinator-key``, as ``sfl-coord broker-config`` issues it with the
   device's credentials), or the one pinned in its trust file (``--trust-file``) by an earlier
@@ -53,6 +62,8 @@ def __getattr__(name: str) -> Any:
     from sfl_core.wire import protocol   # the options' messages are read on first use
     value = globals()[name] = _CORE_SIGNED | protocol.OPTION_COORD_TYPES   # read once
     return value
+ADDRESSED = "addressed"
+"""What an agent puts in ``register.features`` to be sent signed messages that name it (``body.to``)."""
 KEY_FILE = "coordinator.key"
 PUBLIC_FILE = "coordinator.pub"
 
@@ -129,6 +140,13 @@ class Signer:
         msg.body.pop("sig", None)
         msg.body["sig"] = self._key.sign(_signed_bytes(msg))
         return msg
+
+
+def misaddressed(msg: Any, agent_id: str) -> Optional[str]:
+    """Why a signed message is not ``agent_id``'s (it names another agent), or None. The name is
+    inside the signature, so nobody but the coordinator can set or change it."""
+    to = msg.body.get("to")
+    return None if to is None or to == agent_id else f"it is addressed to {to!r}, not to {agent_id!r}"
 
 
 def verify(msg: Any, public: bytes) -> bool:
