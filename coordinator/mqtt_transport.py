@@ -92,10 +92,10 @@ class MqttTransport:
         self._following: set[str] = set()
         self._worker = worker
         self.sharing = Sharing(run_id)
+        """Which agents take the round's client portion by reference, and the copies published."""
         self.addressed: dict[str, None] = {}
         """Agents whose registration said they check that a signed message names them
         (:data:`~sfl_core.wire.signing.ADDRESSED`); bounded as the sharing agents are."""
-        """Which agents take the round's client portion by reference, and the copies published."""
         # a worker: its agents' training messages (beneath their topics, assign.server_worker),
         # and from follow() on, their own topics (heartbeats)
         subs = [protocol.worker_wildcard(run_id, worker)] if worker else \

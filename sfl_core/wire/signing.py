@@ -17,10 +17,10 @@ Trust model (docs/protocol.md §2.1):
   message that names another (:func:`misaddressed`). Without the name, one agent's signed
   assignment, read off the broker and published on another's topic after that one's own
   assignment of the round, passed as a restarted round: that agent trained the other's cut,
-  batch and server worker, and dropped out of the round. A message that names nobody is still followed: a coordinator of an
-  older version names nobody, and nor does this one an agent it does not know to check (an
-  older agent refuses a field it does not know), so a fleet mixing versions can still have an
-  older agent's assignment replayed to a newer one;
+  batch and server worker, and dropped out of the round. A message that names nobody is still
+  followed: a coordinator of an older version names nobody, and nor does this one an agent it
+  does not know to check (an older agent refuses a field it does not know), so a fleet mixing
+  versions can still have an older agent's assignment replayed to a newer one;
 - an agent trusts one key per run, and that trust comes from outside the broker: the key given
   at install or start (``--coordinator-key``, as ``sfl-coord broker-config`` issues it with the
   device's credentials), or the one pinned in its trust file (``--trust-file``) by an earlier
