@@ -111,8 +111,9 @@ import torch
 import yaml
 from brokers import MosquittoBroker, find_mosquitto, MOSQUITTO_MISSING
 
+from edge_agent.runner import FEATURES
 from sfl_core import liveness
-from sfl_core.wire import protocol, shared_weights, signing
+from sfl_core.wire import protocol, shared_weights
 from sfl_core.wire import codec as wire
 from sfl_core.config.run import load_profile
 from sfl_core.data.builtin import load_dataset
@@ -204,9 +205,8 @@ class LoadAgent:
         if msg.type == "run_info" and not self.registered.is_set():
             # a link probe first, as every agent does (the coordinator registers no id that never probed)
             self._send(self._msg("probe", {"nonce": self.index, "pad": b"", "reply_bytes": 0}))
-            features = [] if self.inline else [shared_weights.FEATURE, signing.ADDRESSED]   # as agents of today
             self._send(self._msg("register", {**self.payload.register_body(self.index),
-                                              **({"features": features} if features else {})}))
+                                              **({} if self.inline else {"features": list(FEATURES)})}))
         elif msg.type == "accepted":
             self.registered.set()
         elif msg.type == "reject":

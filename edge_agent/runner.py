@@ -124,6 +124,10 @@ def refused_by_configuration(reason: str) -> bool:
     return any(word in reason for word in _CONFIGURATION_REFUSALS)
 
 
+FEATURES = (shared_weights.FEATURE, signing.ADDRESSED)
+"""What this agent understands beyond the core, in its registration (``register.features``): the
+round's client portion by reference (:mod:`sfl_core.wire.shared_weights`) and signed messages
+that name it (:func:`sfl_core.wire.signing.misaddressed`)."""
 REGISTER_AGAIN_PREFIX = "not registered"
 """A ``reject`` whose reason starts so asks a registered agent to register again."""
 
@@ -428,7 +432,7 @@ class AgentRunner:
                                       label_counts=self.core.data.label_counts(), num_samples=len(self.core.data),
                                       emulate=self.o.emulate, resume={"rounds_done": self.core.rounds_done},
                                       privacy=self.o.privacy.describe(), instance=self.instance,
-                                      extra={**self._extra, "features": [shared_weights.FEATURE, signing.ADDRESSED]})
+                                      extra={**self._extra, "features": list(FEATURES)})
         warn_at = time.monotonic() + self.o.wait_s
         register = self._msg("register", body)  # re-sent as is: the same seq marks it as a duplicate
         held: list[Message] = []   # training messages that arrive meanwhile (a resent gradient): kept
